@@ -1,0 +1,24 @@
+"""Option and argument types shared by every command."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+class Format(str, Enum):
+    """Output format of a report."""
+
+    text = "text"
+    json = "json"
+
+
+MatrixArg = Annotated[Path, typer.Argument(help="Matrix YAML file (see matrices/README.md).", show_default=False)]
+RunDirArg = Annotated[Path, typer.Argument(help="Run directory written by an earlier stage.", show_default=False)]
+OutOpt = Annotated[Path | None, typer.Option("--out", help="Output directory (default: runs/<matrix name>).")]
+FormatOpt = Annotated[Format, typer.Option("--format", help="Output format.")]
+JobsOpt = Annotated[int | None, typer.Option("--jobs", min=1, help="Parallel hashing threads (default: CPU count).")]
+AcceptanceOpt = Annotated[Path | None, typer.Option("--acceptance", help="Frozen acceptance.json (default: the run's).")]

@@ -1,0 +1,29 @@
+"""`qualify verify`: check an acceptance manifest (or any manifest) against its evidence."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from qualify.cli.options import Format, FormatOpt, JobsOpt
+from qualify.cli.render import render_verify
+from qualify.manifest import verify_manifest
+
+NAME = "verify"
+HELP = "Check a manifest against its evidence: every missing, extra or modified file; exit 1 if any."
+EPILOG = ("Examples:  qualify verify manifests/tiny-qwen3/acceptance.json --evidence runs/tiny-qwen3/reference  "
+          "|  qualify verify evidence.manifest.json --format json --jobs 4")
+
+
+def main(
+    manifest: Annotated[Path, typer.Argument(help="Manifest or acceptance.json file.", show_default=False)],
+    evidence: Annotated[Path | None, typer.Option("--evidence", help="Evidence root (default: the one the manifest names).")] = None,
+    format: FormatOpt = Format.text,
+    jobs: JobsOpt = None,
+) -> None:
+    report = verify_manifest(manifest, evidence, jobs=jobs)
+    render_verify(report, format)
+    if not report.ok:
+        raise typer.Exit(1)

@@ -1,0 +1,37 @@
+"""Error hierarchy: every input or usage problem a user can cause is a QualifyError.
+
+The CLI turns a QualifyError into a one-line message and exit code 2; a failed
+qualification is not an error but a verdict (exit code 1).
+"""
+
+
+class QualifyError(ValueError):
+    """A problem with the user's input, files or environment (exit 2)."""
+
+
+class MatrixError(QualifyError):
+    """A matrix YAML file is malformed: unknown key, wrong type, missing field."""
+
+
+class ManifestError(QualifyError):
+    """A manifest cannot be trusted as input: bad schema, path escape, symlink."""
+
+
+class EvidenceError(QualifyError):
+    """Evidence on disk is missing, partial or does not match its digest."""
+
+
+class EngineError(QualifyError):
+    """An engine is unknown, cannot be imported or refused the case."""
+
+
+class NotBuiltError(QualifyError):
+    """A verb or feature that this version of qualify does not provide yet."""
+
+
+class FrozenError(QualifyError):
+    """An attempt to rewrite or widen something that is frozen."""
+
+
+class SlurmError(QualifyError):
+    """Slurm refused a submission or a job of the chain failed to start."""

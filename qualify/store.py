@@ -1,0 +1,84 @@
+"""Evidence store: atomic writes of safetensors tensors and sorted, indented JSON.
+
+Every write goes to a temporary file in the target directory, is fsynced, then
+renamed over the target, so a reader never sees a half-written file. No pickles.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from qualify.errors import EvidenceError
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """Call write(tmp_path), fsync tmp_path, then rename it onto path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write bytes atomically."""
+    atomic_write(path, lambda tmp: tmp.write_bytes(data))
+
+
+def dumps_json(obj: Any) -> str:
+    """Canonical JSON text: sorted keys, 2-space indent, ASCII, trailing newline."""
+    return json.dumps(obj, sort_keys=True, indent=2, ensure_ascii=True, allow_nan=False) + "\n"
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write obj as canonical JSON, atomically."""
+    atomic_write_bytes(path, dumps_json(obj).encode("ascii"))
+
+
+def read_json(path: Path) -> Any:
+    """Read a JSON file; a missing or malformed file is an EvidenceError."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise EvidenceError(f"missing file: {path}") from exc
+    except json.JSONDecodeError as exc:
+        raise EvidenceError(f"malformed JSON in {path}: {exc}") from exc
+
+
+def write_tensors(path: Path, tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> None:
+    """Write a dict of torch tensors (name -> tensor) to safetensors, atomically."""
+    from safetensors.torch import save_file
+
+    contiguous = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
+    atomic_write(path, lambda tmp: save_file(contiguous, str(tmp), metadata=dict(metadata or {})))
+
+
+def read_tensors(path: Path) -> dict[str, Any]:
+    """Read every tensor of a safetensors file into a dict (name -> tensor)."""
+    from safetensors.torch import load_file
+
+    if not Path(path).is_file():
+        raise EvidenceError(f"missing tensor file: {path}")
+    return load_file(str(path))
