@@ -1,0 +1,99 @@
+"""The engine Protocol every candidate adapter implements, and what it is given.
+
+A case runs in every rank of a torchrun (or srun) launch. The shared case runner
+(qualify.candidate.worker) owns the PPO objective: it asks the engine for
+scores (the actor's sampler-formula logprobs or the critic's values), builds the
+loss with qualify.ppo, calls backward and step, and exports what the engine
+holds. Every exported tensor is a full (unsharded) FP32 tensor under its Hugging
+Face name, so the verdict compares name for name with the reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from qualify.matrix import Optimizer
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """The fixed rollout as model inputs. Sequences are right-padded; positions are 0..T-1.
+
+    logp_BT[b, t] is log p(input_ids[b, t] | input_ids[b, :t]), defined where response_mask_BT;
+    values_BT[b, t] is the critic's value of the state in which token t is emitted.
+    """
+
+    input_ids_BT: torch.Tensor  # (B, T) int64, prompt then response then padding
+    response_mask_BT: torch.Tensor  # (B, T) bool, True on sampled response tokens
+
+
+@dataclass(frozen=True, slots=True)
+class EngineContext:
+    """What an engine needs to build its model for one case on one rank."""
+
+    role: str
+    """'actor' (causal LM head) or 'critic' (scalar value head)."""
+    precision: str
+    """'fp32' or 'bf16' (bf16 compute with FP32 master weights and FP32 gradients)."""
+    tp: int
+    """Tensor-parallel degree (= world size of the launch; DP is 1)."""
+    rank: int
+    """This process's rank."""
+    device: str
+    """'cpu' or 'cuda:N'."""
+    model_dir: Path
+    """HF checkpoint of the role's trainable model."""
+    optimizer: Optimizer
+    """AdamW settings and the gradient clip of the matrix."""
+    temperature: float
+    """Sampling temperature: logits are divided by it in fp32 before the fp32 log_softmax."""
+    logprob_chunk_tokens: int
+    """Tokens per chunk of the fp32 log_softmax."""
+    vocab_size: int
+    """Real vocabulary size; rows beyond it are padding."""
+    work_dir: Path
+    """Scratch directory for this case (engine configs, logs)."""
+
+
+class TrainEngine(Protocol):
+    """A training engine qualified by qualify (built in or a user's plugin)."""
+
+    name: str
+
+    def setup(self, ctx: EngineContext) -> None:
+        """Load the HF checkpoint with TP sharding in ctx.precision and build the optimizer."""
+
+    def score(self, batch: Batch) -> torch.Tensor:
+        """(B, T) fp32, differentiable: actor logprobs by the sampler formula, or critic values."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate loss into the engine's FP32 gradient buffers (reduced across TP where needed)."""
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        """Full FP32 gradients in HF names, as held before clipping."""
+
+    def grad_dtypes(self) -> dict[str, str]:
+        """dtype of the gradient buffer the optimizer reads, per HF name."""
+
+    def step(self) -> torch.Tensor:
+        """Clip to optimizer.max_grad_norm and take one AdamW step; return the pre-clip global norm (fp32)."""
+
+    def params(self) -> dict[str, torch.Tensor]:
+        """Full FP32 master parameters in HF names."""
+
+    def optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """{'exp_avg': {name: tensor}, 'exp_avg_sq': {...}} full tensors in HF names, in their own dtype."""
+
+    def replicated(self) -> dict[str, torch.Tensor]:
+        """This rank's local copies of parameters replicated across TP (norms), for replica checks."""
+
+    def padded_rows(self) -> dict[str, torch.Tensor]:
+        """Rows of vocab-sized parameters beyond vocab_size on this rank (empty when unpadded)."""
+
+    def close(self) -> None:
+        """Release process groups and engine resources."""
