@@ -1,0 +1,208 @@
+"""HF Qwen3 <-> Megatron shard conversion: bit-exact round trips, layouts against slow loops, refusals."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from qualify.engines.megatron_convert import (
+    Qwen3Layout,
+    conversion_plan,
+    hf_names,
+    hf_to_megatron,
+    megatron_to_hf,
+    padded_rows,
+)
+from qualify.errors import EngineError
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_hf(role: str, vocab: int, kv_heads: int = 2, tie: bool = False, dtype=torch.float32, bias: bool = True):
+    """A tiny random HF Qwen3 (hidden 64, 2 layers, 4 heads, head_dim 32, ffn 128); every tensor random."""
+    config = transformers.Qwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=kv_heads, head_dim=32, intermediate_size=128,
+                                      vocab_size=vocab, tie_word_embeddings=tie, num_labels=1,
+                                      token_classification_bias=bias)
+    torch.manual_seed(vocab + kv_heads)
+    cls = transformers.Qwen3ForCausalLM if role == "actor" else transformers.Qwen3ForTokenClassification
+    model = cls(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p))
+    sd = {k: v.to(dtype) for k, v in model.state_dict().items()}
+    if tie:
+        sd.pop("lm_head.weight", None)  # what save_pretrained stores for a tied model
+    return config, sd
+
+
+CASES = [(role, vocab, tp) for role in ("actor", "critic") for vocab in (512, 1000) for tp in (1, 2, 4)]
+
+
+@pytest.mark.parametrize(("role", "vocab", "tp"), CASES)
+def test_round_trip_bit_exact(role, vocab, tp):
+    # Megatron shards query groups across TP: TP4 needs 4 KV heads (2 would be refused, tested below).
+    config, sd = tiny_hf(role, vocab, kv_heads=4 if tp == 4 else 2)
+    layout = Qwen3Layout.from_hf_config(config, role)
+    shards = hf_to_megatron(sd, layout, tp)
+    assert len(shards) == tp and all(set(s) == set(conversion_plan(layout)) for s in shards)
+    back = megatron_to_hf(shards, layout)
+    assert list(back) == hf_names(layout) and set(back) == set(sd)
+    for name, t in sd.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_round_trip_bf16_and_tied(tp):
+    config, sd = tiny_hf("actor", 1000, tie=True, dtype=torch.bfloat16)
+    layout = Qwen3Layout.from_hf_config(config, "actor")
+    assert layout.tie_word_embeddings and "output_layer.weight" not in conversion_plan(layout)
+    back = megatron_to_hf(hf_to_megatron(sd, layout, tp), layout)
+    assert set(back) == set(sd) and all(torch.equal(back[k], v) and back[k].dtype == torch.bfloat16
+                                        for k, v in sd.items())
+
+
+def test_negative_control_rank_order_breaks_round_trip():
+    config, sd = tiny_hf("actor", 1000)
+    layout = Qwen3Layout.from_hf_config(config, "actor")
+    shards = hf_to_megatron(sd, layout, 2)
+    back = megatron_to_hf(shards[::-1], layout)
+    assert not torch.equal(back["model.layers.0.self_attn.q_proj.weight"], sd["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(back["model.layers.0.mlp.up_proj.weight"], sd["model.layers.0.mlp.up_proj.weight"])
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_qkv_layout_matches_slow_loop(tp):
+    config, sd = tiny_hf("actor", 512)
+    layout = Qwen3Layout.from_hf_config(config, "actor")
+    shards = hf_to_megatron(sd, layout, tp)
+    q, k, v = (sd[f"model.layers.1.self_attn.{x}_proj.weight"] for x in "qkv")
+    hd, per_group, groups = 32, 2, 2
+    for rank in range(tp):
+        rows = []
+        for g in range(rank * groups // tp, (rank + 1) * groups // tp):
+            for h in range(g * per_group, (g + 1) * per_group):
+                rows.extend(q[h * hd + i] for i in range(hd))
+            rows.extend(k[g * hd + i] for i in range(hd))
+            rows.extend(v[g * hd + i] for i in range(hd))
+        assert torch.equal(shards[rank]["decoder.layers.1.self_attention.linear_qkv.weight"], torch.stack(rows))
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_fc1_and_row_layouts(tp):
+    config, sd = tiny_hf("critic", 512, kv_heads=4)
+    layout = Qwen3Layout.from_hf_config(config, "critic")
+    shards = hf_to_megatron(sd, layout, tp)
+    gate, up, down = (sd[f"model.layers.0.mlp.{x}_proj.weight"] for x in ("gate", "up", "down"))
+    n = 128 // tp
+    for rank, shard in enumerate(shards):
+        fc1 = shard["decoder.layers.0.mlp.linear_fc1.weight"]
+        assert torch.equal(fc1[:n], gate[rank * n:(rank + 1) * n]) and torch.equal(fc1[n:], up[rank * n:(rank + 1) * n])
+        assert torch.equal(shard["decoder.layers.0.mlp.linear_fc2.weight"], down[:, rank * n:(rank + 1) * n])
+        assert torch.equal(shard["output_layer.weight"], sd["score.weight"])
+        assert torch.equal(shard["output_layer.bias"], sd["score.bias"])
+
+
+@pytest.mark.parametrize(("vocab", "tp", "padded"), [(512, 1, 512), (512, 2, 512), (512, 4, 512),
+                                                      (1000, 1, 1024), (1000, 2, 1024), (1000, 4, 1024),
+                                                      (512, 8, 1024)])
+def test_padded_vocab_and_rows(vocab, tp, padded):
+    layout = Qwen3Layout(role="actor", num_layers=1, hidden_size=8, num_heads=8, num_kv_heads=8, head_dim=4,
+                         intermediate_size=16, vocab_size=vocab, tie_word_embeddings=False)
+    assert layout.padded_vocab(tp) == padded
+    shards = hf_to_megatron({n: torch.randn(s) for n, s in _shapes(layout).items()}, layout, tp)
+    pad_total = 0
+    for rank, shard in enumerate(shards):
+        assert shard["embedding.word_embeddings.weight"].shape == (padded // tp, 8)
+        rows = padded_rows(shard, layout, tp, rank)
+        for t in rows.values():
+            assert torch.count_nonzero(t) == 0
+        pad_total += rows.get("model.embed_tokens.weight", torch.empty(0, 8)).shape[0]
+        assert set(rows) in (set(), {"model.embed_tokens.weight", "lm_head.weight"})
+    assert pad_total == padded - vocab
+
+
+def _shapes(layout: Qwen3Layout) -> dict[str, tuple[int, ...]]:
+    h, hd, ffn, nq, nkv = (layout.hidden_size, layout.head_dim, layout.intermediate_size, layout.num_heads,
+                           layout.num_kv_heads)
+    out = {"model.embed_tokens.weight": (layout.vocab_size, h), "lm_head.weight": (layout.vocab_size, h),
+           "model.norm.weight": (h,)}
+    for i in range(layout.num_layers):
+        p = f"model.layers.{i}."
+        out |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (nq * hd, h), p + "self_attn.k_proj.weight": (nkv * hd, h),
+                p + "self_attn.v_proj.weight": (nkv * hd, h), p + "self_attn.o_proj.weight": (h, nq * hd),
+                p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
+                p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h),
+                p + "mlp.down_proj.weight": (h, ffn)}
+    return out
+
+
+def test_transformers_critic_score_has_bias():
+    config, sd = tiny_hf("critic", 512)
+    assert "score.bias" in sd and sd["score.bias"].shape == (1,)
+    layout = Qwen3Layout.from_hf_config(config, "critic")
+    assert layout.value_bias and "output_layer.bias" in conversion_plan(layout)
+    config, sd = tiny_hf("critic", 512, bias=False)
+    layout = Qwen3Layout.from_hf_config(config, "critic")
+    assert "score.bias" not in sd and "output_layer.bias" not in conversion_plan(layout)
+    assert set(megatron_to_hf(hf_to_megatron(sd, layout, 2), layout)) == set(sd)
+
+
+def test_refuses_missing_and_unknown_hf_keys():
+    config, sd = tiny_hf("actor", 512)
+    layout = Qwen3Layout.from_hf_config(config, "actor")
+    broken = {k: v for k, v in sd.items() if k != "model.layers.1.self_attn.k_norm.weight"}
+    broken["model.layers.1.self_attn.rotary.inv_freq"] = torch.ones(4)
+    with pytest.raises(EngineError, match=r"missing model\.layers\.1\.self_attn\.k_norm\.weight; "
+                                          r"unknown model\.layers\.1\.self_attn\.rotary\.inv_freq"):
+        hf_to_megatron(broken, layout, 2)
+
+
+def test_refuses_tp_that_does_not_divide_query_groups():
+    config, sd = tiny_hf("actor", 512, kv_heads=2)
+    layout = Qwen3Layout.from_hf_config(config, "actor")
+    with pytest.raises(EngineError, match=r"tp 4 does not divide num_kv_heads \(query groups\) 2"):
+        hf_to_megatron(sd, layout, 4)
+
+
+def test_refuses_tied_lm_head_that_differs():
+    config, sd = tiny_hf("actor", 512, tie=True)
+    layout = Qwen3Layout.from_hf_config(config, "actor")
+    same = sd | {"lm_head.weight": sd["model.embed_tokens.weight"].clone()}
+    assert set(megatron_to_hf(hf_to_megatron(same, layout, 1), layout)) == set(sd)
+    with pytest.raises(EngineError, match="lm_head.weight differs"):
+        hf_to_megatron(sd | {"lm_head.weight": torch.zeros_like(sd["model.embed_tokens.weight"])}, layout, 1)
+
+
+def test_megatron_side_refusals_and_extra_state():
+    config, sd = tiny_hf("critic", 1000)
+    layout = Qwen3Layout.from_hf_config(config, "critic")
+    shards = hf_to_megatron(sd, layout, 2)
+    # Megatron's local layers carry None _extra_state; TransformerEngine's carry serialized bytes.
+    shards[0]["decoder.layers.0.self_attention.linear_qkv._extra_state"] = None
+    shards[1]["decoder.layers.0.self_attention.linear_qkv._extra_state"] = torch.zeros(5, dtype=torch.uint8)
+    shards[1]["decoder.layers.0.mlp.linear_fc1._extra_state"] = io.BytesIO(b"fp8 meta")
+    notes: list[str] = []
+    back = megatron_to_hf(shards, layout, notes)
+    assert all(torch.equal(back[k], v) for k, v in sd.items())
+    assert len(notes) == 2 and "rank 1: skipped 2 _extra_state" in notes[1]
+
+    real = [dict(s) for s in shards]
+    real[1]["output_layer._extra_state"] = torch.ones(3)
+    with pytest.raises(EngineError, match=r"output_layer\._extra_state on rank 1 holds a torch.float32 tensor"):
+        megatron_to_hf(real, layout)
+
+    missing = [dict(s) for s in shards]
+    del missing[1]["decoder.layers.1.mlp.linear_fc2.weight"]
+    missing[1]["decoder.layers.1.mlp.router.weight"] = torch.ones(2)
+    with pytest.raises(EngineError, match=r"rank 1/2: missing decoder\.layers\.1\.mlp\.linear_fc2\.weight; "
+                                          r"unknown decoder\.layers\.1\.mlp\.router\.weight"):
+        megatron_to_hf(missing, layout)
+
+    wrong = [dict(s) for s in shards]
+    wrong[0]["embedding.word_embeddings.weight"] = wrong[0]["embedding.word_embeddings.weight"][:-1]
+    with pytest.raises(EngineError, match=r"embedding\.word_embeddings\.weight on rank 0/2 has shape \(511, 64\)"):
+        megatron_to_hf(wrong, layout)
