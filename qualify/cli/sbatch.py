@@ -1,14 +1,114 @@
-"""`qualify sbatch`: render (and submit) Slurm jobs for the stages of a matrix."""
+"""`qualify sbatch`: render (and submit, and follow) the Slurm job chain for the stages of a matrix."""
 
 from __future__ import annotations
 
-from qualify.cli.notbuilt import not_built
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
 from qualify.cli.options import MatrixArg
+from qualify.errors import SlurmError
+from qualify.layout import default_run_dir
+from qualify.matrix import load_matrix
+from qualify.slurm.render import Chain, render_chain, write_chain
+from qualify.slurm.submit import submit_chain
+from qualify.slurm.watch import ChainWatch, follow
 
 NAME = "sbatch"
-HELP = "Render (and submit) Slurm jobs for the stages of a matrix."
-EPILOG = "Examples:  qualify sbatch matrices/qwen3-8b.yaml --cluster sbatch/clusters/h100x4.yaml  |  ... --submit --wait"
+HELP = ("Render the stages of a matrix as chained sbatch scripts (reference, freeze, candidate array, verdict); "
+        "--submit submits them, --wait follows them and exits with the chain's result.")
+EPILOG = ("Examples:  qualify sbatch matrices/qwen3-8b.yaml --cluster sbatch/clusters/h100x4.yaml  "
+          "|  qualify sbatch matrices/tiny-qwen3.yaml --cluster sbatch/clusters/local.yaml --cases 'torch-tp-*' "
+          "--submit --wait")
+
+ClusterOpt = Annotated[Path, typer.Option("--cluster", help="Cluster profile YAML (see sbatch/clusters/).",
+                                          show_default=False)]
+ScriptsOpt = Annotated[Path | None, typer.Option("--out", help="Directory for the scripts (default: RUN/slurm).")]
+RunOpt = Annotated[Path | None, typer.Option("--run", help="Run directory the jobs write (default: runs/<matrix name>).")]
+TopologyOpt = Annotated[str | None, typer.Option(
+    "--topology", help="GPU topology of the candidate jobs: dedicated or shared (default: the matrix's first).")]
+CasesOpt = Annotated[str | None, typer.Option(
+    "--cases", help="Only the cases whose name matches this glob (e.g. 'torch-tp-*-tp2-*'); the verdict covers them.")]
+SubmitOpt = Annotated[bool, typer.Option("--submit", help="Submit the chain with sbatch and print the job ids.")]
+WaitOpt = Annotated[bool, typer.Option(
+    "--wait", help="Submit, follow the chain live and exit 0 if every job completed, 1 if the verdict failed, 2 else.")]
 
 
-def main(matrix: MatrixArg) -> None:
-    not_built(NAME)
+def main(matrix: MatrixArg, cluster: ClusterOpt, out: ScriptsOpt = None, run: RunOpt = None,
+         topology: TopologyOpt = None, cases: CasesOpt = None, submit: SubmitOpt = False,
+         wait: WaitOpt = False) -> None:
+    run = run or default_run_dir(load_matrix(matrix).name)
+    chain = render_chain(matrix, cluster, run=run, out=out or run / "slurm", topology=topology, cases=cases)
+    write_chain(chain)
+    for job in chain.jobs:
+        typer.echo(f"rendered {chain.out / job.file}  ({_describe(job)})")
+    if not (submit or wait):
+        return
+    ids = submit_chain(chain)
+    for job in chain.jobs:
+        after = f" (afterok:{':'.join(ids[k] for k in job.after)})" if job.after else ""
+        typer.echo(f"submitted {job.file} job {ids[job.key]}{after}")
+    if not wait:
+        return
+    outcome = follow(ChainWatch(chain, ids), chain.profile.poll_seconds, _Display(chain))
+    if outcome.code == 0:
+        typer.echo(outcome.message)
+        return
+    if outcome.code == 1:
+        typer.echo(f"qualify: {outcome.message}", err=True)
+        raise typer.Exit(1)
+    raise SlurmError(outcome.message)
+
+
+def _describe(job) -> str:
+    need = job.need
+    parts = [job.stage]
+    if job.cases:
+        parts.append(f"{len(job.cases)} tasks")
+    if need.gpus:
+        parts.append(_plural(need.gpus, "GPU"))
+    parts.append(_plural(need.cpus, "CPU"))
+    if job.after:
+        parts.append("after " + ", ".join(job.after))
+    return ", ".join(parts)
+
+
+def _plural(n: int, unit: str) -> str:
+    return f"{n} {unit}" if n == 1 else f"{n} {unit}s"
+
+
+class _Display:
+    """Live table on a terminal; elsewhere (CI logs) one line per change of a job's state."""
+
+    def __init__(self, chain: Chain) -> None:
+        self.console = Console(stderr=True)
+        self.live = Live(console=self.console, auto_refresh=False) if sys.stderr.isatty() else None
+        self.last: dict[str, str] = {}
+
+    def __call__(self, watch: ChainWatch) -> None:
+        if self.live is not None:
+            if not self.live.is_started:
+                self.live.start()
+            self.live.update(self._table(watch), refresh=True)
+            if watch.settled():
+                self.live.stop()
+            return
+        for view in watch.views:
+            line = view.summary() + (f", {view.restarts} restarts" if view.restarts else "")
+            if self.last.get(view.job.key) != line:
+                self.last[view.job.key] = line
+                self.console.print(f"qualify-slurm: {view.job.file} job {view.job_id}: {line}", highlight=False)
+
+    @staticmethod
+    def _table(watch: ChainWatch) -> Table:
+        table = Table(title="qualify sbatch: chain status")
+        for column in ("job", "id", "state", "restarts"):
+            table.add_column(column)
+        for view in watch.views:
+            table.add_row(view.job.file, view.job_id, view.summary(), str(view.restarts))
+        return table

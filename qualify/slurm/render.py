@@ -1,0 +1,237 @@
+"""Render the stage chain of a matrix on a cluster profile into sbatch scripts, byte for byte reproducibly.
+
+The chain: reference -> freeze -> one candidate job array per resource shape (one task per
+case) -> verdict, each waiting on the previous with afterok. Every job requeues and every
+stage resumes, so a preempted job completes its work on the next start.
+Templates fill `{{ slot }}` markers; there is no timestamp, host or absolute path in the output.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import re
+import shlex
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from qualify.errors import SlurmError
+from qualify.matrix import Case, Matrix, load_matrix
+from qualify.slurm.profile import Profile, load_profile
+
+_SLOT = re.compile(r"\{\{ ([a-z0-9_]+) \}\}")
+DEFAULT_TEMPLATES = Path(__file__).resolve().parents[2] / "sbatch" / "templates"
+SCRIPT_SUFFIX = ".sbatch"
+
+
+@dataclass(frozen=True, slots=True)
+class Share:
+    """What one job asks of a node."""
+
+    gpus: int
+    cpus: int
+    mem_mb: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One sbatch script of the chain."""
+
+    key: str
+    """Unique within the chain: reference, freeze, candidate-<N>gpu or candidate-<N>cpu, verdict."""
+    stage: str
+    """reference, freeze, candidate or verdict."""
+    file: str
+    """Script file name in the output directory."""
+    after: tuple[str, ...]
+    """Keys of the jobs this one waits for (afterok)."""
+    cases: tuple[str, ...]
+    """Case name per array index (empty: not an array)."""
+    log: str
+    """Log path as Slurm's --output pattern."""
+    need: Share
+    """What it asks of a node (each array task asks this)."""
+    text: str
+    """The script."""
+
+
+@dataclass(frozen=True, slots=True)
+class Chain:
+    """Every job of one rendering, in submission order."""
+
+    matrix: Matrix
+    profile: Profile
+    run: str
+    out: Path
+    jobs: tuple[Job, ...]
+
+    def job(self, key: str) -> Job:
+        return next(j for j in self.jobs if j.key == key)
+
+
+def share(profile: Profile, *, gpus: int, procs: int, what: str) -> Share:
+    """A node's share for a job using gpus GPUs (GPU cluster) or procs processes (CPU cluster)."""
+    if profile.gpus_per_node == 0:
+        units, per_node, gpus, cpus = procs, profile.cpus_per_node, 0, procs
+    else:
+        units, per_node = max(gpus, 1), profile.gpus_per_node
+        cpus = max(1, profile.cpus_per_node * units // per_node)
+    if units > per_node:
+        unit = "GPUs" if profile.gpus_per_node else "CPUs"
+        raise SlurmError(f"{what} needs {units} {unit}; a node of {profile.source} has {per_node}")
+    mem = None if profile.mem_mb is None else profile.mem_mb * units // per_node
+    return Share(gpus=gpus, cpus=cpus, mem_mb=mem)
+
+
+def case_gpus(case: Case, matrix: Matrix, topology: str) -> int:
+    """GPUs of one case: dedicated gives vLLM its own GPUs next to the trainer's, shared colocates them."""
+    vllm = max(matrix.rollout.vllm_tp)
+    return case.tp + vllm if topology == "dedicated" else max(case.tp, vllm)
+
+
+def select_cases(matrix: Matrix, pattern: str | None) -> list[Case]:
+    """The matrix's cases, or those whose name matches the glob pattern."""
+    cases = matrix.cases()
+    if pattern is None:
+        return cases
+    chosen = [c for c in cases if fnmatch.fnmatchcase(c.name, pattern)]
+    if not chosen:
+        raise SlurmError(f"--cases {pattern!r} matches no case of {matrix.source} "
+                         f"(cases: {', '.join(c.name for c in cases)})")
+    return chosen
+
+
+def render_chain(matrix_path: Path, profile_path: Path, *, run: Path, out: Path,
+                 topology: str | None = None, cases: str | None = None) -> Chain:
+    """Render every job of the chain (nothing is written; see write_chain)."""
+    matrix, profile = load_matrix(matrix_path), load_profile(profile_path)
+    topology = _topology(matrix, topology)
+    for label, path in (("matrix", matrix_path), ("run directory", run)):
+        if shlex.quote(str(path)) != str(path):
+            raise SlurmError(f"{label} path {str(path)!r} needs shell quoting; use a path without spaces or quotes")
+    templates = Path(profile.resolve(profile.templates)) if profile.templates else DEFAULT_TEMPLATES
+    ctx = _Context(matrix=matrix, profile=profile, templates=templates, run=str(run),
+                   matrix_path=str(matrix_path), profile_path=str(profile_path),
+                   matrix_sha256=hashlib.sha256(Path(matrix_path).read_bytes()).hexdigest())
+    selected = select_cases(matrix, cases)
+    vllm = max(matrix.rollout.vllm_tp)
+    jobs = [ctx.job("reference", "reference", (), (), share(profile, gpus=vllm, procs=vllm, what="reference")),
+            ctx.job("freeze", "freeze", ("reference",), (), share(profile, gpus=0, procs=1, what="freeze"))]
+    groups: dict[Share, list[str]] = {}
+    for case in selected:
+        need = share(profile, gpus=case_gpus(case, matrix, topology), procs=case.tp, what=f"case {case.name}")
+        groups.setdefault(need, []).append(case.name)
+    for need in sorted(groups, key=lambda s: (s.gpus, s.cpus)):
+        key = f"candidate-{need.gpus}gpu" if profile.gpus_per_node else f"candidate-{need.cpus}cpu"
+        jobs.append(ctx.job(key, "candidate", ("freeze",), tuple(groups[need]), need))
+    arrays = tuple(j.key for j in jobs if j.stage == "candidate")
+    only = "" if cases is None else f" --only {shlex.quote(cases)}"
+    jobs.append(ctx.job("verdict", "verdict", arrays, (), share(profile, gpus=0, procs=1, what="verdict"), only=only))
+    numbered = tuple(replace(j, file=f"{i}-{j.key}{SCRIPT_SUFFIX}") for i, j in enumerate(jobs, 1))
+    return Chain(matrix=matrix, profile=profile, run=str(run), out=Path(out), jobs=numbered)
+
+
+def write_chain(chain: Chain) -> list[Path]:
+    """Write the scripts; other *.sbatch files in the output directory (an older rendering) are removed."""
+    chain.out.mkdir(parents=True, exist_ok=True)
+    keep = {j.file for j in chain.jobs}
+    for stale in chain.out.glob(f"*{SCRIPT_SUFFIX}"):
+        if stale.name not in keep:
+            stale.unlink()
+    paths = []
+    for job in chain.jobs:
+        path = chain.out / job.file
+        path.write_text(job.text, encoding="ascii")
+        paths.append(path)
+    return paths
+
+
+def fill(template: Path, values: dict[str, str]) -> str:
+    """Replace every {{ slot }} of a template file; a slot without a value is an error naming it."""
+    text = template.read_text(encoding="ascii")
+    unknown = sorted(set(_SLOT.findall(text)) - values.keys())
+    if unknown:
+        raise SlurmError(f"{template}: unknown slots {unknown} (known: {', '.join(sorted(values))})")
+    return _SLOT.sub(lambda m: values[m.group(1)], text)
+
+
+def _topology(matrix: Matrix, topology: str | None) -> str:
+    allowed = matrix.candidates.topologies
+    if topology is None:
+        return allowed[0]
+    if topology not in allowed:
+        raise SlurmError(f"topology {topology!r} is not in {matrix.source}'s candidates.topologies {list(allowed)}")
+    return topology
+
+
+@dataclass(frozen=True, slots=True)
+class _Context:
+    """Everything every job of one rendering shares."""
+
+    matrix: Matrix
+    profile: Profile
+    templates: Path
+    run: str
+    matrix_path: str
+    profile_path: str
+    matrix_sha256: str
+
+    def job(self, key: str, stage: str, after: tuple[str, ...], cases: tuple[str, ...], need: Share,
+            only: str = "") -> Job:
+        name = f"{self.matrix.name}-{key}"
+        log = f"{self.run}/slurm/logs/%x-" + ("%A_%a" if cases else "%j") + ".out"
+        header = fill(self.templates / "header.sh", {
+            "title": _title(stage, name, cases),
+            "matrix": self.matrix_path,
+            "profile": self.profile_path,
+            "matrix_sha256": self.matrix_sha256,
+            "directives": self._directives(name, stage, need, log, len(cases)),
+            "exports": "\n".join(f"export {k}={shlex.quote(v)}" for k, v in sorted(self.profile.exports.items()))
+                       or "# (none)",
+            "environment": self._environment(),
+            "stage": stage,
+        })
+        text = fill(self.templates / f"{stage}.sh", {
+            "header": header.rstrip("\n"),
+            "srun": " ".join(["srun --nodes=1 --ntasks=1", *self.profile.srun_args]),
+            "qualify": self.profile.qualify,
+            "matrix": self.matrix_path,
+            "run": self.run,
+            "acceptance": f"{self.run}/acceptance/acceptance.json",
+            "cases": "\n".join(f"  {c}" for c in cases),
+            "only": only,
+        })
+        return Job(key=key, stage=stage, file="", after=after, cases=cases, log=log, need=need, text=text)
+
+    def _directives(self, name: str, stage: str, need: Share, log: str, num_tasks: int) -> str:
+        p = self.profile
+        lines = [f"--job-name={name}"]
+        lines += [f"--{opt}={val}" for opt, val in (("partition", p.partition), ("account", p.account),
+                                                    ("qos", p.qos)) if val is not None]
+        lines += ["--nodes=1", "--ntasks=1", f"--cpus-per-task={need.cpus}"]
+        if need.gpus:
+            lines.append(f"--gres=gpu:{p.gpu_type}:{need.gpus}" if p.gpu_type else f"--gres=gpu:{need.gpus}")
+        if need.mem_mb is not None:
+            lines.append(f"--mem={need.mem_mb}M")
+        lines += [f"--time={getattr(p.time, stage)}", "--requeue", "--open-mode=append", f"--output={log}"]
+        if num_tasks:
+            limit = f"%{p.max_parallel_tasks}" if p.max_parallel_tasks else ""
+            lines.append(f"--array=0-{num_tasks - 1}{limit}")
+        lines += list(p.sbatch_args)
+        return "\n".join(f"#SBATCH {line}" for line in lines)
+
+    def _environment(self) -> str:
+        env = self.profile.environment
+        lines = [f"module load {m}" for m in env.modules]
+        if env.venv is not None:
+            lines.append(f"source {shlex.quote(env.venv)}/bin/activate")
+        lines += list(env.setup)
+        return "\n".join(lines) or "# (none: the submitting shell's environment)"
+
+
+def _title(stage: str, name: str, cases: tuple[str, ...]) -> str:
+    if cases:
+        return f"{name}: candidate array, {len(cases)} tasks (one per case)"
+    return {"reference": f"{name}: vLLM rollout capture, then HF reference scoring with controls",
+            "freeze": f"{name}: freeze bounds and the acceptance manifest",
+            "verdict": f"{name}: the verdict over every case, then verify the acceptance"}[stage]

@@ -1,0 +1,10 @@
+{{ header }}
+
+# Collect the verdict over every case (running any that is missing), then verify the acceptance.
+# Exit 1: qualification or verification failed; 2: an input error.
+verdict=0
+{{ srun }} {{ qualify }} candidate {{ matrix }} --run {{ run }}{{ only }} || verdict=$?
+verify=0
+{{ srun }} {{ qualify }} verify {{ acceptance }} || verify=$?
+echo "qualify-slurm: verdict exit ${verdict}, verify exit ${verify}"
+exit $(( verdict > verify ? verdict : verify ))
