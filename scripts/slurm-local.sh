@@ -3,7 +3,7 @@
 # `start` installs Debian's slurmctld, slurmd, slurm-client and munge when they are missing (postinst
 # starts nothing), then starts munged, slurmctld and slurmd as root without systemd, each with its own
 # key, socket, state and logs under a fresh temp dir, and prints the environment to export.
-# `stop [DIR]` drains the queue, shuts the controller down and ends the recorded pids only.
+# `stop [DIR]` (default: the dir of $SLURM_CONF) drains the queue, shuts the controller down and ends the recorded pids only.
 # Usage:  eval "$(scripts/slurm-local.sh start)"  ...  scripts/slurm-local.sh stop
 # Env: QUALIFY_SLURM_PORT (controller port, default 6817; slurmd uses the next one),
 #      QUALIFY_SLURM_KEEP=1 (stop keeps the temp dir and its logs).
@@ -121,6 +121,7 @@ start() {
   wait_for 30 bash -c '[ "$(sinfo -h -o %T)" = idle ]' || die "node not idle; see $dir/log/slurmd.log"
   log "running: $(sinfo -h -o '%P %D %c cpus %T') (state $dir)"
   echo "export SLURM_CONF=$SLURM_CONF"
+  echo "export QUALIFY_SLURM_DIR=$dir"  # set only when this call started the cluster: its owner stops it
 }
 
 # stop_pid NAME: TERM the recorded pid, KILL it after a deadline.

@@ -146,6 +146,13 @@ def write_chain(chain: Chain) -> list[Path]:
     return paths
 
 
+def stale_scripts(chain: Chain, directory: Path) -> list[str]:
+    """Script names in directory that differ from this rendering, are missing or are extra ([]: up to date)."""
+    want = {j.file: j.text for j in chain.jobs}
+    have = {p.name: p.read_text(encoding="ascii") for p in Path(directory).glob(f"*{SCRIPT_SUFFIX}")}
+    return sorted(name for name in want.keys() | have.keys() if want.get(name) != have.get(name))
+
+
 def fill(template: Path, values: dict[str, str]) -> str:
     """Replace every {{ slot }} of a template file; a slot without a value is an error naming it."""
     text = template.read_text(encoding="ascii")

@@ -1,6 +1,6 @@
 {{ header }}
 
-# Collect the verdict over every case (running any that is missing), then verify the acceptance.
+# Every array task completed (afterok): collect the verdict over the cases, then verify the acceptance.
 # Exit 1: qualification or verification failed; 2: an input error.
 verdict=0
 {{ srun }} {{ qualify }} candidate {{ matrix }} --run {{ run }}{{ only }} || verdict=$?
