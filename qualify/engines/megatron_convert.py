@@ -3,7 +3,8 @@
 Pure tensor code, no megatron import: the same functions convert parameters, gradients and
 optimizer moments, since all of them have the parameters' shapes. Megatron's layouts:
 - linear_qkv rows are grouped by KV head: for each query group g, its q heads, then k_g, then v_g;
-  TP rank r holds the groups [r * G/tp, (r + 1) * G/tp).
+  TP rank r holds the r-th of tp equal row slices of that, i.e. groups [r * G/tp, (r + 1) * G/tp)
+  when tp divides G, and a part of one group when G divides tp (Megatron then all-gathers qkv).
 - linear_fc1 on rank r is [gate rows of r; up rows of r] (swiglu chunks the local output in two).
 - linear_proj and linear_fc2 split the input dimension; norms and the critic's value head are
   replicated on every rank.
@@ -74,12 +75,14 @@ class Qwen3Layout:
 
     def check_tp(self, tp: int) -> None:
         """Refuse a TP degree Megatron cannot shard this model to."""
-        for what, count in (("num_kv_heads (query groups)", self.num_kv_heads), ("num_heads", self.num_heads),
-                            ("intermediate_size", self.intermediate_size)):
-            if tp < 1 or count % tp:
-                raise EngineError(f"tp {tp} does not divide {what} {count}: Megatron cannot shard this model")
         if self.num_heads % self.num_kv_heads:
             raise EngineError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        for what, count in (("num_heads", self.num_heads), ("intermediate_size", self.intermediate_size)):
+            if tp < 1 or count % tp:
+                raise EngineError(f"tp {tp} does not divide {what} {count}: Megatron cannot shard this model")
+        if self.num_kv_heads % tp and tp % self.num_kv_heads:
+            raise EngineError(f"tp {tp} is neither a divisor nor a multiple of num_kv_heads {self.num_kv_heads} "
+                              "(Megatron's num_query_groups rule)")
 
     def vocab_rows(self, tp: int, rank: int) -> tuple[int, int]:
         """(start, stop) rows of the padded vocab held by rank."""
@@ -173,7 +176,7 @@ def _split(kind: str, ts: list[torch.Tensor], layout: Qwen3Layout, tp: int) -> l
     rest = q.shape[1:]
     grouped = torch.cat([q.reshape(groups, -1, *rest), k.reshape(groups, -1, *rest), v.reshape(groups, -1, *rest)],
                         dim=1)  # (G, (heads_per_group + 2) * head_dim, H)
-    return [c.reshape(-1, *rest).contiguous() for c in grouped.chunk(tp, dim=0)]
+    return [c.contiguous() for c in grouped.reshape(-1, *rest).chunk(tp, dim=0)]
 
 
 def megatron_to_hf(shards: Sequence[Mapping[str, Any]], layout: Qwen3Layout,
@@ -249,7 +252,7 @@ def _merge(kind: str, parts: list[torch.Tensor], layout: Qwen3Layout) -> list[to
     assert kind == "qkv", kind
     rest = parts[0].shape[1:]
     per_group = layout.num_heads // layout.num_kv_heads * layout.head_dim
-    grouped = torch.cat([p.reshape(-1, per_group + 2 * layout.head_dim, *rest) for p in parts])
+    grouped = torch.cat(parts).reshape(layout.num_kv_heads, per_group + 2 * layout.head_dim, *rest)
     q, k, v = grouped.split([per_group, layout.head_dim, layout.head_dim], dim=1)
     return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]
 

@@ -43,8 +43,8 @@ CASES = [(role, vocab, tp) for role in ("actor", "critic") for vocab in (512, 10
 
 @pytest.mark.parametrize(("role", "vocab", "tp"), CASES)
 def test_round_trip_bit_exact(role, vocab, tp):
-    # Megatron shards query groups across TP: TP4 needs 4 KV heads (2 would be refused, tested below).
-    config, sd = tiny_hf(role, vocab, kv_heads=4 if tp == 4 else 2)
+    # TP4 with 2 KV heads: Megatron gives each rank a slice of one query group and all-gathers qkv.
+    config, sd = tiny_hf(role, vocab)
     layout = Qwen3Layout.from_hf_config(config, role)
     shards = hf_to_megatron(sd, layout, tp)
     assert len(shards) == tp and all(set(s) == set(conversion_plan(layout)) for s in shards)
@@ -73,21 +73,23 @@ def test_negative_control_rank_order_breaks_round_trip():
     assert not torch.equal(back["model.layers.0.mlp.up_proj.weight"], sd["model.layers.0.mlp.up_proj.weight"])
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, 2, 4])
 def test_qkv_layout_matches_slow_loop(tp):
     config, sd = tiny_hf("actor", 512)
     layout = Qwen3Layout.from_hf_config(config, "actor")
     shards = hf_to_megatron(sd, layout, tp)
     q, k, v = (sd[f"model.layers.1.self_attn.{x}_proj.weight"] for x in "qkv")
     hd, per_group, groups = 32, 2, 2
+    rows = []  # q1 q2 k1 v1 | q3 q4 k2 v2, one row at a time
+    for g in range(groups):
+        for h in range(g * per_group, (g + 1) * per_group):
+            rows.extend(q[h * hd + i] for i in range(hd))
+        rows.extend(k[g * hd + i] for i in range(hd))
+        rows.extend(v[g * hd + i] for i in range(hd))
+    per_rank = len(rows) // tp
     for rank in range(tp):
-        rows = []
-        for g in range(rank * groups // tp, (rank + 1) * groups // tp):
-            for h in range(g * per_group, (g + 1) * per_group):
-                rows.extend(q[h * hd + i] for i in range(hd))
-            rows.extend(k[g * hd + i] for i in range(hd))
-            rows.extend(v[g * hd + i] for i in range(hd))
-        assert torch.equal(shards[rank]["decoder.layers.1.self_attention.linear_qkv.weight"], torch.stack(rows))
+        want = torch.stack(rows[rank * per_rank:(rank + 1) * per_rank])
+        assert torch.equal(shards[rank]["decoder.layers.1.self_attention.linear_qkv.weight"], want)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -161,11 +163,15 @@ def test_refuses_missing_and_unknown_hf_keys():
         hf_to_megatron(broken, layout, 2)
 
 
-def test_refuses_tp_that_does_not_divide_query_groups():
-    config, sd = tiny_hf("actor", 512, kv_heads=2)
+def test_refuses_tp_megatron_cannot_shard():
+    config, sd = tiny_hf("actor", 512, kv_heads=4)
     layout = Qwen3Layout.from_hf_config(config, "actor")
-    with pytest.raises(EngineError, match=r"tp 4 does not divide num_kv_heads \(query groups\) 2"):
-        hf_to_megatron(sd, layout, 4)
+    with pytest.raises(EngineError, match=r"tp 3 does not divide num_heads 4"):
+        hf_to_megatron(sd, layout, 3)
+    odd = Qwen3Layout(role="actor", num_layers=1, hidden_size=8, num_heads=12, num_kv_heads=3, head_dim=4,
+                      intermediate_size=16, vocab_size=64, tie_word_embeddings=False)
+    with pytest.raises(EngineError, match=r"tp 2 is neither a divisor nor a multiple of num_kv_heads 3"):
+        odd.check_tp(2)
 
 
 def test_refuses_tied_lm_head_that_differs():
