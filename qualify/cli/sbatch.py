@@ -99,7 +99,7 @@ class _Display:
                 self.live.stop()
             return
         for view in watch.views:
-            line = view.summary() + (f", {view.restarts} restarts" if view.restarts else "")
+            line = view.summary() + (f", {_plural(view.restarts, 'restart')}" if view.restarts else "")
             if self.last.get(view.job.key) != line:
                 self.last[view.job.key] = line
                 self.console.print(f"qualify-slurm: {view.job.file} job {view.job_id}: {line}", highlight=False)
