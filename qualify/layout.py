@@ -1,8 +1,8 @@
 """Where every artifact of a run lives. One place, so every stage agrees.
 
 runs/<matrix name>/
-  models/<role>/                 tiny family made from the seed (HF safetensors + config)
   reference/                     the evidence root that acceptance.json covers
+    models/<role>/               tiny family made from the seed (HF safetensors + config)
     rollout/tp<N>/rollout.safetensors, rollout.json
     targets/targets.safetensors, targets.json
     scores/<precision>-<control>/<role>/{outputs,grads,updates,moments}.safetensors, meta.json
@@ -28,7 +28,7 @@ class RunLayout:
 
     @property
     def models(self) -> Path:
-        return self.root / "models"
+        return self.reference / "models"
 
     def model(self, role: str) -> Path:
         return self.models / role

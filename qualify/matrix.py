@@ -206,6 +206,8 @@ class Freeze:
     """Multiplier on the control error."""
     floors: dict[str, float] = field(default_factory=dict)
     """Floor per metric kind (logprob, value, loss, grad, grad_norm, update, moment, target)."""
+    quantum: bool = True
+    """Add one rounding step of the family's precision (ulp at the reference magnitude) to each bound."""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.floors) - set(METRIC_KINDS))

@@ -1,14 +1,39 @@
-"""`qualify candidate`: replay the engine x precision x TP x role matrix and judge every tensor against frozen bounds."""
+"""`qualify candidate`: replay the engine x precision x TP x role matrix and judge every tensor."""
 
 from __future__ import annotations
 
-from qualify.cli.notbuilt import not_built
-from qualify.cli.options import MatrixArg
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from qualify.cli.options import AcceptanceOpt, Format, FormatOpt, MatrixArg
 
 NAME = "candidate"
 HELP = "Replay the engine x precision x TP x role matrix and judge every tensor against frozen bounds."
-EPILOG = "Examples:  qualify candidate matrices/tiny-qwen3.yaml  |  qualify candidate matrices/tiny-qwen3.yaml --only 'torch-tp-*-tp2-*'"
+EPILOG = ("Examples:  qualify candidate matrices/tiny-qwen3.yaml  |  "
+          "qualify candidate matrices/tiny-qwen3.yaml --only 'torch-tp-*-tp2-*'  |  "
+          "qualify candidate matrices/tiny-qwen3.yaml --acceptance manifests/tiny-qwen3/acceptance.json")
 
 
-def main(matrix: MatrixArg) -> None:
-    not_built(NAME)
+def main(
+    matrix: MatrixArg,
+    run: Annotated[Path | None, typer.Option("--run", help="Run directory (default: runs/<matrix name>).")] = None,
+    acceptance: AcceptanceOpt = None,
+    only: Annotated[str | None, typer.Option("--only", help="Glob over case names, e.g. 'deepspeed-bf16-*'.")] = None,
+    format: FormatOpt = Format.text,
+) -> None:
+    from qualify.candidate.run import run_candidates
+    from qualify.cli.render import echo_json
+    from qualify.cli.verdict_view import render_verdict
+    from qualify.layout import default_run_dir
+    from qualify.matrix import load_matrix
+
+    m = load_matrix(matrix)
+    verdict = run_candidates(m, run or default_run_dir(m.name), acceptance=acceptance, only=only)
+    if format is Format.json:
+        echo_json(verdict)
+    else:
+        render_verdict(verdict)
+    if not verdict["passed"]:
+        raise typer.Exit(1)

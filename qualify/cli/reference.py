@@ -1,14 +1,50 @@
-"""`qualify reference`: capture a fixed rollout with vLLM and score it with the independent HF reference, with controls."""
+"""`qualify reference`: capture the fixed rollout with vLLM and score it with the HF reference and controls."""
 
 from __future__ import annotations
 
-from qualify.cli.notbuilt import not_built
-from qualify.cli.options import MatrixArg
+from enum import Enum
+from typing import Annotated
+
+import typer
+
+from qualify.cli.options import Format, FormatOpt, MatrixArg, OutOpt
+from qualify.cli.render import echo_json
 
 NAME = "reference"
 HELP = "Capture a fixed rollout with vLLM and score it with the independent HF reference, with controls."
-EPILOG = "Examples:  qualify reference matrices/tiny-qwen3.yaml  |  qualify reference matrices/tiny-qwen3.yaml --out runs/t"
+EPILOG = ("Examples:  qualify reference matrices/tiny-qwen3.yaml  |  "
+          "qualify reference matrices/qwen3-8b.yaml --out /scratch/q8b --stage capture")
 
 
-def main(matrix: MatrixArg) -> None:
-    not_built(NAME)
+class Stage(str, Enum):
+    all = "all"
+    capture = "capture"
+    score = "score"
+
+
+def main(
+    matrix: MatrixArg,
+    out: OutOpt = None,
+    stage: Annotated[Stage, typer.Option("--stage", help="Run only the vLLM capture or only the HF scoring.")] = Stage.all,
+    format: FormatOpt = Format.text,
+) -> None:
+    from qualify.layout import default_run_dir
+    from qualify.matrix import load_matrix
+    from qualify.reference.stage import run_reference
+
+    m = load_matrix(matrix)
+    run_dir = out or default_run_dir(m.name)
+    summary = run_reference(m, run_dir, stage.value)
+    if format is Format.json:
+        echo_json(summary)
+        return
+    if stage is Stage.capture:
+        typer.echo(f"rollout captured under {run_dir}/reference/rollout")
+        return
+    typer.echo(f"reference complete: {run_dir}/reference  rollout {summary['rollout_digest'][:19]}  "
+               f"controls {', '.join(summary['controls'])}")
+    for tp, agreement in summary["tp_agreement"].items():
+        typer.echo(f"  {tp}: tokens equal {agreement['tokens_equal']}, logprob max |delta| {agreement['logprob_max_abs']}")
+    for precision, mm in summary["rollout_mismatch"].items():
+        typer.echo(f"  train-vs-rollout {precision}: {mm['num_not_bitwise']}/{mm['num_tokens']} tokens not bitwise, "
+                   f"max |delta| {mm['max_abs']:.3g}, mean {mm['mean_abs']:.3g}")

@@ -1,0 +1,88 @@
+"""Judge candidate evidence against frozen bounds: one row per (comparison, tensor, metric).
+
+A row passes only when its value is finite and at most its bound. A missing tensor, an extra one,
+a shape or dtype mismatch, a metric that could not be measured, NaN or Inf: each is a failing
+row, never a pass. Evidence checks (FP32 gradient buffers, optimizer-state dtype, replicas
+identical across TP ranks, padded vocabulary rows untouched) have bound 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from qualify.compare import RunTensors, pair_metrics, replay_metrics, structure_problems
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One judged value."""
+
+    case: str
+    role: str
+    comparison: str
+    tensor: str
+    metric: str
+    value: float
+    bound: float
+    passed: bool
+    note: str = ""
+
+    @property
+    def ratio(self) -> float:
+        if self.bound > 0:
+            return self.value / self.bound
+        return 0.0 if self.value == 0 else math.inf
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["ratio"] = self.ratio
+        for k in ("value", "bound", "ratio"):
+            if not math.isfinite(d[k]):
+                d[k] = str(d[k])
+        return d
+
+
+def judge_pair(case: str, role: str, comparison: str, candidate: RunTensors, reference: RunTensors,
+               bounds: dict[str, dict[str, dict[str, Any]]], params_before: dict, optimizer: Any) -> list[Row]:
+    """Every bound of a family applied to candidate vs reference."""
+    rows = [Row(case, role, comparison, key, "structure", math.inf, 0.0, False, problem)
+            for key, problem in structure_problems(candidate, reference)]
+    broken = {r.tensor for r in rows}
+    tau = {key.removeprefix("moments/exp_avg/"): ms["max_abs"]["bound"]
+           for key, ms in bounds.items() if key.startswith("moments/exp_avg/")}
+    values = pair_metrics(candidate, reference, tau)
+    for key, ms in replay_metrics(candidate, params_before, optimizer).items():
+        values.setdefault(key, {}).update(ms)
+    for key in sorted(bounds):
+        if key in broken:
+            continue
+        for metric, b in sorted(bounds[key].items()):
+            value = values.get(key, {}).get(metric)
+            if value is None:
+                rows.append(Row(case, role, comparison, key, metric, math.inf, b["bound"], False, "not measured"))
+                continue
+            ok = math.isfinite(value) and value <= b["bound"]
+            rows.append(Row(case, role, comparison, key, metric, value, b["bound"], ok,
+                            "" if math.isfinite(value) else "NaN or Inf in candidate"))
+    return rows
+
+
+def evidence_rows(case: str, role: str, meta: dict[str, Any]) -> list[Row]:
+    """Structural evidence of the candidate run itself."""
+    not_fp32_grads = sorted(n for n, d in meta["grad_dtypes"].items() if d != "float32")
+    not_fp32_state = sorted(n for n, d in meta["state_dtypes"].items() if d != "float32")
+    replica = max(meta["replica_max_abs"].values(), default=0.0)
+    padded = max((r["changed_max_abs"] for r in meta["padded_rows"].values()), default=0.0)
+    checks = [
+        ("evidence/grad_buffers", "num_not_fp32", float(len(not_fp32_grads)), ", ".join(not_fp32_grads[:3])),
+        ("evidence/optimizer_state", "num_not_fp32", float(len(not_fp32_state)), ", ".join(not_fp32_state[:3])),
+        ("evidence/optimizer_state", "num_params", float(len(meta["grad_dtypes"]) - len(meta["state_dtypes"])),
+         "parameters without optimizer state"),
+        ("evidence/replicas", "max_abs_across_ranks", replica,
+         max(meta["replica_max_abs"], key=meta["replica_max_abs"].get, default="")),
+        ("evidence/padded_vocab_rows", "changed_max_abs", padded, ""),
+        ("evidence/params", "num_extra", float(len(meta["extra_params"])), ", ".join(meta["extra_params"][:3])),
+    ]
+    return [Row(case, role, "evidence", t, m, v, 0.0, math.isfinite(v) and v == 0.0, note) for t, m, v, note in checks]

@@ -1,0 +1,173 @@
+"""`qualify candidate`: verify the acceptance, run every case on the frozen rollout, judge, write the verdict.
+
+Each case runs as its own launch (torchrun with TP ranks; under Slurm the job's srun wraps the
+same command), so no engine's global state leaks into another. Cases whose evidence is complete
+and verified are skipped (resume); a case that crashes is a failed case with its log tail in
+the verdict, not a crash of the whole stage.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from qualify.candidate.judge import Row, evidence_rows, judge_pair
+from qualify.candidate.spec import make_spec
+from qualify.compare import load_run
+from qualify.engines.registry import ENGINES
+from qualify.errors import EngineError, EvidenceError, QualifyError
+from qualify.layout import RunLayout
+from qualify.manifest import load_manifest, sha256_file, verify_manifest
+from qualify.matrix import Case, Matrix
+from qualify.models.checkpoint import checkpoint_tensors
+from qualify.stages import stage_info, stage_is_complete
+from qualify.stagelog import StageLog
+from qualify.store import read_json, write_json
+
+TAIL_LINES = 30
+
+
+def load_acceptance(layout: RunLayout, acceptance: Path | None) -> tuple[dict[str, Any], dict[str, dict]]:
+    """Verify the acceptance manifest against the reference evidence and load its bounds (digest-checked)."""
+    path = Path(acceptance) if acceptance else layout.acceptance
+    if not path.is_file():
+        raise EvidenceError(f"no acceptance at {path} (run 'qualify freeze' first)")
+    doc = load_manifest(path)
+    report = verify_manifest(path, layout.reference, progress=False)
+    if not report.ok:
+        raise EvidenceError(f"reference evidence does not match {path}: {len(report.missing)} missing, "
+                            f"{len(report.extra)} extra, {len(report.modified)} modified (run 'qualify verify')")
+    bounds = {}
+    for name, digest in doc["bounds"].items():
+        file = path.parent / "bounds" / name
+        if not file.is_file() or "sha256:" + sha256_file(file)[1] != digest:
+            raise EvidenceError(f"bound file {file} is missing or does not match the acceptance's digest")
+        b = read_json(file)
+        bounds[(b["role"], b["family"])] = b["bounds"]
+    return doc, bounds
+
+
+def device_of(matrix: Matrix) -> str:
+    want = matrix.reference.device
+    if want != "auto":
+        return want
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_engines(matrix: Matrix) -> None:
+    for name in matrix.candidates.engines:
+        if name not in ENGINES and ":" not in name:
+            raise EngineError(f"unknown engine '{name}' in {matrix.source} (known: {', '.join(sorted(ENGINES))}; "
+                              "or 'module:factory')")
+
+
+def launch(spec_path: Path, tp: int, device: str, log_path: Path) -> int:
+    """torchrun the worker with tp ranks; returns its exit code, output in log_path."""
+    env = dict(os.environ)
+    if device == "cpu":
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // tp)))
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}",
+           "-m", "qualify.candidate.worker", str(spec_path)]
+    with open(log_path, "w") as log:
+        return subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+
+
+def run_case(matrix: Matrix, layout: RunLayout, case: Case, models: dict[str, Path], doc: dict[str, Any],
+             device: str, log: StageLog) -> str | None:
+    """Run one case unless complete; returns an error text when it failed."""
+    out = layout.case(case.name)
+    if stage_is_complete(out):
+        log.skip(f"case {case.name}")
+        return None
+    vocab = read_json(models["actor"] / "config.json")["vocab_size"]
+    spec = make_spec(matrix, case, model_dir=models[case.role], rollout_dir=layout.rollout(matrix.rollout.vllm_tp[0]),
+                     targets_dir=layout.targets, rollout_digest=doc["rollout_digest"],
+                     targets_digest=doc["targets_digest"], case_dir=out, vocab_size=vocab, device=device)
+    work = Path(str(out) + ".work")
+    work.mkdir(parents=True, exist_ok=True)
+    spec_path, log_path = work / "spec.json", work / "launch.log"
+    write_json(spec_path, spec.to_json())
+    with log.step(f"case {case.name}"):
+        code = launch(spec_path, case.tp, device, log_path)
+    if code != 0 or not stage_is_complete(out):
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-TAIL_LINES:])
+        return f"exit {code}; log {log_path}:\n{tail}"
+    return None
+
+
+def model_dirs(matrix: Matrix, layout: RunLayout) -> dict[str, Path]:
+    if matrix.models.tiny is not None:
+        return {"actor": layout.model("actor"), "critic": layout.model("critic")}
+    c = matrix.models.checkpoints
+    return {"actor": matrix.resolve(c.actor), "critic": matrix.resolve(c.critic)}
+
+
+def judge_case(layout: RunLayout, case: Case, bounds: dict, before: dict, optimizer: Any) -> list[Row]:
+    cand = load_run(layout.case(case.name))
+    rows = []
+    families = [(f"{case.precision}-repeat", f"{case.precision}-r0")]
+    if case.precision == "bf16":
+        families.append(("fp32-vs-bf16", "fp32-r0"))
+    for family, ref_run in families:
+        precision, control = ref_run.split("-", 1)
+        ref = load_run(layout.scores(precision, control, case.role))
+        rows += judge_pair(case.name, case.role, f"vs ref {ref_run} [{family}]", cand, ref,
+                           bounds[(case.role, family)], before, optimizer)
+    rows += evidence_rows(case.name, case.role, cand.meta)
+    if case.tp > 1:
+        base = Case(engine=case.engine, precision=case.precision, tp=1, role=case.role)
+        if stage_is_complete(layout.case(base.name)):
+            rows += judge_pair(case.name, case.role, f"vs tp1 [{case.precision}-repeat]", cand,
+                               load_run(layout.case(base.name)), bounds[(case.role, f"{case.precision}-repeat")],
+                               before, optimizer)
+    return rows
+
+
+def run_candidates(matrix: Matrix, run_dir: Path, *, acceptance: Path | None = None,
+                   only: str | None = None) -> dict[str, Any]:
+    """Run and judge the (selected) cases; returns the verdict document."""
+    layout = RunLayout(Path(run_dir))
+    check_engines(matrix)
+    doc, bounds = load_acceptance(layout, acceptance)
+    primary = layout.rollout(matrix.rollout.vllm_tp[0])
+    if not stage_is_complete(primary) or stage_info(primary)["digest"] != doc["rollout_digest"]:
+        raise EvidenceError(f"rollout at {primary} is not the one the acceptance froze ({doc['rollout_digest']})")
+    cases = [c for c in matrix.cases() if only is None or fnmatch.fnmatch(c.name, only)]
+    if not cases:
+        raise QualifyError(f"no case matches {only!r} (cases: {', '.join(c.name for c in matrix.cases())})")
+    models, device, log = model_dirs(matrix, layout), device_of(matrix), StageLog("candidate")
+    errors = {c.name: e for c in sorted(cases, key=lambda c: c.tp) if (e := run_case(matrix, layout, c, models, doc,
+                                                                                       device, log))}
+    befores = {role: checkpoint_tensors(path) for role, path in models.items()}
+    rows: list[Row] = []
+    for case in cases:
+        if case.name in errors:
+            rows.append(Row(case.name, case.role, "run", "case", "exit", 1.0, 0.0, False, errors[case.name]))
+        else:
+            rows += judge_case(layout, case, bounds, befores[case.role], matrix.optimizer)
+    verdict = verdict_document(matrix, doc, cases, rows, complete=only is None)
+    selection = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in only or "")
+    write_json(layout.verdict if only is None else layout.candidates / f"verdict-{selection}.json", verdict)
+    return verdict
+
+
+def verdict_document(matrix: Matrix, doc: dict[str, Any], cases: list[Case], rows: list[Row],
+                     complete: bool) -> dict[str, Any]:
+    per_case = {}
+    for case in cases:
+        mine = [r for r in rows if r.case == case.name]
+        worst = max((r for r in mine if r.bound > 0 or not r.passed), key=lambda r: r.ratio, default=None)
+        per_case[case.name] = {"passed": all(r.passed for r in mine) and bool(mine), "num_checks": len(mine),
+                               "num_failed": sum(not r.passed for r in mine),
+                               "worst": worst.to_json() if worst else None}
+    return {"schema": "qualify.verdict/1", "matrix": matrix.name, "acceptance_digest": doc["digest"],
+            "rollout_digest": doc["rollout_digest"], "complete": complete,
+            "passed": all(c["passed"] for c in per_case.values()), "cases": per_case,
+            "rows": [r.to_json() for r in rows]}

@@ -1,0 +1,50 @@
+"""The description of one case that the orchestrator hands to every rank of its launch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qualify.matrix import Case, Matrix, Optimizer, PPO
+from qualify.schema import from_dict, to_dict
+from qualify.store import read_json
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class CaseSpec:
+    """Everything a rank needs: the case, where the inputs are and their digests, the settings."""
+
+    engine: str
+    role: str
+    precision: str
+    tp: int
+    name: str
+    model_dir: str
+    rollout_dir: str
+    targets_dir: str
+    rollout_digest: str
+    targets_digest: str
+    case_dir: str
+    temperature: float
+    logprob_chunk_tokens: int
+    vocab_size: int
+    ppo: PPO
+    optimizer: Optimizer
+    device: str = "cpu"
+
+    def to_json(self) -> dict[str, Any]:
+        return to_dict(self)
+
+
+def make_spec(matrix: Matrix, case: Case, *, model_dir: Path, rollout_dir: Path, targets_dir: Path,
+              rollout_digest: str, targets_digest: str, case_dir: Path, vocab_size: int, device: str) -> CaseSpec:
+    return CaseSpec(engine=case.engine, role=case.role, precision=case.precision, tp=case.tp, name=case.name,
+                    model_dir=str(model_dir), rollout_dir=str(rollout_dir), targets_dir=str(targets_dir),
+                    rollout_digest=rollout_digest, targets_digest=targets_digest, case_dir=str(case_dir),
+                    temperature=matrix.rollout.temperature, logprob_chunk_tokens=matrix.reference.logprob_chunk_tokens,
+                    vocab_size=vocab_size, ppo=matrix.ppo, optimizer=matrix.optimizer, device=device)
+
+
+def read_spec(path: Path) -> CaseSpec:
+    return from_dict(CaseSpec, read_json(path), str(path))

@@ -1,0 +1,131 @@
+"""One rank of a candidate case (launched by torchrun or srun): score, loss, backward, step, export.
+
+The PPO objective here is the same pure functions the reference uses (qualify.ppo); the engine
+provides everything framework-specific: TP-sharded model, forward (including the sampler-formula
+logprobs, temperature and all), gradient reduction, clipping, the AdamW step and export in HF
+names. Rank 0 writes the evidence; every rank contributes its replicated parameters so that the
+replica check sees all of them.
+Usage: python -m qualify.candidate.worker SPEC.json
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from qualify.candidate.spec import CaseSpec, read_spec
+from qualify.engines.base import Batch, EngineContext
+from qualify.engines.registry import get_engine
+from qualify.models.checkpoint import checkpoint_tensors
+from qualify.ppo.math import clipped_policy_loss, clipped_value_loss, kl_terms, masked_mean
+from qualify.rollout.capture import load_rollout
+from qualify.stages import complete_stage, prepare_stage
+from qualify.store import read_tensors, write_json, write_tensors
+from qualify.versions import provenance
+
+
+def init_distributed(spec: CaseSpec) -> int:
+    """Join the launch's process group (gloo on CPU, NCCL on GPU); return this rank."""
+    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:  # srun without torchrun
+        os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
+                          LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != spec.tp:
+        raise SystemExit(f"case {spec.name} needs {spec.tp} ranks, launched with {world}")
+    if not dist.is_initialized():
+        backend = "nccl" if spec.device == "cuda" else "gloo"
+        if spec.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend)
+    return dist.get_rank()
+
+
+def objective(spec: CaseSpec, scores_BT: torch.Tensor, batch: Batch,
+              targets: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO loss of the role and the outputs that are judged."""
+    p, mask_BT = spec.ppo, batch.response_mask_BT
+    scores_BT = scores_BT * mask_BT
+    if spec.role == "actor":
+        loss, ratio_BT, clip_frac = clipped_policy_loss(scores_BT, targets["old_logprobs_BT"], targets["advantages_BT"],
+                                                        mask_BT, p.clip_eps, p.token_normalizer, p.normalizer_constant)
+        kl_BT = kl_terms(scores_BT.detach(), targets["ref_logprobs_BT"]) * mask_BT
+        return loss, {"logprobs_BT": scores_BT.detach(), "ratio_BT": (ratio_BT * mask_BT).detach(), "kl_BT": kl_BT,
+                      "kl_mean": masked_mean(kl_BT, mask_BT, "global"), "clip_frac": clip_frac.detach()}
+    loss, clip_frac = clipped_value_loss(scores_BT, targets["old_values_BT"], targets["returns_BT"], mask_BT,
+                                         p.value_clip_eps, p.token_normalizer, p.normalizer_constant)
+    return loss, {"values_BT": scores_BT.detach(), "clip_frac": clip_frac.detach()}
+
+
+def gather_replicas(local: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Max |difference| of each replicated parameter between this rank and every other (0 means identical)."""
+    world = dist.get_world_size()
+    worst = {}
+    for name in sorted(local):
+        t = local[name].detach().float().cpu().contiguous()
+        gathered = [None] * world
+        dist.all_gather_object(gathered, t)
+        worst[name] = max(float((g - gathered[0]).abs().max()) if g.numel() else 0.0 for g in gathered)
+    return worst
+
+
+def padded_rows_report(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Rows beyond the real vocabulary must be untouched by the step (bitwise)."""
+    return {name: {"rows": int(before[name].shape[0]), "changed_max_abs":
+                   float((after[name].float() - before[name].float()).abs().max()) if before[name].numel() else 0.0}
+            for name in sorted(before)}
+
+
+def run_case(spec: CaseSpec) -> None:
+    rank = init_distributed(spec)
+    started = time.monotonic()
+    rollout = load_rollout(Path(spec.rollout_dir), spec.rollout_digest)
+    targets = read_tensors(Path(spec.targets_dir) / "targets.safetensors")
+    batch = Batch(input_ids_BT=rollout["input_ids_BT"], response_mask_BT=rollout["response_mask_BT"])
+    engine = get_engine(spec.engine)
+    work_dir = Path(spec.case_dir + ".work")
+    work_dir.mkdir(parents=True, exist_ok=True)
+    ctx = EngineContext(role=spec.role, precision=spec.precision, tp=spec.tp, rank=rank, device=spec.device,
+                        model_dir=Path(spec.model_dir), optimizer=spec.optimizer, temperature=spec.temperature,
+                        logprob_chunk_tokens=spec.logprob_chunk_tokens, vocab_size=spec.vocab_size, work_dir=work_dir)
+    engine.setup(ctx)
+    padded_before = {k: v.detach().clone() for k, v in engine.padded_rows().items()}
+    loss, outputs = objective(spec, engine.score(batch), batch, targets)
+    engine.backward(loss)
+    grads, grad_dtypes = engine.grads(), engine.grad_dtypes()
+    outputs["loss"] = loss.detach().float()
+    outputs["grad_norm"] = engine.step().detach().float().cpu()
+    params, state = engine.params(), engine.optimizer_state()
+    replicas = gather_replicas(engine.replicated())
+    padded = padded_rows_report(padded_before, engine.padded_rows())
+    engine.close()
+    if rank == 0:
+        before = checkpoint_tensors(Path(spec.model_dir))
+        out = Path(spec.case_dir)
+        prepare_stage(out)
+        write_tensors(out / "outputs.safetensors", {k: v.float().cpu() for k, v in outputs.items()})
+        write_tensors(out / "grads.safetensors", grads)
+        write_tensors(out / "updates.safetensors", {n: p.float() - before[n].float() for n, p in params.items()
+                                                    if n in before})
+        write_tensors(out / "moments.safetensors", {f"{k}/{n}": t for k, ts in state.items() for n, t in ts.items()})
+        meta = {"grad_dtypes": grad_dtypes, "state_dtypes": {n: str(t.dtype).removeprefix("torch.")
+                                                             for n, t in state.get("exp_avg", {}).items()},
+                "replica_max_abs": replicas, "padded_rows": padded, "extra_params": sorted(set(params) - set(before)),
+                "case": spec.to_json(), "seconds": round(time.monotonic() - started, 3), **provenance()}
+        write_json(out / "meta.json", meta)
+        complete_stage(out, {"case": spec.name, "rollout_digest": spec.rollout_digest})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    run_case(read_spec(Path(sys.argv[1])))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""What is compared between two runs (reference controls or a candidate), tensor by tensor.
+
+A run is one role's evidence: outputs (logprobs or values, losses, grad norm), per-parameter
+FP32 gradients, AdamW updates and moments. compare_runs() measures every (tensor, metric) that
+a bound exists for; the same function makes the control errors at freeze time and judges the
+candidates, so a bound and the value it judges are always computed the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qualify import metrics
+from qualify.store import read_json, read_tensors
+
+OUTPUT_KINDS = {"logprobs_BT": "logprob", "ratio_BT": "logprob", "kl_BT": "logprob", "values_BT": "value",
+                "loss": "loss", "clip_frac": "loss", "kl_mean": "loss", "grad_norm": "grad_norm"}
+GROUPS = ("outputs", "grads", "updates", "moments")
+
+
+@dataclass(frozen=True, slots=True)
+class RunTensors:
+    """One role's evidence from one run."""
+
+    outputs: dict[str, torch.Tensor]
+    grads: dict[str, torch.Tensor]
+    updates: dict[str, torch.Tensor]
+    moments: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+
+
+def load_run(directory: Path) -> RunTensors:
+    """Read a run directory written by the reference or a candidate."""
+    d = Path(directory)
+    return RunTensors(*(read_tensors(d / f"{g}.safetensors") for g in GROUPS), read_json(d / "meta.json"))
+
+
+def metric_kind(key: str) -> str:
+    """Floor kind of a tensor key such as 'grads/model.norm.weight'."""
+    group, _, name = key.partition("/")
+    if group == "outputs":
+        return OUTPUT_KINDS[name]
+    return {"grads": "grad", "updates": "update", "moments": "moment"}[group]
+
+
+def structure_problems(candidate: RunTensors, reference: RunTensors) -> list[tuple[str, str]]:
+    """(key, problem) for every missing or extra tensor and every shape or dtype mismatch."""
+    problems = []
+    for group in GROUPS:
+        c, r = getattr(candidate, group), getattr(reference, group)
+        for name in sorted(set(r) - set(c)):
+            problems.append((f"{group}/{name}", "missing in candidate"))
+        for name in sorted(set(c) - set(r)):
+            problems.append((f"{group}/{name}", "not in reference"))
+        for name in sorted(set(c) & set(r)):
+            if c[name].shape != r[name].shape:
+                problems.append((f"{group}/{name}", f"shape {tuple(c[name].shape)} != {tuple(r[name].shape)}"))
+            elif c[name].dtype != r[name].dtype:
+                problems.append((f"{group}/{name}", f"dtype {c[name].dtype} != {r[name].dtype}"))
+    return problems
+
+
+def pair_metrics(candidate: RunTensors, reference: RunTensors,
+                 resolve_tau: dict[str, float] | None = None) -> dict[str, dict[str, float]]:
+    """metric values per tensor key, for the tensors both runs hold with equal shapes.
+
+    resolve_tau maps a parameter name to the exp_avg bound that decides which update elements the
+    reference resolves; without it the resolved-update metric is not computed.
+    """
+    out: dict[str, dict[str, float]] = {}
+    bad = {k for k, _ in structure_problems(candidate, reference)}
+    for group in GROUPS:
+        c, r = getattr(candidate, group), getattr(reference, group)
+        for name in sorted(set(c) & set(r)):
+            key = f"{group}/{name}"
+            if key in bad:
+                continue
+            if group == "updates":
+                if resolve_tau is not None and name in resolve_tau:
+                    ref_moment = reference.moments[f"exp_avg/{name}"]
+                    out[key] = {"resolved_max_abs": metrics.resolved_max_abs(c[name], r[name], ref_moment,
+                                                                             resolve_tau[name])}
+                continue
+            out[key] = {"max_abs": metrics.max_abs(c[name], r[name])}
+            if group in ("grads", "moments"):
+                out[key]["rel_l2"] = metrics.rel_l2(c[name], r[name])
+    return out
+
+
+def replay_metrics(run: RunTensors, params_before: dict[str, torch.Tensor], optimizer: Any) -> dict[str, dict[str, float]]:
+    """Per parameter: how far the run's update is from what AdamW makes of the run's own moments."""
+    adamw = {"lr": optimizer.lr, "betas": tuple(optimizer.betas), "eps": optimizer.eps,
+             "weight_decay": optimizer.weight_decay}
+    out = {}
+    for name, update in run.updates.items():
+        m, v = run.moments.get(f"exp_avg/{name}"), run.moments.get(f"exp_avg_sq/{name}")
+        if m is None or v is None or name not in params_before or update.shape != params_before[name].shape:
+            out[f"updates/{name}"] = {"replay_max_abs": metrics.INF}
+            continue
+        out[f"updates/{name}"] = {"replay_max_abs": metrics.replay_max_abs(update, params_before[name], m, v, **adamw)}
+    return out
+
+
+def flips(candidate: RunTensors, reference: RunTensors) -> dict[str, float]:
+    """Sign-flip fraction of each update (information, not judged)."""
+    return {name: metrics.flip_frac(candidate.updates[name], reference.updates[name])
+            for name in sorted(set(candidate.updates) & set(reference.updates))
+            if candidate.updates[name].shape == reference.updates[name].shape}
+
+
+def merge_max(into: dict[str, dict[str, float]], new: dict[str, dict[str, float]]) -> None:
+    """Elementwise max of nested metric dicts, in place."""
+    for key, ms in new.items():
+        slot = into.setdefault(key, {})
+        for metric, value in ms.items():
+            slot[metric] = max(slot.get(metric, 0.0), value)

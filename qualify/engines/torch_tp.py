@@ -1,0 +1,130 @@
+"""torch-tp: Hugging Face Qwen3 parallelized with torch.distributed.tensor.parallel (gloo or NCCL).
+
+q/k/v and gate/up are column-parallel, o and down row-parallel, the LM head column-parallel with
+replicated output (full logits on every rank). q_norm and k_norm act on each rank's own heads,
+so their gradients are partial sums: they are all-reduced across TP before clipping (the trap
+transformers' own tp plan calls replicated_with_grad_allreduce). BF16 runs a bf16 copy of the
+sharded model and keeps FP32 master parameters, FP32 gradients and FP32 AdamW state.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from qualify.engines.base import Batch, EngineContext
+from qualify.engines.common import DTYPES, dtype_name, load_hf, score_from_logits
+
+GRAD_ALLREDUCE_SUFFIXES = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+
+
+def tp_plan(role: str) -> dict:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {}
+    for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+        plan[f"model.layers.*.{proj}"] = ColwiseParallel()
+    for proj in ("self_attn.o_proj", "mlp.down_proj"):
+        plan[f"model.layers.*.{proj}"] = RowwiseParallel()
+    if role == "actor":
+        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+    return plan
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    # clone: for a plain fp32 CPU tensor .float().cpu() is the tensor itself, and clipping is in place
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().cpu().clone()
+
+
+class TorchTPEngine:
+    """The torch-tp engine (see module docstring)."""
+
+    name = "torch-tp"
+    grad_allreduce_suffixes = GRAD_ALLREDUCE_SUFFIXES
+
+    def setup(self, ctx: EngineContext) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        self.ctx = ctx
+        device_type = "cuda" if ctx.device.startswith("cuda") else "cpu"
+        self.mesh = init_device_mesh(device_type, (ctx.tp,))
+        self.master = load_hf(ctx.model_dir, ctx.role).to(ctx.device)
+        parallelize_module(self.master, self.mesh, tp_plan(ctx.role))
+        self.compute = self.master
+        if ctx.precision != "fp32":
+            self.compute = load_hf(ctx.model_dir, ctx.role, DTYPES[ctx.precision]).to(ctx.device)
+            parallelize_module(self.compute, self.mesh, tp_plan(ctx.role))
+            with torch.no_grad():
+                for mp, cp in zip(self.master.parameters(), self.compute.parameters()):
+                    local(cp).copy_(local(mp))
+        o = ctx.optimizer
+        self.optimizer = torch.optim.AdamW(self.master.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+                                           weight_decay=o.weight_decay, foreach=False)
+
+    def score(self, batch: Batch) -> torch.Tensor:
+        ids_BT = batch.input_ids_BT.to(self.ctx.device)
+        out_BTX = self.compute(input_ids=ids_BT, use_cache=False).logits
+        return score_from_logits(self.ctx.role, local(out_BTX), ids_BT, self.ctx.temperature,
+                                 self.ctx.logprob_chunk_tokens, self.ctx.vocab_size).cpu()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        for (name, mp), cp in zip(self.master.named_parameters(), self.compute.parameters()):
+            if self.ctx.tp > 1 and name.endswith(self.grad_allreduce_suffixes):
+                dist.all_reduce(local(cp.grad), op=dist.ReduceOp.SUM)
+            if cp is not mp:
+                mp.grad = cp.grad.to(torch.float32)
+        if self.compute is not self.master:
+            self.compute.zero_grad(set_to_none=True)
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        return {n: full(p.grad) for n, p in self.master.named_parameters()}
+
+    def grad_dtypes(self) -> dict[str, str]:
+        return {n: dtype_name(p.grad) for n, p in self.master.named_parameters()}
+
+    def step(self) -> torch.Tensor:
+        params = [p for p in self.master.parameters() if p.grad is not None]
+        norms = torch.stack([torch.linalg.vector_norm(full(p.grad)) for p in params])
+        total = torch.linalg.vector_norm(norms)
+        max_norm = self.ctx.optimizer.max_grad_norm
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for p in params:
+                p.grad.mul_(coef.to(local(p.grad).device))
+        self.optimizer.step()
+        return total
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {n: full(p) for n, p in self.master.named_parameters()}
+
+    def optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        names = {id(p): n for n, p in self.master.named_parameters()}
+        out: dict[str, dict[str, torch.Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}}
+        for p, state in self.optimizer.state.items():
+            for key in out:
+                t = state[key]
+                out[key][names[id(p)]] = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
+        return out
+
+    def replicated(self) -> dict[str, torch.Tensor]:
+        from torch.distributed.tensor import DTensor, Replicate
+
+        return {n: local(p).detach().cpu() for n, p in self.master.named_parameters()
+                if not isinstance(p, DTensor) or all(isinstance(pl, Replicate) for pl in p.placements)}
+
+    def padded_rows(self) -> dict[str, torch.Tensor]:
+        return {}  # vocab-sized weights are split evenly or kept whole: no padding rows exist
+
+    def close(self) -> None:
+        self.optimizer = None

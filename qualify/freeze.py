@@ -1,0 +1,160 @@
+"""`qualify freeze`: turn a reference into per-tensor bounds and an acceptance manifest.
+
+Rule: bound = k x control error + floor, per (role, tensor, metric), k and floors taken from the
+matrix snapshot recorded by the reference stage (so the rule is fixed before any candidate
+runs). Six families: actor and critic x fp32-repeat (fp32 controls vs fp32 r0), bf16-repeat
+(bf16 controls vs bf16 r0), fp32-vs-bf16 (bf16 runs vs fp32 r0). The acceptance manifest
+lists every reference artifact with its sha256 and names the bound files by digest. An
+acceptance is written once: freezing again is refused unless the result is byte-identical,
+so a frozen bound can never be widened.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+from typing import Any
+
+from qualify.compare import load_run, merge_max, metric_kind, pair_metrics, replay_metrics
+from qualify.errors import FrozenError
+from qualify.layout import RunLayout
+from qualify.manifest import build_manifest
+from qualify.models.checkpoint import checkpoint_tensors
+from qualify.schema import from_dict
+from qualify.stages import require_complete
+from qualify.store import atomic_write_bytes, dumps_json, read_json
+
+ACCEPTANCE_SCHEMA = "qualify.acceptance/1"
+BOUNDS_SCHEMA = "qualify.bounds/1"
+FAMILIES = ("fp32-repeat", "bf16-repeat", "fp32-vs-bf16")
+RULE = ("bound = k * control_error + floor + quantum (per role, tensor, metric; control_error = max over the "
+        "family's controls; quantum = one rounding step of the family's precision at the reference magnitude)")
+
+
+def family_pairs(family: str, controls: list[str]) -> tuple[str, list[str]]:
+    """(reference run, candidate-like runs) of a family: run names are '<precision>-<control>'."""
+    if family == "fp32-repeat":
+        return "fp32-r0", [f"fp32-{c}" for c in controls[1:]]
+    if family == "bf16-repeat":
+        return "bf16-r0", [f"bf16-{c}" for c in controls[1:]]
+    return "fp32-r0", [f"bf16-{c}" for c in controls]
+
+
+def quantum(precision: str, metric: str, magnitude: float) -> float:
+    """One rounding step of the compute precision: a value rounded to it can land one step away without error.
+
+    max_abs: the ulp at the reference tensor's largest magnitude; rel_l2: the precision's relative
+    spacing. Controls rarely sample this for quantized scalars (a bf16 bias gradient can sit in the
+    same rounding bucket in every control), so the rule adds it explicitly.
+    """
+    mantissa_bits = {"bf16": 7, "fp32": 23}[precision]
+    if metric == "rel_l2":
+        return 2.0 ** -mantissa_bits
+    if magnitude <= 0 or not math.isfinite(magnitude):
+        return 0.0
+    return 2.0 ** (math.floor(math.log2(magnitude)) - mantissa_bits)
+
+
+def bound_entry(kind: str, error: float, k: float, floors: dict[str, float], q: float = 0.0) -> dict[str, Any]:
+    return {"kind": kind, "control_error": error, "floor": floors[kind], "quantum": q,
+            "bound": k * error + floors[kind] + q}
+
+
+def magnitudes(run: Any) -> dict[str, float]:
+    """max |x| of every tensor of a run, by tensor key."""
+    out = {}
+    for group in ("outputs", "grads", "updates", "moments"):
+        for name, t in getattr(run, group).items():
+            out[f"{group}/{name}"] = float(t.double().abs().max()) if t.numel() else 0.0
+    return out
+
+
+def family_bounds(layout: RunLayout, role: str, family: str, controls: list[str], k: float,
+                  floors: dict[str, float], params_before: dict, optimizer: Any, use_quantum: bool) -> dict[str, Any]:
+    """Bounds of one family for one role."""
+    base_name, others = family_pairs(family, controls)
+    split = lambda run: run.split("-", 1)  # noqa: E731
+    base = load_run(layout.scores(*split(base_name), role))
+    runs = {name: load_run(layout.scores(*split(name), role)) for name in others}
+    errors: dict[str, dict[str, float]] = {}
+    for run in runs.values():
+        merge_max(errors, pair_metrics(run, base))
+    precision = "fp32" if family == "fp32-repeat" else "bf16"
+    mags = magnitudes(base)
+    bounds = {key: {m: bound_entry(metric_kind(key), v, k, floors,
+                                   quantum(precision, m, mags[key]) if use_quantum else 0.0)
+                    for m, v in ms.items()} for key, ms in errors.items()}
+    tau = {key.removeprefix("moments/exp_avg/"): b["max_abs"]["bound"]
+           for key, b in bounds.items() if key.startswith("moments/exp_avg/")}
+    resolved: dict[str, dict[str, float]] = {}
+    for run in runs.values():
+        merge_max(resolved, {k_: v for k_, v in pair_metrics(run, base, tau).items() if k_.startswith("updates/")})
+    replay: dict[str, dict[str, float]] = {}
+    for run in [base, *runs.values()]:
+        merge_max(replay, replay_metrics(run, params_before, optimizer))
+    for source in (resolved, replay):
+        for key, ms in source.items():
+            bounds.setdefault(key, {}).update({m: bound_entry("update", v, k, floors) for m, v in ms.items()})
+    return {"schema": BOUNDS_SCHEMA, "role": role, "family": family, "reference_run": base_name,
+            "control_runs": others, "k": k, "floors": floors, "rule": RULE, "bounds": bounds}
+
+
+def acceptance_document(layout: RunLayout, name: str, bound_files: dict[str, bytes], summary: dict[str, Any],
+                        matrix: Any) -> dict[str, Any]:
+    """The manifest of the reference evidence plus rule, digests and provenance."""
+    extra = {
+        "schema_version": ACCEPTANCE_SCHEMA,
+        "name": name,
+        "matrix": matrix.name,
+        "rule": {"text": RULE, "k": matrix.freeze.k, "floors": dict(matrix.freeze.floors),
+                 "quantum": matrix.freeze.quantum, "families": list(FAMILIES)},
+        "rollout_digest": summary["rollout_digest"],
+        "targets_digest": summary["targets_digest"],
+        "bounds": {f: "sha256:" + hashlib.sha256(data).hexdigest() for f, data in sorted(bound_files.items())},
+        "versions": summary["versions"],
+        "host": summary["host"],
+        "git": summary["git"],
+        "evidence": "../reference",
+    }
+    return build_manifest(layout.reference, progress=False, extra=extra)
+
+
+def freeze(run_dir: Path, name: str | None = None) -> dict[str, Any]:
+    """Freeze the reference of run_dir; returns the acceptance document (refuses to change a frozen one)."""
+    from qualify.matrix import Matrix
+
+    layout = RunLayout(Path(run_dir))
+    if not layout.reference_summary.is_file():
+        raise FrozenError(f"no complete reference in {layout.reference} (run 'qualify reference' first)")
+    summary = read_json(layout.reference_summary)
+    matrix = from_dict(Matrix, summary["matrix"], str(layout.reference_summary))
+    controls = summary["controls"]
+    for precision in ("fp32", "bf16"):
+        for control in controls:
+            for role in ("actor", "critic"):
+                require_complete(layout.scores(precision, control, role), f"reference {precision} {control} {role}")
+    files: dict[str, bytes] = {}
+    for role in ("actor", "critic"):
+        before = checkpoint_tensors(layout.model(role) if matrix.models.tiny else matrix.resolve(
+            getattr(matrix.models.checkpoints, role)))
+        for family in FAMILIES:
+            doc = family_bounds(layout, role, family, controls, matrix.freeze.k, dict(matrix.freeze.floors), before,
+                                matrix.optimizer, matrix.freeze.quantum)
+            files[f"{role}-{family}.json"] = dumps_json(doc).encode("ascii")
+    document = acceptance_document(layout, name or matrix.name, files, summary, matrix)
+    _write_once(layout, files, document)
+    return document
+
+
+def _write_once(layout: RunLayout, files: dict[str, bytes], document: dict[str, Any]) -> None:
+    """Write bounds and acceptance unless they exist; identical content is fine, anything else is refused."""
+    targets = {layout.bounds / f: data for f, data in files.items()}
+    targets[layout.acceptance] = dumps_json(document).encode("ascii")
+    changed = [p for p, data in targets.items() if p.exists() and p.read_bytes() != data]
+    if changed:
+        raise FrozenError(f"an acceptance already exists for this reference and differs: {', '.join(map(str, changed))}"
+                          " (a frozen acceptance is never rewritten or widened)")
+    for path, data in targets.items():  # bounds first, the acceptance that names them last
+        if not path.exists():
+            atomic_write_bytes(path, data)

@@ -1,0 +1,89 @@
+"""Comparison metrics between a candidate tensor and a reference tensor (pure functions).
+
+Every metric returns a Python float and is +inf when the candidate holds NaN or Inf, so a broken
+candidate can never pass. Adam's first step maps a gradient g to about -lr * sign(g), so two runs
+whose gradients differ by a rounding error near zero can legitimately differ by 2 * lr in the
+update. The update metrics therefore judge only elements whose sign the reference resolves
+(|g_ref| above the frozen gradient bound), count sign flips separately, and check that each
+update is what AdamW makes of the run's own gradient (replay), which no gradient noise excuses.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+INF = float("inf")
+
+
+def _finite(candidate: torch.Tensor) -> bool:
+    return bool(torch.isfinite(candidate).all())
+
+
+def max_abs(candidate: torch.Tensor, reference: torch.Tensor) -> float:
+    """max |c - r| in float64; +inf if c is not finite."""
+    if not _finite(candidate):
+        return INF
+    if candidate.numel() == 0:
+        return 0.0
+    return float((candidate.double() - reference.double()).abs().max())
+
+
+def rel_l2(candidate: torch.Tensor, reference: torch.Tensor) -> float:
+    """||c - r|| / ||r|| in float64 (||c - r|| when r is zero); +inf if c is not finite."""
+    if not _finite(candidate):
+        return INF
+    diff = float(torch.linalg.vector_norm(candidate.double() - reference.double()))
+    norm = float(torch.linalg.vector_norm(reference.double()))
+    return diff / norm if norm > 0 else diff
+
+
+def resolved_mask(reference_grad: torch.Tensor, tau: float) -> torch.Tensor:
+    """Elements whose gradient sign the reference resolves: |g_ref| > tau."""
+    return reference_grad.abs() > tau
+
+
+def resolved_max_abs(candidate: torch.Tensor, reference: torch.Tensor, reference_grad: torch.Tensor,
+                     tau: float) -> float:
+    """max |c - r| over elements with |g_ref| > tau; +inf if c is not finite."""
+    if not _finite(candidate):
+        return INF
+    mask = resolved_mask(reference_grad, tau)
+    if not bool(mask.any()):
+        return 0.0
+    return float((candidate.double() - reference.double()).abs()[mask].max())
+
+
+def flip_frac(candidate: torch.Tensor, reference: torch.Tensor) -> float:
+    """Fraction of elements whose sign differs (reported, never a bound: flips near zero are legitimate)."""
+    if not _finite(candidate):
+        return INF
+    if candidate.numel() == 0:
+        return 0.0
+    return float((torch.sign(candidate) != torch.sign(reference)).double().mean())
+
+
+def adamw_first_step(param_before: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *, lr: float,
+                     betas: tuple[float, float], eps: float, weight_decay: float) -> torch.Tensor:
+    """The update AdamW's first step makes from its own moments (float64): decay, then the bias-corrected step."""
+    b1, b2 = betas
+    p = param_before.double()
+    m_hat = exp_avg.double() / (1 - b1)
+    v_hat = exp_avg_sq.double() / (1 - b2)
+    decayed = p * (1 - lr * weight_decay)
+    return decayed - lr * m_hat / (v_hat.sqrt() + eps) - p
+
+
+def replay_max_abs(update: torch.Tensor, param_before: torch.Tensor, exp_avg: torch.Tensor,
+                   exp_avg_sq: torch.Tensor, **adamw: float) -> float:
+    """max |update - AdamW(own moments)|: the optimizer step was the declared one."""
+    if not (_finite(update) and _finite(exp_avg) and _finite(exp_avg_sq)):
+        return INF
+    expected = adamw_first_step(param_before, exp_avg, exp_avg_sq, **adamw)
+    return float((update.double() - expected).abs().max()) if update.numel() else 0.0
+
+
+def is_bad(value: float) -> bool:
+    """NaN counts as bad like +inf."""
+    return math.isnan(value) or math.isinf(value)

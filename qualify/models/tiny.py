@@ -1,0 +1,86 @@
+"""Make the tiny Qwen3 family locally from a seed: actor, reference policy, critic, reward.
+
+Actor and reference are Qwen3ForCausalLM; critic and reward are Qwen3ForTokenClassification with
+one label (a Qwen3 backbone plus a scalar head). Everything is saved as safetensors with its
+config, nothing is downloaded. The reference policy is drawn from a different seed than the actor
+so that KL terms are not trivially zero.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from qualify.matrix import TinyModel
+from qualify.schema import to_dict
+from qualify.stages import complete_stage, fingerprint, prepare_stage, reuse_complete
+
+SEED_OFFSETS = {"actor": 0, "reference": 1, "critic": 2, "reward": 3}
+
+
+def tiny_config(spec: TinyModel, role: str):
+    """transformers Qwen3Config for one role of the tiny family."""
+    from transformers import Qwen3Config
+
+    extra = {"num_labels": 1, "classifier_dropout": 0.0} if role in ("critic", "reward") else {}
+    return Qwen3Config(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.initializer_range,
+        rope_theta=spec.rope_theta,
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
+        bos_token_id=None,
+        eos_token_id=spec.vocab_size - 1,
+        pad_token_id=0,
+        torch_dtype="float32",
+        **extra,
+    )
+
+
+def build_tiny_model(spec: TinyModel, role: str):
+    """The role's model with weights drawn from spec.seed + the role's offset (fp32)."""
+    import torch
+    from transformers import Qwen3ForCausalLM, Qwen3ForTokenClassification
+
+    from qualify.models.checkpoint import quiet_transformers
+
+    quiet_transformers()
+    config = tiny_config(spec, role)
+    cls = Qwen3ForCausalLM if role in ("actor", "reference") else Qwen3ForTokenClassification
+    generator_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(spec.seed + SEED_OFFSETS[role])
+        model = cls(config).to(torch.float32)
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                # Norm weights of 1 would hide a norm applied to the wrong shard: draw them around 1.
+                torch.nn.init.normal_(param, mean=1.0, std=spec.initializer_range)
+        if role in ("critic", "reward"):
+            # The default init leaves a zero-ish scalar head; draw it like every other weight.
+            torch.nn.init.normal_(model.score.weight, std=spec.initializer_range)
+            torch.nn.init.normal_(model.score.bias, std=spec.initializer_range)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    return model.eval()
+
+
+def make_tiny_family(spec: TinyModel, models_dir: Path) -> dict[str, Path]:
+    """Write every role's checkpoint under models_dir/<role>; complete ones are kept as they are."""
+    paths = {}
+    for role in SEED_OFFSETS:
+        out = Path(models_dir) / role
+        paths[role] = out
+        settings = fingerprint({"tiny": to_dict(spec), "role": role})
+        if reuse_complete(out, settings, f"tiny {role} model"):
+            continue
+        prepare_stage(out)
+        model = build_tiny_model(spec, role)
+        model.save_pretrained(out, safe_serialization=True)
+        complete_stage(out, {"role": role, "seed": spec.seed + SEED_OFFSETS[role], "settings": settings})
+    return paths

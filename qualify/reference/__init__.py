@@ -1,0 +1,1 @@
+"""The independent Hugging Face reference: targets, scoring, controls."""

@@ -1,0 +1,73 @@
+"""Hugging Face models for the reference: loading in a precision and the forward passes.
+
+Conventions (shared with every engine): sequences are right-padded, positions are 0..T-1, and
+causal attention means padding never influences a real token, so no attention mask is passed.
+logp_BT[:, t] = log p(token t | tokens < t) comes from the logits at t-1; values_BT[:, t] is the
+critic's head at t-1 (the state in which token t is emitted); the reward model is pooled at the
+last response token.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+
+from qualify.models.checkpoint import quiet_transformers
+from qualify.ppo.logprob import sampler_logprobs
+from qualify.ppo.math import last_active_index
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def load_model(model_dir: Path, role: str, attn_impl: str = "sdpa") -> torch.nn.Module:
+    """Load an HF checkpoint in fp32 (the master weights), in eval mode, with no dropout active."""
+    from transformers import Qwen3ForCausalLM, Qwen3ForTokenClassification
+
+    quiet_transformers()
+    cls = Qwen3ForCausalLM if role in ("actor", "reference") else Qwen3ForTokenClassification
+    model = cls.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation=attn_impl)
+    return model.eval()
+
+
+def compute_copy(master: torch.nn.Module, precision: str) -> torch.nn.Module:
+    """The module the forward/backward runs in: the master itself in fp32, a bf16 copy in bf16."""
+    if precision == "fp32":
+        return master
+    return copy.deepcopy(master).to(DTYPES[precision])
+
+
+def enable_checkpointing(model: torch.nn.Module) -> None:
+    """Turn on activation checkpointing for real: transformers only checkpoints in train mode."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout) and module.p != 0:
+            raise ValueError(f"dropout p={module.p} would make train-mode checkpointing non-deterministic")
+    model.train()
+
+
+def actor_logprobs(model: torch.nn.Module, input_ids_BT: torch.Tensor, temperature: float, chunk_tokens: int,
+                   vocab_size: int) -> torch.Tensor:
+    """(B, T) fp32 sampler-formula logprobs of input_ids; position 0 (no context) is 0."""
+    logits_BTV = model(input_ids=input_ids_BT, use_cache=False).logits
+    logp_BT1 = sampler_logprobs(logits_BTV[:, :-1], input_ids_BT[:, 1:], temperature, chunk_tokens, vocab_size)
+    return torch.nn.functional.pad(logp_BT1, (1, 0))
+
+
+def head_outputs(model: torch.nn.Module, input_ids_BT: torch.Tensor) -> torch.Tensor:
+    """(B, T) fp32 scalar-head outputs at every position."""
+    return model(input_ids=input_ids_BT, use_cache=False).logits[..., 0].float()
+
+
+def critic_values(model: torch.nn.Module, input_ids_BT: torch.Tensor) -> torch.Tensor:
+    """(B, T) fp32 values: the head at t-1 values the state in which token t is emitted; position 0 is 0."""
+    return torch.nn.functional.pad(head_outputs(model, input_ids_BT)[:, :-1], (1, 0))
+
+
+def reward_scores(model: torch.nn.Module, input_ids_BT: torch.Tensor, response_mask_BT: torch.Tensor) -> torch.Tensor:
+    """(B,) fp32 rewards pooled at each row's last response token; 0 for a row without response."""
+    out_BT = head_outputs(model, input_ids_BT)
+    last_B, has_any_B = last_active_index(response_mask_BT)
+    pooled_B = out_BT.gather(1, last_B[:, None])[:, 0]
+    return torch.where(has_any_B, pooled_B, torch.zeros_like(pooled_B))

@@ -1,0 +1,191 @@
+"""`qualify reference`: models, rollout capture at every vLLM TP degree, targets, scored controls.
+
+Every step writes a resumable stage directory (qualify.stages): complete outputs are skipped,
+partial ones redone. The first vLLM TP degree's rollout feeds everything downstream; the others
+are captured to check that TP does not change the rollout.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from qualify.errors import EvidenceError, QualifyError
+from qualify.layout import RunLayout
+from qualify.manifest import sha256_file
+from qualify.matrix import Matrix
+from qualify.stagelog import StageLog
+from qualify.rollout.capture import capture_rollout, load_rollout
+from qualify.schema import to_dict
+from qualify.stages import (complete_stage, fingerprint, prepare_stage, require_complete, reuse_complete, stage_info,
+                             stage_is_complete)
+from qualify.store import read_json, read_tensors, write_json, write_tensors
+from qualify.versions import git_state, provenance
+
+ROLES = ("actor", "critic")
+
+
+def prepare_models(matrix: Matrix, layout: RunLayout) -> dict[str, Path]:
+    """The four model directories: made from the seed (tiny) or the matrix's checkpoints."""
+    if matrix.models.tiny is not None:
+        from qualify.models.tiny import make_tiny_family
+
+        return make_tiny_family(matrix.models.tiny, layout.models)
+    c = matrix.models.checkpoints
+    paths = {role: matrix.resolve(getattr(c, role)) for role in ("actor", "reference", "critic", "reward")}
+    for role, path in paths.items():
+        if not (path / "config.json").is_file():
+            raise QualifyError(f"{role} checkpoint {path} has no config.json (models are never downloaded)")
+    return paths
+
+
+def model_config(model_dir: Path) -> dict[str, Any]:
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def capture_all(matrix: Matrix, layout: RunLayout, models: dict[str, Path], log: StageLog) -> dict[int, str]:
+    """Capture the rollout at every vLLM TP degree; return digest per degree."""
+    cfg = model_config(models["actor"])
+    digests = {}
+    for tp in matrix.rollout.vllm_tp:
+        with log.step(f"capture rollout: vLLM TP{tp}"):
+            digests[tp] = capture_rollout(matrix, models["actor"], tp, layout.rollout(tp),
+                                          vocab_size=cfg["vocab_size"], eos_token_id=cfg.get("eos_token_id"))
+    return digests
+
+
+def tp_agreement(matrix: Matrix, layout: RunLayout) -> dict[str, Any]:
+    """Tokens and sampler logprobs of every captured TP degree against the primary one."""
+    primary = matrix.rollout.vllm_tp[0]
+    base = load_rollout(layout.rollout(primary))
+    report = {}
+    for tp in matrix.rollout.vllm_tp[1:]:
+        other = load_rollout(layout.rollout(tp))
+        same_shape = other["input_ids_BT"].shape == base["input_ids_BT"].shape
+        tokens_equal = same_shape and bool((other["input_ids_BT"] == base["input_ids_BT"]).all())
+        delta = ((other["sampler_logprobs_BT"] - base["sampler_logprobs_BT"]).abs().max().item()
+                 if tokens_equal else None)
+        report[f"tp{tp}_vs_tp{primary}"] = {"tokens_equal": tokens_equal, "logprob_max_abs": delta}
+    return report
+
+
+def scoring_settings(matrix: Matrix, rollout_digest: str) -> str:
+    """Fingerprint of what targets and scores depend on: the rollout and the numerics sections of the matrix."""
+    m = to_dict(matrix)
+    return fingerprint({"rollout": rollout_digest, **{k: m[k] for k in ("models", "ppo", "optimizer", "reference")}})
+
+
+def make_targets(matrix: Matrix, layout: RunLayout, models: dict[str, Path], digest: str, log: StageLog) -> str:
+    """Compute and seal the targets (once); return their digest."""
+    from qualify.reference.targets import TARGETS_FILE, compute_targets, targets_meta
+
+    out = layout.targets
+    settings = scoring_settings(matrix, digest)
+    if reuse_complete(out, settings, "targets"):
+        return stage_info(out)["digest"]
+    with log.step("targets: reference logprobs, rewards, values, GAE (fp32)"):
+        rollout = load_rollout(layout.rollout(matrix.rollout.vllm_tp[0]), digest)
+        vocab = model_config(models["actor"])["vocab_size"]
+        targets = compute_targets(matrix, models, rollout, vocab)
+        prepare_stage(out)
+        write_tensors(out / TARGETS_FILE, targets)
+        tdigest = "sha256:" + sha256_file(out / TARGETS_FILE)[1]
+        write_json(out / "targets.json", targets_meta(matrix, digest) | {"digest": tdigest})
+        complete_stage(out, {"digest": tdigest, "rollout_digest": digest, "settings": settings})
+    return tdigest
+
+
+def load_targets(layout: RunLayout, expected_digest: str | None = None) -> dict[str, Any]:
+    """Read the sealed targets, checking their digest."""
+    from qualify.reference.targets import TARGETS_FILE
+
+    require_complete(layout.targets, "targets")
+    digest = "sha256:" + sha256_file(layout.targets / TARGETS_FILE)[1]
+    if expected_digest is not None and digest != expected_digest:
+        raise EvidenceError(f"targets digest {digest} differs from the expected {expected_digest}")
+    return read_tensors(layout.targets / TARGETS_FILE)
+
+
+def score_all(matrix: Matrix, layout: RunLayout, models: dict[str, Path], digest: str, log: StageLog) -> list[str]:
+    """Every precision x control x role; returns the control names."""
+    import torch
+
+    from qualify.reference.hf import load_model
+    from qualify.reference.step import controls_of, run_role
+
+    tdigest = make_targets(matrix, layout, models, digest, log)
+    rollout = load_rollout(layout.rollout(matrix.rollout.vllm_tp[0]), digest)
+    targets = load_targets(layout, tdigest)
+    vocab = model_config(models["actor"])["vocab_size"]
+    controls = controls_of(matrix)
+    for precision in matrix.reference.precisions:
+        for control in controls:
+            for role in ROLES:
+                out = layout.scores(precision, control.name, role)
+                if reuse_complete(out, scoring_settings(matrix, digest), f"reference {precision} {control.name} {role}"):
+                    log.skip(f"score {precision} {control.name} {role}")
+                    continue
+                with log.step(f"score {precision} {control.name} {role}"):
+                    started = time.monotonic()
+                    master = load_model(models[role], role, control.attn_impl)
+                    with torch.enable_grad():
+                        result = run_role(matrix, role, precision, control, master, rollout, targets, vocab)
+                    write_role(out, result, {"precision": precision, "control": control.name, "role": role,
+                                             "attn_impl": control.attn_impl, "microbatches": control.microbatches,
+                                             "reverse_rows": control.reverse_rows,
+                                             "seconds": round(time.monotonic() - started, 3),
+                                             "rollout_digest": digest, "targets_digest": tdigest,
+                                             "settings": scoring_settings(matrix, digest)})
+    return [c.name for c in controls]
+
+
+def write_role(out: Path, result: dict[str, Any], info: dict[str, Any]) -> None:
+    """Seal one role's outputs, gradients, updates and optimizer moments."""
+    prepare_stage(out)
+    outputs = {k: v for k, v in result.items() if k not in ("grads", "updates", "moments", "meta")}
+    write_tensors(out / "outputs.safetensors", outputs)
+    write_tensors(out / "grads.safetensors", result["grads"])
+    write_tensors(out / "updates.safetensors", result["updates"])
+    write_tensors(out / "moments.safetensors", result["moments"])
+    write_json(out / "meta.json", result["meta"] | info)
+    complete_stage(out, info)
+
+
+def rollout_mismatch(layout: RunLayout, matrix: Matrix, controls: list[str]) -> dict[str, Any]:
+    """Train-vs-rollout: tokens whose reference logprob is not bitwise the sampler's, max and mean |delta|."""
+    rollout = load_rollout(layout.rollout(matrix.rollout.vllm_tp[0]))
+    mask = rollout["response_mask_BT"]
+    sampler = rollout["sampler_logprobs_BT"][mask]
+    report = {}
+    for precision in matrix.reference.precisions:
+        logp = read_tensors(layout.scores(precision, controls[0], "actor") / "outputs.safetensors")["logprobs_BT"][mask]
+        delta = (logp - sampler).abs()
+        report[precision] = {"num_tokens": int(mask.sum()), "num_not_bitwise": int((logp != sampler).sum()),
+                             "max_abs": float(delta.max()), "mean_abs": float(delta.mean())}
+    return report
+
+
+def run_reference(matrix: Matrix, run_dir: Path, stage: str = "all") -> dict[str, Any]:
+    """The whole reference stage (or only its capture or scoring half); returns the summary."""
+    layout = RunLayout(Path(run_dir))
+    log = StageLog("reference")
+    models = prepare_models(matrix, layout)
+    if stage in ("all", "capture"):
+        capture_all(matrix, layout, models, log)
+    if stage == "capture":
+        return {"stage": "capture", "run_dir": str(run_dir)}
+    primary = matrix.rollout.vllm_tp[0]
+    require_complete(layout.rollout(primary), f"rollout TP{primary} (run --stage capture first)")
+    digest = stage_info(layout.rollout(primary))["digest"]
+    controls = score_all(matrix, layout, models, digest, log)
+    summary = {"matrix": to_dict(matrix), "rollout_digest": digest, "primary_vllm_tp": primary,
+               "rollout_digests": {f"tp{tp}": stage_info(layout.rollout(tp))["digest"]
+                                   for tp in matrix.rollout.vllm_tp if stage_is_complete(layout.rollout(tp))},
+               "tp_agreement": tp_agreement(matrix, layout), "targets_digest": stage_info(layout.targets)["digest"],
+               "controls": controls, "precisions": list(matrix.reference.precisions),
+               "rollout_mismatch": rollout_mismatch(layout, matrix, controls), "git": git_state(), **provenance()}
+    if not layout.reference_summary.is_file():
+        write_json(layout.reference_summary, summary)
+    return read_json(layout.reference_summary)

@@ -1,0 +1,1 @@
+"""Rollout capture with real vLLM, and the immutable rollout it produces."""

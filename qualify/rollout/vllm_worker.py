@@ -1,0 +1,71 @@
+"""Child process that runs vLLM once: load the actor, sample every prompt, write raw results.
+
+It runs in its own process so that vLLM's engine, its worker processes and its shared-memory
+segments are created and torn down in isolation: the parent checks that nothing is left over.
+Usage: python -m qualify.rollout.vllm_worker REQUEST.json OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from qualify.store import write_json
+
+
+def run(request: dict) -> dict:
+    """Sample every prompt with its own seed; return tokens and the sampler's logprobs."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    started = time.monotonic()
+    llm = LLM(
+        model=request["model_dir"],
+        skip_tokenizer_init=True,
+        dtype=request["dtype"],
+        enforce_eager=True,
+        seed=request["seed"],
+        tensor_parallel_size=request["tp"],
+        logprobs_mode="processed_logprobs",
+        max_model_len=request["max_model_len"],
+        kv_cache_memory_bytes=request["kv_cache_memory_bytes"],
+        max_num_seqs=max(1, len(request["prompts"])),
+        block_size=request["block_size"],
+    )
+    loaded = time.monotonic()
+    try:
+        params = [
+            SamplingParams(n=1, temperature=request["temperature"], top_k=request["top_k"], top_p=request["top_p"],
+                           seed=seed, max_tokens=request["max_new_tokens"], logprobs=0, detokenize=False,
+                           stop_token_ids=[request["eos_token_id"]] if request["eos_token_id"] is not None else None)
+            for seed in request["seeds"]
+        ]
+        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in request["prompts"]]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        results = []
+        for out in outputs:
+            completion = out.outputs[0]
+            token_logprobs = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
+            results.append({"prompt": list(out.prompt_token_ids), "tokens": list(completion.token_ids),
+                            "logprobs": token_logprobs, "finish_reason": completion.finish_reason})
+    finally:
+        shutdown(llm)
+    return {"results": results, "load_s": loaded - started, "generate_s": time.monotonic() - loaded}
+
+
+def shutdown(llm) -> None:
+    """Stop the engine core and its workers explicitly (else /dev/shm segments can be left behind)."""
+    engine_core = getattr(llm.llm_engine, "engine_core", None)
+    if engine_core is not None:
+        engine_core.shutdown()
+
+
+def main() -> None:
+    request = json.loads(Path(sys.argv[1]).read_text())
+    write_json(Path(sys.argv[2]), run(request))
+
+
+if __name__ == "__main__":
+    main()

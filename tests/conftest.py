@@ -1,0 +1,90 @@
+"""Shared fixtures: marker-driven skips and one reference + freeze per test session.
+
+Markers skip themselves when what they need is missing: vllm (vLLM importable), slurm (a Slurm
+controller answers), gpu / multi_gpu (CUDA devices). The session fixture `frozen_run` captures the
+embedded default's rollout with real vLLM, scores the reference and freezes it once; every test
+that needs a reference uses it (read-only) or copies it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "matrices" / "tiny-qwen3.yaml"
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+
+def _has_vllm() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def _slurm_up() -> bool:
+    if shutil.which("sinfo") is None:
+        return False
+    try:
+        return subprocess.run(["sinfo", "-h"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def _num_gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        return 0
+
+
+def pytest_collection_modifyitems(config, items):
+    checks = {"vllm": (_has_vllm, "vLLM is not importable"),
+              "slurm": (_slurm_up, "no Slurm controller answers (start one with scripts/slurm-local.sh)"),
+              "gpu": (lambda: _num_gpus() >= 1, "no CUDA GPU"),
+              "multi_gpu": (lambda: _num_gpus() >= 2, "fewer than two CUDA GPUs")}
+    cache: dict[str, bool] = {}
+    for item in items:
+        for marker, (probe, reason) in checks.items():
+            if marker in item.keywords:
+                if marker not in cache:
+                    cache[marker] = probe()
+                if not cache[marker]:
+                    item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="session")
+def tiny_matrix():
+    from qualify.matrix import load_matrix
+
+    return load_matrix(TINY)
+
+
+@pytest.fixture(scope="session")
+def frozen_run(tmp_path_factory, tiny_matrix):
+    """Run directory with the embedded default's reference and acceptance (treat as read-only)."""
+    if not _has_vllm():
+        pytest.skip("vLLM is not importable")
+    from qualify.freeze import freeze
+    from qualify.reference.stage import run_reference
+
+    run_dir = tmp_path_factory.mktemp("frozen") / "tiny-qwen3"
+    run_reference(tiny_matrix, run_dir)
+    freeze(run_dir)
+    return run_dir
+
+
+@pytest.fixture
+def run_copy(frozen_run, tmp_path):
+    """A private copy of the frozen run (reference + acceptance, no candidates) a test may change."""
+    dst = tmp_path / "run"
+    shutil.copytree(frozen_run / "reference", dst / "reference")
+    shutil.copytree(frozen_run / "acceptance", dst / "acceptance")
+    return dst
