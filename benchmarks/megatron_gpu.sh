@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Megatron engine vs the HF reference on one GPU (run through the `device` tool, or on any CUDA host).
+# The GPU image has torch, transformers and Triton but no megatron-core: the cp312 wheel travels in .whl/
+# (ignored by git), fetched here with:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.16.1
+# Usage: bash benchmarks/megatron_gpu.sh OUT_DIR [MODELS]   (MODELS: tiny-qwen3,qwen3-0.6b-shape)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: megatron_gpu.sh OUT_DIR [MODELS]}
+models=${2:-tiny-qwen3,qwen3-0.6b-shape}
+if ! python3 -c "import megatron.core" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/megatron_core-*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+python3 - <<'PY'
+import importlib.metadata as md, torch
+print("torch", torch.__version__, "transformers", md.version("transformers"), "megatron-core",
+      md.version("megatron-core"), torch.cuda.get_device_name(0))
+PY
+torchrun --nproc-per-node 1 benchmarks/megatron_gpu.py --out "$out" --models "$models"
