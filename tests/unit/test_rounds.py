@@ -1,0 +1,120 @@
+"""Pure parts of qualify.rounds: vLLM shard layout of Qwen3, acknowledgment verification, digests, updates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qualify.errors import EvidenceError, QualifyError
+from qualify.rounds.acks import ack_problems
+from qualify.rounds.digests import tensor_digest, version_digest
+from qualify.rounds.shards import expected_shard_digests, rank_shards
+from qualify.rounds.weights import Version, apply_update
+
+CONFIG = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "hidden_size": 16,
+          "intermediate_size": 24, "num_hidden_layers": 2, "vocab_size": 100, "tie_word_embeddings": False,
+          "architectures": ["Qwen3ForCausalLM"]}
+
+
+def hf_tensors(config=CONFIG, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h, d, f, v = config["hidden_size"], config["head_dim"], config["intermediate_size"], config["vocab_size"]
+    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
+    shapes = {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+              "self_attn.o_proj.weight": (h, q), "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
+              "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
+              "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
+    out = {f"model.layers.{i}.{n}": torch.randn(s, generator=g) for i in range(config["num_hidden_layers"])
+           for n, s in shapes.items()}
+    out |= {"model.embed_tokens.weight": torch.randn(v, h, generator=g), "lm_head.weight": torch.randn(v, h, generator=g),
+            "model.norm.weight": torch.randn(h, generator=g)}
+    return out
+
+
+def slow_qkv(w, rank, tp, config=CONFIG):
+    """Head by head: the rank's q heads, then the kv head(s) it serves (replicated when tp > kv heads)."""
+    d, H, KV = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
+    heads = lambda t, i: t[i * d:(i + 1) * d]
+    q = [heads(w["self_attn.q_proj.weight"], rank * (H // tp) + j) for j in range(H // tp)]
+    kv_ids = [rank * KV // tp] if tp >= KV else [rank * (KV // tp) + j for j in range(KV // tp)]
+    k = [heads(w["self_attn.k_proj.weight"], i) for i in kv_ids]
+    v = [heads(w["self_attn.v_proj.weight"], i) for i in kv_ids]
+    return torch.cat(q + k + v)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_shards_match_a_head_by_head_layout(tp):
+    hf = hf_tensors()
+    for rank in range(tp):
+        shards = dict(rank_shards(hf, CONFIG, rank, tp))
+        w = {k.removeprefix("model.layers.1."): t for k, t in hf.items() if k.startswith("model.layers.1.")}
+        assert torch.equal(shards["model.layers.1.self_attn.qkv_proj.weight"], slow_qkv(w, rank, tp))
+        cols = [c for c in range(CONFIG["num_attention_heads"] * 8) if c // (32 // tp) == rank]
+        assert torch.equal(shards["model.layers.1.self_attn.o_proj.weight"], w["self_attn.o_proj.weight"][:, cols])
+        rows = slice(rank * 24 // tp, (rank + 1) * 24 // tp)
+        assert torch.equal(shards["model.layers.1.mlp.gate_up_proj.weight"],
+                           torch.cat([w["mlp.gate_proj.weight"][rows], w["mlp.up_proj.weight"][rows]]))
+        assert torch.equal(shards["model.layers.1.mlp.down_proj.weight"], w["mlp.down_proj.weight"][:, rows])
+        assert torch.equal(shards["model.norm.weight"], hf["model.norm.weight"])
+
+
+def test_vocab_is_padded_to_64_and_split_with_zero_rows():
+    hf = hf_tensors()  # vocab 100 -> padded 128
+    r0, r1 = (dict(rank_shards(hf, CONFIG, r, 2))["lm_head.weight"] for r in (0, 1))
+    assert r0.shape == r1.shape == (64, 16)
+    assert torch.equal(r0, hf["lm_head.weight"][:64])
+    assert torch.equal(r1[:36], hf["lm_head.weight"][64:]) and not r1[36:].any()
+    assert dict(rank_shards(hf, CONFIG, 0, 1))["model.embed_tokens.weight"].shape == (128, 16)
+
+
+def test_unknown_tensors_and_architectures_are_refused():
+    with pytest.raises(QualifyError, match="no known vLLM Qwen3 layout"):
+        list(rank_shards(hf_tensors() | {"model.layers.0.self_attn.q_proj.bias": torch.zeros(32)}, CONFIG, 0, 1))
+    with pytest.raises(QualifyError, match="Qwen3ForCausalLM only"):
+        expected_shard_digests(hf_tensors(), CONFIG | {"architectures": ["LlamaForCausalLM"]}, 1, torch.float32)
+    with pytest.raises(QualifyError, match="cannot shard"):
+        list(rank_shards(hf_tensors(), CONFIG, 0, 3))
+
+
+def acks_for(expected, version=1):
+    return [{"rank": r, "version": version, "tensors": dict(e)} for r, e in enumerate(expected)]
+
+
+def test_ack_problems_accepts_exactly_one_matching_ack_per_rank():
+    expected = expected_shard_digests(hf_tensors(), CONFIG, 2, torch.float32)
+    assert ack_problems(acks_for(expected), 1, expected) == []
+    assert ack_problems(list(reversed(acks_for(expected))), 1, expected) == []
+
+
+def test_ack_problems_names_every_defect():
+    expected = expected_shard_digests(hf_tensors(), CONFIG, 2, torch.float32)
+    acks = acks_for(expected)
+    assert ack_problems(acks[:1], 1, expected) == ["rank 1: no acknowledgment"]
+    assert ack_problems(acks + [dict(acks[0])], 1, expected) == ["rank 0: 2 acknowledgments (duplicate)"]
+    assert ack_problems(acks, 2, expected) == [f"rank {r}: acknowledges version 1, installed 2" for r in (0, 1)]
+    assert any("not a rank of TP2" in p for p in ack_problems(acks + [{"rank": 2, "version": 1}], 1, expected))
+    bad = acks_for(expected)
+    name = "model.layers.0.mlp.down_proj.weight"
+    bad[1]["tensors"][name] = tensor_digest(torch.zeros(1))
+    assert [p.split(" holds")[0] for p in ack_problems(bad, 1, expected)] == [f"rank 1: {name}"]
+    del bad[1]["tensors"][name]
+    bad[0]["tensors"]["extra.weight"] = "sha256:0"
+    assert ack_problems(bad, 1, expected) == ["rank 0: extra.weight is not expected", f"rank 1: {name} missing"]
+
+
+def test_digests_see_one_ulp_dtype_and_shape_but_not_the_sign_of_zero():
+    t = torch.tensor([0.5, -0.0, 2.0])
+    assert tensor_digest(t) == tensor_digest(torch.tensor([0.5, 0.0, 2.0]))
+    assert tensor_digest(t) != tensor_digest(torch.nextafter(t, torch.full_like(t, 9.0)))
+    assert tensor_digest(t) != tensor_digest(t.double()) != tensor_digest(t.view(3, 1))
+    assert version_digest({"a": "x", "b": "y"}) == version_digest({"b": "y", "a": "x"})
+
+
+def test_apply_update_is_name_for_name():
+    prev = Version(0, None, {"a": torch.ones(2), "b": torch.zeros(3)}, {})
+    new = apply_update(prev, {"a": torch.full((2,), 0.5), "b": torch.ones(3)})
+    assert torch.equal(new["a"], torch.full((2,), 1.5)) and torch.equal(new["b"], torch.ones(3))
+    with pytest.raises(EvidenceError, match="missing \\['b'\\]"):
+        apply_update(prev, {"a": torch.ones(2)})
+    with pytest.raises(EvidenceError, match="shapes differ"):
+        apply_update(prev, {"a": torch.ones(3), "b": torch.ones(3)})
