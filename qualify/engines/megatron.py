@@ -89,7 +89,8 @@ class MegatronEngine:
         from transformers import AutoConfig
 
         self.ctx, self.notes = ctx, []
-        torch.cuda.set_device(torch.device(ctx.device))
+        if torch.device(ctx.device).index is not None:  # plain 'cuda': the launcher already set LOCAL_RANK's device
+            torch.cuda.set_device(torch.device(ctx.device))
         if not ps.model_parallel_is_initialized():
             ps.initialize_model_parallel(tensor_model_parallel_size=ctx.tp)
         tensor_parallel.model_parallel_cuda_manual_seed(1234)  # dropout is 0; the tracker must exist
