@@ -1,9 +1,19 @@
 #!/usr/bin/env bash
-# The main job on a matrix: whatever stages exist, in order, then a summary.
-set -euo pipefail
+# The main job: reference -> freeze -> candidate -> verify -> report on a matrix (default: the
+# embedded tiny Qwen3). Every stage resumes: rerunning skips what is complete and verified.
+set -uo pipefail
 matrix=${1:-matrices/tiny-qwen3.yaml}
 run=${2:-runs/tiny-qwen3}
-q=.venv/bin/qualify
+q=${QUALIFY:-.venv/bin/qualify}
+export VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-0} TORCHDYNAMO_DISABLE=${TORCHDYNAMO_DISABLE:-1}
 start=$(date +%s)
-$q matrices validate "$matrix"
-echo "demo finished in $(( $(date +%s) - start )) s"
+step() { echo; echo "== $*"; "$@"; }
+step "$q" reference "$matrix" --out "$run" || exit $?
+step "$q" freeze "$run" || exit $?
+step "$q" candidate "$matrix" --run "$run"; verdict=$?
+[ "$verdict" -le 1 ] || exit "$verdict"
+step "$q" verify "$run/acceptance/acceptance.json" || exit $?
+step "$q" report "$run"
+echo
+echo "main job finished in $(( $(date +%s) - start )) s: candidates $([ "$verdict" -eq 0 ] && echo PASSED || echo FAILED)"
+exit "$verdict"

@@ -9,7 +9,6 @@ last response token.
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import torch
@@ -21,21 +20,28 @@ from qualify.ppo.math import last_active_index
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def load_model(model_dir: Path, role: str, attn_impl: str = "sdpa") -> torch.nn.Module:
-    """Load an HF checkpoint in fp32 (the master weights), in eval mode, with no dropout active."""
+def load_model(model_dir: Path, role: str, attn_impl: str = "sdpa", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Load an HF checkpoint (fp32: the master weights), in eval mode, with no dropout active."""
     from transformers import Qwen3ForCausalLM, Qwen3ForTokenClassification
 
     quiet_transformers()
     cls = Qwen3ForCausalLM if role in ("actor", "reference") else Qwen3ForTokenClassification
-    model = cls.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation=attn_impl)
+    model = cls.from_pretrained(str(model_dir), dtype=dtype, attn_implementation=attn_impl)
     return model.eval()
 
 
-def compute_copy(master: torch.nn.Module, precision: str) -> torch.nn.Module:
-    """The module the forward/backward runs in: the master itself in fp32, a bf16 copy in bf16."""
+def compute_copy(master: torch.nn.Module, precision: str, model_dir: Path, role: str,
+                 attn_impl: str) -> torch.nn.Module:
+    """The module the forward/backward runs in: the master itself in fp32; in bf16 the checkpoint loaded
+    the way transformers loads bf16 (RoPE inv_freq stays fp32: a blanket .to(bf16) would round it too),
+    holding exactly the master weights rounded to bf16."""
     if precision == "fp32":
         return master
-    return copy.deepcopy(master).to(DTYPES[precision])
+    model = load_model(model_dir, role, attn_impl, DTYPES[precision])
+    with torch.no_grad():
+        for mp, cp in zip(master.parameters(), model.parameters()):
+            cp.copy_(mp)  # round-to-nearest of the current master, whatever the checkpoint held
+    return model
 
 
 def enable_checkpointing(model: torch.nn.Module) -> None:

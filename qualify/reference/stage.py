@@ -131,7 +131,8 @@ def score_all(matrix: Matrix, layout: RunLayout, models: dict[str, Path], digest
                     started = time.monotonic()
                     master = load_model(models[role], role, control.attn_impl)
                     with torch.enable_grad():
-                        result = run_role(matrix, role, precision, control, master, rollout, targets, vocab)
+                        result = run_role(matrix, role, precision, control, master, rollout, targets, vocab,
+                                          models[role])
                     write_role(out, result, {"precision": precision, "control": control.name, "role": role,
                                              "attn_impl": control.attn_impl, "microbatches": control.microbatches,
                                              "reverse_rows": control.reverse_rows,

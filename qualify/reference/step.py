@@ -10,6 +10,7 @@ loss so that the sum equals the full-batch loss for every token normalizer.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -62,9 +63,10 @@ def _row_slices(B: int, n: int) -> list[slice]:
 
 
 def run_role(matrix: Matrix, role: str, precision: str, control: Control, master: torch.nn.Module,
-             batch: dict[str, torch.Tensor], targets: dict[str, torch.Tensor], vocab_size: int) -> dict[str, Any]:
+             batch: dict[str, torch.Tensor], targets: dict[str, torch.Tensor], vocab_size: int,
+             model_dir: Path) -> dict[str, Any]:
     """Forward + loss + backward + clip + AdamW on master; returns tensors and metadata to store."""
-    model = compute_copy(master, precision)
+    model = compute_copy(master, precision, model_dir, role, control.attn_impl)
     if matrix.reference.gradient_checkpointing:
         enable_checkpointing(model)
     order = torch.arange(batch["input_ids_BT"].shape[0])

@@ -1,0 +1,119 @@
+"""The reference -> freeze -> candidate chain on the embedded default, with real vLLM and torch-tp over gloo.
+
+Negative controls: engines with a known trap put back in must fail qualification; the correct
+engine passes, repeatedly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from qualify.candidate.run import run_candidates
+from qualify.errors import EvidenceError, FrozenError
+from qualify.freeze import freeze
+from qualify.layout import RunLayout
+from qualify.matrix import load_matrix
+from qualify.store import read_json
+
+pytestmark = [pytest.mark.vllm, pytest.mark.engines]
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _plugins_importable(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+
+
+def matrix_with(tmp_path: Path, **candidates):
+    data = yaml.safe_load((REPO / "matrices" / "tiny-qwen3.yaml").read_text())
+    data["candidates"].update(candidates)
+    path = tmp_path / "matrix.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return load_matrix(path)
+
+
+def failing_rows(verdict, case):
+    return [r for r in verdict["rows"] if r["case"] == case and not r["passed"]]
+
+
+def test_reference_rollout_and_mismatch(frozen_run):
+    summary = read_json(RunLayout(frozen_run).reference_summary)
+    assert summary["tp_agreement"]["tp2_vs_tp1"]["tokens_equal"] is True
+    fp32 = summary["rollout_mismatch"]["fp32"]
+    assert fp32["num_tokens"] > 0 and fp32["max_abs"] <= 2e-6
+    assert summary["rollout_mismatch"]["bf16"]["num_not_bitwise"] > 0  # bf16 never matches vLLM's fp32 sampler
+    assert summary["controls"][:2] == ["r0", "r1"]
+
+
+def test_freeze_is_idempotent_and_refuses_change(run_copy):
+    layout = RunLayout(run_copy)
+    before = layout.acceptance.read_bytes()
+    freeze(run_copy)  # byte-identical: accepted, nothing rewritten
+    assert layout.acceptance.read_bytes() == before
+    bound_file = layout.bounds / "actor-fp32-repeat.json"
+    doc = json.loads(bound_file.read_text())
+    doc["bounds"]["outputs/logprobs_BT"]["max_abs"]["bound"] *= 10  # an attempt to widen
+    bound_file.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    with pytest.raises(FrozenError):
+        freeze(run_copy)
+
+
+def test_candidate_refuses_modified_reference(run_copy, tiny_matrix):
+    targets = RunLayout(run_copy).targets / "targets.json"
+    targets.write_text(targets.read_text().replace('"gamma"', '"gamma" '))
+    with pytest.raises(EvidenceError, match="does not match"):
+        run_candidates(tiny_matrix, run_copy, only="torch-tp-fp32-tp1-actor")
+
+
+def test_candidate_refuses_widened_bound(run_copy, tiny_matrix):
+    bound_file = RunLayout(run_copy).bounds / "critic-bf16-repeat.json"
+    bound_file.write_text(bound_file.read_text().replace('"k": 4.0', '"k": 40.0'))
+    with pytest.raises(EvidenceError, match="bound file"):
+        run_candidates(tiny_matrix, run_copy, only="torch-tp-fp32-tp1-critic")
+
+
+def test_torch_tp_passes_every_case(run_copy, tiny_matrix):
+    m = matrix_with(run_copy.parent, engines=["torch-tp"])
+    verdict = run_candidates(m, run_copy)
+    assert verdict["passed"], [failing_rows(verdict, c)[:3] for c in verdict["cases"]]
+    assert len(verdict["cases"]) == 8
+    tp_rows = [r for r in verdict["rows"] if r["comparison"].startswith("vs tp1")]
+    assert tp_rows and all(r["passed"] for r in tp_rows)
+
+
+def test_correct_engine_passes_three_repeated_runs(run_copy, tiny_matrix):
+    m = matrix_with(run_copy.parent, engines=["torch-tp"], precisions=["fp32"], tp=[2], roles=["actor"])
+    layout = RunLayout(run_copy)
+    evidence = []
+    for attempt in range(3):
+        verdict = run_candidates(m, run_copy)
+        assert verdict["passed"], failing_rows(verdict, "torch-tp-fp32-tp2-actor")[:3]
+        evidence.append((layout.case("torch-tp-fp32-tp2-actor") / "grads.safetensors").read_bytes())
+        shutil.rmtree(layout.case("torch-tp-fp32-tp2-actor"))
+    assert evidence[0] == evidence[1] == evidence[2]
+
+
+def test_skipping_norm_allreduce_fails_under_tp2(run_copy):
+    m = matrix_with(run_copy.parent, engines=["tests.integration.plugins:skip_norm_allreduce"],
+                    precisions=["fp32"], tp=[2], roles=["actor"])
+    verdict = run_candidates(m, run_copy)
+    assert not verdict["passed"]
+    failed = {r["tensor"] for r in failing_rows(verdict, m.cases()[0].name)}
+    assert any("q_norm" in t or "k_norm" in t for t in failed)
+    assert "evidence/replicas" in failed  # q/k norms drift apart across ranks after the step
+
+
+def test_bf16_temperature_fails(run_copy, tiny_matrix):
+    assert tiny_matrix.rollout.temperature != 1.0
+    m = matrix_with(run_copy.parent, engines=["tests.integration.plugins:bf16_temperature"],
+                    precisions=["fp32", "bf16"], tp=[1], roles=["actor"])
+    verdict = run_candidates(m, run_copy)
+    assert not verdict["passed"]
+    fp32_case = "tests-integration-plugins-bf16_temperature-fp32-tp1-actor"
+    assert "outputs/logprobs_BT" in {r["tensor"] for r in failing_rows(verdict, fp32_case)}
