@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Self
 
 import typer
 from rich.console import Console
@@ -15,7 +15,7 @@ from qualify.cli.options import MatrixArg
 from qualify.errors import SlurmError
 from qualify.layout import default_run_dir
 from qualify.matrix import load_matrix
-from qualify.slurm.render import Chain, render_chain, write_chain
+from qualify.slurm.render import render_chain, write_chain
 from qualify.slurm.submit import submit_chain
 from qualify.slurm.watch import ChainWatch, follow
 
@@ -55,7 +55,8 @@ def main(matrix: MatrixArg, cluster: ClusterOpt, out: ScriptsOpt = None, run: Ru
         typer.echo(f"submitted {job.file} job {ids[job.key]}{after}")
     if not wait:
         return
-    outcome = follow(ChainWatch(chain, ids), chain.profile.poll_seconds, _Display(chain))
+    with _Display() as display:
+        outcome = follow(ChainWatch(chain, ids), chain.profile.poll_seconds, display)
     if outcome.code == 0:
         typer.echo(outcome.message)
         return
@@ -85,18 +86,23 @@ def _plural(n: int, unit: str) -> str:
 class _Display:
     """Live table on a terminal; elsewhere (CI logs) one line per change of a job's state."""
 
-    def __init__(self, chain: Chain) -> None:
+    def __init__(self) -> None:
         self.console = Console(stderr=True)
         self.live = Live(console=self.console, auto_refresh=False) if sys.stderr.isatty() else None
         self.last: dict[str, str] = {}
 
+    def __enter__(self) -> Self:
+        if self.live is not None:
+            self.live.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.live is not None:
+            self.live.stop()
+
     def __call__(self, watch: ChainWatch) -> None:
         if self.live is not None:
-            if not self.live.is_started:
-                self.live.start()
             self.live.update(self._table(watch), refresh=True)
-            if watch.settled():
-                self.live.stop()
             return
         for view in watch.views:
             line = view.summary() + (f", {_plural(view.restarts, 'restart')}" if view.restarts else "")

@@ -18,6 +18,7 @@ from pathlib import Path
 from qualify.errors import SlurmError
 from qualify.matrix import Case, Matrix, load_matrix
 from qualify.slurm.profile import Profile, load_profile
+from qualify.store import atomic_write_bytes
 
 _SLOT = re.compile(r"\{\{ ([a-z0-9_]+) \}\}")
 DEFAULT_TEMPLATES = Path(__file__).resolve().parents[2] / "sbatch" / "templates"
@@ -141,7 +142,7 @@ def write_chain(chain: Chain) -> list[Path]:
     paths = []
     for job in chain.jobs:
         path = chain.out / job.file
-        path.write_text(job.text, encoding="ascii")
+        atomic_write_bytes(path, job.text.encode("ascii"))
         paths.append(path)
     return paths
 
