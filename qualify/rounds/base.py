@@ -1,0 +1,96 @@
+"""What a rounds run starts from: the models, the round-0 rollout and targets, and the logprob bound.
+
+Three cases, best first. With a frozen acceptance the reference evidence is verified against it,
+and the bound is the acceptance's rule (k x control + logprob floor) applied to the frozen
+control of this very comparison: the reference's vLLM-vs-HF fp32 logprob mismatch of v0
+(reference.json, rollout_mismatch.fp32.max_abs). With a reference but no acceptance the same
+numbers are used unfrozen, and the evidence says so. Without a reference, round 0's rollout is
+captured by the rounds engine, its targets are computed here, and the control is measured on it
+(recorded as measured in this run, not frozen).
+
+Why not the actor fp32-repeat bound of logprobs_BT: it bounds HF against an HF repeat, which on
+CPU is bitwise (control 0, bound = the floor, 1e-6), while vLLM's fp32 kernels differ from HF's
+by about 2e-6 at the same weights: that bound would reject a correctly updated engine. It is
+still recorded in the evidence next to the bound that is used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qualify.errors import EvidenceError
+from qualify.layout import RunLayout
+from qualify.matrix import Matrix
+from qualify.reference.stage import prepare_models
+from qualify.stages import stage_info, stage_is_complete
+from qualify.store import read_json
+
+
+@dataclass(kw_only=True, slots=True)
+class Base:
+    """The inputs of round 0 and the rule of the logprob bound."""
+
+    models: dict[str, Path]
+    """Checkpoint directory per role (actor = v0)."""
+    rollout_dir: Path | None
+    """The reference rollout (None: round 0 captures its own)."""
+    rollout_digest: str | None
+    """Its digest."""
+    targets_dir: Path | None
+    """The reference targets (None: computed for the captured rollout)."""
+    targets_digest: str | None
+    """Their digest."""
+    k: float
+    """Multiplier of the control error."""
+    floor: float
+    """Logprob floor."""
+    control: float | None
+    """vLLM-vs-HF fp32 logprob max |delta| at v0 (None: measured in round 0)."""
+    source: str
+    """Where k, floor and control come from."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Recorded only (the fp32-repeat bound, the acceptance digest)."""
+
+    @property
+    def bound(self) -> float:
+        assert self.control is not None, "control not measured yet"
+        return self.k * self.control + self.floor
+
+
+def _reference_numbers(layout: RunLayout) -> tuple[float, dict[str, Any]]:
+    summary = read_json(layout.reference_summary)
+    try:
+        return float(summary["rollout_mismatch"]["fp32"]["max_abs"]), summary
+    except (KeyError, TypeError) as exc:
+        raise EvidenceError(f"{layout.reference_summary} has no rollout_mismatch.fp32.max_abs") from exc
+
+
+def resolve_base(matrix: Matrix, layout: RunLayout) -> Base:
+    """Base of a rounds run in layout (verifies the acceptance when there is one)."""
+    primary = layout.rollout(matrix.rollout.vllm_tp[0])
+    models = prepare_models(matrix, layout)
+    if layout.acceptance.is_file():
+        from qualify.candidate.run import load_acceptance
+
+        doc, bounds = load_acceptance(layout, None)
+        control, _ = _reference_numbers(layout)
+        if not stage_is_complete(primary) or stage_info(primary)["digest"] != doc["rollout_digest"]:
+            raise EvidenceError(f"rollout at {primary} is not the one the acceptance froze ({doc['rollout_digest']})")
+        repeat = bounds.get(("actor", "fp32-repeat"), {}).get("outputs/logprobs_BT", {}).get("max_abs", {})
+        return Base(models=models, rollout_dir=primary, rollout_digest=doc["rollout_digest"],
+                    targets_dir=layout.targets, targets_digest=doc["targets_digest"], k=float(doc["rule"]["k"]),
+                    floor=float(doc["rule"]["floors"]["logprob"]), control=control,
+                    source=f"acceptance {doc['digest']}: rule k x reference rollout_mismatch.fp32.max_abs + floor",
+                    extra={"acceptance_digest": doc["digest"], "fp32_repeat_logprob_bound": repeat.get("bound")})
+    floors = matrix.freeze.floors
+    if layout.reference_summary.is_file() and stage_is_complete(primary) and stage_is_complete(layout.targets):
+        control, _ = _reference_numbers(layout)
+        return Base(models=models, rollout_dir=primary, rollout_digest=stage_info(primary)["digest"],
+                    targets_dir=layout.targets, targets_digest=stage_info(layout.targets)["digest"],
+                    k=matrix.freeze.k, floor=floors["logprob"], control=control,
+                    source="reference not frozen (no acceptance): matrix rule k x reference rollout_mismatch + floor")
+    return Base(models=models, rollout_dir=None, rollout_digest=None, targets_dir=None, targets_digest=None,
+                k=matrix.freeze.k, floor=floors["logprob"], control=None,
+                source="no reference: matrix rule k x control measured on round 0's own rollout + floor (not frozen)")

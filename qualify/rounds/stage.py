@@ -1,0 +1,253 @@
+"""`qualify rounds`: PPO rounds with the actor's new weights installed into one running vLLM engine.
+
+Round 0 rolls out with v0 (the reference rollout when the run has one), the candidate engine
+trains one actor step (fp32), and v1 = v0 + update is installed on every vLLM rank: each rank
+acknowledges (rank, version, digest of each tensor it holds), the harness compares them with the
+shards it derives itself from v1, resets the prefix cache, and only then acks the version. Round r
+rolls out with v(r); its logprobs must agree with an HF forward of v(r) within the logprob bound
+(qualify.rounds.base), its first request after the install must find nothing cached, and a
+same-version replay must find the cache warm. The probes (qualify.rounds.probes) follow on the
+same engine process. Reference, reward and critic models and the round-0 targets must be
+bitwise unchanged at the end. Evidence: RUN_DIR/rounds/vllm-tp<N>/ (sealed), with its verdict.json.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qualify.engines.registry import ENGINES
+from qualify.errors import EngineError, QualifyError
+from qualify.layout import RunLayout
+from qualify.manifest import sha256_file
+from qualify.matrix import Matrix
+from qualify.models.checkpoint import checkpoint_tensors
+from qualify.rollout.capture import ROLLOUT_FILE, load_rollout, rollout_tensors
+from qualify.rounds import checks
+from qualify.rounds.base import Base, resolve_base
+from qualify.rounds.checks import Row
+from qualify.rounds.client import EngineCrash, Refused
+from qualify.rounds.digests import digests_of, version_digest
+from qualify.rounds.probes import PROBES, failure_probes, stale_probes
+from qualify.rounds.session import InstallRejected, Session
+from qualify.rounds.train import TrainFailed, train_step
+from qualify.rounds.weights import Version, load_version, write_version
+from qualify.stagelog import StageLog
+from qualify.stages import complete_stage, prepare_stage, stage_is_complete
+from qualify.store import read_json, write_json, write_tensors
+from qualify.versions import provenance
+
+SCHEMA = "qualify.rounds/1"
+FROZEN_ROLES = ("reference", "reward", "critic")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundsOptions:
+    """How a rounds run is made."""
+
+    engine: str = "torch-tp"
+    """Candidate engine that trains the actor step."""
+    rounds: int = 2
+    """Rounds (round 0 trains with the reference rollout; the last round only rolls out)."""
+    vllm_tp: int | None = None
+    """vLLM TP degree of the rollout engine (default: the matrix's first vllm_tp)."""
+    train_tp: int = 1
+    """TP degree of the training step."""
+    probes: tuple[str, ...] = PROBES
+    """Rejection probes to run (qualify.rounds.probes.PROBES; empty: none)."""
+
+    def __post_init__(self) -> None:
+        if self.rounds < 2:
+            raise QualifyError(f"rounds must be >= 2 (an install needs a round after it), got {self.rounds}")
+        if self.train_tp < 1 or (self.vllm_tp is not None and self.vllm_tp < 1):
+            raise QualifyError("TP degrees must be >= 1")
+        unknown = sorted(set(self.probes) - set(PROBES))
+        if unknown:
+            raise QualifyError(f"unknown probes {unknown} (known: {', '.join(PROBES)})")
+
+
+def rounds_dir(layout: RunLayout, vllm_tp: int) -> Path:
+    """RUN_DIR/rounds/vllm-tp<N>: one sealed rounds run per vLLM TP degree."""
+    return layout.rounds / f"vllm-tp{vllm_tp}"
+
+
+def frozen_digests(base: Base, targets_file: Path | None) -> dict[str, str]:
+    """Digest of every model that must stay frozen, and of the round-0 targets and rollout."""
+    out = {role: version_digest(digests_of(checkpoint_tensors(base.models[role]))) for role in FROZEN_ROLES}
+    if targets_file is not None:
+        out["round-0 targets"] = "sha256:" + sha256_file(targets_file)[1]
+    if base.rollout_dir is not None:
+        out["round-0 rollout"] = "sha256:" + sha256_file(base.rollout_dir / ROLLOUT_FILE)[1]
+    return out
+
+
+def write_rollout(out: Path, results: list[dict[str, Any]], info: dict[str, Any]) -> str:
+    """Seal a round's rollout in the reference's rollout format; return its digest."""
+    prepare_stage(out)
+    write_tensors(out / ROLLOUT_FILE, rollout_tensors(results))
+    digest = "sha256:" + sha256_file(out / ROLLOUT_FILE)[1]
+    write_json(out / "rollout.json", info | {"digest": digest, "logprobs_mode": "processed_logprobs",
+                                             "finish_reasons": [r["finish_reason"] for r in results]})
+    complete_stage(out, {"digest": digest})
+    return digest
+
+
+def write_targets(s: Session, out: Path, rollout_dir: Path, digest: str) -> str:
+    """Targets of a round's own rollout, from the frozen models (fp32); return their digest."""
+    from qualify.reference.targets import TARGETS_FILE, compute_targets, targets_meta
+
+    targets = compute_targets(s.matrix, s.base.models, load_rollout(rollout_dir, digest), s.vocab)
+    prepare_stage(out)
+    write_tensors(out / TARGETS_FILE, targets)
+    tdigest = "sha256:" + sha256_file(out / TARGETS_FILE)[1]
+    write_json(out / "targets.json", targets_meta(s.matrix, digest) | {"digest": tdigest})
+    complete_stage(out, {"digest": tdigest, "rollout_digest": digest})
+    return tdigest
+
+
+def cache_rows(s: Session, rnd: int, version: Version, first: dict[str, Any], what: str) -> dict[str, Any]:
+    """After a first request: replay the cache prompts; check cold, warm, identical and agreeing."""
+    n = len(s.cache_prompts)
+    first_cache = first["results"][-n:]
+    replay = s.generate(s.cache_prompts, s.cache_seeds)
+    block = s.matrix.rollout.block_size
+    s.add(checks.cold_row("first request after install: nothing cached" if rnd else "fresh engine: nothing cached",
+                          rnd, [r["num_cached_tokens"] for r in first["results"]], what))
+    s.add(checks.warm_row("same-version replay reuses the cache", rnd,
+                          [r["num_cached_tokens"] for r in replay["results"]], block,
+                          f"cache prompts of {len(s.cache_prompts[0])} tokens replayed at v{version.number}"))
+    s.add(checks.same_tokens_row("replay samples the same tokens", rnd, first_cache, replay["results"]))
+    stats = s.agreement(version, replay["results"])
+    s.add(checks.agreement_row("replay logprobs agree with HF", rnd, stats, s.base.bound, version.number))
+    return {"first_cached_tokens": [r["num_cached_tokens"] for r in first["results"]],
+            "replay_cached_tokens": [r["num_cached_tokens"] for r in replay["results"]],
+            "served_version": [first["version"], replay["version"]], "replay_agreement": stats}
+
+
+def round_zero(s: Session, v0: Version, rdir: Path) -> tuple[Path, str]:
+    """Round 0: the cache behaves, the engine serves v0 as HF computes it; returns the rollout to train on."""
+    first = s.generate(s.cache_prompts, s.cache_seeds)
+    if s.base.rollout_dir is None:  # no reference: round 0 captures its rollout with this engine
+        captured = s.generate(s.prompts, s.seeds)
+        s.base.control = s.agreement(v0, captured["results"])["max_abs"]
+        digest = write_rollout(rdir / "rollout", captured["results"], {"version": 0, "vllm_tp": s.tp})
+        rollout_dir = rdir / "rollout"
+    else:
+        rollout_dir, digest = s.base.rollout_dir, s.base.rollout_digest
+    stats = s.agreement(v0, first["results"], rdir / "agreement.safetensors")
+    s.add(checks.agreement_row("logprobs agree with HF", 0, stats, s.base.bound, 0))
+    evidence = {"version": 0, "rollout_digest": digest, "agreement": stats,
+                **cache_rows(s, 0, v0, first, "cache prompts on a fresh engine")}
+    write_json(rdir / "round.json", evidence)
+    return rollout_dir, digest
+
+
+def later_round(s: Session, version: Version, prev: Version, rdir: Path) -> tuple[Path, str]:
+    """Round r >= 1: the first request after the install rolls out with v(r), cold; then the replay."""
+    first = s.generate(s.prompts + s.cache_prompts, s.seeds + s.cache_seeds)
+    rnd = version.number
+    s.add(checks.equal_row("engine serves the installed version", rnd, first["version"], rnd))
+    stats = s.agreement(version, first["results"], rdir / "agreement.safetensors")
+    s.add(checks.agreement_row("rollout logprobs agree with HF", rnd, stats, s.base.bound, rnd))
+    stale = s.agreement(prev, first["results"])
+    s.add(checks.sensitivity_row(rnd, stale, s.base.bound, rnd, prev.number))
+    digest = write_rollout(rdir / "rollout", first["results"][:len(s.prompts)], {"version": rnd, "vllm_tp": s.tp})
+    evidence = {"version": rnd, "rollout_digest": digest, "agreement": stats, "agreement_vs_previous": stale,
+                **cache_rows(s, rnd, version, first, f"rollout and cache prompts, first request at v{rnd}")}
+    write_json(rdir / "round.json", evidence)
+    return rdir / "rollout", digest
+
+
+def train_and_install(s: Session, opts: RoundsOptions, version: Version, rollout: tuple[Path, str],
+                      targets: tuple[Path, str], rdir: Path) -> Version:
+    """Train one step on the round's rollout, make v(r+1), install it on every rank."""
+    with s.log.step(f"round {version.number}: train one actor step ({opts.engine}, fp32, TP{opts.train_tp})"):
+        step = train_step(s.matrix, engine=opts.engine, tp=opts.train_tp, model_dir=version.path,
+                          rollout_dir=rollout[0], rollout_digest=rollout[1], targets_dir=targets[0],
+                          targets_digest=targets[1], out=rdir / "train", vocab_size=s.vocab)
+    new = write_version(version, step["updates"], s.out / "versions" / f"v{version.number + 1}",
+                        {"trained_by": step["case"], "loss": step["loss"], "grad_norm": step["grad_norm"]})
+    with s.log.step(f"install v{new.number} on {s.tp} vLLM rank(s)"):
+        record = s.install(new)
+    s.add(checks.equal_row("every rank acknowledges the installed version", new.number,
+                           sorted([a["rank"], a["version"]] for a in record["acks"]),
+                           [[r, new.number] for r in range(s.tp)], f"version digest {new.digest}"))
+    write_json(rdir / "install.json", {k: v for k, v in record.items() if k != "rank_tensors"} |
+               {"rank_tensors": record["rank_tensors"], "expected": s.expected(new)})
+    return new
+
+
+def run_all_rounds(s: Session, opts: RoundsOptions, v0: Version) -> list[Version]:
+    versions = [v0]
+    with s.log.step(f"start vLLM TP{s.tp} at v0 and verify every rank"):
+        write_json(s.out / "start.json", s.start(v0))
+    for rnd in range(opts.rounds):
+        rdir, version = s.out / f"round-{rnd}", versions[-1]
+        with s.log.step(f"round {rnd}: roll out with v{rnd}, cache and logprob checks"):
+            if rnd == 0:
+                rollout = round_zero(s, v0, rdir)
+            else:
+                rollout = later_round(s, version, versions[-2], rdir)
+        if rnd == 0 and "stale" in opts.probes:
+            with s.log.step("probes: stale versions"):
+                stale_probes(s, v0)
+        if rnd < opts.rounds - 1:
+            if rnd == 0 and s.base.targets_dir is not None:
+                targets = (s.base.targets_dir, s.base.targets_digest)
+            else:
+                targets = (rdir / "targets", write_targets(s, rdir / "targets", *rollout))
+            versions.append(train_and_install(s, opts, version, rollout, targets, rdir))
+    return versions
+
+
+def run_rounds(matrix: Matrix, run_dir: Path, options: RoundsOptions | None = None) -> dict[str, Any]:
+    """The whole rounds stage; returns the verdict (an existing complete one is returned as it is)."""
+    opts = options or RoundsOptions()
+    if opts.engine not in ENGINES and ":" not in opts.engine:
+        raise EngineError(f"unknown engine '{opts.engine}' (known: {', '.join(sorted(ENGINES))}; or 'module:factory')")
+    layout, log = RunLayout(Path(run_dir)), StageLog("rounds")
+    tp = opts.vllm_tp or matrix.rollout.vllm_tp[0]
+    out = rounds_dir(layout, tp)
+    if stage_is_complete(out):
+        log.skip(f"rounds at vLLM TP{tp}")
+        return read_json(out / "verdict.json")
+    base = resolve_base(matrix, layout)
+    prepare_stage(out)
+    started = time.monotonic()
+    s = Session(matrix, base, out, tp, log)
+    v0 = load_version(0, base.models["actor"])
+    frozen_before = frozen_digests(base, base.targets_dir / "targets.safetensors" if base.targets_dir else None)
+    failure, versions = None, [v0]
+    try:
+        versions = run_all_rounds(s, opts, v0)
+        failure_probes(s, versions, opts.probes)
+    except (Refused, EngineCrash, InstallRejected, TrainFailed) as exc:
+        failure = f"{type(exc).__name__}: {exc}"
+        s.add(Row("rounds completed", None, failure, "no refusal, crash or rejection", False))
+    finally:
+        leftover = s.close()
+    s.add(checks.equal_row("no /dev/shm segment left behind", None, leftover, []))
+    targets0 = base.targets_dir / "targets.safetensors" if base.targets_dir else out / "round-0/targets/targets.safetensors"
+    frozen_after = frozen_digests(base, targets0 if targets0.is_file() else None)
+    for name, digest in frozen_before.items():
+        s.add(checks.equal_row(f"{name} unchanged", None, frozen_after.get(name), digest))
+    return finish(s, opts, matrix, versions, frozen_after, failure, time.monotonic() - started)
+
+
+def finish(s: Session, opts: RoundsOptions, matrix: Matrix, versions: list[Version], frozen: dict[str, str],
+           failure: str | None, seconds: float) -> dict[str, Any]:
+    verdict = {"schema": SCHEMA, "matrix": matrix.name, "passed": all(r.passed for r in s.rows) and failure is None,
+               "failure": failure, "engine": opts.engine, "rounds": opts.rounds, "vllm_tp": s.tp,
+               "train_tp": opts.train_tp, "bound": {"logprob_max_abs": s.base.bound if s.base.control is not None
+                                                    else None, "k": s.base.k, "floor": s.base.floor,
+                                                    "control": s.base.control, "source": s.base.source,
+                                                    **s.base.extra},
+               "actor_versions": [{"version": v.number, "digest": v.digest, "path": str(v.path)} for v in versions],
+               "frozen": frozen, "probes": s.probes, "num_checks": len(s.rows),
+               "num_failed": sum(not r.passed for r in s.rows), "rows": [r.to_json() for r in s.rows],
+               "seconds": round(seconds, 1), **provenance()}
+    write_json(s.out / "verdict.json", verdict)
+    complete_stage(s.out, {"passed": verdict["passed"]})
+    return verdict

@@ -1,0 +1,53 @@
+"""One actor training step of a round, by the candidate engine, through the candidate stage's own launcher.
+
+The step is a candidate case (engine x fp32 x TP x actor) on the round's rollout and targets,
+launched with torchrun exactly as `qualify candidate` launches it; its evidence directory holds
+updates.safetensors (new - old fp32 parameters in HF names), from which the next version is made.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qualify.candidate.run import TAIL_LINES, device_of, launch
+from qualify.candidate.spec import make_spec
+from qualify.errors import EvidenceError
+from qualify.manifest import sha256_file
+from qualify.matrix import Case, Matrix
+from qualify.stages import stage_is_complete
+from qualify.store import read_tensors, write_json
+
+
+class TrainFailed(Exception):
+    """The trainer's launch failed (the message holds its log's tail)."""
+
+
+def check_digest(path: Path, expected: str, what: str) -> None:
+    actual = "sha256:" + sha256_file(path)[1]
+    if actual != expected:
+        raise EvidenceError(f"{what} {path} has digest {actual}, expected {expected}")
+
+
+def train_step(matrix: Matrix, *, engine: str, tp: int, model_dir: Path, rollout_dir: Path, rollout_digest: str,
+               targets_dir: Path, targets_digest: str, out: Path, vocab_size: int) -> dict[str, Any]:
+    """Run the actor step into out (skipped when complete); return its updates and seconds."""
+    check_digest(Path(targets_dir) / "targets.safetensors", targets_digest, "targets")
+    case = Case(engine=engine, precision="fp32", tp=tp, role="actor")
+    device = device_of(matrix)
+    if not stage_is_complete(out):
+        spec = make_spec(matrix, case, model_dir=model_dir, rollout_dir=rollout_dir, targets_dir=targets_dir,
+                         rollout_digest=rollout_digest, targets_digest=targets_digest, case_dir=out,
+                         vocab_size=vocab_size, device=device)
+        work = Path(str(out) + ".work")
+        work.mkdir(parents=True, exist_ok=True)
+        write_json(work / "spec.json", spec.to_json())
+        code = launch(work / "spec.json", tp, device, work / "launch.log")
+        if code != 0 or not stage_is_complete(out):
+            tail = "\n".join((work / "launch.log").read_text(errors="replace").splitlines()[-TAIL_LINES:])
+            raise TrainFailed(f"{case.name} step failed (exit {code}); log {work / 'launch.log'}:\n{tail}")
+    updates: dict[str, torch.Tensor] = read_tensors(Path(out) / "updates.safetensors")
+    meta = read_tensors(Path(out) / "outputs.safetensors")
+    return {"case": case.name, "updates": updates, "loss": float(meta["loss"]), "grad_norm": float(meta["grad_norm"])}
