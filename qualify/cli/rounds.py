@@ -2,13 +2,80 @@
 
 from __future__ import annotations
 
-from qualify.cli.notbuilt import not_built
-from qualify.cli.options import MatrixArg
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from qualify.cli.options import Format, FormatOpt, MatrixArg
 
 NAME = "rounds"
 HELP = "Run two PPO rounds with live actor-weight installation into vLLM, and the rejection probes."
-EPILOG = "Examples:  qualify rounds matrices/tiny-qwen3.yaml --engine torch-tp"
+EPILOG = ("Examples:  qualify rounds matrices/tiny-qwen3.yaml --engine torch-tp  |  "
+          "qualify rounds matrices/tiny-qwen3.yaml --run runs/tiny-qwen3 --vllm-tp 2")
 
 
-def main(matrix: MatrixArg) -> None:
-    not_built(NAME)
+def main(
+    matrix: MatrixArg,
+    run: Annotated[Path | None, typer.Option("--run", help="Run directory (default: runs/<matrix name>).")] = None,
+    engine: Annotated[str, typer.Option("--engine", help="Candidate engine that trains the actor.")] = "torch-tp",
+    rounds: Annotated[int, typer.Option("--rounds", min=2, help="Rounds; an install happens between two.")] = 2,
+    vllm_tp: Annotated[int | None, typer.Option("--vllm-tp", min=1,
+                                                help="vLLM TP degree (default: the matrix's first).")] = None,
+    train_tp: Annotated[int, typer.Option("--train-tp", min=1, help="TP degree of the training step.")] = 1,
+    probe: Annotated[list[str] | None, typer.Option("--probe", help="Run only this probe (repeatable): stale, "
+                                                    "wrong-shard, missing-ack, duplicate-ack, warm-cache.")] = None,
+    no_probes: Annotated[bool, typer.Option("--no-probes", help="Run no rejection probe.")] = False,
+    format: FormatOpt = Format.text,
+) -> None:
+    from qualify.cli.render import echo_json
+    from qualify.layout import default_run_dir
+    from qualify.matrix import load_matrix
+    from qualify.rounds.probes import PROBES
+    from qualify.rounds.stage import RoundsOptions, run_rounds
+
+    m = load_matrix(matrix)
+    probes = () if no_probes else tuple(probe or PROBES)
+    opts = RoundsOptions(engine=engine, rounds=rounds, vllm_tp=vllm_tp, train_tp=train_tp, probes=probes)
+    verdict = run_rounds(m, run or default_run_dir(m.name), opts)
+    if format is Format.json:
+        echo_json(verdict)
+    else:
+        render(verdict)
+    if not verdict["passed"]:
+        raise typer.Exit(1)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    text = str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def render(verdict: dict[str, Any]) -> None:
+    """One table row per check, then the versions, the bound and the overall result."""
+    import sys
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if sys.stdout.isatty() else 200, highlight=False)
+    table = Table(title=f"qualify rounds: {verdict['matrix']} (vLLM TP{verdict['vllm_tp']}, {verdict['engine']})")
+    for column in ("round", "check", "observed", "required", ""):
+        table.add_column(column, overflow="fold")
+    for r in verdict["rows"]:
+        mark = "[green]ok[/green]" if r["passed"] else "[bold red]FAIL[/bold red]"
+        table.add_row("" if r["round"] is None else str(r["round"]), r["check"], _fmt(r["observed"]),
+                      _fmt(r["required"]), mark)
+    console.print(table)
+    for v in verdict["actor_versions"]:
+        console.print(f"v{v['version']}: {v['digest']}")
+    b = verdict["bound"]
+    console.print(f"logprob bound {_fmt(b['logprob_max_abs'])} = {b['k']} x {_fmt(b['control'])} + {b['floor']} "
+                  f"({b['source']})")
+    if verdict["failure"]:
+        console.print(f"[bold red]{verdict['failure']}[/bold red]")
+    status = "PASSED" if verdict["passed"] else "FAILED"
+    console.print(f"[bold]{status}[/bold]: {verdict['num_checks'] - verdict['num_failed']}/{verdict['num_checks']} "
+                  f"checks pass, {verdict['seconds']} s; evidence in the run's rounds/")
