@@ -95,7 +95,10 @@ def family_bounds(layout: RunLayout, role: str, family: str, controls: list[str]
         merge_max(replay, replay_metrics(run, params_before, optimizer))
     for source in (resolved, replay):
         for key, ms in source.items():
-            bounds.setdefault(key, {}).update({m: bound_entry("update", v, k, floors) for m, v in ms.items()})
+            # updates are fp32 master arithmetic: new - old carries one fp32 rounding step of the parameter
+            p = params_before.get(key.removeprefix("updates/"))
+            q = quantum("fp32", "max_abs", float(p.double().abs().max())) if use_quantum and p is not None else 0.0
+            bounds.setdefault(key, {}).update({m: bound_entry("update", v, k, floors, q) for m, v in ms.items()})
     return {"schema": BOUNDS_SCHEMA, "role": role, "family": family, "reference_run": base_name,
             "control_runs": others, "k": k, "floors": floors, "rule": RULE, "bounds": bounds}
 
