@@ -1,0 +1,194 @@
+"""PPO math on padded (B, T) tensors: masked reductions, token rewards, masked GAE and the clipped losses.
+
+Every function is a small pure function on tensors. B is the number of sequences, T the number of
+positions; masks are bool (B, T) and True on active (response) tokens. Inactive positions never
+influence a result, neither its value nor its gradient, whatever they hold (NaN and inf included):
+inputs are zeroed with torch.where before any arithmetic, because a mask applied only at the end
+still lets 0 * inf = NaN through the backward pass.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NORMALIZERS = ("global", "per_sequence", "constant")
+
+
+def masked_sum(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """Sum of x over active tokens: sum_{b,t: mask[b,t]} x[b,t]. Returns a scalar."""
+    return torch.where(mask_BT, x_BT, 0.0).sum()
+
+
+def masked_mean(
+    x_BT: torch.Tensor, mask_BT: torch.Tensor, normalizer: str, constant: float | None = None
+) -> torch.Tensor:
+    """Mean of x over active tokens, as the PPO token normalizer says. Returns a scalar.
+
+    - 'global':       sum_{b,t} m*x / sum_{b,t} m               (every active token weighs the same)
+    - 'per_sequence': mean over rows with >= 1 active token of (sum_t m*x / sum_t m)
+                      (every sequence weighs the same)
+    - 'constant':     sum_{b,t} m*x / constant                   (independent of the batch's lengths)
+
+    No active token at all gives 0, not NaN, and keeps the graph: the gradient is then 0.
+    `constant` is required with 'constant' and only then (the matrix's rule).
+    """
+    if normalizer not in NORMALIZERS:
+        raise ValueError(f"unknown normalizer {normalizer!r}; known: {', '.join(NORMALIZERS)}")
+    if (normalizer == "constant") != (constant is not None):
+        raise ValueError("constant is required with normalizer 'constant' and only then")
+    if constant is not None and not constant > 0:
+        raise ValueError(f"constant must be > 0, got {constant}")
+    xm_BT = torch.where(mask_BT, x_BT, 0.0)
+    if normalizer == "global":
+        # clamp_min(1): with no active token the sum is 0, so 0 / 1 = 0 instead of 0 / 0 = NaN.
+        return xm_BT.sum() / mask_BT.sum().clamp_min(1).to(x_BT.dtype)
+    if normalizer == "constant":
+        return xm_BT.sum() / constant
+    num_active_B = mask_BT.sum(-1)
+    row_mean_B = xm_BT.sum(-1) / num_active_B.clamp_min(1).to(x_BT.dtype)
+    has_any_B = num_active_B > 0
+    # Rows with no active token are left out of the mean over rows, not counted as a 0.
+    return torch.where(has_any_B, row_mean_B, 0.0).sum() / has_any_B.sum().clamp_min(1).to(x_BT.dtype)
+
+
+def last_active_index(mask_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position of each row's last active token.
+
+    Returns (index_B int64, has_any_B bool). index_B is 0 where has_any_B is False: that 0 is a
+    placeholder, not a position, and callers must select with has_any_B before using it.
+    """
+    positions_T = torch.arange(mask_BT.shape[-1], device=mask_BT.device)
+    last_B = torch.where(mask_BT, positions_T, -1).amax(-1)
+    has_any_B = last_B >= 0
+    return last_B.clamp_min(0), has_any_B
+
+
+def token_rewards(
+    score_B: torch.Tensor,
+    logp_old_BT: torch.Tensor,
+    logp_ref_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    kl_coef: float,
+) -> torch.Tensor:
+    """Per-token rewards (B, T): a KL penalty on every active token, the sequence score on the last one.
+
+    r[b,t] = -kl_coef * (logp_old[b,t] - logp_ref[b,t])   on active tokens (k1 KL, see kl_terms)
+           + score[b]                                      at t = the last active token of row b
+    and 0 on inactive tokens. A row with no active token gets all zeros: its score is dropped,
+    never placed at position 0.
+    """
+    kl_BT = torch.where(mask_BT, kl_terms(logp_old_BT, logp_ref_BT), 0.0)
+    rewards_BT = -kl_coef * kl_BT
+    last_B, has_any_B = last_active_index(mask_BT)
+    positions_T = torch.arange(mask_BT.shape[-1], device=mask_BT.device)
+    at_last_BT = (positions_T == last_B[:, None]) & has_any_B[:, None]
+    return rewards_BT + torch.where(at_last_BT, score_B[:, None], 0.0)
+
+
+@torch.no_grad()
+def masked_gae(
+    rewards_BT: torch.Tensor,
+    values_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation over each row's active positions, in order. No gradient.
+
+    For active positions t of a row, with n(t) the next active position after t (none: terminal):
+        delta_t = r_t + gamma * V_{n(t)} - V_t              (V_{n(t)} = 0 when t is the last active one)
+        A_t     = delta_t + gamma * lam * A_{n(t)}          (A_{n(t)} = 0 likewise)
+        R_t     = A_t + V_t
+    Inactive positions are skipped (their rewards and values are never read) and get A = R = 0.
+    For the usual contiguous response mask, n(t) = t + 1. A row with no active position gives
+    zeros: nothing bootstraps from position 0.
+
+    Returns (advantages_BT, returns_BT), both in the dtype of rewards_BT.
+    """
+    num_rows, num_positions = rewards_BT.shape
+    next_value_B = rewards_BT.new_zeros(num_rows)
+    next_adv_B = rewards_BT.new_zeros(num_rows)
+    advantages_BT = torch.zeros_like(rewards_BT)
+    # Backwards over T, vectorized over B; inactive positions carry the running state unchanged,
+    # which is what makes n(t) the next *active* position for arbitrary masks.
+    for t in range(num_positions - 1, -1, -1):
+        active_B = mask_BT[:, t]
+        delta_B = rewards_BT[:, t] + gamma * next_value_B - values_BT[:, t]
+        adv_B = delta_B + gamma * lam * next_adv_B
+        advantages_BT[:, t] = torch.where(active_B, adv_B, 0.0)
+        next_value_B = torch.where(active_B, values_BT[:, t], next_value_B)
+        next_adv_B = torch.where(active_B, adv_B, next_adv_B)
+    returns_BT = torch.where(mask_BT, advantages_BT + values_BT, 0.0)
+    return advantages_BT, returns_BT
+
+
+def kl_terms(logp_BT: torch.Tensor, logp_ref_BT: torch.Tensor) -> torch.Tensor:
+    """Per-token k1 KL estimator (B, T): kl[b,t] = logp[b,t] - logp_ref[b,t].
+
+    For tokens sampled from the policy, E[logp - logp_ref] = KL(policy || ref): k1 is unbiased but
+    a single term can be negative. It is not masked: callers reduce it with a mask.
+    """
+    return logp_BT - logp_ref_BT
+
+
+def clipped_policy_loss(
+    logp_BT: torch.Tensor,
+    logp_old_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    clip_eps: float,
+    normalizer: str,
+    constant: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO clipped surrogate. Returns (loss scalar, ratio_BT, clip_frac scalar).
+
+        ratio_t = exp(logp_t - logp_old_t)                                    (1 on inactive tokens)
+        loss_t  = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - clip_eps, 1 + clip_eps))
+        loss    = masked_mean(loss_t, mask, normalizer, constant)
+        clip_frac = masked_mean(1[clipped term > unclipped term], same normalizer)
+
+    The comparison is strict: a ratio exactly at 1 +- clip_eps is not clipped. clip_frac is a
+    float tensor without gradient.
+    """
+    # Zero the log-ratio and advantage off the mask first, so exp() of garbage there cannot turn
+    # the backward into 0 * inf = NaN.
+    log_ratio_BT = torch.where(mask_BT, logp_BT - logp_old_BT, 0.0)
+    adv_BT = torch.where(mask_BT, advantages_BT, 0.0)
+    ratio_BT = torch.exp(log_ratio_BT)
+    unclipped_BT = -adv_BT * ratio_BT
+    clipped_BT = -adv_BT * torch.clamp(ratio_BT, 1.0 - clip_eps, 1.0 + clip_eps)
+    loss = masked_mean(torch.maximum(unclipped_BT, clipped_BT), mask_BT, normalizer, constant)
+    is_clipped_BT = (clipped_BT > unclipped_BT).detach().to(logp_BT.dtype)
+    clip_frac = masked_mean(is_clipped_BT, mask_BT, normalizer, constant)
+    return loss, ratio_BT, clip_frac
+
+
+def clipped_value_loss(
+    values_BT: torch.Tensor,
+    old_values_BT: torch.Tensor,
+    returns_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    clip_eps: float,
+    normalizer: str,
+    constant: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO clipped value loss. Returns (loss scalar, clip_frac scalar).
+
+        v_clip_t = old_t + clamp(v_t - old_t, -clip_eps, clip_eps)
+        loss_t   = 0.5 * max((v_t - R_t)^2, (v_clip_t - R_t)^2)
+        loss     = masked_mean(loss_t, mask, normalizer, constant)
+        clip_frac = masked_mean(1[(v_clip_t - R_t)^2 > (v_t - R_t)^2], same normalizer)
+
+    clip_frac is a float tensor without gradient.
+    """
+    # Same guard as in clipped_policy_loss: nothing off the mask reaches the arithmetic.
+    v_BT = torch.where(mask_BT, values_BT, 0.0)
+    old_BT = torch.where(mask_BT, old_values_BT, 0.0)
+    ret_BT = torch.where(mask_BT, returns_BT, 0.0)
+    v_clip_BT = old_BT + torch.clamp(v_BT - old_BT, -clip_eps, clip_eps)
+    unclipped_BT = (v_BT - ret_BT) ** 2
+    clipped_BT = (v_clip_BT - ret_BT) ** 2
+    loss = masked_mean(0.5 * torch.maximum(unclipped_BT, clipped_BT), mask_BT, normalizer, constant)
+    is_clipped_BT = (clipped_BT > unclipped_BT).detach().to(values_BT.dtype)
+    clip_frac = masked_mean(is_clipped_BT, mask_BT, normalizer, constant)
+    return loss, clip_frac
