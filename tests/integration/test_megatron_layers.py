@@ -191,3 +191,21 @@ def test_negative_control_naive_layout_mismatches(layer_results, case):
     assert errors["naive_qkv"] > 0.1, (case, errors["naive_qkv"])
     if not case.startswith("tp1-"):  # at TP1, [gate; up] is the correct fc1 layout
         assert errors["naive_mlp"] > 0.1, (case, errors["naive_mlp"])
+
+
+def test_engine_refuses_cpu_and_scaled_rope(tmp_path):
+    from types import SimpleNamespace
+
+    from qualify.engines.base import EngineContext
+    from qualify.engines.megatron import MegatronEngine, rope_theta
+    from qualify.errors import EngineError
+    from qualify.matrix import Optimizer
+
+    ctx = EngineContext(role="actor", precision="fp32", tp=1, rank=0, device="cpu", model_dir=tmp_path,
+                        optimizer=Optimizer(), temperature=1.0, logprob_chunk_tokens=8, vocab_size=512,
+                        work_dir=tmp_path)
+    with pytest.raises(EngineError, match="needs a CUDA device"):
+        MegatronEngine().setup(ctx)
+    assert rope_theta(SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 1e6})) == 1e6
+    with pytest.raises(EngineError, match="RoPE type 'yarn' is not supported"):
+        rope_theta(SimpleNamespace(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}))
