@@ -204,6 +204,8 @@ def serve(inp: IO[str], out: IO[str]) -> None:
             if req["cmd"] == "shutdown":
                 break
             try:
+                if req.get("cmd") not in COMMANDS:
+                    raise Refused("bad_request", f"unknown command {req.get('cmd')!r} (known: {sorted(COMMANDS)})")
                 reply(out, {"ok": True, **COMMANDS[req["cmd"]](engine, req)})
             except Refused as exc:
                 reply(out, {"ok": False, "kind": exc.kind, "error": str(exc), **exc.extra})

@@ -66,6 +66,7 @@ class Session:
         self.cache_seeds = [r.seed + CACHE_SEED_OFFSET + i for i in range(NUM_CACHE_PROMPTS)]
         self.rows: list[Row] = []
         self.probes: dict[str, dict[str, Any]] = {}
+        self.made: dict[str, str] = {}  # digests of inputs this run made itself (no reference): checked at the end
         self.engine: RolloutEngine | None = None
         self.expected_cache: dict[int, list[dict[str, str]]] = {}
         self.hf_model: tuple[int | None, Any] = (None, None)  # the last version's HF model, reused

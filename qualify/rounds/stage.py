@@ -73,13 +73,14 @@ def rounds_dir(layout: RunLayout, vllm_tp: int) -> Path:
     return layout.rounds / f"vllm-tp{vllm_tp}"
 
 
-def frozen_digests(base: Base, targets_file: Path | None) -> dict[str, str]:
+def frozen_digests(base: Base, targets_file: Path | None, captured: Path | None = None) -> dict[str, str]:
     """Digest of every model that must stay frozen, and of the round-0 targets and rollout."""
     out = {role: version_digest(digests_of(checkpoint_tensors(base.models[role]))) for role in FROZEN_ROLES}
     if targets_file is not None:
         out["round-0 targets"] = "sha256:" + sha256_file(targets_file)[1]
-    if base.rollout_dir is not None:
-        out["round-0 rollout"] = "sha256:" + sha256_file(base.rollout_dir / ROLLOUT_FILE)[1]
+    rollout = base.rollout_dir or captured
+    if rollout is not None and (rollout / ROLLOUT_FILE).is_file():
+        out["round-0 rollout"] = "sha256:" + sha256_file(rollout / ROLLOUT_FILE)[1]
     return out
 
 
@@ -134,6 +135,7 @@ def round_zero(s: Session, v0: Version, rdir: Path) -> tuple[Path, str]:
         s.base.control = s.agreement(v0, captured["results"])["max_abs"]
         digest = write_rollout(rdir / "rollout", captured["results"], {"version": 0, "vllm_tp": s.tp})
         rollout_dir = rdir / "rollout"
+        s.made["round-0 rollout"] = digest
     else:
         rollout_dir, digest = s.base.rollout_dir, s.base.rollout_digest
     stats = s.agreement(v0, first["results"], rdir / "agreement.safetensors")
@@ -198,6 +200,8 @@ def run_all_rounds(s: Session, opts: RoundsOptions, v0: Version) -> list[Version
                 targets = (s.base.targets_dir, s.base.targets_digest)
             else:
                 targets = (rdir / "targets", write_targets(s, rdir / "targets", *rollout))
+                if rnd == 0:
+                    s.made["round-0 targets"] = targets[1]
             versions.append(train_and_install(s, opts, version, rollout, targets, rdir))
     return versions
 
@@ -230,8 +234,8 @@ def run_rounds(matrix: Matrix, run_dir: Path, options: RoundsOptions | None = No
         leftover = s.close()
     s.add(checks.equal_row("no /dev/shm segment left behind", None, leftover, []))
     targets0 = base.targets_dir / "targets.safetensors" if base.targets_dir else out / "round-0/targets/targets.safetensors"
-    frozen_after = frozen_digests(base, targets0 if targets0.is_file() else None)
-    for name, digest in frozen_before.items():
+    frozen_after = frozen_digests(base, targets0 if targets0.is_file() else None, out / "round-0" / "rollout")
+    for name, digest in (frozen_before | s.made).items():
         s.add(checks.equal_row(f"{name} unchanged", None, frozen_after.get(name), digest))
     return finish(s, opts, matrix, versions, frozen_after, failure, time.monotonic() - started)
 
