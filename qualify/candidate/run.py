@@ -9,6 +9,7 @@ the verdict, not a crash of the whole stage.
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import os
 import subprocess
 import sys
@@ -67,39 +68,62 @@ def check_engines(matrix: Matrix) -> None:
                               "or 'module:factory')")
 
 
-def launch(spec_path: Path, tp: int, device: str, log_path: Path) -> int:
-    """torchrun the worker with tp ranks; returns its exit code, output in log_path."""
+def launch(spec_paths: Path | list[Path], tp: int, device: str, log_path: Path) -> int:
+    """torchrun the worker with tp ranks over one or more case specs; returns its exit code, output in log_path."""
+    paths = [spec_paths] if isinstance(spec_paths, Path) else list(spec_paths)
     env = dict(os.environ)
     if device == "cpu":
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // tp)))
         env.setdefault("DS_ACCELERATOR", "cpu")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}",
-           "-m", "qualify.candidate.worker", str(spec_path)]
+           "-m", "qualify.candidate.worker", *map(str, paths)]
     with open(log_path, "w") as log:
         return subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
 
 
-def run_case(matrix: Matrix, layout: RunLayout, case: Case, models: dict[str, Path], doc: dict[str, Any],
-             device: str, log: StageLog) -> str | None:
-    """Run one case unless complete; returns an error text when it failed."""
-    out = layout.case(case.name)
-    if stage_is_complete(out):
-        log.skip(f"case {case.name}")
-        return None
+def write_spec(matrix: Matrix, layout: RunLayout, case: Case, models: dict[str, Path], doc: dict[str, Any],
+               device: str) -> Path:
+    """The case's spec.json in its work directory (next to the evidence directory, outside it)."""
     vocab = read_json(models["actor"] / "config.json")["vocab_size"]
+    out = layout.case(case.name)
     spec = make_spec(matrix, case, model_dir=models[case.role], rollout_dir=layout.rollout(matrix.rollout.vllm_tp[0]),
                      targets_dir=layout.targets, rollout_digest=doc["rollout_digest"],
                      targets_digest=doc["targets_digest"], case_dir=out, vocab_size=vocab, device=device)
     work = Path(str(out) + ".work")
     work.mkdir(parents=True, exist_ok=True)
-    spec_path, log_path = work / "spec.json", work / "launch.log"
-    write_json(spec_path, spec.to_json())
-    with log.step(f"case {case.name}"):
-        code = launch(spec_path, case.tp, device, log_path)
-    if code != 0 or not stage_is_complete(out):
-        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-TAIL_LINES:])
-        return f"exit {code}; log {log_path}:\n{tail}"
-    return None
+    write_json(work / "spec.json", spec.to_json())
+    return work / "spec.json"
+
+
+def _tail(log_path: Path, code: int) -> str:
+    tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-TAIL_LINES:])
+    return f"exit {code}; log {log_path}:\n{tail}"
+
+
+def run_group(matrix: Matrix, layout: RunLayout, cases: list[Case], models: dict[str, Path], doc: dict[str, Any],
+              device: str, log: StageLog) -> dict[str, str]:
+    """Run cases sharing engine and TP in one launch (imports are paid once); a failed launch is retried case by
+    case so that each failure carries its own log. Returns errors by case name."""
+    pending = [c for c in cases if not stage_is_complete(layout.case(c.name))]
+    for c in cases:
+        if c not in pending:
+            log.skip(f"case {c.name}")
+    if not pending:
+        return {}
+    specs = [write_spec(matrix, layout, c, models, doc, device) for c in pending]
+    group_log = specs[0].parent / "launch.log"
+    with log.step(f"cases {', '.join(c.name for c in pending)}"):
+        code = launch(specs, pending[0].tp, device, group_log)
+    errors = {}
+    for case, spec in zip(pending, specs):
+        if stage_is_complete(layout.case(case.name)):
+            continue
+        if len(pending) > 1:
+            with log.step(f"case {case.name} (alone, after a failed group launch)"):
+                code = launch(spec, case.tp, device, spec.parent / "launch.log")
+        if not stage_is_complete(layout.case(case.name)):
+            errors[case.name] = _tail(spec.parent / "launch.log" if len(pending) > 1 else group_log, code)
+    return errors
 
 
 def model_dirs(matrix: Matrix, layout: RunLayout) -> dict[str, Path]:
@@ -143,8 +167,10 @@ def run_candidates(matrix: Matrix, run_dir: Path, *, acceptance: Path | None = N
     if not cases:
         raise QualifyError(f"no case matches {only!r} (cases: {', '.join(c.name for c in matrix.cases())})")
     models, device, log = model_dirs(matrix, layout), device_of(matrix), StageLog("candidate")
-    errors = {c.name: e for c in sorted(cases, key=lambda c: c.tp) if (e := run_case(matrix, layout, c, models, doc,
-                                                                                       device, log))}
+    errors: dict[str, str] = {}
+    for (engine, tp), group in itertools.groupby(sorted(cases, key=lambda c: (c.tp, c.engine)),
+                                                 key=lambda c: (c.engine, c.tp)):
+        errors |= run_group(matrix, layout, list(group), models, doc, device, log)
     befores = {role: checkpoint_tensors(path) for role, path in models.items()}
     rows: list[Row] = []
     for case in cases:

@@ -5,7 +5,7 @@ provides everything framework-specific: TP-sharded model, forward (including the
 logprobs, temperature and all), gradient reduction, clipping, the AdamW step and export in HF
 names. Rank 0 writes the evidence; every rank contributes its replicated parameters so that the
 replica check sees all of them.
-Usage: python -m qualify.candidate.worker SPEC.json
+Usage: python -m qualify.candidate.worker SPEC.json [SPEC.json ...]
 """
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ def padded_rows_report(before: dict[str, torch.Tensor], after: dict[str, torch.T
             for name in sorted(before)}
 
 
-def run_case(spec: CaseSpec) -> None:
-    rank = init_distributed(spec)
+def run_case(spec: CaseSpec, rank: int) -> None:
+    """One case on this rank (the process group is up); rank 0 seals the evidence."""
     started = time.monotonic()
     rollout = load_rollout(Path(spec.rollout_dir), spec.rollout_digest)
     targets = read_tensors(Path(spec.targets_dir) / "targets.safetensors")
@@ -120,11 +120,17 @@ def run_case(spec: CaseSpec) -> None:
         write_json(out / "meta.json", meta)
         complete_stage(out, {"case": spec.name, "rollout_digest": spec.rollout_digest})
     dist.barrier()
-    dist.destroy_process_group()
 
 
 def main() -> None:
-    run_case(read_spec(Path(sys.argv[1])))
+    """Run every case named on the command line, in order, in one launch (they share engine and TP)."""
+    specs = [read_spec(Path(arg)) for arg in sys.argv[1:]]
+    if len({(s.tp, s.device) for s in specs}) != 1:
+        raise SystemExit("all cases of one launch must share TP degree and device")
+    rank = init_distributed(specs[0])
+    for spec in specs:
+        run_case(spec, rank)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
