@@ -123,11 +123,17 @@ def acceptance_document(layout: RunLayout, name: str, bound_files: dict[str, byt
     return build_manifest(layout.reference, progress=False, extra=extra)
 
 
+def run_dir_of(path: Path) -> Path:
+    """The run directory, whether given itself or as its reference/ directory."""
+    path = Path(path)
+    return path.parent if (path / "reference.json").is_file() else path
+
+
 def freeze(run_dir: Path, name: str | None = None) -> dict[str, Any]:
     """Freeze the reference of run_dir; returns the acceptance document (refuses to change a frozen one)."""
     from qualify.matrix import Matrix
 
-    layout = RunLayout(Path(run_dir))
+    layout = RunLayout(run_dir_of(run_dir))
     if not layout.reference_summary.is_file():
         raise FrozenError(f"no complete reference in {layout.reference} (run 'qualify reference' first)")
     summary = read_json(layout.reference_summary)

@@ -19,11 +19,11 @@ def main(
     format: FormatOpt = Format.text,
 ) -> None:
     from qualify.cli.render import echo_json
-    from qualify.freeze import freeze
+    from qualify.freeze import freeze, run_dir_of
     from qualify.layout import RunLayout
 
     doc = freeze(run_dir, name)
-    layout = RunLayout(run_dir)
+    layout = RunLayout(run_dir_of(run_dir))
     if format is Format.json:
         echo_json({k: v for k, v in doc.items() if k != "files"} | {"num_files": len(doc["files"])})
         return
