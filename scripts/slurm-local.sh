@@ -10,7 +10,15 @@
 set -euo pipefail
 
 log() { echo "slurm-local: $*" >&2; }
-die() { log "error: $*"; exit 2; }
+# die MESSAGE: a failed start ends the daemons it launched (their logs stay in the temp dir).
+die() {
+  log "error: $*"
+  if [ -n "${dir:-}" ] && [ -d "$dir/pids" ]; then
+    for name in slurmd slurmctld munged; do stop_pid "$name"; done
+  fi
+  exit 2
+}
+dir=""
 
 # wait_for SECONDS COMMAND...: retry COMMAND every 0.2 s until it succeeds or the deadline passes.
 wait_for() {
@@ -51,8 +59,19 @@ launch() {
   echo $! >"$dir/pids/$name"
 }
 
+# free_port: QUALIFY_SLURM_PORT, or the first even port from 6817 on where neither it nor the next one
+# is listening, so a second cluster on the same machine does not collide with the first.
+free_port() {
+  local port=${QUALIFY_SLURM_PORT:-6817}
+  if [ -z "${QUALIFY_SLURM_PORT:-}" ] && command -v ss >/dev/null; then
+    while [ -n "$(ss -Hltn "( sport = :$port or sport = :$((port + 1)) )")" ]; do port=$((port + 2)); done
+  fi
+  echo "$port"
+}
+
 write_conf() {
-  local port=${QUALIFY_SLURM_PORT:-6817} node
+  local port node
+  port=$(free_port)
   # slurmd -C prints this machine's topology: "NodeName=<host> CPUs=.. Boards=.. ... RealMemory=..".
   node=$(slurmd -C | head -n 1)
   nodename=$(sed -n 's/^NodeName=\([^ ]*\).*/\1/p' <<<"$node")
