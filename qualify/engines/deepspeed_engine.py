@@ -1,0 +1,270 @@
+"""deepspeed: Hugging Face Qwen3 under DeepSpeed ZeRO-0, DP 1, TP by DeepSpeed AutoTP (gloo or NCCL).
+
+What DeepSpeed 0.19.8 does here, read in its source and measured on the tiny Qwen3:
+- The config alone shards the model: deepspeed.initialize with tensor_parallel.autotp_size > 1
+  applies the HF tp plan (config.base_model_tp_plan + the causal LM's _tp_plan) through AutoTP
+  (runtime/engine.py _apply_autotp_partitioning; tp_model_init is not needed). q/k/v, gate/up and
+  lm_head become LinearLayer (column parallel: weight split along dim 0; lm_head gathers its output,
+  so every rank holds the full logits); o/down become LinearAllreduce (row parallel: weight split
+  along dim 1). q_norm/k_norm stay whole with a TP all-reduce hook on their gradient; embeddings,
+  RMSNorms and the critic's score head stay whole and replicated. Splits may be uneven, never padded.
+- fp32: the optimizer is torch's AdamW itself. The engine clips with runtime.utils.clip_grad_norm_
+  and throws the norm away (get_global_grad_norm() stays None), so the adapter keeps it.
+- bf16 at ZeRO-0 is FP16_UnfusedOptimizer in bf16 mode: bf16 parameters accumulate bf16 .grad
+  (data_types.grad_accum_dtype=fp32 raises NotImplementedError at stage 0); inside step() the
+  grads are cast to FP32 onto FP32 master copies, clipped, and torch's AdamW steps the masters,
+  whose state is FP32.
+
+Traps handled here (each a class attribute, so that a test can put it back and see it fail):
+- gradient_clipping defaults to 1.0 and silently clips: always set from the matrix.
+- bf16: the FP32 masters are cloned from the bf16-cast model; they are loaded from the FP32
+  checkpoint instead, as a checkpoint restore would.
+- bf16: FP16_UnfusedOptimizer.initialize_optimizer_states runs one AdamW step on zero gradients
+  at construction (ZeRO-1/2 and BF16_Optimizer do not): weight decay once, and step count 1, so
+  the first real update has the bias correction of step 2 (|update| 0.74 lr instead of lr). That
+  state is dropped.
+- bf16, TP > 1: its global norm (runtime/utils.get_weight_norm on gradient tensors) skips every
+  tensor without the tensor_model_parallel mark on TP ranks > 0, and the mark is on the
+  parameters, not on their gradients: the sharded gradients of ranks > 0 drop out of the norm and
+  the clip uses a norm too small (2.17 for 2.71). The sharded parameters' gradients get the mark.
+step() returns the norm DeepSpeed clipped with and logs when it differs from the exported gradients'.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from qualify.engines.base import Batch, EngineContext
+from qualify.engines.common import dtype_name, load_hf, score_from_logits
+from qualify.errors import EngineError
+
+# Relative difference between DeepSpeed's global norm and the exported gradients' norm above which
+# the log says so (summation order alone gives ~1e-7).
+NORM_REPORT_RTOL = 1e-5
+
+
+def ds_config(ctx: EngineContext, gradient_clipping: float | None) -> dict:
+    """The DeepSpeed config of a case; gradient_clipping None leaves DeepSpeed's default (1.0)."""
+    o = ctx.optimizer
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 0},
+        "tensor_parallel": {"autotp_size": ctx.tp},
+        # torch_adam + adam_w_mode: torch.optim.AdamW itself (not FusedAdam or CPUAdam);
+        # foreach=False as the reference, so the update is the same loop on every device.
+        "optimizer": {"type": "AdamW", "params": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps,
+                                                   "weight_decay": o.weight_decay, "torch_adam": True,
+                                                   "adam_w_mode": True, "foreach": False}},
+        "bf16": {"enabled": ctx.precision == "bf16"},
+        "steps_per_print": 2**31 - 1,
+    }
+    if gradient_clipping is not None:
+        config["gradient_clipping"] = gradient_clipping
+    return config
+
+
+def tp_layout(module: torch.nn.Module) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """{HF name: (split dim, sizes of every rank's shard)} of the parameters AutoTP sharded."""
+    from deepspeed.module_inject.layers import LinearAllreduce, LinearLayer, TensorParallel_Layer
+
+    layout = {}
+    for prefix, mod in module.named_modules():
+        if not isinstance(mod, TensorParallel_Layer) or not mod.is_tp_parallel:
+            continue
+        if isinstance(mod, LinearAllreduce):  # row parallel: the bias is whole
+            layout[f"{prefix}.weight"] = (1, mod._partition_sizes)
+        elif isinstance(mod, LinearLayer):  # column parallel: weight and bias split along the output
+            for pname, _ in mod.named_parameters(recurse=False):
+                layout[f"{prefix}.{pname}"] = (0, mod._partition_sizes)
+        else:
+            raise EngineError(f"deepspeed: AutoTP made '{prefix}' a {type(mod).__name__}; the adapter can "
+                              "export LinearLayer and LinearAllreduce shards only")
+    return layout
+
+
+def gather_dim(local: torch.Tensor, dim: int, sizes: tuple[int, ...]) -> torch.Tensor:
+    """Full tensor from every rank's shard along dim (shards may differ in size: pad, gather, trim)."""
+    width = max(sizes)
+    pad = [0, 0] * (local.dim() - dim - 1) + [0, width - local.shape[dim]]
+    padded = torch.nn.functional.pad(local.detach().contiguous(), pad)
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded)
+    return torch.cat([part.narrow(dim, 0, size) for part, size in zip(parts, sizes)], dim)
+
+
+class DeepSpeedEngine:
+    """The deepspeed engine (see module docstring)."""
+
+    name = "deepspeed"
+    gradient_clipping_from_matrix = True
+    """False leaves gradient_clipping unset: DeepSpeed's default of 1.0."""
+    masters_from_checkpoint = True
+    """bf16: False keeps DeepSpeed's FP32 masters cloned from the bf16 model."""
+    forget_zero_grad_step = True
+    """bf16: False keeps the AdamW state of DeepSpeed's zero-gradient step at construction."""
+    mark_sharded_grads = True
+    """bf16, TP > 1: False lets DeepSpeed's norm drop the sharded gradients of TP ranks > 0."""
+
+    def setup(self, ctx: EngineContext) -> None:
+        if ctx.device == "cpu":
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed
+
+        # The shm comm op is a JIT g++ build (~90 s, 3.7 GiB) that gloo does not need.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        deepspeed.utils.logger.setLevel(logging.WARNING)
+        self.ctx = ctx
+        model = load_hf(ctx.model_dir, ctx.role)
+        fp32_full = {n: p.detach().clone() for n, p in model.named_parameters()}
+        clip = ctx.optimizer.max_grad_norm if self.gradient_clipping_from_matrix else None
+        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                               config=ds_config(ctx, clip))
+        self.bf16 = self.engine.bfloat16_enabled()
+        self.layout = tp_layout(self.engine.module)
+        self.masters = self._masters()
+        if self.bf16 and self.forget_zero_grad_step:
+            self._forget_zero_grad_step()
+        if self.bf16 and self.masters_from_checkpoint:
+            self._load_fp32_masters(fp32_full)
+        self.fp32_clip_norm: torch.Tensor | None = None
+        if not self.bf16:
+            self._keep_fp32_clip_norm()
+        self.read_grad_dtypes: dict[str, str] = {}
+        self.inner_optimizer().register_step_pre_hook(self._record_read_grad_dtypes)
+
+    def inner_optimizer(self) -> torch.optim.Optimizer:
+        """The torch AdamW that steps the masters (wrapped by DeepSpeed's optimizer under bf16)."""
+        return self.engine.optimizer.optimizer if self.bf16 else self.engine.optimizer
+
+    def _masters(self) -> dict[str, tuple[torch.nn.Parameter, torch.Tensor]]:
+        """{HF name: (model parameter, FP32 master the optimizer steps)}."""
+        params = dict(self.engine.module.named_parameters())
+        if not self.bf16:
+            return {n: (p, p) for n, p in params.items()}
+        opt = self.engine.optimizer
+        by_id = {id(lp): hp for lps, hps in zip(opt.fp16_groups, opt.fp32_groups) for lp, hp in zip(lps, hps)}
+        missing = [n for n, p in params.items() if id(p) not in by_id]
+        if missing:
+            raise EngineError(f"deepspeed: no FP32 master for {', '.join(missing[:3])} ({len(missing)} parameters)")
+        return {n: (p, by_id[id(p)]) for n, p in params.items()}
+
+    def _forget_zero_grad_step(self) -> None:
+        state = self.inner_optimizer().state
+        for s in state.values():  # what the zero-gradient step leaves; anything else is not ours to drop
+            assert int(s["step"]) == 1 and not s["exp_avg"].any() and not s["exp_avg_sq"].any(), s["step"]
+        state.clear()
+
+    @torch.no_grad()
+    def _load_fp32_masters(self, fp32_full: dict[str, torch.Tensor]) -> None:
+        for name, (p, master) in self.masters.items():
+            shard = fp32_full[name]
+            if name in self.layout:  # split as AutoTP split the parameter (DP 1: rank = TP rank)
+                dim, sizes = self.layout[name]
+                shard = shard.split(sizes, dim)[dist.get_rank()]
+            assert torch.equal(shard.to(p.device, p.dtype), p), f"{name}: the FP32 shard does not cast to the model's"
+            master.copy_(shard)
+
+    def _keep_fp32_clip_norm(self) -> None:
+        """DeepSpeedEngine.clip_fp32_gradients, keeping the pre-clip norm it computes and discards."""
+        from deepspeed.runtime.utils import clip_grad_norm_
+
+        engine = self.engine
+
+        def clip_fp32_gradients() -> None:
+            self.fp32_clip_norm = clip_grad_norm_(parameters=engine.module.parameters(),
+                                                  max_norm=engine.gradient_clipping(), mpu=engine.mpu)
+
+        engine.clip_fp32_gradients = clip_fp32_gradients
+
+    def _record_read_grad_dtypes(self, optimizer, args, kwargs) -> None:
+        names = {id(m): n for n, (_, m) in self.masters.items()}
+        self.read_grad_dtypes = {names[id(m)]: dtype_name(m.grad) for g in optimizer.param_groups
+                                 for m in g["params"] if m.grad is not None}
+
+    def full(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """A copy of the full tensor of a parameter-shaped local tensor, on CPU, in its own dtype.
+
+        Always a copy: the gradients are exported before step() clips them in place.
+        """
+        if name in self.layout:
+            local = gather_dim(local, *self.layout[name])
+        return local.detach().to("cpu", copy=True)
+
+    def score(self, batch: Batch) -> torch.Tensor:
+        device = next(self.engine.module.parameters()).device
+        ids_BT = batch.input_ids_BT.to(device)
+        out_BTX = self.engine(input_ids=ids_BT, use_cache=False).logits
+        return score_from_logits(self.ctx.role, out_BTX, ids_BT, self.ctx.temperature,
+                                 self.ctx.logprob_chunk_tokens, self.ctx.vocab_size).cpu()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        # Under bf16 the optimizer reads grad.to(float32) of these: the cast is exact.
+        return {n: self.full(n, p.grad).float() for n, (p, _) in self.masters.items()}
+
+    def grad_dtypes(self) -> dict[str, str]:
+        # fp32: the optimizer reads p.grad. bf16: step() sets master.grad = p.grad.to(master.dtype).
+        # step() checks this against what the optimizer really read.
+        self.reported_grad_dtypes = {n: dtype_name(p.grad) if p is m else dtype_name(m)
+                                     for n, (p, m) in self.masters.items()}
+        return self.reported_grad_dtypes
+
+    def exported_grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the full gradients: per-parameter norms, then the norm of those (fp32)."""
+        sq = torch.stack([p.grad.float().pow(2).sum() for p, _ in self.masters.values()])
+        if self.ctx.tp > 1:
+            sharded = torch.tensor([n in self.layout for n in self.masters], device=sq.device)
+            summed = sq.clone()
+            dist.all_reduce(summed)
+            sq = torch.where(sharded, summed, sq)
+        return torch.linalg.vector_norm(sq.sqrt()).cpu()
+
+    def step(self) -> torch.Tensor:
+        exported = self.exported_grad_norm()
+        if self.bf16 and self.mark_sharded_grads:
+            for name, (p, _) in self.masters.items():
+                if name in self.layout:
+                    p.grad.tensor_model_parallel = True
+        self.engine.step()
+        reported = getattr(self, "reported_grad_dtypes", None)
+        if reported is not None and self.read_grad_dtypes != reported:
+            raise EngineError("deepspeed: the optimizer read gradients of other dtypes than reported: "
+                              f"{sorted(set(self.read_grad_dtypes.items()) ^ set(reported.items()))[:3]}")
+        ds_norm = self.engine.get_global_grad_norm() if self.bf16 else self.fp32_clip_norm
+        if ds_norm is None:  # fp32 without clipping: DeepSpeed computes no norm
+            return exported
+        ds_norm = torch.as_tensor(ds_norm, dtype=torch.float32).reshape(()).cpu()
+        if dist.get_rank() == 0 and abs(float(ds_norm) - float(exported)) > NORM_REPORT_RTOL * float(exported):
+            print(f"deepspeed: DeepSpeed clipped with global grad norm {float(ds_norm):.9g}; the exported "
+                  f"gradients' norm is {float(exported):.9g}", file=sys.stderr, flush=True)
+        return ds_norm
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {n: self.full(n, m).float() for n, (_, m) in self.masters.items()}
+
+    def optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        state = self.inner_optimizer().state
+        out: dict[str, dict[str, torch.Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}}
+        for name, (_, master) in self.masters.items():
+            if master in state:
+                for key, by_name in out.items():
+                    by_name[name] = self.full(name, state[master][key])
+        return out
+
+    def replicated(self) -> dict[str, torch.Tensor]:
+        return {n: m.detach().float().cpu() for n, (_, m) in self.masters.items() if n not in self.layout}
+
+    def padded_rows(self) -> dict[str, torch.Tensor]:
+        return {}  # AutoTP splits vocab-sized weights unevenly, it never pads them
+
+    def close(self) -> None:
+        self.engine.destroy()
+        self.engine = self.masters = None

@@ -1,0 +1,114 @@
+"""The deepspeed engine (ZeRO-0, AutoTP over gloo) against the frozen embedded default, with negative controls.
+
+Each plugin below is the deepspeed engine with one DeepSpeed trap put back in; named in matrices as
+'tests.integration.test_deepspeed_engine:<factory>'. Qualification must fail for every one of them
+while the engine itself passes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from qualify.candidate.run import run_candidates
+from qualify.engines.deepspeed_engine import DeepSpeedEngine
+from qualify.matrix import load_matrix
+
+pytestmark = [pytest.mark.vllm, pytest.mark.engines,
+              pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")]
+REPO = Path(__file__).resolve().parents[2]
+PLUGINS = "tests.integration.test_deepspeed_engine"
+
+
+class DefaultClipping(DeepSpeedEngine):
+    """Leaves gradient_clipping unset: DeepSpeed clips at its default 1.0, not the matrix's max_grad_norm."""
+
+    name = "deepspeed-default-clipping"
+    gradient_clipping_from_matrix = False
+
+
+class MastersFromBf16(DeepSpeedEngine):
+    """bf16: keeps the FP32 masters DeepSpeed clones from the bf16-cast model (bf16-rounded weights)."""
+
+    name = "deepspeed-masters-from-bf16"
+    masters_from_checkpoint = False
+
+
+class ZeroGradStep(DeepSpeedEngine):
+    """bf16: keeps the AdamW state of DeepSpeed's zero-gradient step at construction (step count 1)."""
+
+    name = "deepspeed-zero-grad-step"
+    forget_zero_grad_step = False
+
+
+class UnmarkedShardedGrads(DeepSpeedEngine):
+    """bf16, TP2: DeepSpeed's global norm drops the sharded gradients of TP rank 1; the clip uses it."""
+
+    name = "deepspeed-unmarked-sharded-grads"
+    mark_sharded_grads = False
+
+
+def default_clipping_engine() -> DeepSpeedEngine:
+    return DefaultClipping()
+
+
+def masters_from_bf16_engine() -> DeepSpeedEngine:
+    return MastersFromBf16()
+
+
+def zero_grad_step_engine() -> DeepSpeedEngine:
+    return ZeroGradStep()
+
+
+def unmarked_sharded_grads_engine() -> DeepSpeedEngine:
+    return UnmarkedShardedGrads()
+
+
+@pytest.fixture(autouse=True)
+def _plugins_importable(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+
+
+def matrix_with(tmp_path: Path, **candidates):
+    data = yaml.safe_load((REPO / "matrices" / "tiny-qwen3.yaml").read_text())
+    data["candidates"].update(candidates)
+    path = tmp_path / "matrix.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return load_matrix(path)
+
+
+def failed_tensors(verdict, case: str) -> set[str]:
+    return {r["tensor"] for r in verdict["rows"] if r["case"] == case and not r["passed"]}
+
+
+def test_default_clipping_fails_where_deepspeed_passes(run_copy, tiny_matrix):
+    assert 0 < tiny_matrix.optimizer.max_grad_norm != 1.0  # else DeepSpeed's default would be right by chance
+    m = matrix_with(run_copy.parent, engines=["deepspeed", f"{PLUGINS}:default_clipping_engine"],
+                    precisions=["fp32"], tp=[1], roles=["actor"])
+    verdict = run_candidates(m, run_copy)
+    real, control = (c.name for c in m.cases())
+    assert verdict["cases"][real]["passed"], sorted(failed_tensors(verdict, real))[:5]
+    assert not verdict["cases"][control]["passed"]
+    # A clip at 1.0 instead of 0.5 scales the clipped gradients by 2: the first moment by 2, the second by 4.
+    assert any(t.startswith("moments/exp_avg/") for t in failed_tensors(verdict, control))
+
+
+@pytest.mark.slow
+def test_zero0_bf16_traps_fail_where_deepspeed_passes(run_copy):
+    m = matrix_with(run_copy.parent, engines=["deepspeed", f"{PLUGINS}:masters_from_bf16_engine",
+                                              f"{PLUGINS}:zero_grad_step_engine"],
+                    precisions=["bf16"], tp=[1], roles=["actor"])
+    verdict = run_candidates(m, run_copy)
+    real, masters, zero_step = (c.name for c in m.cases())
+    assert verdict["cases"][real]["passed"], sorted(failed_tensors(verdict, real))[:5]
+    for control in (masters, zero_step):  # bf16-rounded start, or the bias correction of step 2
+        assert any(t.startswith("updates/") for t in failed_tensors(verdict, control)), control
+    m = matrix_with(run_copy.parent, engines=[f"{PLUGINS}:unmarked_sharded_grads_engine"],
+                    precisions=["bf16"], tp=[2], roles=["actor"])
+    verdict = run_candidates(m, run_copy)
+    unmarked = failed_tensors(verdict, m.cases()[0].name)
+    assert "outputs/grad_norm" in unmarked and any(t.startswith("moments/") for t in unmarked)
