@@ -55,8 +55,12 @@ def main(matrix: MatrixArg, cluster: ClusterOpt, out: ScriptsOpt = None, run: Ru
         typer.echo(f"submitted {job.file} job {ids[job.key]}{after}")
     if not wait:
         return
-    with _Display() as display:
-        outcome = follow(ChainWatch(chain, ids), chain.profile.poll_seconds, display)
+    try:
+        with _Display() as display:
+            outcome = follow(ChainWatch(chain, ids), chain.profile.poll_seconds, display)
+    except KeyboardInterrupt:
+        typer.echo(f"qualify: stopped following; the jobs keep running (scancel {' '.join(ids.values())})", err=True)
+        raise typer.Exit(130) from None
     if outcome.code == 0:
         typer.echo(outcome.message)
         return

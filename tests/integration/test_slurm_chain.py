@@ -25,17 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MATRIX = "matrices/tiny-qwen3.yaml"
 
 
-def slurm_answers() -> bool:
-    if shutil.which("sinfo") is None:
-        return False
-    try:
-        return subprocess.run(["sinfo", "-h"], check=False, capture_output=True, timeout=20).returncode == 0
-    except subprocess.TimeoutExpired:
-        return False
-
-
-pytestmark = [pytest.mark.slurm,
-              pytest.mark.skipif(not slurm_answers(), reason="no Slurm controller answers (scripts/slurm-local.sh)")]
+pytestmark = [pytest.mark.slurm]  # tests/conftest.py skips them when sinfo does not answer
 
 STUB = textwrap.dedent('''
     """Stand-in for `qualify reference|freeze|candidate|verify` with the same arguments and resume rule."""
