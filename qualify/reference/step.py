@@ -132,7 +132,9 @@ def _optimizer_step(matrix: Matrix, master: torch.nn.Module, model: torch.nn.Mod
         "grads": grads,
         "updates": {n: p.detach() - before[n] for n, p in zip(names, params)},
         "moments": {f"{k}/{n}": s[k] for n, s in state.items() for k in ("exp_avg", "exp_avg_sq")},
-        "meta": {"grad_dtypes": grad_dtypes,
+        "meta": {"compute_grad_dtypes": grad_dtypes,
+                 "grad_dtypes": {n: str(p.grad.dtype).removeprefix("torch.") for n, p in zip(names, params)
+                                 if p.grad is not None},
                  "state_dtypes": {n: str(s["exp_avg"].dtype).removeprefix("torch.") for n, s in state.items()},
                  "master_dtype": "float32"},
     }
