@@ -61,7 +61,8 @@ def render(verdict: dict[str, Any]) -> None:
     from rich.table import Table
 
     console = Console(width=None if sys.stdout.isatty() else 200, highlight=False)
-    table = Table(title=f"qualify rounds: {verdict['matrix']} (vLLM TP{verdict['vllm_tp']}, {verdict['engine']})")
+    table = Table(title=f"qualify rounds: {verdict['matrix']} (vLLM TP{verdict['vllm_tp']}, "
+                        f"trainer {verdict['engine']} TP{verdict['train_tp']})")
     for column in ("round", "check", "observed", "required", ""):
         table.add_column(column, overflow="fold")
     for r in verdict["rows"]:
