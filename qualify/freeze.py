@@ -82,7 +82,7 @@ def family_bounds(layout: RunLayout, role: str, family: str, controls: list[str]
         merge_max(errors, pair_metrics(run, base))
     precision = "fp32" if family == "fp32-repeat" else "bf16"
     mags = magnitudes(base)
-    bounds = {key: {m: bound_entry(metric_kind(key), v, k, floors,
+    bounds = {key: {m: bound_entry("relative" if m == "rel_l2" else metric_kind(key), v, k, floors,
                                    quantum(precision, m, mags[key]) if use_quantum else 0.0)
                     for m, v in ms.items()} for key, ms in errors.items()}
     tau = {key.removeprefix("moments/exp_avg/"): b["max_abs"]["bound"]

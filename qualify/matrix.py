@@ -23,7 +23,7 @@ Perturbation = Literal["microbatch_split", "batch_order", "attn_impl"]
 TokenNormalizer = Literal["global", "per_sequence", "constant"]
 Topology = Literal["dedicated", "shared"]
 PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16")
-METRIC_KINDS = ("logprob", "value", "loss", "grad", "grad_norm", "update", "moment", "target")
+METRIC_KINDS = ("logprob", "value", "loss", "grad", "grad_norm", "update", "moment", "target", "relative")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -205,7 +205,8 @@ class Freeze:
     k: float = 4.0
     """Multiplier on the control error."""
     floors: dict[str, float] = field(default_factory=dict)
-    """Floor per metric kind (logprob, value, loss, grad, grad_norm, update, moment, target)."""
+    """Floor per metric kind: absolute floors for max_abs of logprob, value, loss, grad, grad_norm, update, moment,
+    target tensors; 'relative' is the floor of every relative metric (rel_l2)."""
     quantum: bool = True
     """Add one rounding step of the family's precision (ulp at the reference magnitude) to each bound."""
 
