@@ -2,27 +2,38 @@
 
 A manifest lists every file under an evidence root (relative POSIX path, size,
 sha256), sorted by path, and carries its own digest. Verification streams every
-file in fixed-size chunks (bounded memory), hashes in parallel threads (hashlib
-releases the GIL on large updates) and reports every missing, extra and modified
-file. Symlinks and paths that escape the root are refused, never followed.
+file in fixed-size chunks (bounded memory), hashes in parallel (qualify.hashing)
+while it checks the manifest, and reports every missing, extra and modified file.
+Symlinks, special files and manifest paths that escape the root are refused,
+never followed.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
-import stat
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
-from qualify.errors import ManifestError
-from qualify.store import dumps_json, read_json, write_json
+from qualify.errors import EvidenceError, ManifestError
+from qualify.hashing import CHUNK_BYTES, Hashes, default_jobs, hash_path, start_hashing
+from qualify.store import read_json, write_json
+
+__all__ = ["CHUNK_BYTES", "MANIFEST_SCHEMA", "FileEntry", "Modified", "VerifyReport", "build_manifest",
+           "check_relative", "create_manifest", "default_evidence", "default_jobs", "digest_of", "hash_files",
+           "list_files", "load_manifest", "scan_files", "sha256_file", "verify_manifest"]
 
 MANIFEST_SCHEMA = "qualify.manifest/1"
-CHUNK_BYTES = 1 << 20  # 1 MiB reads: large enough for hashlib to drop the GIL, small enough to bound memory
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+_ENTRY_KEYS = frozenset({"path", "bytes", "sha256"})
+# What check_relative accepts, as one regex for the fast path: components that are neither empty,
+# '.' nor '..', no leading '/', no backslash or NUL anywhere.
+_COMPONENT = r"(?!\.\.?(?:/|\Z))[^/\\\x00]+"
+_GOOD_PATH = re.compile(rf"{_COMPONENT}(?:/{_COMPONENT})*")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +73,7 @@ class VerifyReport:
     extra: list[str] = field(default_factory=list)
     modified: list[Modified] = field(default_factory=list)
     renamed: list[tuple[str, str]] = field(default_factory=list)
+    """(old, new) pairs among missing x extra with the same content; they stay in missing and extra too."""
 
     @property
     def ok(self) -> bool:
@@ -91,83 +103,111 @@ def _modified_json(m: Modified) -> dict[str, Any]:
 
 
 def sha256_file(path: Path, on_bytes: Callable[[int], None] | None = None) -> tuple[int, str]:
-    """Stream a file through sha256; return (size, hexdigest). Refuses symlinks."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
-    try:
-        fd = os.open(path, flags)
-    except OSError as exc:
-        if os.path.islink(path):
-            raise ManifestError(f"refusing symlink in evidence: {path}") from exc
-        raise
-    digest = hashlib.sha256()
-    buf = bytearray(CHUNK_BYTES)
-    view = memoryview(buf)
-    size = 0
-    with os.fdopen(fd, "rb", buffering=0) as handle:
-        while n := handle.readinto(buf):
-            digest.update(view[:n])
-            size += n
-            if on_bytes is not None:
-                on_bytes(n)
-    return size, digest.hexdigest()
+    """Stream a file through sha256; return (size, hexdigest). Refuses symlinks and special files."""
+    return hash_path(os.fspath(path), on_bytes)
+
+
+def _relative_excludes(root: Path, exclude: Iterable[Path]) -> set[str]:
+    """The excluded paths that lie under root, as relative POSIX paths.
+
+    Symlinks under root are refused, so a file's real path is realpath(root)/relative: comparing
+    relative strings is exact and costs no per-file resolve().
+    """
+    real_root = os.path.realpath(root)
+    inside = set()
+    for path in exclude:
+        rel = os.path.relpath(os.path.realpath(path), real_root)
+        if rel != ".." and not rel.startswith("../"):
+            inside.add(rel)
+    return inside
+
+
+def scan_files(root: Path, exclude: Iterable[Path] = ()) -> dict[str, int]:
+    """Every regular file under root: relative POSIX path -> size. Symlinks and special files are refused."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ManifestError(f"evidence root is not a directory: {root}")
+    skip = _relative_excludes(root, exclude)
+    sizes: dict[str, int] = {}
+    pending = [("", os.fspath(root))]
+    while pending:
+        prefix, directory = pending.pop()
+        try:
+            with os.scandir(directory) as it:
+                entries = list(it)
+        except OSError as exc:
+            raise EvidenceError(f"cannot list {directory}: {exc.strerror}") from exc
+        for entry in entries:  # is_* come from the directory listing; one lstat per file, for its size
+            rel = prefix + entry.name
+            if entry.is_symlink():
+                raise ManifestError(f"refusing symlink in evidence: {entry.path}")
+            if entry.is_dir(follow_symlinks=False):
+                pending.append((rel + "/", entry.path))
+            elif not entry.is_file(follow_symlinks=False):
+                raise ManifestError(f"refusing special file in evidence: {entry.path}")
+            elif rel not in skip:
+                sizes[rel] = entry.stat(follow_symlinks=False).st_size
+    return sizes
 
 
 def list_files(root: Path, exclude: Iterable[Path] = ()) -> list[str]:
     """Every regular file under root as a sorted relative POSIX path; symlinks are refused."""
-    root = Path(root)
-    if not root.is_dir():
-        raise ManifestError(f"evidence root is not a directory: {root}")
-    excluded = {Path(p).resolve() for p in exclude}
-    found: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            full = Path(dirpath) / name
-            mode = os.lstat(full).st_mode
-            if stat.S_ISLNK(mode):
-                raise ManifestError(f"refusing symlink in evidence: {full}")
-            if stat.S_ISREG(mode) and full.resolve() not in excluded:
-                found.append(full.relative_to(root).as_posix())
-            elif not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
-                raise ManifestError(f"refusing special file in evidence: {full}")
-    return sorted(found)
+    return sorted(scan_files(root, exclude))
 
 
 def check_relative(path: str) -> str:
-    """Validate a manifest path: relative, normalized, inside the root."""
-    pure = PurePosixPath(path)
-    if not path or pure.is_absolute() or ".." in pure.parts or "\\" in path or str(pure) != path:
-        raise ManifestError(f"manifest path escapes or is not normalized under the evidence root: {path!r}")
+    """Validate a manifest path: a relative, normalized POSIX path inside the root."""
+    if not isinstance(path, str) or not path:
+        raise ManifestError(f"manifest path must be a non-empty string, got {path!r}")
+    if path.startswith("/"):
+        raise ManifestError(f"manifest path is absolute, refusing: {path!r}")
+    parts = path.split("/")
+    if ".." in parts:
+        raise ManifestError(f"manifest path escapes the evidence root, refusing: {path!r}")
+    if "" in parts or "." in parts or "\\" in path or "\x00" in path:
+        raise ManifestError(f"manifest path is not a normalized POSIX path, refusing: {path!r}")
     return path
 
 
 def digest_of(document: dict[str, Any]) -> str:
-    """sha256 over the canonical JSON of a manifest document without its digest field."""
+    """sha256 over the canonical JSON of a manifest document without its digest field.
+
+    Canonical here is sorted keys, compact separators, ASCII: json's C encoder writes it (an
+    indented dump runs the pure-Python encoder, several times slower on 10,000 entries).
+    """
     body = {k: v for k, v in document.items() if k != "digest"}
-    return "sha256:" + hashlib.sha256(dumps_json(body).encode("ascii")).hexdigest()
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return "sha256:" + hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
-def hash_files(root: Path, paths: list[str], jobs: int | None = None, progress: bool = True) -> dict[str, tuple[int, str]]:
-    """Hash many files under root in parallel; returns path -> (size, sha256)."""
-    from qualify.progress import byte_progress
+def hash_files(root: Path, paths: list[str], jobs: int | None = None, progress: bool = True, *,
+               sizes: Mapping[str, int] | None = None) -> Hashes:
+    """Hash many files under root in parallel; returns path -> (size, sha256), in the order of paths.
 
-    jobs = jobs or os.cpu_count() or 1
-    total = sum(os.lstat(root / p).st_size for p in paths)
-    with byte_progress("hashing", total, enabled=progress) as advance:
-        def one(rel: str) -> tuple[str, tuple[int, str]]:
-            return rel, sha256_file(root / rel, advance)
+    sizes (path -> bytes, as scan_files returns) schedules the work and sizes the progress bar;
+    without it every file is stat'ed first.
+    """
+    if sizes is None:
+        sizes = {p: _size_of(os.path.join(root, p)) for p in paths}
+    with start_hashing(root, paths, sizes, jobs=jobs, progress=progress) as result:
+        found = result()
+    return {p: found[p] for p in paths}
 
-        if jobs == 1 or len(paths) <= 1:
-            return dict(map(one, paths))
-        with ThreadPoolExecutor(max_workers=jobs) as pool:
-            return dict(pool.map(one, paths, chunksize=max(1, len(paths) // (jobs * 8))))
+
+def _size_of(path: str) -> int:
+    try:
+        return os.lstat(path).st_size
+    except OSError as exc:
+        raise EvidenceError(f"cannot read {path}: {exc.strerror}") from exc
 
 
 def build_manifest(root: Path, *, exclude: Iterable[Path] = (), jobs: int | None = None,
                    progress: bool = True, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Manifest document for every file under root (extra keys are merged in before digesting)."""
     root = Path(root)
-    paths = list_files(root, exclude)
-    hashed = hash_files(root, paths, jobs, progress)
+    sizes = scan_files(root, exclude)
+    paths = sorted(sizes)
+    hashed = hash_files(root, paths, jobs, progress, sizes=sizes)
     document: dict[str, Any] = {"schema": MANIFEST_SCHEMA, **(extra or {})}
     document["files"] = [FileEntry(p, *hashed[p]).to_json() for p in paths]
     document["digest"] = digest_of(document)
@@ -184,8 +224,21 @@ def create_manifest(root: Path, out: Path, *, jobs: int | None = None, progress:
     return document
 
 
-def load_manifest(path: Path) -> dict[str, Any]:
-    """Read a manifest, checking schema, entries and its own digest."""
+def _check_entry(path: Path, index: int, entry: Any) -> None:
+    """One file entry: exactly path, bytes, sha256, each well-formed."""
+    if not isinstance(entry, dict) or entry.keys() != _ENTRY_KEYS:
+        raise ManifestError(f"{path}: files[{index}]: malformed entry {entry!r} (keys: bytes, path, sha256)")
+    check_relative(entry["path"])
+    size, sha = entry["bytes"], entry["sha256"]
+    if type(size) is not int or size < 0:
+        raise ManifestError(f"{path}: files[{index}] ({entry['path']}): bytes must be an integer >= 0, got {size!r}")
+    if not isinstance(sha, str) or not _SHA256_HEX.fullmatch(sha):
+        raise ManifestError(f"{path}: files[{index}] ({entry['path']}): sha256 must be 64 lowercase hex digits, "
+                            f"got {sha!r}")
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    """Parse a manifest file and check its shape; entries and digest are _check_manifest's."""
     path = Path(path)
     if path.is_symlink():
         raise ManifestError(f"refusing symlinked manifest: {path}")
@@ -195,12 +248,44 @@ def load_manifest(path: Path) -> dict[str, Any]:
         raise ManifestError(str(exc)) from exc
     if not isinstance(document, dict) or not isinstance(document.get("files"), list):
         raise ManifestError(f"{path}: not a manifest (no 'files' list)")
-    for entry in document["files"]:
-        if not isinstance(entry, dict) or set(entry) != {"path", "bytes", "sha256"}:
-            raise ManifestError(f"{path}: malformed file entry {entry!r}")
-        check_relative(entry["path"])
-    if document.get("digest") != digest_of(document):
+    if not isinstance(document.get("schema"), str):
+        raise ManifestError(f"{path}: not a manifest (no 'schema' string)")
+    return document
+
+
+def _entry_ok(entry: Any) -> bool:
+    """The common case, checked fast (two regex matches per entry); _check_entry explains a failure."""
+    return (type(entry) is dict and entry.keys() == _ENTRY_KEYS
+            and type(entry["path"]) is str and _GOOD_PATH.fullmatch(entry["path"]) is not None
+            and type(entry["bytes"]) is int and entry["bytes"] >= 0
+            and type(entry["sha256"]) is str and _SHA256_HEX.fullmatch(entry["sha256"]) is not None)
+
+
+def _check_manifest(path: Path, document: dict[str, Any]) -> None:
+    """Every entry well-formed and unique, and the document's digest its own."""
+    files = document["files"]
+    for index, entry in enumerate(files):
+        if not _entry_ok(entry):
+            _check_entry(path, index, entry)
+            raise AssertionError(f"_entry_ok and _check_entry disagree on {entry!r}")
+    if len({entry["path"] for entry in files}) != len(files):
+        seen: set[str] = set()
+        for index, entry in enumerate(files):
+            if entry["path"] in seen:
+                raise ManifestError(f"{path}: files[{index}]: duplicate path {entry['path']!r}")
+            seen.add(entry["path"])
+    try:
+        digest = digest_of(document)
+    except ValueError as exc:  # NaN or Infinity: valid for json.loads, not canonical JSON
+        raise ManifestError(f"{path}: not canonical JSON: {exc}") from exc
+    if document.get("digest") != digest:
         raise ManifestError(f"{path}: manifest digest does not match its content (edited by hand?)")
+
+
+def load_manifest(path: Path) -> dict[str, Any]:
+    """Read a manifest, checking schema, entries and its own digest."""
+    document = _read_manifest(path)
+    _check_manifest(Path(path), document)
     return document
 
 
@@ -214,21 +299,28 @@ def default_evidence(manifest_path: Path, document: dict[str, Any]) -> Path:
 
 def verify_manifest(manifest_path: Path, evidence: Path | None = None, *, jobs: int | None = None,
                     progress: bool = True) -> VerifyReport:
-    """Compare evidence with a manifest; lists every missing, extra and modified file."""
+    """Compare evidence with a manifest; lists every missing, extra and modified file.
+
+    Every file present is hashed (an extra one too: a rename is recognized by its content) while
+    this thread checks the manifest's entries and digest; a manifest that fails the check stops
+    the hashing and raises.
+    """
     manifest_path = Path(manifest_path)
-    document = load_manifest(manifest_path)
+    document = _read_manifest(manifest_path)
     root = Path(evidence) if evidence is not None else default_evidence(manifest_path, document)
+    sizes = scan_files(root, exclude=[manifest_path])
+    present = sorted(sizes)
+    with start_hashing(root, present, sizes, jobs=jobs, progress=progress) as result:
+        _check_manifest(manifest_path, document)
+        hashed = result()
     expected = {e["path"]: e for e in document["files"]}
-    present = set(list_files(root, exclude=[manifest_path]))
-    missing = sorted(set(expected) - present)
-    extra = sorted(present - set(expected))
-    common = sorted(set(expected) & present)
-    hashed = hash_files(root, common + extra, jobs, progress)
+    missing = sorted(expected.keys() - sizes.keys())
+    extra = sorted(sizes.keys() - expected.keys())
     modified = [
         Modified(p, expected[p]["bytes"], hashed[p][0], expected[p]["sha256"], hashed[p][1])
-        for p in common
-        if hashed[p] != (expected[p]["bytes"], expected[p]["sha256"])
+        for p in present
+        if p in expected and hashed[p] != (expected[p]["bytes"], expected[p]["sha256"])
     ]
-    by_sha = {expected[p]["sha256"]: p for p in missing}
-    renamed = [(by_sha[hashed[p][1]], p) for p in extra if hashed[p][1] in by_sha]
+    by_content = {(expected[p]["bytes"], expected[p]["sha256"]): p for p in missing}
+    renamed = [(by_content[hashed[p]], p) for p in extra if hashed[p] in by_content]
     return VerifyReport(str(manifest_path), str(root), len(expected), missing, extra, modified, renamed)

@@ -17,6 +17,8 @@ from qualify.errors import MatrixError
 
 
 def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "null"
     if get_origin(tp) is Literal:
         return " | ".join(repr(a) for a in get_args(tp))
     return getattr(tp, "__name__", str(tp).replace("typing.", ""))
@@ -28,15 +30,17 @@ def _convert(value: Any, tp: Any, where: str, source: str) -> Any:
         options = get_args(tp)
         if value is None and type(None) in options:
             return None
-        errors = []
-        for option in (o for o in options if o is not type(None)):
+        concrete = [o for o in options if o is not type(None)]
+        if len(concrete) == 1:  # X | None: X's own error names the exact key (an unknown nested key, say)
+            return _convert(value, concrete[0], where, source)
+        for option in concrete:
             try:
                 return _convert(value, option, where, source)
-            except MatrixError as exc:
-                errors.append(str(exc))
+            except MatrixError:
+                continue
         raise MatrixError(f"{source}: {where}: expected {' or '.join(_type_name(o) for o in options)}, got {value!r}")
-    if origin is Literal:
-        if value not in get_args(tp):
+    if origin is Literal:  # compare types too: True == 1, and YAML's 1 is not the string '1'
+        if not any(type(value) is type(a) and value == a for a in get_args(tp)):
             raise MatrixError(f"{source}: {where}: expected one of {_type_name(tp)}, got {value!r}")
         return value
     if dataclasses.is_dataclass(tp):
@@ -58,7 +62,7 @@ def _convert(value: Any, tp: Any, where: str, source: str) -> Any:
                 for k, v in value.items()}
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise MatrixError(f"{source}: {where}: expected a number, got {value!r}")
+            raise MatrixError(f"{source}: {where}: expected a number, got {value!r}{_float_hint(value)}")
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
@@ -104,6 +108,17 @@ def to_dict(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: to_dict(v) for k, v in obj.items()}
     return obj
+
+
+def _float_hint(value: Any) -> str:
+    """YAML 1.1 (PyYAML) reads 1e-6 as a string: say how to write it."""
+    if isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            return ""
+        return " (YAML reads exponents without a dot as text: write 1.0e-6, not 1e-6)"
+    return ""
 
 
 def _join(where: str, key: str) -> str:

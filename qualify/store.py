@@ -24,20 +24,39 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _read_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+# mkstemp creates 0600 files; evidence gets the mode a plain open() would give (read once: os.umask
+# can only be read by setting it, which is not thread-safe later on).
+_FILE_MODE = 0o666 & ~_read_umask()
+
+
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Call write(tmp_path), fsync tmp_path, then rename it onto path."""
+    """Call write(tmp_path), fsync tmp_path, then rename it onto path.
+
+    The temporary file lies next to path (same filesystem, so the rename is atomic) and is
+    removed if anything fails, an interrupt included.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
     tmp = Path(tmp_name)
     try:
+        os.fchmod(fd, _FILE_MODE)
+        os.close(fd)
+        fd = -1
         write(tmp)
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, path)
         _fsync_dir(path.parent)
     except BaseException:
+        if fd >= 0:
+            os.close(fd)
         tmp.unlink(missing_ok=True)
         raise
 
@@ -58,27 +77,47 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def read_json(path: Path) -> Any:
-    """Read a JSON file; a missing or malformed file is an EvidenceError."""
+    """Read a JSON file; a missing, unreadable or malformed file is an EvidenceError."""
     try:
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError as exc:
         raise EvidenceError(f"missing file: {path}") from exc
     except json.JSONDecodeError as exc:
         raise EvidenceError(f"malformed JSON in {path}: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise EvidenceError(f"malformed JSON in {path}: not UTF-8 ({exc.reason} at byte {exc.start})") from exc
+    except OSError as exc:
+        raise EvidenceError(f"cannot read {path}: {exc.strerror}") from exc
 
 
 def write_tensors(path: Path, tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> None:
-    """Write a dict of torch tensors (name -> tensor) to safetensors, atomically."""
+    """Write a dict of torch tensors (name -> tensor) to safetensors, atomically.
+
+    Tensors that share storage with an earlier one (tied embeddings) are cloned: safetensors
+    refuses shared storage, and evidence wants every name as its own tensor.
+    """
     from safetensors.torch import save_file
 
-    contiguous = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
+    contiguous: dict[str, Any] = {}
+    storages: set[int] = set()
+    for name, tensor in tensors.items():
+        t = tensor.detach().contiguous().cpu()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in storages and t.numel():
+            t = t.clone()
+        storages.add(t.untyped_storage().data_ptr())
+        contiguous[name] = t
     atomic_write(path, lambda tmp: save_file(contiguous, str(tmp), metadata=dict(metadata or {})))
 
 
 def read_tensors(path: Path) -> dict[str, Any]:
     """Read every tensor of a safetensors file into a dict (name -> tensor)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     if not Path(path).is_file():
         raise EvidenceError(f"missing tensor file: {path}")
-    return load_file(str(path))
+    try:
+        return load_file(str(path))
+    except SafetensorError as exc:
+        raise EvidenceError(f"{path}: not a readable safetensors file: {exc}") from exc

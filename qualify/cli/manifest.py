@@ -12,7 +12,8 @@ from qualify.cli.options import JobsOpt
 from qualify.manifest import create_manifest
 
 HELP = "Create sha256 manifests of evidence directories."
-app = typer.Typer(no_args_is_help=True, help=HELP)
+EPILOG = "Example:  qualify manifest create runs/x/reference --out runs/x/reference.manifest.json  (then: qualify verify ...)"
+app = typer.Typer(no_args_is_help=True, help=HELP, epilog=EPILOG)
 
 
 @app.command("create", epilog="Example:  qualify manifest create runs/x/reference --out runs/x/reference.manifest.json")

@@ -1,4 +1,8 @@
-"""`qualify matrices list|show|validate`: inspect and validate matrix files."""
+"""`qualify matrices list|show|validate`: inspect and validate matrix files.
+
+yaml and the matrix loader are imported inside the commands: this module is imported
+by every `qualify` invocation, including `qualify verify`.
+"""
 
 from __future__ import annotations
 
@@ -6,32 +10,44 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-import yaml
 
 from qualify.cli.handler import handle_errors
 from qualify.cli.options import Format, FormatOpt
 from qualify.cli.render import echo_json
-from qualify.matrix import load_matrix, matrix_files
-from qualify.schema import to_dict
+from qualify.errors import MatrixError
 
 HELP = "List, show and validate matrix files."
-app = typer.Typer(no_args_is_help=True, help=HELP)
+EPILOG = "Examples:  qualify matrices list  |  qualify matrices show matrices/tiny-qwen3.yaml  |  qualify matrices validate matrices/*.yaml"
+app = typer.Typer(no_args_is_help=True, help=HELP, epilog=EPILOG)
 DirOpt = Annotated[Path, typer.Option("--dir", help="Directory of matrix files.")]
+MatrixFileArg = Annotated[Path, typer.Argument(help="Matrix YAML file.", show_default=False)]
 
 
 @app.command("list", epilog="Example:  qualify matrices list --dir matrices")
 @handle_errors
 def list_(directory: DirOpt = Path("matrices")) -> None:
     """One line per matrix: file, name, cases, description."""
-    for path in matrix_files(directory):
+    from qualify.matrix import load_matrix, matrix_files
+
+    if not directory.is_dir():
+        raise MatrixError(f"matrix directory not found: {directory}")
+    paths = matrix_files(directory)
+    if not paths:
+        raise MatrixError(f"no *.yaml matrix files in {directory}")
+    for path in paths:
         m = load_matrix(path)
         typer.echo(f"{path}\t{m.name}\t{len(m.cases())} cases\t{m.description}")
 
 
 @app.command("show", epilog="Example:  qualify matrices show matrices/tiny-qwen3.yaml --format json")
 @handle_errors
-def show(matrix: Annotated[Path, typer.Argument(show_default=False)], format: FormatOpt = Format.text) -> None:
+def show(matrix: MatrixFileArg, format: FormatOpt = Format.text) -> None:
     """Print a matrix with every default filled in, and its cases."""
+    import yaml
+
+    from qualify.matrix import load_matrix
+    from qualify.schema import to_dict
+
     m = load_matrix(matrix)
     data = to_dict(m)
     data["cases"] = [c.name for c in m.cases()]
@@ -43,8 +59,10 @@ def show(matrix: Annotated[Path, typer.Argument(show_default=False)], format: Fo
 
 @app.command("validate", epilog="Example:  qualify matrices validate matrices/*.yaml")
 @handle_errors
-def validate(matrices: Annotated[list[Path], typer.Argument(show_default=False)]) -> None:
-    """Validate matrix files; exit 2 naming the first bad key."""
+def validate(matrices: Annotated[list[Path], typer.Argument(help="Matrix YAML files.", show_default=False)]) -> None:
+    """Validate matrix files; exit 2 naming the file and the first bad key."""
+    from qualify.matrix import load_matrix
+
     for path in matrices:
         m = load_matrix(path)
         typer.echo(f"ok {path} ({m.name}, {len(m.cases())} cases)")

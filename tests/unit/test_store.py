@@ -1,0 +1,147 @@
+"""The evidence store: atomic writes leave no temp file behind, JSON is canonical, safetensors round-trips."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from qualify.errors import EvidenceError
+from qualify.store import (
+    atomic_write,
+    atomic_write_bytes,
+    dumps_json,
+    read_json,
+    read_tensors,
+    write_json,
+    write_tensors,
+)
+
+
+def names(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def test_failed_write_leaves_no_temp_file_and_keeps_the_old_content(tmp_path):
+    target = tmp_path / "out.json"
+    target.write_text("old")
+
+    def half_then_fail(tmp: Path) -> None:
+        tmp.write_text("half")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        atomic_write(target, half_then_fail)
+    assert names(tmp_path) == ["out.json"] and target.read_text() == "old"
+
+
+def test_interrupted_write_leaves_no_temp_file(tmp_path):
+    def interrupted(tmp: Path) -> None:
+        tmp.write_text("partial")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write(tmp_path / "new.bin", interrupted)
+    assert names(tmp_path) == []
+
+
+def test_unserializable_json_writes_nothing(tmp_path):
+    with pytest.raises(ValueError):
+        write_json(tmp_path / "nan.json", {"x": float("nan")})
+    assert names(tmp_path) == []
+
+
+def test_write_creates_parents_and_replaces(tmp_path):
+    target = tmp_path / "a" / "b" / "c.bin"
+    atomic_write_bytes(target, b"one")
+    atomic_write_bytes(target, b"two")
+    assert target.read_bytes() == b"two" and names(target.parent) == ["c.bin"]
+
+
+def test_written_file_gets_the_umask_mode_not_0600(tmp_path):
+    old = os.umask(0o022)
+    try:
+        target = tmp_path / "x.json"
+        write_json(target, {})
+    finally:
+        os.umask(old)
+    from qualify.store import _FILE_MODE
+
+    assert stat.S_IMODE(target.stat().st_mode) == _FILE_MODE and _FILE_MODE & 0o044  # group/others can read
+
+
+def test_json_is_sorted_indented_ascii_with_newline(tmp_path):
+    target = tmp_path / "doc.json"
+    write_json(target, {"b": 1, "a": [1, 2], "c": {"z": "\u00e9", "y": None}})
+    expected = ('{\n  "a": [\n    1,\n    2\n  ],\n  "b": 1,\n  "c": {\n    "y": null,\n    "z": "\\u00e9"\n  }\n}\n')
+    assert target.read_text() == expected == dumps_json({"c": {"y": None, "z": "\u00e9"}, "b": 1, "a": [1, 2]})
+    assert read_json(target) == {"a": [1, 2], "b": 1, "c": {"y": None, "z": "\u00e9"}}
+
+
+def test_json_writes_are_byte_reproducible(tmp_path):
+    doc = {str(i): list(range(i)) for i in range(20, 0, -1)}
+    write_json(tmp_path / "1.json", doc)
+    write_json(tmp_path / "2.json", dict(reversed(list(doc.items()))))
+    assert (tmp_path / "1.json").read_bytes() == (tmp_path / "2.json").read_bytes()
+
+
+@pytest.mark.parametrize("content, expected", [
+    (None, "missing file"),
+    (b"{not json", "malformed JSON"),
+    (b"\xff\xfe{}", "not UTF-8"),
+])
+def test_read_json_errors_are_evidence_errors(tmp_path, content, expected):
+    path = tmp_path / "x.json"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(EvidenceError, match=expected):
+        read_json(path)
+
+
+def test_read_json_of_a_directory(tmp_path):
+    with pytest.raises(EvidenceError, match="cannot read"):
+        read_json(tmp_path)
+
+
+def test_safetensors_round_trip(tmp_path):
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(0)
+    embed = torch.randn(8, 4, generator=gen)
+    tensors = {
+        "model.embed_tokens.weight": embed,
+        "lm_head.weight": embed,  # tied: shares storage with the embedding
+        "model.norm.weight": torch.randn(4, generator=gen).to(torch.bfloat16),
+        "transposed": torch.randn(3, 5, generator=gen).t(),  # not contiguous
+        "tokens": torch.arange(12, dtype=torch.int64).reshape(3, 4),
+        "mask": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(1.5, dtype=torch.float64),
+        "empty": torch.zeros(0, 3),
+    }
+    path = tmp_path / "t" / "x.safetensors"
+    write_tensors(path, tensors, metadata={"role": "actor"})
+    back = read_tensors(path)
+    assert set(back) == set(tensors)
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and back[name].shape == t.shape and torch.equal(back[name], t), name
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as handle:
+        assert handle.metadata() == {"role": "actor"}
+    assert names(path.parent) == ["x.safetensors"]
+
+
+def test_read_tensors_errors(tmp_path):
+    with pytest.raises(EvidenceError, match="missing tensor file"):
+        read_tensors(tmp_path / "absent.safetensors")
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"garbage" * 3)
+    with pytest.raises(EvidenceError, match="not a readable safetensors file"):
+        read_tensors(bad)
+
+
+def test_dumps_json_matches_json_module():
+    doc = {"k": [1.5, "s", None, True], "a": {"b": 2}}
+    assert json.loads(dumps_json(doc)) == doc and dumps_json(doc).endswith("}\n")
