@@ -9,7 +9,7 @@ the file the rank was told to load). vLLM's layout of Qwen3 at TP degree tp, ran
   gate_up_proj rows: gate [r*I/tp, (r+1)*I/tp), then up, same rows (column-parallel, merged)
   down_proj    columns [r*I/tp, (r+1)*I/tp) (row-parallel)
   embed_tokens, lm_head  vocab padded to a multiple of 64 and split in equal row blocks; a rank's
-               rows past the real vocabulary are zero
+               rows past the real vocabulary are zero; a tied lm_head holds the embedding's rows
   norms (input_layernorm, post_attention_layernorm, q_norm, k_norm, model.norm) replicated.
 The happy path checks this function against what vLLM actually holds, rank by rank.
 """
@@ -81,9 +81,11 @@ def rank_shards(hf: Mapping[str, torch.Tensor], config: Mapping[str, Any], rank:
     yield "model.embed_tokens.weight", _vocab_rows(hf["model.embed_tokens.weight"], rank, tp)
     yield "model.norm.weight", hf["model.norm.weight"]
     used.update(("model.embed_tokens.weight", "model.norm.weight"))
-    if not config.get("tie_word_embeddings", False):
+    if config.get("tie_word_embeddings", False):  # the head computes with (its copy of) the embedding
+        yield "lm_head.weight", _vocab_rows(hf["model.embed_tokens.weight"], rank, tp)
+    else:
         yield "lm_head.weight", _vocab_rows(hf["lm_head.weight"], rank, tp)
-        used.add("lm_head.weight")
+    used.add("lm_head.weight")  # a tied checkpoint that still has one: vLLM skips it
     unknown = sorted(set(hf) - used)
     if unknown:
         raise QualifyError(f"HF tensors with no known vLLM Qwen3 layout (not checked, so refused): {unknown[:5]}")

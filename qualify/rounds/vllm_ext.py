@@ -7,6 +7,9 @@ edits do nothing there. Multiplying the rank's layer by an identity matrix retur
 (I @ W^T = W^T, every sum has one non-zero term) the weight that layer computes with. Embeddings
 and norms are read directly: their forward uses the parameter itself. Every digest is therefore a
 digest of this rank's own shard, in vLLM's names (qualify.rounds.shards says what it must be).
+Per-rank shards rather than gathered full tensors: a gathered digest can say that the ranks
+together are wrong, a per-rank one says which rank holds which wrong tensor, and needs no
+collective that could itself be what is broken.
 
 Faults (probes only; each one is recorded in the evidence): corrupt_rank/corrupt_tensor makes
 that rank load its tensor one ulp off, silent_rank returns no acknowledgment from that rank,
@@ -49,18 +52,31 @@ def gemm_weight(module: torch.nn.Module) -> torch.Tensor:
 
 
 def held_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(vLLM name, tensor this rank computes with) for every parameter of the model."""
+    """(vLLM name, tensor this rank computes with) for every parameter of the model.
+
+    A tied lm_head (tie_word_embeddings) is not a parameter of its own, but on CPU its GEMM still
+    has its own packed copy of the embedding: it is read back and reported as lm_head.weight.
+    """
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+    from vllm.platforms import current_platform
 
+    # Off CPU the GEMM reads the parameter itself; reading it back through a GEMM there could
+    # round it (TF32), so the parameter is the truth.
+    read_back = current_platform.is_cpu()
     modules = dict(model.named_modules())
+    names = set()
     for name, param in model.named_parameters():
         owner, _, leaf = name.rpartition(".")
         module = modules[owner]
-        if leaf == "weight" and isinstance(module, (LinearBase, ParallelLMHead)):
+        names.add(name)
+        if read_back and leaf == "weight" and isinstance(module, (LinearBase, ParallelLMHead)):
             yield name, gemm_weight(module)
         else:
             yield name, param.detach().cpu()
+    head = modules.get("lm_head")
+    if isinstance(head, ParallelLMHead) and "lm_head.weight" not in names:
+        yield "lm_head.weight", gemm_weight(head) if read_back else head.weight.detach().cpu()
 
 
 class RoundsWorkerExtension:

@@ -118,3 +118,11 @@ def test_apply_update_is_name_for_name():
         apply_update(prev, {"a": torch.ones(2)})
     with pytest.raises(EvidenceError, match="shapes differ"):
         apply_update(prev, {"a": torch.ones(3), "b": torch.ones(3)})
+
+
+def test_a_tied_head_is_expected_to_hold_the_embedding_rows():
+    config = CONFIG | {"tie_word_embeddings": True}
+    hf = {k: v for k, v in hf_tensors().items() if k != "lm_head.weight"}
+    shards = dict(rank_shards(hf, config, 1, 2))
+    assert torch.equal(shards["lm_head.weight"], shards["model.embed_tokens.weight"])
+    assert torch.equal(shards["lm_head.weight"][:36], hf["model.embed_tokens.weight"][64:])
