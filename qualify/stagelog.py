@@ -13,8 +13,10 @@ class StageLog:
 
     def __init__(self, stage: str, *, quiet: bool = False) -> None:
         from rich.console import Console
+        from rich.markup import escape
 
         self.stage = stage
+        self.prefix = escape(f"[{stage}]")
         self.console = Console(stderr=True, highlight=False)
         self.quiet = quiet
         self.started = time.monotonic()
@@ -27,14 +29,21 @@ class StageLog:
             yield
             return
         if sys.stderr.isatty():
-            with self.console.status(f"[bold]{self.stage}[/bold] {description}"):
+            with self.console.status(f"[bold]{self.stage}[/bold] {escape_text(description)}"):
                 yield
         else:
-            self.console.print(f"[{self.stage}] {description} ...")
+            self.console.print(f"{self.prefix} {escape_text(description)} ...")
             yield
-        self.console.print(f"[{self.stage}] {description}: done in {time.monotonic() - t0:.1f} s")
+        self.console.print(f"{self.prefix} {escape_text(description)}: done in {time.monotonic() - t0:.1f} s")
 
     def skip(self, description: str) -> None:
         """Note a step whose output is already complete and verified."""
         if not self.quiet:
-            self.console.print(f"[{self.stage}] {description}: complete, skipped")
+            self.console.print(f"{self.prefix} {escape_text(description)}: complete, skipped")
+
+
+def escape_text(text: str) -> str:
+    """Text shown verbatim (a case name or a path may hold '[')."""
+    from rich.markup import escape
+
+    return escape(text)

@@ -22,6 +22,8 @@ import torch.distributed as dist
 from qualify.candidate.spec import CaseSpec, read_spec
 from qualify.engines.base import Batch, EngineContext
 from qualify.engines.registry import get_engine
+from qualify.errors import EvidenceError
+from qualify.manifest import sha256_file
 from qualify.models.checkpoint import checkpoint_tensors
 from qualify.ppo.math import clipped_policy_loss, clipped_value_loss, kl_terms, masked_mean
 from qualify.rollout.capture import load_rollout
@@ -85,7 +87,10 @@ def run_case(spec: CaseSpec, rank: int) -> None:
     """One case on this rank (the process group is up); rank 0 seals the evidence."""
     started = time.monotonic()
     rollout = load_rollout(Path(spec.rollout_dir), spec.rollout_digest)
-    targets = read_tensors(Path(spec.targets_dir) / "targets.safetensors")
+    targets_file = Path(spec.targets_dir) / "targets.safetensors"
+    if "sha256:" + sha256_file(targets_file)[1] != spec.targets_digest:
+        raise EvidenceError(f"targets {targets_file} do not have the frozen digest {spec.targets_digest}")
+    targets = read_tensors(targets_file)
     batch = Batch(input_ids_BT=rollout["input_ids_BT"], response_mask_BT=rollout["response_mask_BT"])
     engine = get_engine(spec.engine)
     work_dir = Path(spec.case_dir + ".work")
