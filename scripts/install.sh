@@ -19,6 +19,6 @@ pipq() {
 pipq install -q --upgrade "pip>=25"
 pipq install -q --no-deps -r requirements/cpu.lock
 pipq install -q --no-deps -r requirements/test.lock
-pipq install -q --no-deps --no-build-isolation -e .
+pipq install -q --no-deps -e .
 "$venv/bin/python" scripts/check_env.py
 touch "$venv/.installed"
