@@ -182,10 +182,12 @@ def test_requeued_array_task_resumes_and_the_chain_completes(tmp_path):
     lines = []
     while len(job_ids("".join(lines))) < 4:
         lines.append(proc.stdout.readline())
+        assert lines[-1], "".join(lines) + proc.stderr.read()  # qualify sbatch ended before submitting
     ids = job_ids("".join(lines))
     task = f"{ids['3-candidate-1cpu.sbatch']}_{_case_names_tp1().index(held)}"
     partial = tmp_path / "run" / "candidates" / held / "partial.json"
     while not partial.exists():  # the held case is running and has written a partial output
+        assert proc.poll() is None, proc.communicate()
         time.sleep(0.2)
     subprocess.run(["scontrol", "requeue", task], check=True)
     _release(task)

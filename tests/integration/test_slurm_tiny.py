@@ -103,11 +103,11 @@ def test_requeued_candidate_arrays_complete_with_the_same_verdict(first_chain, t
     proc = start_chain(run)
     ids, head = read_ids(proc, 5)
     arrays = [ids["candidate-1cpu"], ids["candidate-2cpu"]]
-    _wait_running(ids["candidate-2cpu"], run / "candidates" / "torch-tp-fp32-tp2-actor.work")
+    _wait_running(proc, ids["candidate-2cpu"], run / "candidates" / "torch-tp-fp32-tp2-actor.work")
     # Requeue both arrays: the running TP2 task dies mid-case, the completed TP1 task runs again.
     subprocess.run(["scontrol", "requeue", ",".join(arrays)], check=True)
     for array in arrays:
-        _release_held(array)
+        _release_held(proc, array)
     out, err = proc.communicate()
     assert proc.returncode == 0, head + out + err
     assert verdict_rows(run) == verdict_rows(first_run)
@@ -129,15 +129,24 @@ def _task_states(array: str) -> dict[int, tuple[str, str]]:
     return {int(i): (s, r) for i, s, r in (line.split(maxsplit=2) for line in text.splitlines())}
 
 
-def _wait_running(array: str, work: Path) -> None:
+def _chain_alive(proc: subprocess.Popen) -> None:
+    """Fail at once, with what qualify sbatch said, when the chain ended before the test acted on it."""
+    if proc.poll() is not None:
+        out, err = proc.communicate()
+        pytest.fail(f"the chain ended early (exit {proc.returncode}):\n{out}{err}")
+
+
+def _wait_running(proc: subprocess.Popen, array: str, work: Path) -> None:
     """Until the array's task runs and has started its case (the case's work directory exists)."""
     while not (_task_states(array).get(0, ("", ""))[0] == "RUNNING" and work.exists()):
+        _chain_alive(proc)
         time.sleep(0.5)
 
 
-def _release_held(array: str) -> None:
+def _release_held(proc: subprocess.Popen, array: str) -> None:
     """A requeued task is held cred_expire seconds (BeginTime): start each one now, until none waits."""
     while True:
+        _chain_alive(proc)
         states = _task_states(array)
         held = [i for i, (state, reason) in states.items() if state == "PENDING" and reason == "BeginTime"]
         for index in held:
