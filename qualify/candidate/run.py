@@ -73,7 +73,8 @@ def launch(spec_paths: Path | list[Path], tp: int, device: str, log_path: Path) 
     paths = [spec_paths] if isinstance(spec_paths, Path) else list(spec_paths)
     env = dict(os.environ)
     if device == "cpu":
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // tp)))
+        cpus = int(os.environ.get("SLURM_CPUS_PER_TASK") or len(os.sched_getaffinity(0)))  # the allocation, not the node
+        env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // tp)))
         env.setdefault("DS_ACCELERATOR", "cpu")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}",
            "-m", "qualify.candidate.worker", *map(str, paths)]
@@ -179,9 +180,16 @@ def run_candidates(matrix: Matrix, run_dir: Path, *, acceptance: Path | None = N
         else:
             rows += judge_case(layout, case, bounds, befores[case.role], matrix.optimizer)
     verdict = verdict_document(matrix, doc, cases, rows, complete=only is None)
-    selection = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in only or "")
-    write_json(layout.verdict if only is None else layout.candidates / f"verdict-{selection}.json", verdict)
+    write_json(layout.verdict if only is None else layout.candidates / f"verdict-{selection_name(only)}.json", verdict)
     return verdict
+
+
+def selection_name(only: str) -> str:
+    """A file-name-safe label for a --only glob, unique per glob (the sanitized text alone can collide)."""
+    import hashlib
+
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in only)
+    return f"{safe}-{hashlib.sha256(only.encode()).hexdigest()[:8]}"
 
 
 def verdict_document(matrix: Matrix, doc: dict[str, Any], cases: list[Case], rows: list[Row],
