@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
-from typing import Annotated, Self
+from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.live import Live
-from rich.table import Table
 
 from qualify.cli.options import MatrixArg
-from qualify.errors import SlurmError
-from qualify.layout import default_run_dir
-from qualify.matrix import load_matrix
-from qualify.slurm.render import render_chain, write_chain
-from qualify.slurm.submit import submit_chain
-from qualify.slurm.watch import ChainWatch, follow
 
 NAME = "sbatch"
 HELP = ("Render the stages of a matrix as chained sbatch scripts (reference, freeze, candidate array, verdict); "
@@ -42,6 +32,15 @@ WaitOpt = Annotated[bool, typer.Option(
 def main(matrix: MatrixArg, cluster: ClusterOpt, out: ScriptsOpt = None, run: RunOpt = None,
          topology: TopologyOpt = None, cases: CasesOpt = None, submit: SubmitOpt = False,
          wait: WaitOpt = False) -> None:
+    # imported here: `qualify --help` and the other verbs should not pay for Slurm and rich.live
+    from qualify.cli.slurm_view import ChainDisplay
+    from qualify.errors import SlurmError
+    from qualify.layout import default_run_dir
+    from qualify.matrix import load_matrix
+    from qualify.slurm.render import render_chain, write_chain
+    from qualify.slurm.submit import submit_chain
+    from qualify.slurm.watch import ChainWatch, follow
+
     run = run or default_run_dir(load_matrix(matrix).name)
     chain = render_chain(matrix, cluster, run=run, out=out or run / "slurm", topology=topology, cases=cases)
     write_chain(chain)
@@ -56,7 +55,7 @@ def main(matrix: MatrixArg, cluster: ClusterOpt, out: ScriptsOpt = None, run: Ru
     if not wait:
         return
     try:
-        with _Display() as display:
+        with ChainDisplay() as display:
             outcome = follow(ChainWatch(chain, ids), chain.profile.poll_seconds, display)
     except KeyboardInterrupt:
         typer.echo(f"qualify: stopped following; the jobs keep running (scancel {' '.join(ids.values())})", err=True)
@@ -85,40 +84,3 @@ def _describe(job) -> str:
 
 def _plural(n: int, unit: str) -> str:
     return f"{n} {unit}" if n == 1 else f"{n} {unit}s"
-
-
-class _Display:
-    """Live table on a terminal; elsewhere (CI logs) one line per change of a job's state."""
-
-    def __init__(self) -> None:
-        self.console = Console(stderr=True)
-        self.live = Live(console=self.console, auto_refresh=False) if sys.stderr.isatty() else None
-        self.last: dict[str, str] = {}
-
-    def __enter__(self) -> Self:
-        if self.live is not None:
-            self.live.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.live is not None:
-            self.live.stop()
-
-    def __call__(self, watch: ChainWatch) -> None:
-        if self.live is not None:
-            self.live.update(self._table(watch), refresh=True)
-            return
-        for view in watch.views:
-            line = view.summary() + (f", {_plural(view.restarts, 'restart')}" if view.restarts else "")
-            if self.last.get(view.job.key) != line:
-                self.last[view.job.key] = line
-                self.console.print(f"qualify-slurm: {view.job.file} job {view.job_id}: {line}", highlight=False)
-
-    @staticmethod
-    def _table(watch: ChainWatch) -> Table:
-        table = Table(title="qualify sbatch: chain status")
-        for column in ("job", "id", "state", "restarts"):
-            table.add_column(column)
-        for view in watch.views:
-            table.add_row(view.job.file, view.job_id, view.summary(), str(view.restarts))
-        return table
