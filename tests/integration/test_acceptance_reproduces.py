@@ -1,8 +1,9 @@
 """A fresh reference run against the committed acceptance of the embedded default.
 
 Reports which artifacts reproduce bit for bit. The set of artifacts must be the same and the
-rollout must reproduce (same seeds, same vLLM, same machine kind); numerical artifacts that do not
-reproduce bitwise are listed, not failed: they are what moves between machines and versions.
+rollout tensors must reproduce (same seeds, same vLLM, same machine kind); other artifacts that do
+not reproduce bitwise are listed, not failed: metadata carries timings and provenance, and numbers
+are what moves between machines and versions.
 """
 
 from __future__ import annotations
@@ -26,4 +27,5 @@ def test_fresh_reference_against_committed_acceptance(frozen_run, capsys):
         for m in report.modified:
             print(f"  differs: {m.path}")
     assert not report.missing and not report.extra, (report.missing, report.extra)
-    assert not any(m.path.startswith("rollout/") for m in report.modified), "the rollout did not reproduce"
+    # metadata (timings, host, git) may differ; the sampled tokens and logprobs must not
+    assert not any(m.path.startswith("rollout/") and m.path.endswith(".safetensors") for m in report.modified)
