@@ -29,16 +29,5 @@ PY
 if [ $chain = 0 ]; then
   exec torchrun --nproc-per-node 1 benchmarks/megatron_gpu.py --out "$out" --models "$models"
 fi
-qualify() { python3 -c 'import sys; from qualify.cli.app import main; sys.argv[0] = "qualify"; main()' "$@"; }
-matrix=benchmarks/megatron-gpu-tiny.yaml run=runs/megatron-gpu-tiny
-mkdir -p "$out"
-for step in "reference $matrix --out $run" "freeze $run" "candidate $matrix --run $run"; do
-  start=$EPOCHREALTIME
-  rc=0; qualify $step || rc=$?
-  awk -v s="$start" -v e="$EPOCHREALTIME" -v n="${step%% *}" -v rc=$rc 'BEGIN{printf "== qualify %s: exit %s in %.1f s\n", n, rc, e - s}'
-  [ $rc = 0 ] || [ "${step%% *}" = candidate ] || exit $rc
-done
-cp $run/candidates/verdict.json "$out/" 2>/dev/null || true
-qualify report $run --format json > "$out/report.json" || true
-tar -C $run -czf "$out/candidate-logs.tgz" $(cd $run && ls -d candidates/*.work 2>/dev/null) || true
-exit $rc
+# the chain itself is benchmarks/gpu_chain.sh's, on the megatron-only matrix
+exec bash benchmarks/gpu_chain.sh "$out" benchmarks/megatron-gpu-tiny.yaml runs/megatron-gpu-tiny

@@ -12,10 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import yaml
-
-from qualify.errors import MatrixError
-from qualify.schema import from_dict
+from qualify.schema import load_yaml_file
 
 Precision = Literal["fp32", "bf16"]
 Role = Literal["actor", "critic"]
@@ -295,16 +292,7 @@ class Matrix:
 
 def load_matrix(path: Path | str) -> Matrix:
     """Read and validate a matrix YAML file."""
-    path = Path(path)
-    if not path.is_file():
-        raise MatrixError(f"matrix file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        raise MatrixError(f"{path}: not valid YAML: {exc}") from exc
-    if isinstance(data, dict):
-        data = {**data, "source": str(path)}
-    return from_dict(Matrix, data, str(path))
+    return load_yaml_file(Matrix, path, "matrix file", {"source": str(path)})
 
 
 def matrix_files(directory: Path) -> list[Path]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from qualify.errors import MatrixError
@@ -123,3 +124,22 @@ def _float_hint(value: Any) -> str:
 
 def _join(where: str, key: str) -> str:
     return f"{where}.{key}" if where else str(key)
+
+
+def load_yaml_file(cls: type, path: Path | str, what: str, injected: dict[str, Any]) -> Any:
+    """Read a YAML file into dataclass cls; keys the loader injects (injected) may not be set by the file."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise MatrixError(f"{what} not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise MatrixError(f"{path}: not valid YAML: {exc}") from exc
+    if isinstance(data, dict):
+        for key in injected:
+            if key in data:
+                raise MatrixError(f"{path}: key '{key}' is set by the loader, not the file")
+        data = {**data, **injected}
+    return from_dict(cls, data, str(path))

@@ -12,10 +12,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
-from qualify.errors import MatrixError
-from qualify.schema import from_dict
+from qualify.schema import load_yaml_file
 
 STAGES = ("reference", "freeze", "candidate", "verdict")
 _TIME = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$|^\d+$")  # D-HH:MM:SS, HH:MM:SS or minutes
@@ -132,15 +129,4 @@ class Profile:
 def load_profile(path: Path | str) -> Profile:
     """Read and validate a cluster profile; unknown keys are errors naming the key and the file."""
     path = Path(path)
-    if not path.is_file():
-        raise MatrixError(f"cluster profile not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        raise MatrixError(f"{path}: not valid YAML: {exc}") from exc
-    if isinstance(data, dict):
-        for key in ("name", "source"):
-            if key in data:
-                raise MatrixError(f"{path}: key '{key}' is set by the loader, not the file")
-        data = {**data, "name": path.stem, "source": str(path)}
-    return from_dict(Profile, data, str(path))
+    return load_yaml_file(Profile, path, "cluster profile", {"name": path.stem, "source": str(path)})
