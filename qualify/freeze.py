@@ -74,9 +74,8 @@ def family_bounds(layout: RunLayout, role: str, family: str, controls: list[str]
                   floors: dict[str, float], params_before: dict, optimizer: Any, use_quantum: bool) -> dict[str, Any]:
     """Bounds of one family for one role."""
     base_name, others = family_pairs(family, controls)
-    split = lambda run: run.split("-", 1)  # noqa: E731
-    base = load_run(layout.scores(*split(base_name), role))
-    runs = {name: load_run(layout.scores(*split(name), role)) for name in others}
+    base = load_run(layout.scores(*base_name.split("-", 1), role))
+    runs = {name: load_run(layout.scores(*name.split("-", 1), role)) for name in others}
     errors: dict[str, dict[str, float]] = {}
     for run in runs.values():
         merge_max(errors, pair_metrics(run, base))

@@ -42,19 +42,3 @@ def byte_progress(label: str, total: int, *, enabled: bool = True) -> Iterator[C
 
         yield advance
         bar.update(task, completed=total)
-
-
-@contextmanager
-def stage_progress(total: int, label: str = "stages") -> Iterator[Callable[[str], None]]:
-    """Yield step(description) which marks one unit of work done and shows the next."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TimeElapsedColumn
-
-    with Progress(SpinnerColumn(), "[bold]{task.description}", BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console(), disable=not sys.stderr.isatty()) as bar:
-        task = bar.add_task(label, total=total)
-
-        def step(description: str) -> None:
-            bar.update(task, description=description)
-            bar.advance(task)
-
-        yield step

@@ -31,7 +31,7 @@ def _slurm_up() -> bool:
     if shutil.which("sinfo") is None:
         return False
     try:
-        return subprocess.run(["sinfo", "-h"], capture_output=True, timeout=10).returncode == 0
+        return subprocess.run(["sinfo", "-h"], capture_output=True, timeout=10, check=False).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
 

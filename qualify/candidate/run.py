@@ -25,8 +25,8 @@ from qualify.layout import RunLayout
 from qualify.manifest import load_manifest, sha256_file, verify_manifest
 from qualify.matrix import Case, Matrix
 from qualify.models.checkpoint import checkpoint_tensors
-from qualify.stages import stage_info, stage_is_complete
 from qualify.stagelog import StageLog
+from qualify.stages import stage_info, stage_is_complete
 from qualify.store import read_json, write_json
 
 TAIL_LINES = 30
@@ -79,7 +79,7 @@ def launch(spec_paths: Path | list[Path], tp: int, device: str, log_path: Path) 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}",
            "-m", "qualify.candidate.worker", *map(str, paths)]
     with open(log_path, "w") as log:
-        return subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+        return subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
 
 
 def write_spec(matrix: Matrix, layout: RunLayout, case: Case, models: dict[str, Path], doc: dict[str, Any],

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qualify.matrix import Case, Matrix, Optimizer, PPO
+from qualify.matrix import PPO, Case, Matrix, Optimizer
 from qualify.schema import from_dict, to_dict
 from qualify.store import read_json
 

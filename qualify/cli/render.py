@@ -15,7 +15,6 @@ from qualify.cli.options import Format
 
 if TYPE_CHECKING:
     from rich.console import Console
-    from rich.table import Table
 
     from qualify.manifest import VerifyReport
 
@@ -55,14 +54,3 @@ def render_verify(report: VerifyReport, fmt: Format) -> None:
     console.print(f"[bold red]FAILED[/bold red] {len(report.missing)} missing, {len(report.extra)} extra, "
                   f"{len(report.modified)} modified, {len(report.renamed)} renamed of {report.num_files} files "
                   f"in {escape(report.manifest)}")
-
-
-def table(title: str, columns: list[str], rows: list[list[Any]]) -> Table:
-    from rich.table import Table
-
-    t = Table(title=title, show_lines=False)
-    for c in columns:
-        t.add_column(c)
-    for r in rows:
-        t.add_row(*[str(v) for v in r])
-    return t

@@ -112,9 +112,9 @@ class TorchTPEngine:
         names = {id(p): n for n, p in self.master.named_parameters()}
         out: dict[str, dict[str, torch.Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}}
         for p, state in self.optimizer.state.items():
-            for key in out:
+            for key, by_name in out.items():
                 t = state[key]
-                out[key][names[id(p)]] = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
+                by_name[names[id(p)]] = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
         return out
 
     def replicated(self) -> dict[str, torch.Tensor]:

@@ -73,7 +73,7 @@ def build_tiny_model(spec: TinyModel, role: str):
 def make_tiny_family(spec: TinyModel, models_dir: Path) -> dict[str, Path]:
     """Write every role's checkpoint under models_dir/<role>; complete ones are kept as they are."""
     paths = {}
-    for role in SEED_OFFSETS:
+    for role, offset in SEED_OFFSETS.items():
         out = Path(models_dir) / role
         paths[role] = out
         settings = fingerprint({"tiny": to_dict(spec), "role": role})
@@ -82,5 +82,5 @@ def make_tiny_family(spec: TinyModel, models_dir: Path) -> dict[str, Path]:
         prepare_stage(out)
         model = build_tiny_model(spec, role)
         model.save_pretrained(out, safe_serialization=True)
-        complete_stage(out, {"role": role, "seed": spec.seed + SEED_OFFSETS[role], "settings": settings})
+        complete_stage(out, {"role": role, "seed": spec.seed + offset, "settings": settings})
     return paths

@@ -16,11 +16,18 @@ from qualify.errors import EvidenceError, QualifyError
 from qualify.layout import RunLayout
 from qualify.manifest import sha256_file
 from qualify.matrix import Matrix
-from qualify.stagelog import StageLog
 from qualify.rollout.capture import capture_rollout, load_rollout
 from qualify.schema import to_dict
-from qualify.stages import (complete_stage, fingerprint, prepare_stage, require_complete, reuse_complete, stage_info,
-                             stage_is_complete)
+from qualify.stagelog import StageLog
+from qualify.stages import (
+    complete_stage,
+    fingerprint,
+    prepare_stage,
+    require_complete,
+    reuse_complete,
+    stage_info,
+    stage_is_complete,
+)
 from qualify.store import read_json, read_tensors, write_json, write_tensors
 from qualify.versions import git_state, provenance
 

@@ -71,7 +71,7 @@ def run_vllm(request: dict[str, Any]) -> dict[str, Any]:
         req, out = Path(tmp) / "request.json", Path(tmp) / "out.json"
         write_json(req, request)
         proc = subprocess.run([sys.executable, "-m", "qualify.rollout.vllm_worker", str(req), str(out)],
-                              env=vllm_env(request["tp"]), capture_output=True, text=True)
+                              env=vllm_env(request["tp"]), capture_output=True, text=True, check=False)
         if proc.returncode != 0 or not out.is_file():
             tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-25:])
             raise QualifyError(f"vLLM capture at TP{request['tp']} failed (exit {proc.returncode}):\n{tail}")

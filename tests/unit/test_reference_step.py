@@ -30,7 +30,7 @@ def batch(B=4, T=12, seed=0):
 def test_microbatch_weights_sum_to_full_batch_loss(normalizer, constant):
     from qualify.ppo.math import clipped_value_loss
 
-    ids, mask = batch()
+    _, mask = batch()
     g = torch.Generator().manual_seed(1)
     v, old, ret = (torch.randn(4, 12, generator=g) for _ in range(3))
     full, _ = clipped_value_loss(v, old, ret, mask, 0.2, normalizer, constant)

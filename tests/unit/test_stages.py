@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 
 from qualify.errors import EvidenceError, FrozenError
-from qualify.stages import (complete_stage, fingerprint, prepare_stage, require_complete, reuse_complete,
-                            stage_is_complete)
+from qualify.stages import (
+    complete_stage,
+    fingerprint,
+    prepare_stage,
+    require_complete,
+    reuse_complete,
+    stage_is_complete,
+)
 
 
 def test_complete_stage_verifies_and_is_not_overwritten(tmp_path):
