@@ -87,6 +87,14 @@ def test_torch_tp_passes_every_case(run_copy, tiny_matrix):
     assert tp_rows and all(r["passed"] for r in tp_rows)
 
 
+def test_deepspeed_passes_every_case(run_copy):
+    pytest.importorskip("deepspeed")
+    m = matrix_with(run_copy.parent, engines=["deepspeed"])
+    verdict = run_candidates(m, run_copy)
+    assert verdict["passed"], [failing_rows(verdict, c)[:3] for c in verdict["cases"]]
+    assert len(verdict["cases"]) == 8
+
+
 def test_correct_engine_passes_three_repeated_runs(run_copy, tiny_matrix):
     m = matrix_with(run_copy.parent, engines=["torch-tp"], precisions=["fp32"], tp=[2], roles=["actor"])
     layout = RunLayout(run_copy)
