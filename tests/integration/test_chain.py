@@ -7,35 +7,22 @@ engine passes, repeatedly.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import pytest
-import yaml
 
 from qualify.candidate.run import run_candidates
 from qualify.errors import EvidenceError, FrozenError
 from qualify.freeze import freeze
 from qualify.layout import RunLayout
-from qualify.matrix import load_matrix
 from qualify.store import read_json
+from tests.integration._support import matrix_with, plugins_importable  # noqa: F401  (autouse fixture)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.engines]
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(autouse=True)
-def _plugins_importable(monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-
-
-def matrix_with(tmp_path: Path, **candidates):
-    data = yaml.safe_load((REPO / "matrices" / "tiny-qwen3.yaml").read_text())
-    data["candidates"].update(candidates)
-    path = tmp_path / "matrix.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return load_matrix(path)
 
 
 def failing_rows(verdict, case):

@@ -8,15 +8,13 @@ while the engine itself passes.
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 import pytest
-import yaml
 
 from qualify.candidate.run import run_candidates
 from qualify.engines.deepspeed_engine import DeepSpeedEngine
-from qualify.matrix import load_matrix
+from tests.integration._support import matrix_with, plugins_importable  # noqa: F401  (autouse fixture)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.engines,
               pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")]
@@ -68,17 +66,6 @@ def unmarked_sharded_grads_engine() -> DeepSpeedEngine:
     return UnmarkedShardedGrads()
 
 
-@pytest.fixture(autouse=True)
-def _plugins_importable(monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-
-
-def matrix_with(tmp_path: Path, **candidates):
-    data = yaml.safe_load((REPO / "matrices" / "tiny-qwen3.yaml").read_text())
-    data["candidates"].update(candidates)
-    path = tmp_path / "matrix.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return load_matrix(path)
 
 
 def failed_tensors(verdict, case: str) -> set[str]:
