@@ -10,8 +10,8 @@ import typer
 from qualify.cli.options import MatrixArg
 
 NAME = "sbatch"
-HELP = ("Render the stages of a matrix as chained sbatch scripts (reference, freeze, candidate array, verdict); "
-        "--submit submits them, --wait follows them and exits with the chain's result.")
+HELP = ("Render the stages of a matrix as chained sbatch scripts (reference, freeze, candidate array, verdict; "
+        "on a GPU cluster a rounds job per topology); --submit submits them, --wait follows them and exits with the chain's result.")
 EPILOG = ("Examples:  qualify sbatch matrices/qwen3-8b.yaml --cluster sbatch/clusters/h100x4.yaml  "
           "|  qualify sbatch matrices/tiny-qwen3.yaml --cluster sbatch/clusters/local.yaml --cases 'torch-tp-*' "
           "--submit --wait")
@@ -21,7 +21,8 @@ ClusterOpt = Annotated[Path, typer.Option("--cluster", help="Cluster profile YAM
 ScriptsOpt = Annotated[Path | None, typer.Option("--out", help="Directory for the scripts (default: RUN/slurm).")]
 RunOpt = Annotated[Path | None, typer.Option("--run", help="Run directory the jobs write (default: runs/<matrix name>).")]
 TopologyOpt = Annotated[str | None, typer.Option(
-    "--topology", help="GPU topology of the candidate jobs: dedicated or shared (default: the matrix's first).")]
+    "--topology", help="Render the rounds job for this GPU topology only: dedicated or shared (default: one per "
+                       "topology of the matrix's candidates.topologies).")]
 CasesOpt = Annotated[str | None, typer.Option(
     "--cases", help="Only the cases whose name matches this glob (e.g. 'torch-tp-*-tp2-*'); the verdict covers them.")]
 SubmitOpt = Annotated[bool, typer.Option("--submit", help="Submit the chain with sbatch and print the job ids.")]

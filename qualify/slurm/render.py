@@ -1,7 +1,10 @@
 """Render the stage chain of a matrix on a cluster profile into sbatch scripts, byte for byte reproducibly.
 
 The chain: reference -> freeze -> one candidate job array per resource shape (one task per
-case) -> verdict, each waiting on the previous with afterok. Every job requeues and every
+case) -> verdict, each waiting on the previous with afterok; on a GPU cluster also one
+`qualify rounds` job per topology after freeze. A candidate job asks for the GPUs its case
+uses (tp x dp): no vLLM runs in it. The topologies (vLLM and trainer on their own GPUs, or
+colocated) belong to the rounds job, the one that runs both. Every job requeues and every
 stage resumes, so a preempted job completes its work on the next start.
 Templates fill `{{ slot }}` markers; there is no timestamp, host or absolute path in the output.
 """
@@ -39,9 +42,9 @@ class Job:
     """One sbatch script of the chain."""
 
     key: str
-    """Unique within the chain: reference, freeze, candidate-<N>gpu or candidate-<N>cpu, verdict."""
+    """Unique within the chain: reference, freeze, candidate-<N>gpu or candidate-<N>cpu, verdict, rounds-<topology>."""
     stage: str
-    """reference, freeze, candidate or verdict."""
+    """reference, freeze, candidate, verdict or rounds."""
     file: str
     """Script file name in the output directory."""
     after: tuple[str, ...]
@@ -84,10 +87,16 @@ def share(profile: Profile, *, gpus: int, procs: int, what: str) -> Share:
     return Share(gpus=gpus, cpus=cpus, mem_mb=mem)
 
 
-def case_gpus(case: Case, matrix: Matrix, topology: str) -> int:
-    """GPUs of one case: dedicated gives vLLM its own GPUs next to the trainer's, shared colocates them."""
-    vllm = max(matrix.rollout.vllm_tp)
-    return case.tp + vllm if topology == "dedicated" else max(case.tp, vllm)
+def case_gpus(case: Case) -> int:
+    """GPUs (or processes) of one candidate case: tp x dp; the rollout's vLLM does not run in a candidate job."""
+    return case.tp * getattr(case, "dp", 1)  # a matrix without data parallelism: dp = 1
+
+
+def rounds_gpus(matrix: Matrix, topology: str) -> tuple[int, int, int]:
+    """(vLLM TP, trainer TP, GPUs) of the rounds job: dedicated puts vLLM and the trainer on their own GPUs,
+    shared colocates them. The largest degrees of the matrix: installing into every rank of the widest vLLM."""
+    vllm, train = max(matrix.rollout.vllm_tp), max(matrix.candidates.tp)
+    return vllm, train, vllm + train if topology == "dedicated" else max(vllm, train)
 
 
 def select_cases(matrix: Matrix, pattern: str | None) -> list[Case]:
@@ -106,7 +115,7 @@ def render_chain(matrix_path: Path, profile_path: Path, *, run: Path, out: Path,
                  topology: str | None = None, cases: str | None = None) -> Chain:
     """Render every job of the chain (nothing is written; see write_chain)."""
     matrix, profile = load_matrix(matrix_path), load_profile(profile_path)
-    topology = _topology(matrix, topology)
+    topologies = _topologies(matrix, topology)
     for label, path in (("matrix", matrix_path), ("run directory", run)):
         if shlex.quote(str(path)) != str(path):
             raise SlurmError(f"{label} path {str(path)!r} needs shell quoting; use a path without spaces or quotes")
@@ -120,7 +129,8 @@ def render_chain(matrix_path: Path, profile_path: Path, *, run: Path, out: Path,
             ctx.job("freeze", "freeze", ("reference",), (), share(profile, gpus=0, procs=1, what="freeze"))]
     groups: dict[Share, list[str]] = {}
     for case in selected:
-        need = share(profile, gpus=case_gpus(case, matrix, topology), procs=case.tp, what=f"case {case.name}")
+        units = case_gpus(case)
+        need = share(profile, gpus=units, procs=units, what=f"case {case.name}")
         groups.setdefault(need, []).append(case.name)
     for need in sorted(groups, key=lambda s: (s.gpus, s.cpus)):
         key = f"candidate-{need.gpus}gpu" if profile.gpus_per_node else f"candidate-{need.cpus}cpu"
@@ -128,6 +138,8 @@ def render_chain(matrix_path: Path, profile_path: Path, *, run: Path, out: Path,
     arrays = tuple(j.key for j in jobs if j.stage == "candidate")
     only = "" if cases is None else f" --only {shlex.quote(cases)}"
     jobs.append(ctx.job("verdict", "verdict", arrays, (), share(profile, gpus=0, procs=1, what="verdict"), only=only))
+    if profile.gpus_per_node:  # GPU topologies mean nothing on a CPU cluster
+        jobs += _rounds_jobs(ctx, topologies)
     numbered = tuple(replace(j, file=f"{i}-{j.key}{SCRIPT_SUFFIX}") for i, j in enumerate(jobs, 1))
     return Chain(matrix=matrix, profile=profile, run=str(run), out=Path(out), jobs=numbered)
 
@@ -163,13 +175,26 @@ def fill(template: Path, values: dict[str, str]) -> str:
     return _SLOT.sub(lambda m: values[m.group(1)], text)
 
 
-def _topology(matrix: Matrix, topology: str | None) -> str:
+def _topologies(matrix: Matrix, topology: str | None) -> tuple[str, ...]:
     allowed = matrix.candidates.topologies
     if topology is None:
-        return allowed[0]
+        return tuple(allowed)
     if topology not in allowed:
         raise SlurmError(f"topology {topology!r} is not in {matrix.source}'s candidates.topologies {list(allowed)}")
-    return topology
+    return (topology,)
+
+
+def _rounds_jobs(ctx: _Context, topologies: tuple[str, ...]) -> list[Job]:
+    """One rounds job per topology, after freeze (the bound comes from the frozen acceptance). They run one
+    after another: every topology's rounds write RUN/rounds/vllm-tp<N>."""
+    jobs: list[Job] = []
+    for topology in topologies:
+        vllm, train, gpus = rounds_gpus(ctx.matrix, topology)
+        need = share(ctx.profile, gpus=gpus, procs=gpus, what=f"rounds ({topology}: vLLM TP{vllm}, trainer TP{train})")
+        after = (jobs[-1].key,) if jobs else ("freeze",)
+        jobs.append(ctx.job(f"rounds-{topology}", "rounds", after, (), need,
+                            rounds=f"--vllm-tp {vllm} --train-tp {train}", topology=topology))
+    return jobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,11 +210,11 @@ class _Context:
     matrix_sha256: str
 
     def job(self, key: str, stage: str, after: tuple[str, ...], cases: tuple[str, ...], need: Share,
-            only: str = "") -> Job:
+            only: str = "", rounds: str = "", topology: str = "") -> Job:
         name = f"{self.matrix.name}-{key}"
         log = f"{self.run}/slurm/logs/%x-" + ("%A_%a" if cases else "%j") + ".out"
         header = fill(self.templates / "header.sh", {
-            "title": _title(stage, name, cases),
+            "title": _title(stage, name, cases, topology),
             "matrix": self.matrix_path,
             "profile": self.profile_path,
             "matrix_sha256": self.matrix_sha256,
@@ -208,6 +233,8 @@ class _Context:
             "acceptance": f"{self.run}/acceptance/acceptance.json",
             "cases": "\n".join(f"  {c}" for c in cases),
             "only": only,
+            "rounds": rounds,
+            "topology": topology,
         })
         return Job(key=key, stage=stage, file="", after=after, cases=cases, log=log, need=need, text=text)
 
@@ -221,7 +248,9 @@ class _Context:
             lines.append(f"--gres=gpu:{p.gpu_type}:{need.gpus}" if p.gpu_type else f"--gres=gpu:{need.gpus}")
         if need.mem_mb is not None:
             lines.append(f"--mem={need.mem_mb}M")
-        lines += [f"--time={getattr(p.time, stage)}", "--requeue", "--open-mode=append", f"--output={log}"]
+        # rounds: a vLLM engine plus a trainer, like the reference (profiles have no time.rounds yet)
+        time = p.time.reference if stage == "rounds" else getattr(p.time, stage)
+        lines += [f"--time={time}", "--requeue", "--open-mode=append", f"--output={log}"]
         if num_tasks:
             limit = f"%{p.max_parallel_tasks}" if p.max_parallel_tasks else ""
             lines.append(f"--array=0-{num_tasks - 1}{limit}")
@@ -237,9 +266,11 @@ class _Context:
         return "\n".join(lines) or "# (none: the submitting shell's environment)"
 
 
-def _title(stage: str, name: str, cases: tuple[str, ...]) -> str:
+def _title(stage: str, name: str, cases: tuple[str, ...], topology: str) -> str:
     if cases:
         return f"{name}: candidate array, {len(cases)} tasks (one per case)"
     return {"reference": f"{name}: vLLM rollout capture, then HF reference scoring with controls",
             "freeze": f"{name}: freeze bounds and the acceptance manifest",
-            "verdict": f"{name}: the verdict over every case, then verify the acceptance"}[stage]
+            "verdict": f"{name}: the verdict over every case, then verify the acceptance",
+            "rounds": f"{name}: two PPO rounds with live weight installation into vLLM ({topology} GPUs), "
+                      "and the rejection probes"}[stage]

@@ -1,4 +1,4 @@
-"""Rendering of the sbatch chain: committed scripts are fresh, output is reproducible, resources follow the topology."""
+"""Rendering of the sbatch chain: committed scripts are fresh, output is reproducible, GPUs follow each job's use."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -14,7 +15,7 @@ import yaml
 from qualify.errors import MatrixError, SlurmError
 from qualify.matrix import load_matrix
 from qualify.slurm.profile import load_profile
-from qualify.slurm.render import render_chain, stale_scripts, write_chain
+from qualify.slurm.render import case_gpus, render_chain, stale_scripts, write_chain
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_PROFILES = ("b200x4", "h100x4")
@@ -66,7 +67,7 @@ def test_rendering_is_reproducible_and_free_of_machine_details(tmp_path):
 
 
 def test_write_chain_replaces_an_older_rendering(tmp_path):
-    (tmp_path / "7-candidate-9gpu.sbatch").write_text("old")
+    (tmp_path / "9-candidate-9gpu.sbatch").write_text("old")
     (tmp_path / "notes.txt").write_text("kept")
     paths = write_chain(render(out=tmp_path))
     assert sorted(p.name for p in tmp_path.glob("*.sbatch")) == sorted(p.name for p in paths)
@@ -87,8 +88,9 @@ def test_chain_order_dependencies_and_requeue():
     chain = render()
     assert [(j.file, j.after) for j in chain.jobs] == [
         ("1-reference.sbatch", ()), ("2-freeze.sbatch", ("reference",)),
-        ("3-candidate-3gpu.sbatch", ("freeze",)), ("4-candidate-4gpu.sbatch", ("freeze",)),
-        ("5-verdict.sbatch", ("candidate-3gpu", "candidate-4gpu"))]
+        ("3-candidate-1gpu.sbatch", ("freeze",)), ("4-candidate-2gpu.sbatch", ("freeze",)),
+        ("5-verdict.sbatch", ("candidate-1gpu", "candidate-2gpu")),
+        ("6-rounds-dedicated.sbatch", ("freeze",)), ("7-rounds-shared.sbatch", ("rounds-dedicated",))]
     for job in chain.jobs:
         d = directives(job.text)
         assert "requeue" in d and d["open-mode"] == "append"
@@ -100,19 +102,47 @@ def test_chain_order_dependencies_and_requeue():
         assert job.text.index("module load") < job.text.index("srun ")
 
 
-@pytest.mark.parametrize(("topology", "gpus"), [("dedicated", {1: 3, 2: 4}), ("shared", {1: 2, 2: 2})])
-def test_candidate_gpus_follow_the_topology(topology, gpus):
+def gres_count(job) -> int:
+    d = directives(job.text)
+    count = int(d["gres"].split(":")[-1])
+    assert d["gres"] == f"gpu:h100:{count}" and job.need.gpus == count
+    assert d["cpus-per-task"] == str(64 * count // 4) and d["mem"] == f"{1000 * 1024 * count // 4}M"
+    return count
+
+
+@pytest.mark.parametrize("topology", ["dedicated", "shared"])
+def test_candidate_jobs_ask_for_tp_x_dp_gpus_whatever_the_topology(topology):
+    # No vLLM runs in a candidate job: a TP1 case asks one GPU, a TP2 case two, under either topology.
     chain = render(topology=topology)
-    matrix = chain.matrix
-    seen = {}
-    for job in (j for j in chain.jobs if j.stage == "candidate"):
-        d = directives(job.text)
-        count = int(d["gres"].split(":")[-1])
-        assert d["gres"] == f"gpu:h100:{count}" and job.need.gpus == count
-        assert d["cpus-per-task"] == str(64 * count // 4) and d["mem"] == f"{1000 * 1024 * count // 4}M"
-        for name in job.cases:
-            seen[name] = count
-    assert seen == {c.name: gpus[c.tp] for c in matrix.cases()}
+    seen = {name: gres_count(job) for job in chain.jobs if job.stage == "candidate" for name in job.cases}
+    assert seen == {c.name: c.tp for c in chain.matrix.cases()}
+    assert [j.key for j in chain.jobs if j.stage == "candidate"] == ["candidate-1gpu", "candidate-2gpu"]
+
+
+def test_case_gpus_are_tp_times_dp():
+    assert case_gpus(SimpleNamespace(tp=2)) == 2  # a matrix without data parallelism: dp = 1
+    assert case_gpus(SimpleNamespace(tp=2, dp=2)) == 4
+
+
+def test_a_rounds_job_per_topology_asks_for_vllm_and_trainer_gpus():
+    # qwen3-8b: vLLM TP2, trainer TP2 (the largest candidates.tp). dedicated: 2 + 2 GPUs; shared: colocated on 2.
+    chain = render()
+    rounds = [j for j in chain.jobs if j.stage == "rounds"]
+    assert [(j.key, gres_count(j)) for j in rounds] == [("rounds-dedicated", 4), ("rounds-shared", 2)]
+    for job in rounds:
+        assert "qualify rounds matrices/qwen3-8b.yaml --run runs/qwen3-8b --vllm-tp 2 --train-tp 2" in job.text
+        assert directives(job.text)["time"] == chain.profile.time.reference
+        assert job.key not in chain.job("verdict").after
+    only = render(topology="shared")
+    assert [(j.key, j.after, gres_count(j)) for j in only.jobs if j.stage == "rounds"] == [
+        ("rounds-shared", ("freeze",), 2)]
+
+
+def test_job_kinds_ask_for_the_gpus_they_use():
+    chain = render()
+    gpus = {j.key: j.need.gpus for j in chain.jobs}
+    assert gpus == {"reference": 2, "freeze": 0, "candidate-1gpu": 1, "candidate-2gpu": 2, "verdict": 0,
+                    "rounds-dedicated": 4, "rounds-shared": 2}
 
 
 def test_reference_gets_the_vllm_tp_gpus_and_freeze_none():
@@ -127,14 +157,14 @@ def test_local_profile_gives_one_cpu_per_process_and_no_gpus():
     for job in chain.jobs:
         assert "gres" not in directives(job.text)
     cpus = {j.key: int(directives(j.text)["cpus-per-task"]) for j in chain.jobs}
-    assert cpus == {"reference": 2, "freeze": 1, "candidate-1cpu": 1, "candidate-2cpu": 2, "verdict": 1}
+    assert cpus == {"reference": 2, "freeze": 1, "candidate-1cpu": 1, "candidate-2cpu": 2, "verdict": 1}  # no rounds
     tp = {c.name: c.tp for c in chain.matrix.cases()}
     for job in (j for j in chain.jobs if j.stage == "candidate"):
         assert {tp[name] for name in job.cases} == {job.need.cpus}
 
 
 def test_array_index_selects_its_case_in_bash(tmp_path):
-    job = render().job("candidate-4gpu")
+    job = render().job("candidate-2gpu")
     assert directives(job.text)["array"] == f"0-{len(job.cases) - 1}%8"
     block = re.search(r"^cases=\(\n.*?^\)$", job.text, re.MULTILINE | re.DOTALL).group(0)
     for index, name in enumerate(job.cases):
@@ -159,14 +189,18 @@ def test_matrix_digest_guards_the_rendered_cases(tmp_path):
     assert digest == hashlib.sha256((ROOT / "matrices/qwen3-8b.yaml").read_bytes()).hexdigest()
 
 
-def test_a_case_larger_than_a_node_is_refused(tmp_path):
+def test_a_job_larger_than_a_node_is_refused(tmp_path):
     data = yaml.safe_load((ROOT / "matrices/qwen3-8b.yaml").read_text())
-    data["candidates"]["tp"] = [1, 4]
+    data["candidates"]["tp"] = [1, 8]
     matrix = tmp_path / "big.yaml"
     matrix.write_text(yaml.safe_dump(data))
-    with pytest.raises(SlurmError, match=r"case megatron-fp32-tp4-actor needs 6 GPUs; a node of .* has 4"):
+    with pytest.raises(SlurmError, match=r"case megatron-fp32-tp8-actor needs 8 GPUs; a node of .* has 4"):
         render(matrix=str(matrix), run=Path("runs/x"))
-    render(matrix=str(matrix), run=Path("runs/x"), topology="shared")  # 4 GPUs shared fits
+    data["candidates"]["tp"] = [1, 4]
+    matrix.write_text(yaml.safe_dump(data))
+    with pytest.raises(SlurmError, match=r"rounds \(dedicated: vLLM TP2, trainer TP4\) needs 6 GPUs; a node of .* has 4"):
+        render(matrix=str(matrix), run=Path("runs/x"))
+    render(matrix=str(matrix), run=Path("runs/x"), topology="shared")  # TP4 trainer and TP2 vLLM colocated on 4
 
 
 def test_unknown_topology_and_unquotable_paths_are_refused():
