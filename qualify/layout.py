@@ -9,6 +9,7 @@ runs/<matrix name>/
     reference.json               summary: rollout digest, controls, versions
   acceptance/acceptance.json, acceptance/bounds/<role>-<family>.json
   candidates/<case>/...          per-case evidence; candidates/verdict.json
+  rounds/vllm-tp<N>/verdict.json  one sealed rounds run per vLLM TP degree
 """
 
 from __future__ import annotations
@@ -77,6 +78,10 @@ class RunLayout:
     @property
     def rounds(self) -> Path:
         return self.root / "rounds"
+
+    def rounds_dir(self, tp: int) -> Path:
+        """One sealed rounds run per vLLM TP degree, with its verdict.json."""
+        return self.rounds / f"vllm-tp{tp}"
 
 
 def default_run_dir(matrix_name: str) -> Path:
