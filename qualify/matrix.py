@@ -8,10 +8,14 @@ candidate cases run. matrices/README.md documents every field.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+import json
+import math
+import re
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
+from qualify.errors import MatrixError
 from qualify.schema import load_yaml_file
 
 Precision = Literal["fp32", "bf16"]
@@ -21,6 +25,52 @@ TokenNormalizer = Literal["global", "per_sequence", "constant"]
 Topology = Literal["dedicated", "shared"]
 PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16")
 METRIC_KINDS = ("logprob", "value", "loss", "grad", "grad_norm", "update", "moment", "target", "relative")
+MAX_SEED = 2**63 - 1
+# A matrix name becomes a directory (runs/<name>) and a Slurm job name: plain ASCII, no path separators.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+# A plugin engine is 'package.module:factory'; case names and directories are made from it.
+_PLUGIN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _finite(obj: Any) -> None:
+    """Every float field of a config dataclass (alone, in a tuple or a dict) is finite: YAML reads .nan and .inf."""
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, tuple) else None
+        for key, v in items if items is not None else [(None, value)]:
+            if isinstance(v, float) and not math.isfinite(v):
+                where = f.name if key is None else f"{f.name}[{key}]" if isinstance(key, int) else f"{f.name}.{key}"
+                raise ValueError(f"{where} must be a finite number, got {v}")
+
+
+def _at_least(obj: Any, low: float, *names: str) -> None:
+    """Each named numeric field is >= low."""
+    for name in names:
+        value = getattr(obj, name)
+        if value < low:
+            raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+def _positive(obj: Any, *names: str) -> None:
+    """Each named float field is > 0."""
+    for name in names:
+        value = getattr(obj, name)
+        if not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+
+
+def _distinct(name: str, values: tuple, *, nonempty: bool = True) -> None:
+    """A list field names each value once (and names at least one when nonempty)."""
+    if nonempty and not values:
+        raise ValueError(f"{name} must list at least one value")
+    repeated = sorted({v for v in values if values.count(v) > 1}, key=str)
+    if repeated:
+        raise ValueError(f"{name} lists {repeated} more than once (each value at most once)")
+
+
+def _seed(name: str, value: int) -> None:
+    if not 0 <= value <= MAX_SEED:
+        raise ValueError(f"{name} must be in [0, 2^63 - 1], got {value}")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -51,6 +101,11 @@ class TinyModel:
     """RoPE base."""
 
     def __post_init__(self) -> None:
+        _finite(self)
+        _seed("seed", self.seed)
+        _at_least(self, 1, "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                  "max_position_embeddings")
+        _positive(self, "initializer_range", "rope_theta")
         if self.head_dim < 32:
             raise ValueError(f"head_dim {self.head_dim} < 32: vLLM's CPU attention needs head_dim >= 32")
         if self.num_heads % self.num_kv_heads:
@@ -121,12 +176,25 @@ class Rollout:
     """vLLM KV block size (prefix caching caches full blocks only)."""
 
     def __post_init__(self) -> None:
+        _finite(self)
         if not self.vllm_tp or any(tp < 1 for tp in self.vllm_tp):
-            raise ValueError(f"vllm_tp must list degrees >= 1, got {self.vllm_tp}")
+            raise ValueError(f"vllm_tp must list degrees >= 1, got {list(self.vllm_tp)}")
+        _distinct("vllm_tp", self.vllm_tp)
+        _at_least(self, 1, "num_prompts", "prompt_len", "max_new_tokens", "max_model_len", "kv_cache_memory_bytes",
+                  "block_size")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0 (greedy is not a sampler distribution), got {self.temperature}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _seed("seed", self.seed)
+        if self.seed + self.num_prompts - 1 > MAX_SEED:
+            raise ValueError("seed + num_prompts - 1 must be <= 2^63 - 1 (prompt i samples with seed + i)")
+        if self.eos_token_id is not None and self.eos_token_id < 0:
+            raise ValueError(f"eos_token_id must be >= 0 (a token id) or null, got {self.eos_token_id}")
+        if self.prompts_file is not None and not self.prompts_file.strip():
+            raise ValueError("prompts_file must be a path or null, got an empty string")
         if self.prompt_len + self.max_new_tokens > self.max_model_len:
             raise ValueError("prompt_len + max_new_tokens exceeds max_model_len")
 
@@ -151,8 +219,16 @@ class PPO:
     """Divisor when token_normalizer is 'constant'."""
 
     def __post_init__(self) -> None:
+        _finite(self)
+        _positive(self, "clip_eps", "value_clip_eps")
+        _at_least(self, 0, "kl_coef")
+        for name in ("gamma", "lam"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if (self.token_normalizer == "constant") != (self.normalizer_constant is not None):
             raise ValueError("normalizer_constant is required with token_normalizer 'constant' and only then")
+        if self.normalizer_constant is not None and self.normalizer_constant <= 0:
+            raise ValueError(f"normalizer_constant must be > 0, got {self.normalizer_constant}")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -169,6 +245,14 @@ class Optimizer:
     """Decoupled weight decay."""
     max_grad_norm: float = 1.0
     """Global gradient-norm clip (0: no clipping)."""
+
+    def __post_init__(self) -> None:
+        _finite(self)
+        _positive(self, "lr", "eps")
+        _at_least(self, 0, "weight_decay", "max_grad_norm")
+        for i, beta in enumerate(self.betas):
+            if not 0 <= beta < 1:
+                raise ValueError(f"betas[{i}] must be in [0, 1), got {beta}")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -189,6 +273,8 @@ class Reference:
     """Where the reference runs."""
 
     def __post_init__(self) -> None:
+        _distinct("precisions", self.precisions)
+        _distinct("perturbations", self.perturbations, nonempty=False)
         if self.repeats < 2:
             raise ValueError(f"repeats must be >= 2 (controls need independent repeats), got {self.repeats}")
         if self.logprob_chunk_tokens < 1:
@@ -208,6 +294,7 @@ class Freeze:
     """Add one rounding step of the family's precision (ulp at the reference magnitude) to each bound."""
 
     def __post_init__(self) -> None:
+        _finite(self)
         unknown = sorted(set(self.floors) - set(METRIC_KINDS))
         if unknown:
             raise ValueError(f"unknown floor kinds {unknown} (allowed: {', '.join(METRIC_KINDS)})")
@@ -216,6 +303,9 @@ class Freeze:
             raise ValueError(f"floors missing for {missing}")
         if self.k < 1:
             raise ValueError(f"k must be >= 1, got {self.k}")
+        negative = sorted(kind for kind, floor in self.floors.items() if floor < 0)
+        if negative:
+            raise ValueError(f"floors must be >= 0: {', '.join(f'{k} {self.floors[k]}' for k in negative)}")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -232,6 +322,18 @@ class Candidates:
     """Roles."""
     topologies: tuple[Topology, ...] = ("dedicated",)
     """GPU topologies for Slurm: dedicated = actor_tp + critic_tp + vllm_tp GPUs, shared = max of them."""
+
+    def __post_init__(self) -> None:
+        from qualify.engines.registry import ENGINES  # a plain dict; no engine is imported
+
+        for name in ("engines", "precisions", "tp", "roles", "topologies"):
+            _distinct(name, getattr(self, name))
+        for engine in self.engines:
+            if engine not in ENGINES and not _PLUGIN.fullmatch(engine):
+                raise ValueError(f"engines: unknown engine {engine!r} (known: {', '.join(sorted(ENGINES))}; "
+                                 "or 'package.module:factory' for a plugin)")
+        if any(tp < 1 for tp in self.tp):
+            raise ValueError(f"tp must list degrees >= 1, got {list(self.tp)}")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -275,8 +377,19 @@ class Matrix:
     """Path of the YAML file (set by the loader)."""
 
     def __post_init__(self) -> None:
+        if not _NAME.fullmatch(self.name):
+            raise ValueError(f"name {self.name!r} must be 1-100 ASCII letters, digits, '.', '_' or '-', starting "
+                             "with a letter or digit (it names the run directory and the Slurm jobs)")
+        if not self.description.isprintable():
+            raise ValueError("description must be one line of printable text")
         if set(self.reference.precisions) != set(PRECISIONS):
             raise ValueError("reference.precisions must be [fp32, bf16]: the bound families need both")
+        if self.models.tiny is not None:
+            t = self.models.tiny
+            check_family(t.num_heads, t.num_kv_heads, t.intermediate_size, t.vocab_size, self, "models.tiny")
+            if self.rollout.max_model_len > t.max_position_embeddings:
+                raise ValueError(f"rollout.max_model_len {self.rollout.max_model_len} exceeds "
+                                 f"models.tiny.max_position_embeddings {t.max_position_embeddings}")
 
     def cases(self) -> list[Case]:
         """Every case of the candidate matrix, in a stable order."""
@@ -290,9 +403,54 @@ class Matrix:
         return p if p.is_absolute() else (Path(self.source).parent / p)
 
 
+def check_family(num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_size: int, matrix: Matrix,
+                 where: str) -> None:
+    """Every TP degree (candidates.tp, rollout.vllm_tp) shards the heads and the MLP evenly; EOS is in the vocab."""
+    degrees = [("candidates.tp", tp) for tp in matrix.candidates.tp] + [("rollout.vllm_tp", tp)
+                                                                         for tp in matrix.rollout.vllm_tp]
+    for key, tp in degrees:
+        for name, size in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
+                           ("intermediate_size", intermediate_size)):
+            if size % tp:
+                raise ValueError(f"{key} {tp} does not divide {where}.{name} {size} "
+                                 f"(every TP degree must divide num_heads, num_kv_heads and intermediate_size)")
+    eos = matrix.rollout.eos_token_id
+    if eos is not None and eos >= vocab_size:
+        raise ValueError(f"rollout.eos_token_id {eos} is not in the vocabulary (must be < {where} vocab_size "
+                         f"{vocab_size})")
+
+
+def _checkpoint_family(matrix: Matrix) -> None:
+    """For checkpoint models, check the TP degrees and EOS against the actor's config.json when it is there.
+
+    A missing directory is not an error here (the matrix may be written before the checkpoints are copied):
+    the reference stage reports it when it needs the files.
+    """
+    config_path = matrix.resolve(matrix.models.checkpoints.actor) / "config.json"
+    if not config_path.is_file():
+        return
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:
+        raise MatrixError(f"{matrix.source}: models.checkpoints.actor: cannot read {config_path}: "
+                          f"{type(exc).__name__}") from exc
+    keys = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+    values = [config.get(k) if isinstance(config, dict) else None for k in keys]
+    if not all(type(v) is int and v > 0 for v in values):
+        raise MatrixError(f"{matrix.source}: models.checkpoints.actor: {config_path} lacks positive integers "
+                          f"{', '.join(keys)}")
+    try:
+        check_family(*values, matrix, "models.checkpoints.actor config.json")
+    except ValueError as exc:
+        raise MatrixError(f"{matrix.source}: {exc}") from exc
+
+
 def load_matrix(path: Path | str) -> Matrix:
-    """Read and validate a matrix YAML file."""
-    return load_yaml_file(Matrix, path, "matrix file", {"source": str(path)})
+    """Read and validate a matrix YAML file (for checkpoint models, against the actor's config.json too)."""
+    matrix = load_yaml_file(Matrix, path, "matrix file", {"source": str(path)})
+    if matrix.models.checkpoints is not None:
+        _checkpoint_family(matrix)
+    return matrix
 
 
 def matrix_files(directory: Path) -> list[Path]:

@@ -4,17 +4,37 @@ An unknown key, a missing field or a value of the wrong type is a MatrixError
 that names the file, the dotted key and what was expected. Field types are read
 from the dataclass annotations: int, float, str, bool, Literal, tuples, dicts
 of str to a scalar, optional fields and nested dataclasses.
+
+YAML files must be UTF-8; a key written twice in one mapping, aliases that expand
+past MAX_YAML_NODES (an alias bomb) or a recursive alias are errors. Every message
+is one line and quotes a value only up to a few dozen characters.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import reprlib
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from qualify.errors import MatrixError
+
+MAX_YAML_NODES = 10_000
+"""Most nodes a YAML document may expand to, aliases counted at every use (a matrix has about 150)."""
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 40
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 4
+_REPR.maxlevel = 3
+
+
+def show(value: Any) -> str:
+    """repr of a value for a one-line message: at most about 120 characters however large the value is."""
+    text = _REPR.repr(value)
+    return text if len(text) <= 120 else text[:100] + "..." + text[-17:]
 
 
 def _type_name(tp: Any) -> str:
@@ -39,16 +59,16 @@ def _convert(value: Any, tp: Any, where: str, source: str) -> Any:
                 return _convert(value, option, where, source)
             except MatrixError:
                 continue
-        raise MatrixError(f"{source}: {where}: expected {' or '.join(_type_name(o) for o in options)}, got {value!r}")
+        raise MatrixError(f"{source}: {where}: expected {' or '.join(_type_name(o) for o in options)}, got {show(value)}")
     if origin is Literal:  # compare types too: True == 1, and YAML's 1 is not the string '1'
         if not any(type(value) is type(a) and value == a for a in get_args(tp)):
-            raise MatrixError(f"{source}: {where}: expected one of {_type_name(tp)}, got {value!r}")
+            raise MatrixError(f"{source}: {where}: expected one of {_type_name(tp)}, got {show(value)}")
         return value
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, source, where)
     if origin is tuple:
         if not isinstance(value, list | tuple):
-            raise MatrixError(f"{source}: {where}: expected a list, got {value!r}")
+            raise MatrixError(f"{source}: {where}: expected a list, got {show(value)}")
         args = get_args(tp)
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(_convert(v, args[0], f"{where}[{i}]", source) for i, v in enumerate(value))
@@ -58,20 +78,20 @@ def _convert(value: Any, tp: Any, where: str, source: str) -> Any:
     if origin is dict:
         key_tp, val_tp = get_args(tp)
         if not isinstance(value, dict):
-            raise MatrixError(f"{source}: {where}: expected a mapping, got {value!r}")
+            raise MatrixError(f"{source}: {where}: expected a mapping, got {show(value)}")
         return {_convert(k, key_tp, f"{where} key", source): _convert(v, val_tp, f"{where}.{k}", source)
                 for k, v in value.items()}
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise MatrixError(f"{source}: {where}: expected a number, got {value!r}{_float_hint(value)}")
+            raise MatrixError(f"{source}: {where}: expected a number, got {show(value)}{_float_hint(value)}")
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise MatrixError(f"{source}: {where}: expected an integer, got {value!r}")
+            raise MatrixError(f"{source}: {where}: expected an integer, got {show(value)}")
         return value
     if tp in (str, bool):
         if not isinstance(value, tp):
-            raise MatrixError(f"{source}: {where}: expected {tp.__name__}, got {value!r}")
+            raise MatrixError(f"{source}: {where}: expected {tp.__name__}, got {show(value)}")
         return value
     raise AssertionError(f"unsupported annotation {tp!r} at {where}")
 
@@ -80,7 +100,7 @@ def from_dict(cls: type, data: Any, source: str, where: str = "") -> Any:
     """Build dataclass cls from a mapping, rejecting unknown keys and wrong types."""
     label = where or "top level"
     if not isinstance(data, dict):
-        raise MatrixError(f"{source}: {label}: expected a mapping, got {data!r}")
+        raise MatrixError(f"{source}: {label}: expected a mapping, got {show(data)}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in data:
@@ -122,24 +142,124 @@ def _float_hint(value: Any) -> str:
     return ""
 
 
-def _join(where: str, key: str) -> str:
-    return f"{where}.{key}" if where else str(key)
+def _join(where: str, key: Any) -> str:
+    text = str(key)
+    if not (text.isascii() and text.isprintable() and len(text) <= 60):
+        text = show(key)[1:-1] if isinstance(key, str) else show(key)  # escaped and cut, without repr's quotes
+    return f"{where}.{text}" if where else text
 
 
 def load_yaml_file(cls: type, path: Path | str, what: str, injected: dict[str, Any]) -> Any:
     """Read a YAML file into dataclass cls; keys the loader injects (injected) may not be set by the file."""
-    import yaml
-
     path = Path(path)
     if not path.is_file():
         raise MatrixError(f"{what} not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        raise MatrixError(f"{path}: not valid YAML: {exc}") from exc
+    data = parse_yaml(read_text(path), str(path))
     if isinstance(data, dict):
         for key in injected:
             if key in data:
                 raise MatrixError(f"{path}: key '{key}' is set by the loader, not the file")
         data = {**data, **injected}
-    return from_dict(cls, data, str(path))
+    try:
+        return from_dict(cls, data, str(path))
+    except RecursionError as exc:
+        raise MatrixError(f"{path}: nested too deeply") from exc
+
+
+def read_text(path: Path) -> str:
+    """A text file's content; it must be UTF-8."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise MatrixError(f"cannot read {path}: {exc.strerror}") from exc
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise MatrixError(f"{path}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+                          "save the file as UTF-8") from exc
+
+
+def parse_yaml(text: str, source: str) -> Any:
+    """Plain data from YAML text, refusing duplicate keys, alias bombs and recursive aliases."""
+    import yaml
+
+    try:
+        loader = _strict_loader()(text)  # the reader checks for unprintable characters here
+        loader.source = source
+        try:
+            node = loader.get_single_node()
+            if node is None:
+                return None
+            _check_expansion(node, source)
+            return loader.construct_document(node)
+        finally:
+            loader.dispose()
+    except yaml.YAMLError as exc:
+        raise MatrixError(f"{source}: not valid YAML: {_yaml_problem(exc)}") from exc
+    except RecursionError as exc:
+        raise MatrixError(f"{source}: not valid YAML: nested too deeply") from exc
+
+
+@functools.cache
+def _strict_loader() -> type:
+    """yaml.SafeLoader that refuses a key written twice in one mapping (PyYAML keeps the last one)."""
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        source = ""
+
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict:
+            seen: set = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                    continue  # '<<' merges are overridden by design; other non-scalar keys fail in PyYAML
+                key = self.construct_object(key_node)
+                if key in seen:
+                    raise MatrixError(f"{self.source}: line {key_node.start_mark.line + 1}: duplicate key "
+                                      f"{show(key)} (each key may appear once in a mapping)")
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return StrictLoader
+
+
+def _children(node: Any) -> list:
+    if isinstance(node.value, list):  # sequence: nodes; mapping: (key, value) pairs
+        return [n for item in node.value for n in (item if isinstance(item, tuple) else (item,))]
+    return []
+
+
+def _check_expansion(root: Any, source: str) -> None:
+    """Refuse a node graph that expands past MAX_YAML_NODES or refers to itself (aliases share nodes).
+
+    Iterative depth-first sizes, memoized per node: an alias bomb composes to a small graph, so this
+    costs the graph's size, never its expansion.
+    """
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+    stack = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        key = id(node)
+        if done:
+            open_nodes.discard(key)
+            sizes[key] = 1 + sum(sizes[id(c)] for c in _children(node))
+            if sizes[key] > MAX_YAML_NODES:
+                raise MatrixError(f"{source}: YAML holds more than {MAX_YAML_NODES} values once its aliases are "
+                                  "expanded (an alias bomb?); a matrix or profile needs a few hundred")
+        elif key in open_nodes:
+            raise MatrixError(f"{source}: line {node.start_mark.line + 1}: a YAML alias refers to itself")
+        elif key not in sizes:
+            open_nodes.add(key)
+            stack.append((node, True))
+            stack.extend((c, False) for c in _children(node) if id(c) not in sizes)
+
+
+def _yaml_problem(exc: Exception) -> str:
+    """One line from a PyYAML error (its str() spans several lines with a source excerpt)."""
+    problem = getattr(exc, "problem", None)
+    mark = getattr(exc, "problem_mark", None)
+    if problem and mark is not None:
+        return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__

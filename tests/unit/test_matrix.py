@@ -187,6 +187,7 @@ def test_integers_are_accepted_where_floats_are_expected(tmp_path):
 def test_cases_enumerate_the_full_product(tmp_path):
     data = edited(setter("candidates", {"engines": ["torch-tp", "my.pkg:factory"], "precisions": ["bf16"],
                                          "tp": [1, 2, 4], "roles": ["critic", "actor"]}))
+    data["models"]["tiny"] |= {"num_heads": 8, "num_kv_heads": 4}  # TP4 must divide the heads
     cases = load_matrix(write(tmp_path, data)).cases()
     expected = []
     for engine in ("torch-tp", "my.pkg:factory"):  # the obvious loop, engine outermost
