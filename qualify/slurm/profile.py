@@ -4,21 +4,50 @@ A profile names the partition, account and QOS, the shape of one node (GPUs, CPU
 memory), a time limit per stage, how the environment is activated and which variables
 must be exported before any process starts. Jobs get a share of a node in proportion
 to what they use: GPUs on a GPU cluster, processes on a CPU cluster (gpus_per_node 0).
+Every string of a profile lands in a rendered script, so each must be one line of
+printable ASCII: a newline would inject a line (an #SBATCH directive, a command).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from qualify.schema import load_yaml_file
+from qualify.schema import load_yaml_file, show
 
 STAGES = ("reference", "freeze", "candidate", "verdict")
-_TIME = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$|^\d+$")  # D-HH:MM:SS, HH:MM:SS or minutes
-_MEM = re.compile(r"^(\d+)([MGT]?)$")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_TIME = re.compile(r"(\d+-)?\d{1,2}:\d{2}:\d{2}|\d+")  # D-HH:MM:SS, HH:MM:SS or minutes (fullmatch)
+_MEM = re.compile(r"(\d+)([MGT]?)")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_SLURM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+@,-]*")  # partition, account, QOS, GPU type
 _MEM_MB = {"": 1, "M": 1, "G": 1024, "T": 1024 * 1024}
+
+
+def _one_line(value: str) -> bool:
+    """Printable ASCII without line breaks or other control characters."""
+    return value.isascii() and value.isprintable()
+
+
+def _check_one_line(obj: Any) -> None:
+    """Every string of obj's fields (alone, in a tuple, a dict key or value) is one line of printable ASCII."""
+    for f in dataclasses.fields(obj):
+        if f.name == "source":  # the loader's own record of the file path, never rendered into a script
+            continue
+        value = getattr(obj, f.name)
+        items = (value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, tuple)
+                 else [(None, value)])
+        for key, v in items:
+            for text in (key, v) if isinstance(key, str) else (v,):
+                if isinstance(text, str) and not _one_line(text):
+                    where = (f.name if key is None else f"{f.name}[{key}]" if isinstance(key, int)
+                             else f"{f.name}.{key}" if _one_line(key) else f"{f.name} key")
+                    quoted = show(text).encode("ascii", "backslashreplace").decode("ascii")
+                    raise ValueError(f"{where}: {quoted} must be one line of printable ASCII (it is written "
+                                     "into the sbatch scripts)")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -37,7 +66,7 @@ class StageTimes:
     def __post_init__(self) -> None:
         for stage in STAGES:
             value = getattr(self, stage)
-            if not _TIME.match(value):
+            if not (_one_line(value) and _TIME.fullmatch(value)):
                 raise ValueError(f"time.{stage} {value!r} is not D-HH:MM:SS, HH:MM:SS or minutes")
 
 
@@ -51,6 +80,9 @@ class Environment:
     """Virtual environment to activate (source VENV/bin/activate); relative to the job's working directory."""
     setup: tuple[str, ...] = ()
     """Further shell lines, verbatim, after modules and venv (container setup, a conda env, ...)."""
+
+    def __post_init__(self) -> None:
+        _check_one_line(self)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -97,11 +129,19 @@ class Profile:
     """Path of the YAML file (set by the loader)."""
 
     def __post_init__(self) -> None:
+        _check_one_line(self)
+        for key in ("partition", "account", "qos", "gpu_type"):
+            value = getattr(self, key)
+            if value is not None and not _SLURM_NAME.fullmatch(value):
+                raise ValueError(f"{key} {value!r} is not a Slurm name (ASCII letters, digits and _ . + @ , -)")
+        bad_args = [a for a in self.sbatch_args if not a.startswith("-")]
+        if bad_args:
+            raise ValueError(f"sbatch_args {bad_args} must be sbatch options (each starts with '-')")
         if self.gpus_per_node < 0 or self.cpus_per_node < 1:
             raise ValueError("gpus_per_node must be >= 0 and cpus_per_node >= 1")
-        if self.mem is not None and not _MEM.match(self.mem):
+        if self.mem is not None and not _MEM.fullmatch(self.mem):
             raise ValueError(f"mem {self.mem!r} is not a size like 512000M, 1800G or 2T")
-        bad = sorted(k for k in self.exports if not _ENV_NAME.match(k))
+        bad = sorted(k for k in self.exports if not _ENV_NAME.fullmatch(k))
         if bad:
             raise ValueError(f"exports: {bad} are not environment variable names")
         if self.gpus_per_node and "CUBLAS_WORKSPACE_CONFIG" not in self.exports:
@@ -109,15 +149,15 @@ class Profile:
                              "once, at initialization, and without it its reductions are not reproducible")
         if self.max_parallel_tasks is not None and self.max_parallel_tasks < 1:
             raise ValueError("max_parallel_tasks must be >= 1")
-        if self.poll_seconds <= 0:
-            raise ValueError("poll_seconds must be > 0")
+        if not (math.isfinite(self.poll_seconds) and self.poll_seconds > 0):
+            raise ValueError(f"poll_seconds must be a finite number > 0, got {self.poll_seconds}")
 
     @property
     def mem_mb(self) -> int | None:
         """Memory of one node in MiB (None: not set)."""
         if self.mem is None:
             return None
-        number, unit = _MEM.match(self.mem).groups()
+        number, unit = _MEM.fullmatch(self.mem).groups()
         return int(number) * _MEM_MB[unit]
 
     def resolve(self, path: str) -> Path:
