@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# qualify's product path on a two-GPU machine with GPU vLLM (run through the `device` tool, or on any CUDA host
+# with two GPUs): vLLM 0.26.0 capture through `qualify reference` at TP1 and TP2, freeze, every built-in engine
+# at TP1 and TP2, verify, the vLLM-vs-HF fp32 probe, `qualify rounds`; and the same chain through a real Slurm.
+# The wheels come from benchmarks/gpu_vllm_wheels.sh (run where pip reaches a registry). Through the `device`
+# tool, whose calls carry at most 64 MiB, back to back so the machine stays warm (/tmp survives between calls):
+#   stash .gpu/vllm-N     (calls 1-5, carry .gpu/vllm-N): copy one part of the vllm wheel to /tmp/vllm-parts
+#   run OUT [MATRIX] [RUN]  (carry .gpu/deps and .whl): join and install, then the chain, probe and rounds
+#   slurm OUT [MATRIX] [RUN] [CASES] (carry .gpu/slurm-debs): scripts/slurm-gpu.sh, then `qualify sbatch --submit
+#                         --wait` with one candidate task requeued while it runs
+# Usage: bash benchmarks/gpu_vllm_chain.sh stash DIR | run OUT [MATRIX] [RUN] | slurm OUT [MATRIX] [RUN] [CASES]
+set -euo pipefail
+here=$PWD  # where the carried folders are
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # keep: multicast stays off
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore VLLM_USE_FLASHINFER_SAMPLER=0
+qualify() { python3 -c 'import sys; from qualify.cli.app import main; sys.argv[0] = "qualify"; main()' "$@"; }
+timed() {  # timed LABEL COMMAND...: run, print its wall time and exit code
+  local label=$1 start=$EPOCHREALTIME rc=0; shift
+  "$@" || rc=$?
+  awk -v s="$start" -v e="$EPOCHREALTIME" -v n="$label" -v rc=$rc 'BEGIN{printf "== %s: exit %s in %.1f s\n", n, rc, e - s}'
+  return $rc
+}
+
+install() {
+  [ -f /tmp/site/.installed ] && return
+  (cd /tmp/vllm-parts && cat part-* > vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl && sha256sum -c SHA256SUMS)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    /tmp/vllm-parts/vllm-*.whl "$here"/.gpu/deps/*.whl "$here"/.whl/*.whl
+  touch /tmp/site/.installed
+  [ -e .whl ] || ln -s "$here/.whl" .whl  # gpu_chain.sh installs .whl/*.whl again (a no-op upgrade)
+}
+
+versions() {
+  python3 - <<'PY'
+import importlib.metadata as md, torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "vllm", md.version("vllm"), "transformers",
+      md.version("transformers"), "deepspeed", md.version("deepspeed"), "megatron-core", md.version("megatron-core"),
+      "triton", md.version("triton"), "|", torch.cuda.device_count(), "x", torch.cuda.get_device_name(0))
+PY
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+}
+
+run() {
+  local out=${1:?} matrix=${2:-benchmarks/gpu-tiny-tp2.yaml} run=${3:-runs/gpu-tiny-tp2}
+  install
+  versions
+  mkdir -p "$out"
+  timed "qualify reference --stage capture (vLLM TP1 and TP2)" qualify reference "$matrix" --out "$run" --stage capture
+  local rc=0
+  bash benchmarks/gpu_chain.sh "$out" "$matrix" "$run" || rc=$?
+  timed "qualify verify" qualify verify "$run/acceptance/acceptance.json" || true
+  python3 - "$run" <<'PY' || true
+import json, sys
+from safetensors.torch import load_file
+run = sys.argv[1]
+doc = json.load(open(f"{run}/reference/reference.json"))
+print("reference.json:", json.dumps({k: doc[k] for k in ("rollout_mismatch",) if k in doc}, sort_keys=True))
+a, b = (load_file(f"{run}/reference/rollout/tp{tp}/rollout.safetensors") for tp in (1, 2))
+for key in sorted(a.keys() & b.keys()):
+    x, y = a[key], b[key]
+    same = x.shape == y.shape and bool((x == y).all())
+    delta = float((x.double() - y.double()).abs().max()) if x.shape == y.shape and x.is_floating_point() else None
+    print(f"rollout TP2 vs TP1 {key}: {tuple(x.shape)} bitwise equal {same} max|delta| {delta}")
+PY
+  for setting in default TRITON_F32_DEFAULT=ieee; do
+    timed "probe $setting" env ${setting/default/PROBE=1} TRITON_CACHE_DIR=/tmp/triton-$setting TORCHDYNAMO_DISABLE=1 \
+      VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
+      python3 benchmarks/vllm_gpu_probe.py "$run/reference/models/actor" "$setting" 2>&1 \
+      | grep -E "^PROBE|^== |Error|attention backend" | tail -n 6 || true
+  done
+  timed "qualify rounds (vLLM TP2, torch-tp TP2)" qualify rounds "$matrix" --run "$run" --vllm-tp 2 --train-tp 2 \
+    --format json > "$out/rounds.json" || true
+  python3 - "$out/rounds.json" <<'PY' || true
+import json, sys
+v = json.load(open(sys.argv[1]))
+print("rounds:", "PASSED" if v["passed"] else "FAILED", f"{v['num_checks'] - v['num_failed']}/{v['num_checks']} checks,",
+      v["seconds"], "s; bound", v["bound"]["logprob_max_abs"], v["bound"]["source"], "| failure:", v["failure"])
+for r in v["rows"]:
+    print("  ", r["round"], r["check"], "|", str(r["observed"])[:80], "|", str(r["required"])[:60], "|", r["passed"])
+PY
+  tar -C "$run" -czf "$out/evidence.tgz" --exclude='*.safetensors' reference/reference.json acceptance rounds \
+    reference/rollout 2>/dev/null || true
+  return $rc
+}
+
+slurm() {
+  local out=${1:?} matrix=${2:-benchmarks/gpu-tiny-tp2.yaml} run=${3:-runs/gpu-slurm} cases=${4:-}
+  install
+  mkdir -p "$out"
+  eval "$(bash scripts/slurm-gpu.sh start "$here/.gpu/slurm-debs")"
+  local args=(--cluster sbatch/clusters/h200x2-local.yaml --run "$run" --wait)
+  [ -z "$cases" ] || args+=(--cases "$cases")
+  local start=$EPOCHREALTIME rc=0
+  qualify sbatch "$matrix" "${args[@]}" > "$out/sbatch.out" 2> "$out/sbatch.err" &
+  local pid=$! task=""
+  ( sleep "${SLURM_BUDGET_S:-420}"; kill $pid 2>/dev/null && echo "stopped following after ${SLURM_BUDGET_S:-420} s" ) &
+  # requeue the first candidate array task seen running, once, while it runs
+  while kill -0 $pid 2>/dev/null && [ -z "$task" ]; do
+    task=$(squeue -h -t R -o "%i %j" | awk '$2 ~ /-candidate-/ {print $1; exit}')
+    [ -z "$task" ] && sleep 1
+  done
+  [ -z "$task" ] || { sleep 3; scontrol requeue "$task" && echo "requeued $task $(date +%T)"; }
+  wait $pid || rc=$?
+  awk -v s="$start" -v e="$EPOCHREALTIME" -v rc=$rc 'BEGIN{printf "== qualify sbatch --wait: exit %s in %.1f s\n", rc, e - s}'
+  grep -v "^\s*$" "$out/sbatch.out" | tail -n 20; tail -n 20 "$out/sbatch.err"
+  grep -h "qualify-slurm:" "$run"/slurm/logs/*.out | sort | uniq -c | sort -rn | head -n 40 || true
+  [ -z "$task" ] || grep -l "restart 1" "$run"/slurm/logs/*.out || true
+  tar -C "$run" -czf "$out/slurm-logs.tgz" slurm candidates/verdict.json rounds 2>/dev/null || true
+  cp /tmp/gslurm/log/slurmctld.log "$out/" 2>/dev/null || true
+  bash scripts/slurm-gpu.sh stop
+  return $rc
+}
+
+case ${1:-} in
+  stash) mkdir -p /tmp/vllm-parts && cp "$here/${2:?}"/* /tmp/vllm-parts/ && ls -la /tmp/vllm-parts && df -h /tmp | tail -1 ;;
+  run) shift; run "$@" ;;
+  slurm) shift; slurm "$@" ;;
+  *) echo "usage: gpu_vllm_chain.sh stash DIR | run OUT [MATRIX] [RUN] | slurm OUT [MATRIX] [RUN] [CASES]" >&2; exit 2 ;;
+esac

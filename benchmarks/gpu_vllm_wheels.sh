@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Fetch (here, where pip reaches a registry) everything the GPU machine needs to run qualify with GPU vLLM,
+# and lay it out in ignored folders that the `device` tool carries, one folder per call (64 MiB a call):
+#   .gpu/vllm-1 .. .gpu/vllm-N   the vllm 0.26.0 wheel (304 MB) split into 62 MB parts
+#   .gpu/deps                    vllm's dependencies the GPU image lacks (about 50 MB)
+#   .whl/                        megatron-core, deepspeed, hjson, pydantic & co (what gpu_chain.sh installs)
+# vllm 0.26.0 pins torch 2.11.0 (CUDA 13), the GPU image's torch. Dependencies are resolved for Python 3.12
+# against stand-in wheels of torch/torchvision/torchaudio ("2.11.0+image", no requirements), so the resolver
+# keeps the image's torch instead of fetching a second one; packages the image already has are then dropped.
+# On the GPU machine benchmarks/gpu_vllm_install.sh joins the parts and installs all of it into /tmp/site.
+# Usage: bash benchmarks/gpu_vllm_wheels.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+vllm=vllm==0.26.0
+plat=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none)
+for p in manylinux_2_39 manylinux_2_35 manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 manylinux_2_24 \
+         manylinux_2_17 manylinux2014 manylinux1 linux; do plat+=(--platform "${p}_x86_64"); done
+plat+=(--platform any)
+# What the image ('cuda') already holds: KINDS.md's package list of the device tool, read 2026-11-17.
+image="absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build \
+certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core \
+cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock \
+flatbuffers flax fonttools formulaic frozenlist fsspec gpytorch grpcio h11 h5py hf-xet httpcore httpx \
+huggingface-hub humanize hypothesis idna imageio iniconfig interface-meta jax jaxlib jaxtyping jinja2 joblib \
+kiwisolver lazy-loader lightning lightning-utilities linear-operator lineax llvmlite lxml markdown \
+markdown-it-py markupsafe matplotlib mdurl meson ml-dtypes mpi4py mpmath msgpack multidict multipledispatch \
+mypy-extensions nanobind narwhals networkx ninja numba numba-cuda numpy numpyro onnx onnx-ir onnxruntime \
+onnxscript opencv-python-headless optax opt-einsum opt-einsum-fx optimistix orbax-checkpoint packaging pandas \
+pathspec patsy peft pillow pip pluggy portalocker prometheus-client propcache protobuf psutil pyarrow pybind11 \
+py-cpuinfo pygments pyparsing pyproject-hooks pyre-extensions pytest python-dateutil pyyaml regex requests \
+rich sacrebleu safetensors scikit-build-core scikit-image scikit-learn scipy seaborn sentencepiece \
+sentence-transformers setuptools shellingham simplejson six sortedcontainers statsmodels sympy tabulate \
+tensorboard tensorstore threadpoolctl tifffile tiktoken timm tokenizers toolz torch torchaudio torchdiffeq \
+torchvision tqdm transformers treescope triton typer typing-inspect urllib3 uvloop wadler-lindig werkzeug \
+wheel wrapt xarray xxhash yarl zipp"
+# Optional back ends that offline generate with the torch sampler never imports (229 MB together): the
+# FlashInfer sampler is off (VLLM_USE_FLASHINFER_SAMPLER=0), no video/audio decoding, no TileLang kernels.
+skip="flashinfer-python tokenspeed-triton tilelang z3-solver apache-tvm-ffi pynvvideocodec torchcodec"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+rm -rf .gpu/deps
+mkdir -p "$work/stub" .gpu/deps .whl
+for s in torch:2.11.0 torchvision:0.26.0 torchaudio:2.11.0; do
+  python3 - "$work/stub" "${s%%:*}" "${s##*:}+image" <<'PY'
+import sys, zipfile
+out, name, ver = sys.argv[1:]
+dist = f"{name}-{ver}.dist-info"
+files = {f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {ver}\n",
+         f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: stub\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+files[f"{dist}/RECORD"] = "".join(f"{k},,\n" for k in files) + f"{dist}/RECORD,,\n"
+with zipfile.ZipFile(f"{out}/{name}-{ver}-py3-none-any.whl", "w") as z:
+    for k, v in files.items():
+        z.writestr(k, v)
+PY
+done
+python3 -m pip install --dry-run --ignore-installed --target "$work/t" --find-links "$work/stub" "${plat[@]}" \
+  --report "$work/report.json" "$vllm" >/dev/null
+python3 - "$work/report.json" "$image $skip" > "$work/wanted.txt" <<'PY'
+import json, re, sys
+norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
+image = {norm(n) for n in sys.argv[2].split()}
+for item in json.load(open(sys.argv[1]))["install"]:
+    name, url = norm(item["metadata"]["name"]), item["download_info"]["url"]
+    if name in image or name.startswith("nvidia-") or "+image" in item["metadata"]["version"]:
+        continue
+    print(url)
+PY
+# pull each resolved file (the report's own URLs, so exactly what was resolved)
+while read -r url; do
+  f=${url##*/}; f=${f%%#*}
+  case $f in vllm-*) dest=.gpu/dl ;; *) dest=.gpu/deps ;; esac
+  mkdir -p $dest
+  [ -s "$dest/$f" ] || python3 - "$url" "$dest/$f" <<'PY'
+import shutil, sys, urllib.request
+with urllib.request.urlopen(sys.argv[1]) as r, open(sys.argv[2], "wb") as f:
+    shutil.copyfileobj(r, f)
+PY
+done < "$work/wanted.txt"
+rm -rf .gpu/vllm-*
+(cd .gpu/dl && split -b 62000000 -d -a 1 vllm-*.whl part-)
+for p in .gpu/dl/part-*; do n=$(( ${p##*-} + 1 )); mkdir -p .gpu/vllm-$n && mv "$p" .gpu/vllm-$n/; done
+(cd .gpu/dl && sha256sum vllm-*.whl) > .gpu/vllm-1/SHA256SUMS
+# the engines' wheels (gpu_chain.sh installs .whl/*.whl)
+python3 -m pip download -q --no-deps "${plat[@]}" -d .whl megatron-core==0.16.1 hjson pydantic==2.14.4 \
+  annotated-types typing-inspection typing-extensions
+python3 -m pip wheel -q --no-deps -w .whl deepspeed==0.19.8
+# pydantic & co are also vllm deps: keep one copy of each (in .whl/, which gpu_chain.sh installs last)
+for w in .whl/*.whl; do n=$(basename "$w" | cut -d- -f1); rm -f .gpu/deps/"$n"-*.whl; done
+du -sh .gpu/vllm-* .gpu/deps .whl
