@@ -1,52 +1,131 @@
-"""Summary of a run directory: reference, acceptance, candidate verdict and rounds, as plain data.
+"""Summary of a run directory: reference, acceptance, candidate verdict and rounds, verified, as plain data.
 
-The CLI renders it as a terminal summary, Markdown or JSON.
+Nothing is summarized as PASSED unless it verifies (qualify.report_verify): the status is PASSED or
+FAILED only for a verified verdict, NOT VERIFIED otherwise. The CLI renders the summary as a terminal
+summary, Markdown, JSON, HTML (qualify.report_html) or JUnit XML (qualify.junit).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from qualify.errors import EvidenceError
 from qualify.layout import RunLayout
+from qualify.report_verify import CASE_NAME, Verification, discover_rounds, readable, verify_run
 from qualify.store import read_json
+
+PASSED, FAILED, NOT_VERIFIED, NO_VERDICT = "PASSED", "FAILED", "NOT VERIFIED", "NO VERDICT"
+WORST_KEYS = ("comparison", "tensor", "metric", "value", "bound", "ratio")
+
+
+@dataclass(frozen=True, slots=True)
+class RunDocs:
+    """The documents of a run directory, as read (nothing verified yet)."""
+
+    layout: RunLayout
+    reference: dict[str, Any]
+    acceptance: dict[str, Any] | None
+    verdict: Any
+    rounds: dict[int, Any]
 
 
 def _maybe(path: Path) -> Any:
     return read_json(path) if path.is_file() else None
 
 
-def summarize(run_dir: Path) -> dict[str, Any]:
-    """What a person needs at a glance about a run."""
+def load_docs(run_dir: Path) -> RunDocs:
+    """Read the reference summary, acceptance, candidates' verdict and rounds verdicts of a run."""
     layout = RunLayout(Path(run_dir))
-    ref = _maybe(layout.reference_summary)
-    if ref is None:
+    reference = _maybe(layout.reference_summary)
+    if not isinstance(reference, dict):
         raise EvidenceError(f"{run_dir} holds no reference summary ({layout.reference_summary})")
-    acc = _maybe(layout.acceptance)
-    verdict = _maybe(layout.verdict)
-    rounds = _maybe(layout.rounds / "verdict.json")
-    out: dict[str, Any] = {
-        "run_dir": str(run_dir),
+    acceptance = _maybe(layout.acceptance)
+    if acceptance is not None and not isinstance(acceptance, dict):
+        raise EvidenceError(f"{layout.acceptance}: not an acceptance document")
+    rounds = {tp: read_json(path) for tp, path in discover_rounds(layout).items()}
+    return RunDocs(layout, reference, acceptance, _maybe(layout.verdict), rounds)
+
+
+def status_of(verification: Verification, verdict: Any, rounds: dict[int, Any]) -> str:
+    """PASSED or FAILED only for verified evidence; NOT VERIFIED when anything does not verify."""
+    if not verification.ok:
+        return NOT_VERIFIED
+    rounds_ok = all(doc["passed"] for doc in rounds.values())
+    if verdict is None:
+        return NO_VERDICT if rounds_ok else FAILED
+    return PASSED if verdict["passed"] and rounds_ok else FAILED
+
+
+def case_axes(name: str) -> dict[str, Any]:
+    """engine, precision, tp and role of a case name (empty for a name that is not one)."""
+    m = CASE_NAME.match(name)
+    return {} if m is None else {"engine": m["engine"], "precision": m["precision"], "tp": int(m["tp"]),
+                                 "role": m["role"]}
+
+
+def _case_summary(name: str, c: dict[str, Any]) -> dict[str, Any]:
+    worst = c.get("worst")
+    return {**case_axes(name), "passed": c["passed"], "num_checks": c["num_checks"], "num_failed": c["num_failed"],
+            "worst": {k: worst.get(k) for k in WORST_KEYS} if isinstance(worst, dict) else None}
+
+
+def candidates_summary(verdict: Any) -> dict[str, Any] | None:
+    """Per-case results of a readable verdict (an unreadable one is named by the verification's problems)."""
+    if not readable(verdict):
+        return None
+    return {"passed": verdict["passed"], "complete": verdict.get("complete"),
+            "cases": {name: _case_summary(name, c) for name, c in verdict["cases"].items()}}
+
+
+def rounds_summary(rounds: dict[int, Any]) -> list[dict[str, Any]]:
+    return [{"vllm_tp": tp, "passed": doc.get("passed") if isinstance(doc, dict) else None,
+             "num_checks": doc.get("num_checks") if isinstance(doc, dict) else None,
+             "num_failed": doc.get("num_failed") if isinstance(doc, dict) else None}
+            for tp, doc in sorted(rounds.items())]
+
+
+def provenance(docs: RunDocs) -> dict[str, Any]:
+    """Versions, digests, host, git and platform: the acceptance's where frozen, else the reference's."""
+    src = docs.acceptance or docs.reference
+    out = {key: src.get(key) for key in ("versions", "host", "git")}
+    out["digests"] = {"acceptance": (docs.acceptance or {}).get("digest"),
+                      "rollout": docs.reference.get("rollout_digest"),
+                      "targets": docs.reference.get("targets_digest"),
+                      **{f"rollout {tp}": d for tp, d in sorted(docs.reference.get("rollout_digests", {}).items())}}
+    platform = (docs.acceptance or {}).get("platform", docs.reference.get("platform"))
+    if platform is not None:
+        out["platform"] = platform
+    return out
+
+
+def summarize_docs(docs: RunDocs, verification: Verification) -> dict[str, Any]:
+    """What a person needs at a glance about a run, with what was verified."""
+    ref, acc = docs.reference, docs.acceptance
+    return {
+        "run_dir": str(docs.layout.root),
         "matrix": ref["matrix"]["name"],
+        "status": status_of(verification, docs.verdict, docs.rounds),
+        "verification": verification.to_json(),
         "rollout_digest": ref["rollout_digest"],
         "tp_agreement": ref["tp_agreement"],
         "rollout_mismatch": ref["rollout_mismatch"],
         "controls": ref["controls"],
-        "acceptance": None if acc is None else {"digest": acc["digest"], "num_artifacts": len(acc["files"]),
-                                                "k": acc["rule"]["k"], "bounds": sorted(acc["bounds"])},
-        "candidates": None,
-        "rounds": None if rounds is None else {"passed": rounds.get("passed")},
+        "acceptance": None if acc is None else {"digest": acc.get("digest"), "num_artifacts": len(acc.get("files", [])),
+                                                "k": acc.get("rule", {}).get("k"),
+                                                "bounds": sorted(acc.get("bounds", {}))},
+        "candidates": candidates_summary(docs.verdict),
+        "rounds": rounds_summary(docs.rounds),
+        "provenance": provenance(docs),
     }
-    if verdict is not None:
-        out["candidates"] = {"passed": verdict["passed"], "complete": verdict["complete"],
-                             "cases": {name: {"passed": c["passed"], "num_checks": c["num_checks"],
-                                              "num_failed": c["num_failed"],
-                                              "worst": None if c["worst"] is None else
-                                              {k: c["worst"][k] for k in ("comparison", "tensor", "metric", "value",
-                                                                          "bound", "ratio")}}
-                                       for name, c in verdict["cases"].items()}}
-    return out
+
+
+def summarize(run_dir: Path) -> dict[str, Any]:
+    """Load, verify and summarize a run directory."""
+    docs = load_docs(run_dir)
+    verification = verify_run(docs.layout, docs.reference, docs.acceptance, docs.verdict, docs.rounds)
+    return summarize_docs(docs, verification)
 
 
 def to_markdown(summary: dict[str, Any]) -> str:
@@ -63,17 +142,32 @@ def to_markdown(summary: dict[str, Any]) -> str:
         lines.append("- acceptance: not frozen")
     else:
         lines.append(f"- acceptance: `{acc['digest']}` ({acc['num_artifacts']} artifacts, k = {acc['k']})")
+    for r in summary["rounds"]:
+        lines.append(f"- rounds vLLM tp{r['vllm_tp']}: {'PASS' if r['passed'] else 'FAIL'}, "
+                     f"{r['num_checks']} checks, {r['num_failed']} failed")
     cand = summary["candidates"]
     if cand is not None:
         lines += ["", "| case | result | checks | failed | worst tensor | metric | value/bound |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
+        verified = summary["verification"]["ok"]
         for name, c in cand["cases"].items():
             w = c["worst"] or {}
-            lines.append(f"| {name} | {'PASS' if c['passed'] else 'FAIL'} | {c['num_checks']} | {c['num_failed']} | "
+            outcome = ("PASS" if c["passed"] else "FAIL") if verified else "unverified"
+            lines.append(f"| {name} | {outcome} | {c['num_checks']} | {c['num_failed']} | "
                          f"{w.get('tensor', '')} | {w.get('metric', '')} | {_ratio(w.get('ratio'))} |")
-        lines += ["", f"**{'PASSED' if cand['passed'] else 'FAILED'}**"]
+    lines += ["", *verification_lines(summary["verification"]), "", f"**{summary['status']}**"]
     return "\n".join(lines) + "\n"
+
+
+def verification_lines(v: dict[str, Any]) -> list[str]:
+    lines = [f"- verified: {c}" for c in v["checked"]]
+    return lines + [f"- **does not verify**: {p}" for p in v["problems"]]
 
 
 def _ratio(value: Any) -> str:
     return "" if value is None else value if isinstance(value, str) else f"{value:.3g}"
+
+
+def exit_code(summary: dict[str, Any]) -> int:
+    """0 when nothing failed (PASSED, or no verdict yet and nothing unverified), 1 otherwise."""
+    return 1 if summary["status"] in (FAILED, NOT_VERIFIED) else 0

@@ -13,7 +13,8 @@ NAME = "candidate"
 HELP = "Replay the engine x precision x TP x role matrix and judge every tensor against frozen bounds."
 EPILOG = ("Examples:  qualify candidate matrices/tiny-qwen3.yaml  |  "
           "qualify candidate matrices/tiny-qwen3.yaml --only 'torch-tp-*-tp2-*'  |  "
-          "qualify candidate matrices/tiny-qwen3.yaml --acceptance manifests/tiny-qwen3/acceptance.json")
+          "qualify candidate matrices/tiny-qwen3.yaml --acceptance manifests/tiny-qwen3/acceptance.json  |  "
+          "qualify candidate matrices/tiny-qwen3.yaml --junit junit.xml")
 
 
 def main(
@@ -22,6 +23,8 @@ def main(
     acceptance: AcceptanceOpt = None,
     only: Annotated[str | None, typer.Option("--only", help="Glob over case names, e.g. 'deepspeed-bf16-*'.")] = None,
     format: FormatOpt = Format.text,
+    junit: Annotated[Path | None, typer.Option("--junit", help="Also write the verdict as JUnit XML to this file.")]
+    = None,
 ) -> None:
     from qualify.candidate.run import run_candidates
     from qualify.cli.render import echo_json
@@ -30,7 +33,16 @@ def main(
     from qualify.matrix import load_matrix
 
     m = load_matrix(matrix)
+    if junit is not None and not junit.parent.is_dir():
+        from qualify.errors import QualifyError
+
+        raise QualifyError(f"--junit {junit}: directory {junit.parent} does not exist")
     verdict = run_candidates(m, run or default_run_dir(m.name), acceptance=acceptance, only=only)
+    if junit is not None:
+        from qualify.junit import to_junit
+        from qualify.store import atomic_write_bytes
+
+        atomic_write_bytes(junit, to_junit(verdict, name=m.name))
     if format is Format.json:
         echo_json(verdict)
     else:

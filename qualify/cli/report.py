@@ -1,24 +1,31 @@
-"""`qualify report`: summarize a run directory at a glance (terminal, Markdown or JSON)."""
+"""`qualify report`: verify and summarize a run directory (terminal, Markdown, JSON, HTML or JUnit XML)."""
 
 from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from qualify.cli.options import RunDirArg
 
+if TYPE_CHECKING:
+    from qualify.report import RunDocs
+
 NAME = "report"
-HELP = "Summarize a run directory: reference, acceptance, candidate verdicts, rounds."
-EPILOG = "Examples:  qualify report runs/tiny-qwen3  |  qualify report runs/tiny-qwen3 --format markdown --out report.md"
+HELP = ("Verify and summarize a run directory: reference, acceptance, candidate verdicts, rounds. "
+        "Exit 1 when the evidence does not verify or qualification failed.")
+EPILOG = ("Examples:  qualify report runs/tiny-qwen3  |  qualify report runs/tiny-qwen3 --format html --out report.html"
+          "  |  qualify report runs/tiny-qwen3 --format junit --out junit.xml")
 
 
 class ReportFormat(str, Enum):
     text = "text"
     markdown = "markdown"
     json = "json"
+    html = "html"
+    junit = "junit"
 
 
 def main(
@@ -26,21 +33,47 @@ def main(
     format: Annotated[ReportFormat, typer.Option("--format", help="Output format.")] = ReportFormat.text,
     out: Annotated[Path | None, typer.Option("--out", help="Write the report to this file.")] = None,
 ) -> None:
-    from rich.console import Console
-    from rich.markdown import Markdown
+    from qualify.errors import QualifyError
+    from qualify.report import exit_code, load_docs, summarize_docs
+    from qualify.report_verify import verify_run
 
-    from qualify.report import summarize, to_markdown
-    from qualify.store import dumps_json
-
-    summary = summarize(run_dir)
-    text = dumps_json(summary) if format is ReportFormat.json else to_markdown(summary)
+    if out is not None and not out.parent.is_dir():
+        raise QualifyError(f"--out {out}: directory {out.parent} does not exist")
+    docs = load_docs(run_dir)
+    summary = summarize_docs(docs, verify_run(docs.layout, docs.reference, docs.acceptance, docs.verdict, docs.rounds))
+    data = render(format, docs, summary)
     if out is not None:
-        out.write_text(text)
-        typer.echo(f"report written to {out}")
+        from qualify.store import atomic_write_bytes
+
+        atomic_write_bytes(out, data)
+        typer.echo(f"report written to {out} ({summary['status']})")
     elif format is ReportFormat.text:
-        Console(width=160).print(Markdown(text))
+        from rich.console import Console
+        from rich.markdown import Markdown
+
+        Console(width=160).print(Markdown(data.decode()))
     else:
-        typer.echo(text, nl=False)
-    candidates = summary["candidates"]
-    if candidates is not None and not candidates["passed"]:
-        raise typer.Exit(1)
+        typer.echo(data.decode(), nl=False)
+    raise typer.Exit(exit_code(summary))
+
+
+def render(format: ReportFormat, docs: RunDocs, summary: dict[str, Any]) -> bytes:
+    """The report in the chosen format, as bytes."""
+    if format is ReportFormat.json:
+        from qualify.store import dumps_json
+
+        return dumps_json(summary).encode()
+    if format is ReportFormat.html:
+        from qualify.report_html import to_html
+
+        return to_html(docs, summary).encode()
+    if format is ReportFormat.junit:
+        from qualify.junit import to_junit
+        from qualify.report_verify import readable
+
+        verdict = docs.verdict if readable(docs.verdict) else None
+        return to_junit(verdict, name=summary["matrix"], problems=summary["verification"]["problems"],
+                        rounds=summary["rounds"])
+    from qualify.report import to_markdown
+
+    return to_markdown(summary).encode()

@@ -1,0 +1,114 @@
+"""JUnit XML of a verdict, for CI systems: one testcase per case x tensor family (or check group).
+
+A testcase fails when any of its rows fails; its failure lists every failing row with tensor,
+metric, value, bound and the rule that set the bound. `qualify report --format junit` adds a
+testcase for the verification of the evidence and one per rounds run, so a report that does not
+verify fails in CI too. Written with the standard library (xml.etree), in the de-facto schema
+Jenkins, GitHub Actions and GitLab read (testsuites > testsuite > testcase > failure).
+"""
+
+from __future__ import annotations
+
+import re
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+from typing import Any
+
+BOUND_RULE = "value <= bound; bound = k * control_error + floor + quantum, frozen per (role, tensor, metric)"
+FAMILY_IN_COMPARISON = re.compile(r"\[(?P<family>[^\]]+)\]$")
+
+
+def check_group(row: dict[str, Any]) -> str:
+    """The tensor family (outputs, grads, updates, moments) or check group (evidence, run) of a row."""
+    if row["comparison"] in ("run", "evidence"):
+        return row["comparison"]
+    return row["tensor"].split("/", 1)[0]
+
+
+def rule_of(row: dict[str, Any]) -> str:
+    """The rule a row was judged by, naming the bound family that set its bound."""
+    if row["comparison"] == "run":
+        return "the case must run to completion"
+    if row["comparison"] == "rounds":
+        return "every check of the rounds run must pass (its verdict.json names them)"
+    if row["comparison"] == "evidence":
+        return "must be exactly 0 (structural evidence of the candidate run)"
+    m = FAMILY_IN_COMPARISON.search(row["comparison"])
+    family = m["family"] if m else "?"
+    if row["metric"] == "structure":
+        return f"candidate tensors must match the reference's names, shapes and dtypes ({family})"
+    return f"{BOUND_RULE}; family {family}"
+
+
+def failure_line(row: dict[str, Any]) -> str:
+    if row["comparison"] == "verification":
+        return f"does not verify: {row['value']}"
+    note = f" [{row['note']}]" if row.get("note") else ""
+    return (f"{row['tensor']} {row['metric']}: value {row['value']} > bound {row['bound']} "
+            f"({row['comparison']}; rule: {rule_of(row)}){note}")
+
+
+def _testcase(suite: ET.Element, classname: str, name: str, rows: list[dict[str, Any]]) -> bool:
+    """Add one testcase; returns True when it failed."""
+    case = ET.SubElement(suite, "testcase", classname=classname, name=name)
+    failing = [r for r in rows if not r["passed"]]
+    ET.SubElement(case, "system-out").text = f"{len(rows)} checks, {len(failing)} failed"
+    if failing:
+        message = f"{len(failing)} of {len(rows)} checks failed; first: {failure_line(failing[0])}"
+        ET.SubElement(case, "failure", message=message, type=failing[0]["comparison"].split(" ", 1)[0]).text = \
+            "\n".join(failure_line(r) for r in failing)
+    return bool(failing)
+
+
+def _suite(root: ET.Element, name: str, cases: list[tuple[str, str, list[dict[str, Any]]]]) -> tuple[int, int]:
+    suite = ET.SubElement(root, "testsuite", name=name)
+    failures = sum(_testcase(suite, classname, tc, rows) for classname, tc, rows in cases)
+    suite.set("tests", str(len(cases)))
+    suite.set("failures", str(failures))
+    suite.set("errors", "0")
+    suite.set("skipped", "0")
+    return len(cases), failures
+
+
+def verdict_cases(verdict: dict[str, Any]) -> list[tuple[str, str, list[dict[str, Any]]]]:
+    """(classname, name, rows): one per case x check group, in case order; a case without rows is one failure."""
+    grouped: dict[str, dict[str, list[dict[str, Any]]]] = {name: defaultdict(list) for name in verdict["cases"]}
+    for row in verdict["rows"]:
+        grouped[row["case"]][check_group(row)].append(row)
+    out = []
+    for case, groups in grouped.items():
+        if not groups:
+            out.append((case, "checks", [{"tensor": "case", "metric": "num_checks", "value": 0, "bound": 0,
+                                          "comparison": "run", "passed": False, "note": "no checks recorded"}]))
+        out += [(case, group, rows) for group, rows in sorted(groups.items())]
+    return out
+
+
+def to_junit(verdict: dict[str, Any] | None, *, name: str, problems: list[str] | None = None,
+             rounds: list[dict[str, Any]] | None = None) -> bytes:
+    """The JUnit XML document (UTF-8 bytes). problems: the report's verification (None: not verified here)."""
+    root = ET.Element("testsuites", name=f"qualify {name}")
+    totals = [0, 0]
+    suites: list[tuple[str, list[tuple[str, str, list[dict[str, Any]]]]]] = []
+    if problems is not None:
+        rows = [{"tensor": "evidence", "metric": "problem", "value": p, "bound": "none", "comparison": "verification",
+                 "passed": False} for p in problems]
+        ok = [{"tensor": "evidence", "metric": "verifies", "value": 0, "bound": 0, "comparison": "verification",
+               "passed": True}]
+        suites.append((f"qualify {name}: verification", [("verification", "evidence verifies", rows or ok)]))
+    if verdict is not None:
+        suites.append((f"qualify {name}: candidates", verdict_cases(verdict)))
+    if rounds:
+        suites.append((f"qualify {name}: rounds", [
+            ("rounds", f"vllm-tp{r['vllm_tp']}", [{"tensor": f"rounds vllm-tp{r['vllm_tp']}", "metric": "num_failed",
+                                                  "value": r["num_failed"], "bound": 0, "comparison": "rounds",
+                                                  "passed": r["passed"] is True}]) for r in rounds]))
+    for suite_name, cases in suites:
+        tests, failures = _suite(root, suite_name, cases)
+        totals[0] += tests
+        totals[1] += failures
+    root.set("tests", str(totals[0]))
+    root.set("failures", str(totals[1]))
+    root.set("errors", "0")
+    ET.indent(root)
+    return ET.tostring(root, encoding="utf-8", xml_declaration=True) + b"\n"

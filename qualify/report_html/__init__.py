@@ -1,0 +1,43 @@
+"""`qualify report --format html`: one self-contained static page (inline CSS and SVG, no script, no network).
+
+Sections: a banner (PASS or FAIL only for evidence that verified, NOT VERIFIED otherwise), what was
+verified, the case matrix as a heatmap of worst value/bound, value/bound per tensor family, the
+train-vs-rollout |delta| distribution per precision, rounds, every case's rows with the bound family
+and term that set each bound, and provenance (versions, digests, host, git, platform).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qualify.report import RunDocs
+from qualify.report_html import data, page
+from qualify.report_html.plots import delta_histogram, family_bars, heatmap
+from qualify.report_verify import readable
+
+
+def to_html(docs: RunDocs, summary: dict[str, Any]) -> str:
+    """The whole page as a string."""
+    cases = (summary["candidates"] or {}).get("cases", {})
+    rows = docs.verdict["rows"] if readable(docs.verdict) else []
+    parts = [page.banner(summary), page.verification(summary["verification"])]
+    if cases:
+        grid_rows, grid_cols, cells = data.heatmap_cells(cases)
+        families, ratios = data.family_ratios(rows)
+        parts += [page.figure("Case matrix", heatmap(grid_rows, grid_cols, cells), "heatmap"),
+                  page.figure("value/bound per tensor family", family_bars(list(cases), families, ratios),
+                              "families")]
+    deltas = data.rollout_deltas(docs)
+    parts.append(page.rollout_section(summary, delta_histogram(deltas) if deltas else None))
+    if docs.reference.get("coverage") is not None:
+        parts.append(page.mapping_section("Coverage", "coverage", docs.reference["coverage"]))
+    parts.append(page.rounds_section(summary["rounds"]))
+    bounds = data.bound_docs(docs)
+    verified = summary["verification"]["ok"]
+    if cases:
+        parts.append(page.cases_overview(cases, verified))
+    parts += [page.case_section(name, c, [data.row_view(r, bounds) for r in rows if r["case"] == name], verified)
+              for name, c in cases.items()]
+    parts.append(page.mapping_section("Provenance", "provenance", summary["provenance"]))
+    return page.document(f"qualify report: {summary['matrix']}", parts)
+

@@ -1,0 +1,104 @@
+"""The numbers behind the HTML report's figures and tables, from the verdict, bounds and reference evidence."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from qualify.junit import FAMILY_IN_COMPARISON, check_group
+from qualify.report import RunDocs
+from qualify.report_verify import number
+
+TENSOR_FAMILIES = ("outputs", "grads", "updates", "moments")
+
+
+def _ratio(value: Any) -> float | None:
+    return None if value is None else number(value)
+
+
+def heatmap_cells(cases: dict[str, dict[str, Any]]) -> tuple[list[str], list[str], dict]:
+    """Rows 'engine role', columns 'precision tpN'; each cell the case's worst value/bound and outcome."""
+    named = {n: c for n, c in cases.items() if "engine" in c}
+    rows = sorted({f"{c['engine']} {c['role']}" for c in named.values()})
+    cols = [f"{p} tp{tp}" for p, tp in sorted({(c["precision"], c["tp"]) for c in named.values()},
+                                              key=lambda x: (x[0] != "fp32", x[1]))]
+    cells = {(f"{c['engine']} {c['role']}", f"{c['precision']} tp{c['tp']}"):
+             (_ratio((c["worst"] or {}).get("ratio")), c["passed"]) for c in named.values()}
+    return rows, cols, cells
+
+
+def family_ratios(rows: list[dict[str, Any]]) -> tuple[list[str], dict[tuple[str, str], float]]:
+    """Largest value/bound per (case, tensor family) over rows with a bound."""
+    out: dict[tuple[str, str], float] = {}
+    for r in rows:
+        family = check_group(r)
+        if family in TENSOR_FAMILIES and number(r["bound"]) > 0:
+            key = (r["case"], family)
+            out[key] = max(out.get(key, 0.0), number(r["ratio"]))
+    return [f for f in TENSOR_FAMILIES if any(k[1] == f for k in out)], out
+
+
+def bound_docs(docs: RunDocs) -> dict[tuple[str, str], dict[str, Any]]:
+    """The frozen bound files by (role, family), when frozen."""
+    from qualify.store import read_json
+
+    if docs.acceptance is None:
+        return {}
+    found = [docs.layout.bounds / name for name in sorted(docs.acceptance.get("bounds", {}))]
+    loaded = [read_json(p) for p in found if p.is_file()]
+    return {(d["role"], d["family"]): d for d in loaded}
+
+
+def set_by(row: dict[str, Any], bounds: dict[tuple[str, str], dict[str, Any]]) -> str:
+    """The bound family and the term of bound = k * control_error + floor + quantum that dominates."""
+    m = FAMILY_IN_COMPARISON.search(row["comparison"])
+    if m is None:
+        return "evidence: exact" if row["comparison"] == "evidence" else ""
+    doc = bounds.get((row["role"], m["family"]))
+    entry = (doc or {}).get("bounds", {}).get(row["tensor"], {}).get(row["metric"])
+    if entry is None:
+        return m["family"]
+    terms = {"k x control": doc["k"] * entry["control_error"], f"floor ({entry['kind']})": entry["floor"],
+             "quantum": entry["quantum"]}
+    top = max(terms, key=terms.get)
+    controls = ", ".join(doc.get("control_runs", []))
+    return f"{m['family']}: {top}" + (f" (controls {controls} vs {doc['reference_run']})" if top == "k x control"
+                                       else "")
+
+
+def row_view(row: dict[str, Any], bounds: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
+    """A verdict row with the ratio as a number and what set its bound."""
+    return {**row, "ratio_value": number(row["ratio"]), "set_by": set_by(row, bounds)}
+
+
+def rollout_deltas(docs: RunDocs) -> dict[str, np.ndarray]:
+    """|r0 reference actor logprob - vLLM sampler logprob| per response token, by precision (empty if absent)."""
+    from safetensors import safe_open
+
+    layout, ref = docs.layout, docs.reference
+    rollout = layout.rollout(ref.get("primary_vllm_tp", 1)) / "rollout.safetensors"
+    control = (ref.get("controls") or ["r0"])[0]
+    if not rollout.is_file():
+        return {}
+    with safe_open(str(rollout), framework="numpy") as f:
+        mask, sampler = f.get_tensor("response_mask_BT"), f.get_tensor("sampler_logprobs_BT")
+    out = {}
+    for precision in ref.get("precisions", []):
+        scores = layout.scores(precision, control, "actor") / "outputs.safetensors"
+        if scores.is_file():
+            with safe_open(str(scores), framework="numpy") as f:
+                logp = f.get_tensor("logprobs_BT")
+            # in fp32, as the reference summary computes it, so the histogram matches its max and mean
+            out[precision] = np.abs(logp[mask] - sampler[mask]).astype(np.float64)
+    return out
+
+
+def fmt(v: Any) -> str:
+    """A number for a table cell."""
+    if isinstance(v, str):
+        return v
+    if isinstance(v, bool) or v is None:
+        return str(v)
+    return f"{v:.4g}" if isinstance(v, float) and math.isfinite(v) else str(v)

@@ -1,0 +1,127 @@
+"""HTML fragments of the report page: banner, sections, tables. Every value is escaped; nothing is fetched."""
+
+from __future__ import annotations
+
+from html import escape
+from typing import Any
+
+from qualify.report import FAILED, NO_VERDICT, NOT_VERIFIED, PASSED
+from qualify.report_html.data import fmt
+
+CSS = """
+body { font-family: sans-serif; margin: 1.5em auto; max-width: 1200px; color: #222; }
+h1 { font-size: 1.5em; } h2 { font-size: 1.2em; border-bottom: 1px solid #ccc; margin-top: 1.6em; }
+#banner { font-size: 1.6em; font-weight: bold; padding: 0.6em 1em; border-radius: 6px; color: white; }
+#banner.pass { background: #1a7f37; } #banner.fail { background: #cf222e; }
+#banner.unverified { background: #6e1111; } #banner.none { background: #6e7781; }
+table { border-collapse: collapse; font-size: 0.85em; margin: 0.5em 0; }
+th, td { border: 1px solid #ddd; padding: 2px 6px; text-align: left; vertical-align: top; }
+th { background: #f3f3f3; } td.num { text-align: right; font-family: monospace; }
+tr.failed td { background: #ffebe9; } tr.near td.ratio { background: #fff8c5; }
+.problems li { color: #cf222e; } code { font-size: 0.9em; word-break: break-all; }
+details > summary { cursor: pointer; font-weight: bold; margin: 0.4em 0; }
+figure { margin: 0.5em 0; } figure svg { max-width: 100%; height: auto; }
+"""
+BANNERS = {PASSED: ("pass", "PASS"), FAILED: ("fail", "FAIL"), NOT_VERIFIED: ("unverified", "NOT VERIFIED"),
+           NO_VERDICT: ("none", "NO VERDICT")}
+NEAR = 0.5  # rows at or above half their bound are highlighted
+
+
+def document(title: str, parts: list[str]) -> str:
+    return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n<title>{escape(title)}</title>\n'
+            f"<style>{CSS}</style>\n</head>\n<body>\n<h1>{escape(title)}</h1>\n" + "\n".join(parts)
+            + "\n</body>\n</html>\n")
+
+
+def banner(summary: dict[str, Any]) -> str:
+    """PASS or FAIL only after the evidence verified; otherwise NOT VERIFIED (or NO VERDICT) and why."""
+    css, word = BANNERS[summary["status"]]
+    cand = summary["candidates"]
+    detail = ""
+    if summary["status"] in (PASSED, FAILED) and cand is not None:
+        failed = sum(not c["passed"] for c in cand["cases"].values())
+        detail = f": {len(cand['cases']) - failed}/{len(cand['cases'])} cases pass"
+    elif summary["status"] == NOT_VERIFIED:
+        detail = ": the evidence does not verify, so no result is shown as a pass"
+    return f'<div id="banner" class="{css}" data-status="{escape(summary["status"])}">{word}{escape(detail)}</div>'
+
+
+def verification(v: dict[str, Any]) -> str:
+    checked = "".join(f"<li>{escape(c)}</li>" for c in v["checked"]) or "<li>nothing to verify yet</li>"
+    problems = "".join(f"<li>{escape(p)}</li>" for p in v["problems"])
+    return (f'<section id="verification"><h2>Verification</h2><ul>{checked}</ul>'
+            + (f'<ul class="problems">{problems}</ul>' if problems else "") + "</section>")
+
+
+def figure(title: str, svg: str, ident: str) -> str:
+    return f'<section id="{ident}"><h2>{escape(title)}</h2><figure>{svg}</figure></section>'
+
+
+def table(header: list[str], rows: list[list[Any]], classes: list[str] | None = None) -> str:
+    head = "".join(f"<th>{escape(h)}</th>" for h in header)
+    body = []
+    for i, row in enumerate(rows):
+        cls = f' class="{classes[i]}"' if classes and classes[i] else ""
+        cells = "".join(f'<td class="num">{escape(fmt(c))}</td>' if isinstance(c, (int, float)) and
+                        not isinstance(c, bool) else f"<td>{escape(fmt(c))}</td>" for c in row)
+        body.append(f"<tr{cls}>{cells}</tr>")
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def rollout_section(summary: dict[str, Any], histogram_svg: str | None) -> str:
+    """Train-vs-rollout mismatch per precision (the reference's numbers) and its distribution."""
+    rows = [[p, m["num_tokens"], m["num_not_bitwise"], m["max_abs"], m["mean_abs"]]
+            for p, m in summary["rollout_mismatch"].items()]
+    tp = [[k, a["tokens_equal"], a["logprob_max_abs"]] for k, a in summary["tp_agreement"].items()]
+    return ('<section id="rollout"><h2>Train vs rollout</h2>'
+            + table(["precision", "tokens", "not bitwise", "max |delta|", "mean |delta|"], rows)
+            + (table(["vLLM TP", "tokens equal", "logprob max |delta|"], tp) if tp else "")
+            + (f"<figure>{histogram_svg}</figure>" if histogram_svg else "") + "</section>")
+
+
+def rounds_section(rounds: list[dict[str, Any]]) -> str:
+    if not rounds:
+        return '<section id="rounds"><h2>Rounds</h2><p>no rounds run in this directory</p></section>'
+    rows = [[f"vllm-tp{r['vllm_tp']}", "PASS" if r["passed"] else "FAIL", r["num_checks"], r["num_failed"]]
+            for r in rounds]
+    return '<section id="rounds"><h2>Rounds</h2>' + table(["run", "result", "checks", "failed"], rows) + "</section>"
+
+
+def case_section(name: str, case: dict[str, Any], rows: list[dict[str, Any]], verified: bool) -> str:
+    """One case: its outcome and every row, worst first, with the bound family and term that set the bound."""
+    rows = sorted(rows, key=lambda r: (r["passed"], -r["ratio_value"]))
+    body = [[r["comparison"], r["tensor"], r["metric"], r["value"], r["bound"], r["ratio"], r["set_by"],
+             "ok" if r["passed"] else "FAIL", r.get("note", "")] for r in rows]
+    classes = ["failed" if not r["passed"] else "near" if r["ratio_value"] >= NEAR else "" for r in rows]
+    outcome = ("PASS" if case["passed"] else "FAIL") if verified else "unverified"
+    return (f'<section class="case" id="case-{escape(name)}" data-case="{escape(name)}">'
+            f'<details{"" if case["passed"] else " open"}><summary>{escape(name)}: {outcome}, '
+            f'{case["num_checks"]} checks, {case["num_failed"]} failed</summary>'
+            + table(["comparison", "tensor", "metric", "value", "bound", "value/bound", "bound set by", "", "note"],
+                    body, classes) + "</details></section>")
+
+
+def _flat(prefix: str, value: Any) -> list[list[Any]]:
+    if isinstance(value, dict):
+        return [row for k, v in value.items() for row in _flat(f"{prefix}.{k}" if prefix else str(k), v)]
+    if isinstance(value, list) and all(not isinstance(v, (dict, list)) for v in value):
+        return [[prefix, ", ".join(map(str, value))]]
+    return [[prefix, value if isinstance(value, (str, int, float, bool)) or value is None else str(value)]]
+
+
+def mapping_section(title: str, ident: str, mapping: dict[str, Any]) -> str:
+    rows = [[key, fmt(value)] for key, value in _flat("", mapping)]
+    return f'<section id="{ident}"><h2>{escape(title)}</h2>' + table(["key", "value"], rows) + "</section>"
+
+
+def cases_overview(cases: dict[str, dict[str, Any]], verified: bool) -> str:
+    """One line per case: outcome, counts and its worst row (the outcome says 'unverified' when it is)."""
+    rows = []
+    for name, c in cases.items():
+        w = c["worst"] or {}
+        outcome = ("PASS" if c["passed"] else "FAIL") if verified else "unverified"
+        rows.append([name, outcome, c["num_checks"], c["num_failed"], w.get("tensor", ""), w.get("metric", ""),
+                     w.get("ratio", "")])
+    return ('<h2 id="cases">Cases</h2>'
+            + table(["case", "result", "checks", "failed", "worst tensor", "metric", "value/bound"], rows,
+                    ["failed" if r[1] != "PASS" else "" for r in rows]))

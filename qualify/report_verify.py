@@ -1,0 +1,272 @@
+"""What `qualify report` verifies before it may say PASSED: the acceptance, the verdict, the evidence.
+
+The acceptance is checked against the reference evidence (manifest digests, bound-file digests, the
+rule); the candidates' verdict against the acceptance (same acceptance and rollout digests, a
+non-empty and complete set of cases, pass flags that follow from value and bound) and against each
+case's sealed evidence (complete per qualify.stages, made on the frozen rollout, and judged again
+from that evidence it gives the verdict's rows: same checks, bounds, values and outcomes). Rounds
+verdicts must be sealed and agree with their own rows. A problem is a one-line string; none means
+the summary may be believed.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qualify.errors import QualifyError
+from qualify.layout import RunLayout
+from qualify.stages import stage_info, stage_is_complete
+
+CASE_NAME = re.compile(r"^(?P<engine>.+)-(?P<precision>fp32|bf16)-tp(?P<tp>[1-9][0-9]*)-(?P<role>actor|critic)$")
+VERDICT_SCHEMA = "qualify.verdict/1"
+ROW_KEYS = ("case", "role", "comparison", "tensor", "metric", "value", "bound", "passed")
+REL_TOL = 1e-9  # judged again in the same float64 arithmetic; only the JSON round trip may differ
+MAX_LISTED = 5
+
+
+@dataclass(frozen=True, slots=True)
+class Verification:
+    """Outcome of verifying a run directory: what was checked, and every problem found."""
+
+    checked: tuple[str, ...]
+    problems: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": self.ok, "checked": list(self.checked), "problems": list(self.problems)}
+
+
+def _listed(items: list[str]) -> str:
+    return ", ".join(items[:MAX_LISTED]) + (f" (+{len(items) - MAX_LISTED} more)" if len(items) > MAX_LISTED else "")
+
+
+def number(v: Any) -> float:
+    """A verdict number: floats, or 'inf'/'nan' strings for non-finite values."""
+    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+        raise TypeError(f"not a number: {v!r}")
+    return float(v)
+
+
+def acceptance_problems(layout: RunLayout, reference: dict[str, Any], acceptance: dict[str, Any] | None) -> list[str]:
+    """The acceptance is sound and the reference evidence is exactly what it sealed."""
+    from qualify.acceptance import check_acceptance
+    from qualify.manifest import verify_manifest
+
+    if acceptance is None:
+        return [f"no acceptance at {layout.acceptance}: nothing was frozen, so no verdict can be believed"]
+    try:
+        problems = [f"acceptance: {p}" for p in check_acceptance(layout.acceptance)]
+        report = verify_manifest(layout.acceptance, layout.reference, progress=False)
+    except QualifyError as exc:
+        return [f"acceptance: {exc}"]
+    for kind, paths in (("missing", report.missing), ("extra", report.extra),
+                        ("modified", [m.path for m in report.modified])):
+        if paths:
+            problems.append(f"reference evidence {kind} against the acceptance: {_listed(paths)}")
+    if acceptance.get("rollout_digest") != reference.get("rollout_digest"):
+        problems.append("the acceptance's rollout digest is not the reference's")
+    return problems
+
+
+def row_problems(row: Any, index: int, cases: dict[str, Any]) -> list[str]:
+    """One verdict row: its fields are there, it names a listed case, its outcome follows from value and bound."""
+    if not isinstance(row, dict) or any(k not in row for k in ROW_KEYS):
+        return [f"verdict row {index} lacks one of {', '.join(ROW_KEYS)}"]
+    if row["case"] not in cases:
+        return [f"verdict row {index} names case {row['case']!r}, which the verdict does not list"]
+    try:
+        value, bound = number(row["value"]), number(row["bound"])
+    except (TypeError, ValueError) as exc:
+        return [f"verdict row {index}: {exc}"]
+    if row["passed"] is not (math.isfinite(value) and value <= bound):
+        return [(f"verdict row {index} ({row['case']} {row['tensor']} {row['metric']}): passed={row['passed']} "
+                 f"does not follow from value {value} and bound {bound}")]
+    return []
+
+
+def case_problems(name: str, summary: Any, rows: list[dict[str, Any]]) -> list[str]:
+    """A case's summary agrees with its rows."""
+    if not CASE_NAME.match(name):
+        return [f"verdict case {name!r} is not an <engine>-<precision>-tp<N>-<role> name"]
+    num_failed = sum(not r["passed"] for r in rows)
+    if (summary["passed"] is not (bool(rows) and num_failed == 0) or summary["num_checks"] != len(rows)
+            or summary["num_failed"] != num_failed):
+        return [(f"verdict case {name}: summary (passed={summary['passed']}, {summary['num_checks']} checks, "
+                 f"{summary['num_failed']} failed) disagrees with its {len(rows)} rows ({num_failed} failed)")]
+    return []
+
+
+def readable(verdict: Any) -> bool:
+    """The verdict has the shape a summary reads: cases with their summaries, rows, a pass flag."""
+    return (isinstance(verdict, dict) and isinstance(verdict.get("rows"), list)
+            and isinstance(verdict.get("passed"), bool) and isinstance(verdict.get("cases"), dict)
+            and all(isinstance(c, dict) and {"passed", "num_checks", "num_failed"} <= c.keys()
+                    for c in verdict["cases"].values()))
+
+
+def verdict_problems(verdict: Any, acceptance: dict[str, Any] | None) -> list[str]:
+    """The verdict's own consistency and its ties to the acceptance (no evidence read)."""
+    if not readable(verdict):
+        return ["verdict: not a qualify verdict (needs 'passed', 'rows' and 'cases' with their summaries)"]
+    problems = []
+    if verdict.get("schema") != VERDICT_SCHEMA:
+        problems.append(f"verdict: schema {verdict.get('schema')!r} != {VERDICT_SCHEMA!r}")
+    if acceptance is not None:
+        for key in ("acceptance_digest", "rollout_digest"):
+            want = acceptance.get("digest" if key == "acceptance_digest" else key)
+            if verdict.get(key) != want:
+                problems.append(f"verdict: {key} {verdict.get(key)!r} is not the acceptance's {want!r}")
+    if not verdict["cases"]:
+        problems.append("verdict: names no case")
+    if verdict.get("complete") is not True:
+        problems.append("verdict: not complete (a --only selection is not a qualification)")
+    for i, row in enumerate(verdict["rows"]):
+        problems += row_problems(row, i, verdict["cases"])
+    if problems:
+        return problems
+    for name, summary in verdict["cases"].items():
+        problems += case_problems(name, summary, [r for r in verdict["rows"] if r["case"] == name])
+    cases_passed = all(c["passed"] is True for c in verdict["cases"].values())
+    if verdict["passed"] is not (cases_passed and bool(verdict["cases"])):
+        problems.append(f"verdict: passed={verdict.get('passed')} disagrees with its cases")
+    return problems
+
+
+def load_bounds(layout: RunLayout, acceptance: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
+    """The frozen bounds by (role, family), from the bound files the acceptance names."""
+    from qualify.store import read_json
+
+    docs = [read_json(layout.bounds / name) for name in sorted(acceptance["bounds"])]
+    return {(d["role"], d["family"]): d["bounds"] for d in docs}
+
+
+def sealed_problems(layout: RunLayout, acceptance: dict[str, Any], names: list[str]) -> list[str]:
+    """Each named case's evidence is complete, verified and was made on the frozen rollout."""
+    problems = []
+    for name in names:
+        where = layout.case(name)
+        if not stage_is_complete(where):
+            problems.append(f"case {name}: evidence at {where} is missing, partial or modified since it was sealed")
+            continue
+        info = stage_info(where)
+        if info.get("case") != name or info.get("rollout_digest") != acceptance["rollout_digest"]:
+            problems.append(f"case {name}: evidence at {where} was sealed for {info.get('case')!r} on rollout "
+                            f"{info.get('rollout_digest')!r}, not for this case on the frozen rollout")
+    return problems
+
+
+def _same_number(a: Any, b: Any) -> bool:
+    x, y = number(a), number(b)
+    return (math.isnan(x) and math.isnan(y)) or x == y or math.isclose(x, y, rel_tol=REL_TOL, abs_tol=0.0)
+
+
+def _row_key(row: dict[str, Any]) -> tuple[str, str, str, str]:
+    return row["comparison"], row["tensor"], row["metric"], row.get("note", "")
+
+
+def compare_rows(name: str, judged: list[dict[str, Any]], recorded: list[dict[str, Any]]) -> list[str]:
+    """The rows judged again from the evidence against the verdict's rows of one case."""
+    mine = {_row_key(r): r for r in judged}
+    theirs = {_row_key(r): r for r in recorded}
+    problems = []
+    lacking = [" ".join(k[:3]) for k in mine.keys() - theirs.keys()]
+    surplus = [" ".join(k[:3]) for k in theirs.keys() - mine.keys()]
+    if lacking:
+        problems.append(f"case {name}: the verdict lacks checks its evidence gives: {_listed(sorted(lacking))}")
+    if surplus:
+        problems.append(f"case {name}: the verdict has checks its evidence does not give: {_listed(sorted(surplus))}")
+    differ = [" ".join(k[:3]) for k in sorted(mine.keys() & theirs.keys())
+              if mine[k]["passed"] != theirs[k]["passed"] or not _same_number(mine[k]["value"], theirs[k]["value"])
+              or not _same_number(mine[k]["bound"], theirs[k]["bound"])]
+    if differ:
+        problems.append(f"case {name}: value, bound or outcome differs from what its evidence gives: {_listed(differ)}")
+    return problems
+
+
+def rejudge_problems(layout: RunLayout, reference: dict[str, Any], acceptance: dict[str, Any],
+                     verdict: dict[str, Any], names: list[str]) -> list[str]:
+    """Judge every named case again from its sealed evidence and compare with the verdict's rows."""
+    from qualify.candidate.run import judge_case, model_dirs
+    from qualify.matrix import Case, Matrix
+    from qualify.models.checkpoint import checkpoint_tensors
+    from qualify.schema import from_dict
+
+    matrix = from_dict(Matrix, reference["matrix"], str(layout.reference_summary))
+    bounds, models = load_bounds(layout, acceptance), model_dirs(matrix, layout)
+    befores: dict[str, Any] = {}
+    problems = []
+    for name in names:
+        parts = CASE_NAME.match(name)
+        assert parts is not None  # checked by case_problems
+        case = Case(engine=parts["engine"], precision=parts["precision"], tp=int(parts["tp"]), role=parts["role"])
+        if case.role not in befores:
+            befores[case.role] = checkpoint_tensors(models[case.role])
+        judged = [r.to_json() for r in judge_case(layout, case, bounds, befores[case.role], matrix.optimizer)]
+        problems += compare_rows(name, judged, [r for r in verdict["rows"] if r["case"] == name])
+    return problems
+
+
+def evidence_problems(layout: RunLayout, reference: dict[str, Any], acceptance: dict[str, Any],
+                      verdict: dict[str, Any]) -> list[str]:
+    """Every case that ran: sealed evidence, and the verdict's rows are what that evidence gives."""
+    did_not_run = {r["case"] for r in verdict["rows"] if r["comparison"] == "run"}
+    names = [n for n in verdict["cases"] if n not in did_not_run]
+    problems = sealed_problems(layout, acceptance, names)
+    if problems:
+        return problems
+    try:
+        return rejudge_problems(layout, reference, acceptance, verdict, names)
+    except QualifyError as exc:
+        return [f"candidate evidence cannot be judged again: {exc}"]
+
+
+def rounds_problems(layout: RunLayout, tp: int, doc: Any) -> list[str]:
+    """A rounds verdict is sealed and its pass flag follows from its rows."""
+    where = layout.rounds_dir(tp)
+    if not stage_is_complete(where):
+        return [f"rounds vllm-tp{tp}: {where} is missing, partial or modified since it was sealed"]
+    rows = doc.get("rows") if isinstance(doc, dict) else None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("passed"), bool) for r in rows):
+        return [f"rounds vllm-tp{tp}: verdict has no readable rows"]
+    if doc.get("passed") is not (bool(rows) and all(r["passed"] for r in rows) and doc.get("failure") is None):
+        return [f"rounds vllm-tp{tp}: passed={doc.get('passed')} disagrees with its rows and failure"]
+    return []
+
+
+def verify_run(layout: RunLayout, reference: dict[str, Any], acceptance: dict[str, Any] | None,
+               verdict: Any, rounds: dict[int, Any]) -> Verification:
+    """Everything a report summarizes, verified; an acceptance is required once anything claims a result."""
+    checked: list[str] = []
+    problems: list[str] = []
+    claims = verdict is not None or bool(rounds)
+    if acceptance is not None or claims:
+        checked.append("acceptance and bound files against the reference evidence")
+        problems += acceptance_problems(layout, reference, acceptance)
+    if verdict is not None:
+        checked.append("verdict against the acceptance")
+        own = verdict_problems(verdict, acceptance)
+        problems += own
+        if not problems:
+            checked.append("every case judged again from its sealed evidence")
+            problems += evidence_problems(layout, reference, acceptance, verdict)
+    for tp, doc in sorted(rounds.items()):
+        checked.append(f"rounds vllm-tp{tp} sealed")
+        problems += rounds_problems(layout, tp, doc)
+    return Verification(tuple(checked), tuple(problems))
+
+
+def discover_rounds(layout: RunLayout) -> dict[int, Path]:
+    """rounds/vllm-tp<N>/verdict.json of every rounds run present, by TP degree."""
+    found = {}
+    for path in sorted(layout.rounds.glob("vllm-tp*/verdict.json")):
+        tp = path.parent.name.removeprefix("vllm-tp")
+        if tp.isdigit() and layout.rounds_dir(int(tp)) == path.parent:
+            found[int(tp)] = path
+    return found
