@@ -1,4 +1,4 @@
-"""Provenance: dependency versions (importlib.metadata, works without pip), host, git, Slurm."""
+"""Provenance: dependency versions (importlib.metadata, works without pip), host, platform, git, Slurm."""
 
 from __future__ import annotations
 
@@ -63,5 +63,8 @@ def git_state(path: Path | None = None) -> dict[str, Any]:
 
 
 def provenance() -> dict[str, Any]:
-    """Everything above, for a stage's metadata."""
-    return {"versions": dependency_versions(), "host": host_info(), "slurm": slurm_provenance()}
+    """Everything above plus the platform fingerprint (qualify.hardware), for a stage's metadata."""
+    from qualify.hardware import platform_fingerprint
+
+    return {"versions": dependency_versions(), "host": host_info(), "platform": platform_fingerprint(),
+            "slurm": slurm_provenance()}

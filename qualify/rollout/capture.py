@@ -9,6 +9,8 @@ that digest before reading anything.
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -18,7 +20,15 @@ from typing import Any
 from qualify.errors import EvidenceError, QualifyError
 from qualify.manifest import sha256_file
 from qualify.matrix import Matrix
-from qualify.stages import complete_stage, fingerprint, prepare_stage, require_complete, reuse_complete, stage_info
+from qualify.stages import (
+    MARKER,
+    complete_stage,
+    fingerprint,
+    prepare_stage,
+    require_complete,
+    reuse_complete,
+    stage_info,
+)
 from qualify.store import read_json, read_tensors, write_json, write_tensors
 from qualify.versions import provenance
 
@@ -58,28 +68,42 @@ def vllm_env(tp: int) -> dict[str, str]:
     return env
 
 
-def shm_segments() -> set[str]:
-    """vLLM's shared-memory segments currently in /dev/shm (vllm_dist_* and the like)."""
-    shm = Path("/dev/shm")
-    return {p.name for p in shm.glob("vllm*")} if shm.is_dir() else set()
-
-
 def run_vllm(request: dict[str, Any]) -> dict[str, Any]:
-    """Run the vLLM worker in a child process; check it left no process and no /dev/shm segment."""
-    before = shm_segments()
-    with tempfile.TemporaryDirectory(prefix="qualify-vllm-") as tmp:
-        req, out = Path(tmp) / "request.json", Path(tmp) / "out.json"
-        write_json(req, request)
-        proc = subprocess.run([sys.executable, "-m", "qualify.rollout.vllm_worker", str(req), str(out)],
-                              env=vllm_env(request["tp"]), capture_output=True, text=True, check=False)
-        if proc.returncode != 0 or not out.is_file():
-            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-25:])
-            raise QualifyError(f"vLLM capture at TP{request['tp']} failed (exit {proc.returncode}):\n{tail}")
-        result = read_json(out)
-    leftover = shm_segments() - before
-    if leftover:
-        raise EvidenceError(f"vLLM left shared-memory segments behind: {sorted(leftover)}")
-    return result
+    """Run the vLLM worker in a child process, watching which /dev/shm segments its process tree uses.
+
+    Segments the child left behind are removed and reported in the result ('shm_removed'); a
+    finished capture is never thrown away for them, and a neighbour's segments are not ours.
+    """
+    import time
+
+    from qualify.rollout.shm import ShmWatch
+
+    tmp = Path(tempfile.mkdtemp(prefix="qualify-vllm-"))
+    req, out, log = tmp / "request.json", tmp / "out.json", tmp / "vllm.log"
+    write_json(req, request)
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "qualify.rollout.vllm_worker", str(req), str(out)],
+                                env=vllm_env(request["tp"]), stdout=sink, stderr=subprocess.STDOUT)
+        watch = ShmWatch(proc.pid)
+        while proc.poll() is None:
+            watch.poll()
+            time.sleep(0.2)
+    removed = watch.remove_leftovers()
+    if proc.returncode != 0 or not out.is_file():
+        raise QualifyError(f"vLLM capture at TP{request['tp']} failed (exit {proc.returncode}): "
+                           f"{last_error_line(log.read_text(errors='replace'))} (full log: {log})")
+    result = read_json(out)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return result | {"shm_removed": removed}
+
+
+def last_error_line(text: str) -> str:
+    """The line that says what went wrong: the last exception line of the child's output, else its last line."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for line in reversed(lines):
+        if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b", line):
+            return line[:500]
+    return lines[-1][:500] if lines else "no output"
 
 
 def rollout_tensors(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -103,21 +127,45 @@ def rollout_tensors(results: list[dict[str, Any]]) -> dict[str, Any]:
             "sampler_logprobs_BT": logprobs}
 
 
-def capture_rollout(matrix: Matrix, model_dir: Path, tp: int, out_dir: Path, *, vocab_size: int,
-                    eos_token_id: int | None) -> str:
-    """Capture the rollout at vLLM TP degree tp into out_dir (skipped when complete); return its digest."""
+def model_digest(model_dir: Path) -> str:
+    """sha256 over the actor checkpoint's files (names and contents): the rollout belongs to these weights."""
+    files = sorted(p for p in Path(model_dir).iterdir()
+                   if p.is_file() and not p.name.startswith(".") and p.name != MARKER)
+    return fingerprint({p.name: sha256_file(p)[1] for p in files})
+
+
+def capture_request(matrix: Matrix, model_dir: Path, tp: int, *, vocab_size: int,
+                    eos_token_id: int | None) -> dict[str, Any]:
+    """Everything the vLLM child needs to sample the rollout at TP degree tp."""
     r = matrix.rollout
     eos = r.eos_token_id if r.eos_token_id is not None else eos_token_id
     prompts = make_prompts(matrix, vocab_size, eos)
-    seeds = [r.seed + i for i in range(len(prompts))]
-    request = {"model_dir": str(model_dir), "tp": tp, "dtype": {"fp32": "float32", "bf16": "bfloat16"}[r.dtype],
-               "seed": r.seed, "seeds": seeds, "prompts": prompts, "temperature": r.temperature, "top_k": r.top_k,
-               "top_p": r.top_p, "max_new_tokens": r.max_new_tokens, "eos_token_id": eos,
-               "max_model_len": r.max_model_len, "kv_cache_memory_bytes": r.kv_cache_memory_bytes,
-               "block_size": r.block_size}
-    settings = fingerprint({k: v for k, v in request.items() if k != "model_dir"})
+    return {"model_dir": str(model_dir), "tp": tp, "dtype": {"fp32": "float32", "bf16": "bfloat16"}[r.dtype],
+            "seed": r.seed, "seeds": [r.seed + i for i in range(len(prompts))], "prompts": prompts,
+            "temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p, "max_new_tokens": r.max_new_tokens,
+            "eos_token_id": eos, "max_model_len": r.max_model_len, "kv_cache_memory_bytes": r.kv_cache_memory_bytes,
+            "block_size": r.block_size}
+
+
+def capture_settings(request: dict[str, Any]) -> str:
+    """What a rollout depends on: the request (prompts, seeds, sampling, TP) and the actor's weights, not its path."""
+    return fingerprint({k: v for k, v in request.items() if k != "model_dir"}
+                       | {"model": model_digest(Path(request["model_dir"]))})
+
+
+def capture_rollout(matrix: Matrix, model_dir: Path, tp: int, out_dir: Path, *, vocab_size: int,
+                    eos_token_id: int | None, source: Path | None = None) -> str:
+    """Capture the rollout at vLLM TP degree tp into out_dir (skipped when complete); return its digest.
+
+    With source (a sealed rollout directory made for the same request and weights, for example
+    the one committed beside an acceptance) nothing is sampled: source is checked and copied.
+    """
+    request = capture_request(matrix, model_dir, tp, vocab_size=vocab_size, eos_token_id=eos_token_id)
+    settings = capture_settings(request)
     if reuse_complete(out_dir, settings, f"rollout TP{tp}"):
         return stage_info(out_dir)["digest"]
+    if source is not None:
+        return import_rollout(Path(source), out_dir, settings, tp)
     result = run_vllm(request)
     prepare_stage(out_dir)
     write_tensors(out_dir / ROLLOUT_FILE, rollout_tensors(result["results"]))
@@ -126,10 +174,28 @@ def capture_rollout(matrix: Matrix, model_dir: Path, tp: int, out_dir: Path, *, 
         "temperature", "top_k", "top_p", "max_new_tokens", "eos_token_id", "seed", "seeds", "dtype")},
         "logprobs_mode": "processed_logprobs", "finish_reasons": [x["finish_reason"] for x in result["results"]],
         "timings_s": {"load": result["load_s"], "generate": result["generate_s"]},
-        "model_dir": str(model_dir), "env": {k: v for k, v in vllm_env(tp).items() if k.startswith("VLLM_")},
-        **provenance()}
+        "model_dir": str(model_dir), "model_digest": model_digest(model_dir),
+        "env": {k: v for k, v in vllm_env(tp).items() if k.startswith("VLLM_")},
+        "shm_removed": result["shm_removed"], **provenance(), "platform": result["platform"]}
     write_json(out_dir / "rollout.json", meta)
     complete_stage(out_dir, {"digest": digest, "settings": settings})
+    return digest
+
+
+def import_rollout(source: Path, out_dir: Path, settings: str, tp: int) -> str:
+    """Copy a sealed rollout made for exactly these settings into out_dir; return its digest."""
+    require_complete(source, f"rollout TP{tp} to reuse")
+    info = stage_info(source)
+    if info.get("settings") != settings:
+        raise EvidenceError(f"rollout {source} was captured for other settings or weights than this matrix asks "
+                            f"for at TP{tp} (prompts, seeds, sampling, model): refusing to reuse it")
+    digest = "sha256:" + sha256_file(source / ROLLOUT_FILE)[1]
+    if digest != info.get("digest"):
+        raise EvidenceError(f"rollout {source} has digest {digest}, its seal says {info.get('digest')}")
+    prepare_stage(out_dir)
+    for f in sorted(p for p in source.iterdir() if p.is_file()):
+        shutil.copyfile(f, out_dir / f.name)
+    require_complete(out_dir, f"rollout TP{tp} copied from {source}")
     return digest
 
 

@@ -35,6 +35,9 @@ def run(request: dict) -> dict:
         block_size=request["block_size"],
     )
     loaded = time.monotonic()
+    from qualify.hardware import platform_fingerprint
+
+    platform = platform_fingerprint()  # here, where vLLM has set its threads, not in the parent
     try:
         params = [
             SamplingParams(n=1, temperature=request["temperature"], top_k=request["top_k"], top_p=request["top_p"],
@@ -52,7 +55,8 @@ def run(request: dict) -> dict:
                             "logprobs": token_logprobs, "finish_reason": completion.finish_reason})
     finally:
         shutdown(llm)
-    return {"results": results, "load_s": loaded - started, "generate_s": time.monotonic() - loaded}
+    return {"results": results, "load_s": loaded - started, "generate_s": time.monotonic() - loaded,
+            "platform": platform}
 
 
 def shutdown(llm) -> None:

@@ -1,0 +1,82 @@
+"""Reusing a sealed rollout (`qualify reference --rollout`): only for the same settings, only untampered."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from qualify.errors import EvidenceError
+from qualify.manifest import sha256_file
+from qualify.rollout.capture import ROLLOUT_FILE, import_rollout, last_error_line, load_rollout, model_digest
+from qualify.stages import complete_stage, prepare_stage, stage_is_complete
+from qualify.store import write_json, write_tensors
+
+SETTINGS = "sha256:" + "ab" * 32
+
+
+def sealed_rollout(path: Path, settings: str = SETTINGS) -> str:
+    prepare_stage(path)
+    write_tensors(path / ROLLOUT_FILE, {"input_ids_BT": torch.arange(12).reshape(2, 6),
+                                        "sampler_logprobs_BT": torch.linspace(-3, 0, 12).reshape(2, 6)})
+    digest = "sha256:" + sha256_file(path / ROLLOUT_FILE)[1]
+    write_json(path / "rollout.json", {"digest": digest})
+    complete_stage(path, {"digest": digest, "settings": settings})
+    return digest
+
+
+def test_import_copies_a_matching_sealed_rollout(tmp_path):
+    digest = sealed_rollout(tmp_path / "src")
+    assert import_rollout(tmp_path / "src", tmp_path / "dst", SETTINGS, 1) == digest
+    assert stage_is_complete(tmp_path / "dst")
+    assert (tmp_path / "dst" / ROLLOUT_FILE).read_bytes() == (tmp_path / "src" / ROLLOUT_FILE).read_bytes()
+    assert torch.equal(load_rollout(tmp_path / "dst", digest)["input_ids_BT"], torch.arange(12).reshape(2, 6))
+
+
+def test_import_refuses_other_settings(tmp_path):
+    sealed_rollout(tmp_path / "src", settings="sha256:" + "cd" * 32)
+    with pytest.raises(EvidenceError, match="other settings or weights"):
+        import_rollout(tmp_path / "src", tmp_path / "dst", SETTINGS, 1)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_import_refuses_a_tampered_rollout(tmp_path):
+    sealed_rollout(tmp_path / "src")
+    data = bytearray((tmp_path / "src" / ROLLOUT_FILE).read_bytes())
+    data[-1] ^= 1
+    (tmp_path / "src" / ROLLOUT_FILE).write_bytes(bytes(data))
+    with pytest.raises(EvidenceError, match="missing, partial or modified"):
+        import_rollout(tmp_path / "src", tmp_path / "dst", SETTINGS, 1)
+
+
+def test_import_refuses_a_seal_whose_digest_lies(tmp_path):
+    sealed_rollout(tmp_path / "src")
+    complete_stage(tmp_path / "src", {"digest": "sha256:" + "00" * 32, "settings": SETTINGS})  # resealed by hand
+    with pytest.raises(EvidenceError, match="its seal says"):
+        import_rollout(tmp_path / "src", tmp_path / "dst", SETTINGS, 1)
+
+
+def test_load_rollout_refuses_another_digest(tmp_path):
+    sealed_rollout(tmp_path / "src")
+    with pytest.raises(EvidenceError, match="refusing to run on a different rollout"):
+        load_rollout(tmp_path / "src", "sha256:" + "11" * 32)
+
+
+def test_model_digest_follows_weights_not_path_or_seal(tmp_path):
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+        (tmp_path / name / "model.safetensors").write_bytes(b"weights")
+    complete_stage(tmp_path / "b")
+    assert model_digest(tmp_path / "a") == model_digest(tmp_path / "b")
+    (tmp_path / "b" / "model.safetensors").write_bytes(b"weightz")
+    assert model_digest(tmp_path / "a") != model_digest(tmp_path / "b")
+
+
+def test_child_failure_is_one_line_naming_the_error():
+    log = "INFO starting\nTraceback (most recent call last):\n  File \"x.py\", line 1\n" \
+          "ValueError: max_model_len 4 is too small\nINFO shutting down\n"
+    assert last_error_line(log) == "ValueError: max_model_len 4 is too small"
+    assert last_error_line("just this\n\n") == "just this"
+    assert last_error_line("") == "no output"
