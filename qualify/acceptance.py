@@ -61,6 +61,26 @@ def check_bounds(doc: dict[str, Any], rule: dict[str, Any], name: str) -> list[s
     return problems
 
 
+FROZEN_SECTIONS = ("models", "rollout", "ppo", "optimizer", "reference", "freeze")
+"""Matrix sections a reference and its acceptance are made from; `candidates` may change afterwards."""
+
+
+def frozen_field_differences(snapshot: dict[str, Any], matrix: dict[str, Any]) -> list[str]:
+    """Dotted fields of the frozen sections whose value differs: 'optimizer.lr: 0.001 (frozen) != 0.002'."""
+    out: list[str] = []
+
+    def walk(a: Any, b: Any, where: str) -> None:
+        if isinstance(a, dict) and isinstance(b, dict):
+            for key in sorted(set(a) | set(b)):
+                walk(a.get(key), b.get(key), f"{where}.{key}")
+        elif a != b:
+            out.append(f"{where}: {a!r} (frozen) != {b!r}")
+
+    for section in FROZEN_SECTIONS:
+        walk(snapshot.get(section), matrix.get(section), section)
+    return out
+
+
 def require_sound(path: Path) -> None:
     problems = check_acceptance(path)
     if problems:

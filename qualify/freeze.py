@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from qualify.compare import load_run, merge_max, metric_kind, pair_metrics, replay_metrics
-from qualify.errors import FrozenError
-from qualify.layout import RunLayout
+from qualify.errors import EvidenceError, FrozenError
+from qualify.layout import ROLES_ALL, RunLayout
 from qualify.manifest import build_manifest
 from qualify.models.checkpoint import checkpoint_tensors
 from qualify.schema import from_dict
-from qualify.stages import require_complete
+from qualify.stages import require_complete, stage_info
 from qualify.store import atomic_write_bytes, dumps_json, read_json
 
 ACCEPTANCE_SCHEMA = "qualify.acceptance/1"
@@ -111,11 +111,14 @@ def acceptance_document(layout: RunLayout, name: str, bound_files: dict[str, byt
         "matrix": matrix.name,
         "rule": {"text": RULE, "k": matrix.freeze.k, "floors": dict(matrix.freeze.floors),
                  "quantum": matrix.freeze.quantum, "families": list(FAMILIES)},
+        "matrix_digest": summary["matrix_digest"],
         "rollout_digest": summary["rollout_digest"],
         "targets_digest": summary["targets_digest"],
         "bounds": {f: "sha256:" + hashlib.sha256(data).hexdigest() for f, data in sorted(bound_files.items())},
         "versions": summary["versions"],
         "host": summary["host"],
+        "platform": summary.get("platform"),
+        "rollout_platform": summary.get("rollout_platform"),
         "git": summary["git"],
         "evidence": "../reference",
     }
@@ -128,20 +131,46 @@ def run_dir_of(path: Path) -> Path:
     return path.parent if (path / "reference.json").is_file() else path
 
 
-def freeze(run_dir: Path, name: str | None = None) -> dict[str, Any]:
-    """Freeze the reference of run_dir; returns the acceptance document (refuses to change a frozen one)."""
+def verified_reference(layout: RunLayout) -> tuple[dict[str, Any], Any]:
+    """The reference summary and the matrix snapshot, after checking every sealed stage of the reference.
+
+    Models, every captured rollout, the targets and every score must be complete and match the
+    digests recorded when each was sealed; the summary's digests must be the stages' own; the rule
+    comes from the sealed matrix snapshot, never from reference.json, which nothing seals.
+    """
     from qualify.matrix import Matrix
 
-    layout = RunLayout(run_dir_of(run_dir))
     if not layout.reference_summary.is_file():
         raise FrozenError(f"no complete reference in {layout.reference} (run 'qualify reference' first)")
     summary = read_json(layout.reference_summary)
-    matrix = from_dict(Matrix, summary["matrix"], str(layout.reference_summary))
-    controls = summary["controls"]
-    for precision in ("fp32", "bf16"):
-        for control in controls:
+    require_complete(layout.matrix_snapshot, "matrix snapshot (made by 'qualify reference'; rerun it)")
+    if stage_info(layout.matrix_snapshot).get("digest") != summary.get("matrix_digest"):
+        raise EvidenceError(f"{layout.reference_summary} names matrix snapshot {summary.get('matrix_digest')}, "
+                            f"not the sealed {stage_info(layout.matrix_snapshot).get('digest')}")
+    matrix = from_dict(Matrix, read_json(layout.matrix_snapshot / "matrix.json"), str(layout.matrix_snapshot))
+    if matrix.models.tiny is not None:
+        for role in ROLES_ALL:
+            require_complete(layout.model(role), f"{role} model")
+    for tp in matrix.rollout.vllm_tp:
+        require_complete(layout.rollout(tp), f"rollout TP{tp}")
+    primary = stage_info(layout.rollout(matrix.rollout.vllm_tp[0]))["digest"]
+    require_complete(layout.targets, "targets")
+    for what, recorded, sealed in (("rollout", summary.get("rollout_digest"), primary),
+                                   ("targets", summary.get("targets_digest"), stage_info(layout.targets)["digest"])):
+        if recorded != sealed:
+            raise EvidenceError(f"{layout.reference_summary} names {what} {recorded}, the sealed one is {sealed}")
+    for precision in matrix.reference.precisions:
+        for control in summary["controls"]:
             for role in ("actor", "critic"):
                 require_complete(layout.scores(precision, control, role), f"reference {precision} {control} {role}")
+    return summary, matrix
+
+
+def freeze(run_dir: Path, name: str | None = None) -> dict[str, Any]:
+    """Freeze the reference of run_dir; returns the acceptance document (refuses to change a frozen one)."""
+    layout = RunLayout(run_dir_of(run_dir))
+    summary, matrix = verified_reference(layout)
+    controls = summary["controls"]
     files: dict[str, bytes] = {}
     for role in ("actor", "critic"):
         before = checkpoint_tensors(layout.model(role) if matrix.models.tiny else matrix.resolve(

@@ -6,7 +6,8 @@ runs/<matrix name>/
     rollout/tp<N>/rollout.safetensors, rollout.json
     targets/targets.safetensors, targets.json
     scores/<precision>-<control>/<role>/{outputs,grads,updates,moments}.safetensors, meta.json
-    reference.json               summary: rollout digest, controls, versions
+    matrix/matrix.json           the matrix snapshot taken when the reference started (sealed)
+    reference.json               summary: rollout digest, controls, versions, platform
   acceptance/acceptance.json, acceptance/bounds/<role>-<family>.json
   candidates/<case>/...          per-case evidence; candidates/verdict.json
   rounds/vllm-tp<N>/verdict.json  one sealed rounds run per vLLM TP degree
@@ -51,6 +52,11 @@ class RunLayout:
     @property
     def reference_summary(self) -> Path:
         return self.reference / "reference.json"
+
+    @property
+    def matrix_snapshot(self) -> Path:
+        """reference/matrix/: the matrix as the reference stage first saw it (sealed; freeze takes the rule from it)."""
+        return self.reference / "matrix"
 
     @property
     def acceptance_dir(self) -> Path:

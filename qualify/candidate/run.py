@@ -52,6 +52,20 @@ def load_acceptance(layout: RunLayout, acceptance: Path | None) -> tuple[dict[st
     return doc, bounds
 
 
+def require_frozen_matrix(matrix: Matrix, layout: RunLayout) -> None:
+    """Refuse a matrix whose frozen sections differ from the snapshot the reference (and so the acceptance) sealed."""
+    from qualify.acceptance import frozen_field_differences
+    from qualify.schema import to_dict
+
+    snapshot = layout.matrix_snapshot / "matrix.json"
+    if not snapshot.is_file():
+        raise EvidenceError(f"no matrix snapshot at {snapshot}: the reference predates it; rerun 'qualify reference'")
+    changed = frozen_field_differences(read_json(snapshot), to_dict(matrix))
+    if changed:
+        raise QualifyError(f"the matrix differs from the one frozen in the acceptance: {'; '.join(changed[:3])}"
+                           f"{' ...' if len(changed) > 3 else ''} (only 'candidates' may change after a freeze)")
+
+
 def device_of(matrix: Matrix) -> str:
     want = matrix.reference.device
     if want != "auto":
@@ -161,6 +175,7 @@ def run_candidates(matrix: Matrix, run_dir: Path, *, acceptance: Path | None = N
     layout = RunLayout(Path(run_dir))
     check_engines(matrix)
     doc, bounds = load_acceptance(layout, acceptance)
+    require_frozen_matrix(matrix, layout)
     primary = layout.rollout(matrix.rollout.vllm_tp[0])
     if not stage_is_complete(primary) or stage_info(primary)["digest"] != doc["rollout_digest"]:
         raise EvidenceError(f"rollout at {primary} is not the one the acceptance froze ({doc['rollout_digest']})")

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from qualify.errors import EvidenceError, QualifyError
+from qualify.errors import EvidenceError, FrozenError, QualifyError
 from qualify.layout import RunLayout
 from qualify.manifest import sha256_file
 from qualify.matrix import Matrix
@@ -48,17 +48,45 @@ def prepare_models(matrix: Matrix, layout: RunLayout) -> dict[str, Path]:
     return paths
 
 
+def snapshot_matrix(matrix: Matrix, layout: RunLayout) -> str:
+    """Seal the matrix as this reference first saw it; refuse to go on if its frozen sections changed since.
+
+    freeze takes its rule (k, floors) from this snapshot, and the candidate stage compares the live
+    matrix with it, so nothing read later from an unprotected file can widen a bound.
+    """
+    from qualify.acceptance import frozen_field_differences
+
+    out, data = layout.matrix_snapshot, to_dict(matrix)
+    if stage_is_complete(out):
+        changed = frozen_field_differences(read_json(out / "matrix.json"), data)
+        if changed:
+            raise FrozenError(f"the matrix changed since the reference in {layout.reference} started: "
+                              f"{'; '.join(changed[:3])} (use another --out directory)")
+        return stage_info(out)["digest"]
+    prepare_stage(out)
+    write_json(out / "matrix.json", data)
+    digest = "sha256:" + sha256_file(out / "matrix.json")[1]
+    complete_stage(out, {"digest": digest})
+    return digest
+
+
 def model_config(model_dir: Path) -> dict[str, Any]:
     return json.loads((Path(model_dir) / "config.json").read_text())
 
 
-def capture_all(matrix: Matrix, layout: RunLayout, models: dict[str, Path], log: StageLog) -> dict[int, str]:
-    """Capture the rollout at every vLLM TP degree; return digest per degree."""
+def capture_all(matrix: Matrix, layout: RunLayout, models: dict[str, Path], log: StageLog,
+                rollout_source: Path | None = None) -> dict[int, str]:
+    """Capture the rollout at every vLLM TP degree (or reuse rollout_source/tp<N>); return digest per degree."""
     cfg = model_config(models["actor"])
     digests = {}
     for tp in matrix.rollout.vllm_tp:
-        with log.step(f"capture rollout: vLLM TP{tp}"):
-            digests[tp] = capture_rollout(matrix, models["actor"], tp, layout.rollout(tp),
+        source = None if rollout_source is None else Path(rollout_source) / f"tp{tp}"
+        if source is not None and not source.is_dir():
+            raise QualifyError(f"--rollout {rollout_source} has no tp{tp}/ directory (the matrix's vllm_tp is "
+                               f"{list(matrix.rollout.vllm_tp)})")
+        what = f"capture rollout: vLLM TP{tp}" if source is None else f"reuse rollout TP{tp} from {source}"
+        with log.step(what):
+            digests[tp] = capture_rollout(matrix, models["actor"], tp, layout.rollout(tp), source=source,
                                           vocab_size=cfg["vocab_size"], eos_token_id=cfg.get("eos_token_id"))
     return digests
 
@@ -175,25 +203,32 @@ def rollout_mismatch(layout: RunLayout, matrix: Matrix, controls: list[str]) -> 
     return report
 
 
-def run_reference(matrix: Matrix, run_dir: Path, stage: str = "all") -> dict[str, Any]:
-    """The whole reference stage (or only its capture or scoring half); returns the summary."""
+def run_reference(matrix: Matrix, run_dir: Path, stage: str = "all", rollout: Path | None = None) -> dict[str, Any]:
+    """The whole reference stage (or only its capture or scoring half); returns the summary.
+
+    rollout: a directory of sealed tp<N>/ rollouts (for example a committed acceptance's
+    reference/rollout) to reuse instead of sampling; each must match the matrix's request and weights.
+    """
     layout = RunLayout(Path(run_dir))
     log = StageLog("reference")
+    matrix_digest = snapshot_matrix(matrix, layout)
     models = prepare_models(matrix, layout)
     if stage in ("all", "capture"):
-        capture_all(matrix, layout, models, log)
+        capture_all(matrix, layout, models, log, rollout)
     if stage == "capture":
         return {"stage": "capture", "run_dir": str(run_dir)}
     primary = matrix.rollout.vllm_tp[0]
     require_complete(layout.rollout(primary), f"rollout TP{primary} (run --stage capture first)")
     digest = stage_info(layout.rollout(primary))["digest"]
     controls = score_all(matrix, layout, models, digest, log)
-    summary = {"matrix": to_dict(matrix), "rollout_digest": digest, "primary_vllm_tp": primary,
+    summary = {"matrix": to_dict(matrix), "matrix_digest": matrix_digest, "rollout_digest": digest, "primary_vllm_tp": primary,
                "rollout_digests": {f"tp{tp}": stage_info(layout.rollout(tp))["digest"]
                                    for tp in matrix.rollout.vllm_tp if stage_is_complete(layout.rollout(tp))},
                "tp_agreement": tp_agreement(matrix, layout), "targets_digest": stage_info(layout.targets)["digest"],
                "controls": controls, "precisions": list(matrix.reference.precisions),
-               "rollout_mismatch": rollout_mismatch(layout, matrix, controls), "git": git_state(), **provenance()}
+               "rollout_mismatch": rollout_mismatch(layout, matrix, controls), "git": git_state(),
+               "rollout_platform": read_json(layout.rollout(primary) / "rollout.json").get("platform"),
+               "rollout_source": None if rollout is None else str(rollout), **provenance()}
     if not layout.reference_summary.is_file():
         write_json(layout.reference_summary, summary)
     return read_json(layout.reference_summary)
