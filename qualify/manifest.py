@@ -74,10 +74,12 @@ class VerifyReport:
     modified: list[Modified] = field(default_factory=list)
     renamed: list[tuple[str, str]] = field(default_factory=list)
     """(old, new) pairs among missing x extra with the same content; they stay in missing and extra too."""
+    partial: bool = False
+    """The evidence is a partial copy by design (e.g. a committed subset): missing files are allowed."""
 
     @property
     def ok(self) -> bool:
-        return not (self.missing or self.extra or self.modified)
+        return not (self.extra or self.modified or (self.missing and not self.partial))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -85,6 +87,7 @@ class VerifyReport:
             "evidence": self.evidence,
             "num_files": self.num_files,
             "ok": self.ok,
+            "partial": self.partial,
             "missing": self.missing,
             "extra": self.extra,
             "modified": [_modified_json(m) for m in self.modified],
@@ -298,8 +301,10 @@ def default_evidence(manifest_path: Path, document: dict[str, Any]) -> Path:
 
 
 def verify_manifest(manifest_path: Path, evidence: Path | None = None, *, jobs: int | None = None,
-                    progress: bool = True) -> VerifyReport:
+                    progress: bool = True, partial: bool = False) -> VerifyReport:
     """Compare evidence with a manifest; lists every missing, extra and modified file.
+
+    partial: the evidence is a subset by design; every file present must still match and none may be extra.
 
     Every file present is hashed (an extra one too: a rename is recognized by its content) while
     this thread checks the manifest's entries and digest; a manifest that fails the check stops
@@ -323,4 +328,4 @@ def verify_manifest(manifest_path: Path, evidence: Path | None = None, *, jobs: 
     ]
     by_content = {(expected[p]["bytes"], expected[p]["sha256"]): p for p in missing}
     renamed = [(by_content[hashed[p]], p) for p in extra if hashed[p] in by_content]
-    return VerifyReport(str(manifest_path), str(root), len(expected), missing, extra, modified, renamed)
+    return VerifyReport(str(manifest_path), str(root), len(expected), missing, extra, modified, renamed, partial)

@@ -38,8 +38,10 @@ def render_verify(report: VerifyReport, fmt: Format) -> None:
 
     console = stdout_console()
     if report.ok:
-        console.print(f"[green]OK[/green] {report.num_files} files match {escape(report.manifest)} "
-                      f"(evidence {escape(report.evidence)})")
+        present = report.num_files - len(report.missing)
+        absent = f"; {len(report.missing)} absent from this partial copy" if report.missing else ""
+        console.print(f"[green]OK[/green] {present} of {report.num_files} files match {escape(report.manifest)} "
+                      f"(evidence {escape(report.evidence)}{absent})")
         return
     for path in report.missing:
         console.print(f"[red]missing [/red] {escape(path)}")

@@ -13,8 +13,9 @@ from qualify.manifest import verify_manifest
 
 NAME = "verify"
 HELP = "Check a manifest against its evidence: every missing, extra or modified file; exit 1 if any."
-EPILOG = ("Examples:  qualify verify manifests/tiny-qwen3/acceptance.json --evidence runs/tiny-qwen3/reference  "
-          "|  qualify verify evidence.manifest.json --format json --jobs 4")
+EPILOG = ("Examples:  qualify verify runs/tiny-qwen3/acceptance/acceptance.json  |  "
+          "qualify verify manifests/tiny-qwen3/acceptance/acceptance.json --partial  |  "
+          "qualify verify evidence.manifest.json --format json --jobs 4")
 
 
 def main(
@@ -22,8 +23,11 @@ def main(
     evidence: Annotated[Path | None, typer.Option("--evidence", help="Evidence root (default: the one the manifest names).")] = None,
     format: FormatOpt = Format.text,
     jobs: JobsOpt = None,
+    partial: Annotated[bool, typer.Option("--partial", help="The evidence is a subset by design (a committed "
+                                          "acceptance's rollout, targets and r0 scores): files absent are allowed, "
+                                          "every file present must match.")] = False,
 ) -> None:
-    report = verify_manifest(manifest, evidence, jobs=jobs)
+    report = verify_manifest(manifest, evidence, jobs=jobs, partial=partial)
     render_verify(report, format)
     if not report.ok:
         raise typer.Exit(1)
