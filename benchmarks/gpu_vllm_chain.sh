@@ -4,10 +4,12 @@
 # at TP1 and TP2, verify, the vLLM-vs-HF fp32 probe, `qualify rounds`; and the same chain through a real Slurm.
 # The wheels come from benchmarks/gpu_vllm_wheels.sh (run where pip reaches a registry). Through the `device`
 # tool, whose calls carry at most 64 MiB, back to back so the machine stays warm (/tmp survives between calls):
-#   stash .gpu/vllm-N     (calls 1-5, carry .gpu/vllm-N): copy one part of the vllm wheel to /tmp/vllm-parts
-#   run OUT [MATRIX] [RUN]  (carry .gpu/deps and .whl): join and install, then the chain, probe and rounds
-#   slurm OUT [MATRIX] [RUN] [CASES] (carry .gpu/slurm-debs): scripts/slurm-gpu.sh, then `qualify sbatch --submit
-#                         --wait` with one candidate task requeued while it runs
+#   stash .gpu/carry-N    (one call per part, carry .gpu/carry-N): copy that part to /tmp/carry
+#   run OUT [MATRIX] [RUN]  (after the last stash): join the parts, install, then the chain, probe and rounds
+#   slurm OUT [MATRIX] [RUN] [CASES]: scripts/slurm-gpu.sh, then `qualify sbatch --submit --wait` with one
+#                         candidate task requeued while it runs
+# Run it from a clean copy of a commit (git archive HEAD | tar -x -C .gpu/src; carry .gpu/src) so the figures
+# belong to that commit, not to a working tree in flux.
 # Usage: bash benchmarks/gpu_vllm_chain.sh stash DIR | run OUT [MATRIX] [RUN] | slurm OUT [MATRIX] [RUN] [CASES]
 set -euo pipefail
 here=$PWD  # where the carried folders are
@@ -24,11 +26,11 @@ timed() {  # timed LABEL COMMAND...: run, print its wall time and exit code
 
 install() {
   [ -f /tmp/site/.installed ] && return
-  (cd /tmp/vllm-parts && cat part-* > vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl && sha256sum -c SHA256SUMS)
+  (cd /tmp/carry && cat part-* > /tmp/bundle.tar && cd /tmp && sha256sum -c /tmp/carry/SHA256SUMS)
+  mkdir -p /tmp/bundle && tar -xf /tmp/bundle.tar -C /tmp/bundle && rm /tmp/bundle.tar
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    /tmp/vllm-parts/vllm-*.whl "$here"/.gpu/deps/*.whl "$here"/.whl/*.whl
+    /tmp/bundle/dl/vllm-*.whl /tmp/bundle/deps/*.whl /tmp/bundle/.whl/*.whl
   touch /tmp/site/.installed
-  [ -e .whl ] || ln -s "$here/.whl" .whl  # gpu_chain.sh installs .whl/*.whl again (a no-op upgrade)
 }
 
 versions() {
@@ -44,6 +46,7 @@ PY
 run() {
   local out=${1:?} matrix=${2:-benchmarks/gpu-tiny-tp2.yaml} run=${3:-runs/gpu-tiny-tp2}
   install
+  [ -e .whl ] || ln -s /tmp/bundle/.whl .whl  # gpu_chain.sh installs .whl/*.whl again (a no-op upgrade)
   versions
   mkdir -p "$out"
   timed "qualify reference --stage capture (vLLM TP1 and TP2)" qualify reference "$matrix" --out "$run" --stage capture
@@ -88,7 +91,7 @@ slurm() {
   local out=${1:?} matrix=${2:-benchmarks/gpu-tiny-tp2.yaml} run=${3:-runs/gpu-slurm} cases=${4:-}
   install
   mkdir -p "$out"
-  eval "$(bash scripts/slurm-gpu.sh start "$here/.gpu/slurm-debs")"
+  eval "$(bash scripts/slurm-gpu.sh start /tmp/bundle/slurm-debs)"
   local args=(--cluster sbatch/clusters/h200x2-local.yaml --run "$run" --wait)
   [ -z "$cases" ] || args+=(--cases "$cases")
   local start=$EPOCHREALTIME rc=0
@@ -113,7 +116,7 @@ slurm() {
 }
 
 case ${1:-} in
-  stash) mkdir -p /tmp/vllm-parts && cp "$here/${2:?}"/* /tmp/vllm-parts/ && ls -la /tmp/vllm-parts && df -h /tmp | tail -1 ;;
+  stash) mkdir -p /tmp/carry && cp "$here/${2:?}"/* /tmp/carry/ && ls -l /tmp/carry && df -h /tmp | tail -n 1 ;;
   run) shift; run "$@" ;;
   slurm) shift; slurm "$@" ;;
   *) echo "usage: gpu_vllm_chain.sh stash DIR | run OUT [MATRIX] [RUN] | slurm OUT [MATRIX] [RUN] [CASES]" >&2; exit 2 ;;

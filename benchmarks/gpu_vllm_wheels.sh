@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Fetch (here, where pip reaches a registry) everything the GPU machine needs to run qualify with GPU vLLM,
-# and lay it out in ignored folders that the `device` tool carries, one folder per call (64 MiB a call):
-#   .gpu/vllm-1 .. .gpu/vllm-N   the vllm 0.26.0 wheel (304 MB) split into 62 MB parts
-#   .gpu/deps                    vllm's dependencies the GPU image lacks (about 50 MB)
+# and lay it out in ignored folders that the `device` tool carries, one folder per call (64 MiB a call, the
+# working tree included, so parts of 48 MB):
+#   .gpu/dl/vllm-0.26.0-*.whl    the vllm wheel (304 MB)
+#   .gpu/deps                    vllm's dependencies the GPU image lacks (about 55 MB)
 #   .whl/                        megatron-core, deepspeed, hjson, pydantic & co (what gpu_chain.sh installs)
+#   .gpu/slurm-debs              Debian 12's Slurm 22.05 for scripts/slurm-gpu.sh (apt-get download, 4.5 MB)
+#   .gpu/carry-1 .. .gpu/carry-N one tar of all of the above, split into 48 MB parts (SHA256SUMS in carry-1)
 # vllm 0.26.0 pins torch 2.11.0 (CUDA 13), the GPU image's torch. Dependencies are resolved for Python 3.12
 # against stand-in wheels of torch/torchvision/torchaudio ("2.11.0+image", no requirements), so the resolver
 # keeps the image's torch instead of fetching a second one; packages the image already has are then dropped.
@@ -76,14 +79,21 @@ with urllib.request.urlopen(sys.argv[1]) as r, open(sys.argv[2], "wb") as f:
     shutil.copyfileobj(r, f)
 PY
 done < "$work/wanted.txt"
-rm -rf .gpu/vllm-*
-(cd .gpu/dl && split -b 62000000 -d -a 1 vllm-*.whl part-)
-for p in .gpu/dl/part-*; do n=$(( ${p##*-} + 1 )); mkdir -p .gpu/vllm-$n && mv "$p" .gpu/vllm-$n/; done
-(cd .gpu/dl && sha256sum vllm-*.whl) > .gpu/vllm-1/SHA256SUMS
 # the engines' wheels (gpu_chain.sh installs .whl/*.whl)
 python3 -m pip download -q --no-deps "${plat[@]}" -d .whl megatron-core==0.16.1 hjson pydantic==2.14.4 \
   annotated-types typing-inspection typing-extensions
 python3 -m pip wheel -q --no-deps -w .whl deepspeed==0.19.8
 # pydantic & co are also vllm deps: keep one copy of each (in .whl/, which gpu_chain.sh installs last)
 for w in .whl/*.whl; do n=$(basename "$w" | cut -d- -f1); rm -f .gpu/deps/"$n"-*.whl; done
-du -sh .gpu/vllm-* .gpu/deps .whl
+if [ -d .gpu/slurm-debs ] || command -v apt-get >/dev/null; then
+  mkdir -p .gpu/slurm-debs
+  (cd .gpu/slurm-debs && apt-get download slurmctld slurmd slurm-client slurm-wlm-basic-plugins libslurm38 munge \
+    libmunge2 libdbus-1-3 libjson-c5 liblua5.1-0 libyaml-0-2 libnuma1 libreadline8 libhwloc15)
+fi
+rm -rf .gpu/carry-* .gpu/bundle.tar
+tar -cf .gpu/bundle.tar -C .gpu dl deps slurm-debs -C .. .whl
+split -b 48000000 -d -a 1 .gpu/bundle.tar .gpu/part-
+for p in .gpu/part-*; do n=$(( ${p##*-} + 1 )); mkdir -p .gpu/carry-$n && mv "$p" .gpu/carry-$n/; done
+(cd .gpu && sha256sum bundle.tar) > .gpu/carry-1/SHA256SUMS
+rm .gpu/bundle.tar
+du -sh .gpu/dl .gpu/deps .whl .gpu/slurm-debs .gpu/carry-*
