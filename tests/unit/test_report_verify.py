@@ -1,0 +1,206 @@
+"""`qualify report` never says PASSED for what does not verify: each false pass of issue 14 fails here.
+
+These use hand-made run directories (no vLLM); tests/integration/test_html_report.py tampers with a
+real run's evidence.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from qualify.cli.app import app
+from qualify.layout import RunLayout
+from qualify.report import FAILED, NO_VERDICT, NOT_VERIFIED, PASSED, status_of, summarize, to_markdown
+from qualify.report_verify import (
+    Verification,
+    acceptance_problems,
+    compare_rows,
+    discover_rounds,
+    rounds_problems,
+    sealed_problems,
+    verdict_problems,
+)
+from qualify.stages import complete_stage
+
+ACC = {"digest": "sha256:acc", "rollout_digest": "sha256:roll"}
+CASE = "torch-tp-fp32-tp1-actor"
+
+
+def reference_doc() -> dict:
+    return {"matrix": {"name": "tiny"}, "rollout_digest": "sha256:roll", "tp_agreement": {},
+            "rollout_mismatch": {"fp32": {"num_tokens": 4, "num_not_bitwise": 1, "max_abs": 1e-6, "mean_abs": 2e-7}},
+            "controls": ["r0", "r1"], "precisions": ["fp32"], "versions": {"torch": "x"}, "host": {}, "git": {}}
+
+
+def make_run(tmp_path: Path, verdict: dict | None = None) -> Path:
+    run = tmp_path / "run"
+    layout = RunLayout(run)
+    layout.reference.mkdir(parents=True)
+    layout.reference_summary.write_text(json.dumps(reference_doc()))
+    if verdict is not None:
+        layout.candidates.mkdir(parents=True)
+        layout.verdict.write_text(json.dumps(verdict))
+    return run
+
+
+def row(value: float = 0.5, bound: float = 1.0, passed: bool | None = None, **kw) -> dict:
+    ok = math.isfinite(value) and value <= bound if passed is None else passed
+    return {"case": CASE, "role": "actor", "comparison": "vs ref fp32-r0 [fp32-repeat]", "tensor": "outputs/loss",
+            "metric": "max_abs", "value": value, "bound": bound, "ratio": value / bound, "passed": ok, "note": "",
+            **kw}
+
+
+def verdict(rows: list[dict] | None = None) -> dict:
+    rows = [row()] if rows is None else rows
+    failed = sum(not r["passed"] for r in rows)
+    return {"schema": "qualify.verdict/1", "matrix": "tiny", "acceptance_digest": ACC["digest"],
+            "rollout_digest": ACC["rollout_digest"], "complete": True, "passed": failed == 0 and bool(rows),
+            "cases": {CASE: {"passed": failed == 0 and bool(rows), "num_checks": len(rows), "num_failed": failed,
+                             "worst": None}},
+            "rows": rows}
+
+
+def test_hand_written_pass_without_acceptance_is_not_verified(tmp_path):
+    run = make_run(tmp_path, {"passed": True, "complete": True, "cases": {}})
+    summary = summarize(run)
+    assert summary["status"] == NOT_VERIFIED
+    assert any("no acceptance" in p for p in summary["verification"]["problems"])
+    assert "PASSED" not in to_markdown(summary)
+    result = CliRunner().invoke(app, ["report", str(run), "--format", "markdown"])
+    assert result.exit_code == 1, result.output
+    assert "PASSED" not in result.output and "NOT VERIFIED" in result.output
+
+
+def test_hand_written_pass_with_no_cases_fails_verdict_checks():
+    problems = verdict_problems({"passed": True, "complete": True, "cases": {}, "rows": []}, ACC)
+    assert any("names no case" in p for p in problems)
+    assert any("schema" in p for p in problems)
+    assert any("acceptance_digest" in p for p in problems)
+
+
+def test_consistent_verdict_has_no_problems():
+    assert verdict_problems(verdict(), ACC) == []
+
+
+@pytest.mark.parametrize("edit, expect", [
+    (lambda v: v["rows"][0].update(passed=True, value=2.0), "does not follow from value"),
+    (lambda v: v["rows"][0].update(value="nan"), "does not follow from value"),
+    (lambda v: v["rows"][0].update(value=[1]), "not a number"),
+    (lambda v: v["rows"][0].pop("bound"), "lacks one of"),
+    (lambda v: v["rows"][0].update(case="other-fp32-tp1-actor"), "does not list"),
+    (lambda v: v["cases"][CASE].update(num_checks=7), "disagrees with its 1 rows"),
+    (lambda v: v.update(passed=False), "disagrees with its cases"),
+    (lambda v: v.update(complete=False), "not complete"),
+    (lambda v: v.update(rollout_digest="sha256:other"), "rollout_digest"),
+    (lambda v: v.update(cases={"not a case name": v["cases"][CASE]}, rows=[]), "is not an <engine>"),
+    (lambda v: v.pop("rows"), "not a qualify verdict"),
+])
+def test_each_inconsistency_of_a_verdict_is_named(edit, expect):
+    v = verdict()
+    edit(v)
+    problems = verdict_problems(v, ACC)
+    assert any(expect in p for p in problems), problems
+
+
+def test_failing_row_must_fail_its_case():
+    v = verdict([row(2.0, 1.0)])
+    assert verdict_problems(v, ACC) == []
+    v["cases"][CASE]["passed"] = True
+    v["passed"] = True
+    assert any("disagrees" in p for p in verdict_problems(v, ACC))
+
+
+def test_compare_rows_names_lacking_surplus_and_changed_checks():
+    judged = [row(0.5), row(0.25, tensor="outputs/kl_mean")]
+    assert compare_rows(CASE, judged, [dict(r) for r in judged]) == []
+    assert "lacks checks" in compare_rows(CASE, judged, judged[:1])[0]
+    assert "does not give" in compare_rows(CASE, judged[:1], judged)[0]
+    changed = [row(0.4), judged[1]]
+    assert "differs" in compare_rows(CASE, judged, changed)[0]
+    widened = [row(0.5, bound=10.0), judged[1]]
+    assert "differs" in compare_rows(CASE, judged, widened)[0]
+    assert compare_rows(CASE, [row(math.inf, passed=False) | {"value": "inf"}],
+                        [row(math.inf, passed=False) | {"value": "inf"}]) == []
+
+
+def test_case_evidence_must_be_sealed_for_that_case_on_the_frozen_rollout(tmp_path):
+    layout = RunLayout(tmp_path)
+    assert "missing, partial or modified" in sealed_problems(layout, ACC, [CASE])[0]
+    where = layout.case(CASE)
+    where.mkdir(parents=True)
+    (where / "outputs.safetensors").write_bytes(b"x")
+    complete_stage(where, {"case": CASE, "rollout_digest": ACC["rollout_digest"]})
+    assert sealed_problems(layout, ACC, [CASE]) == []
+    (where / "outputs.safetensors").write_bytes(b"y")
+    assert "modified since it was sealed" in sealed_problems(layout, ACC, [CASE])[0]
+    (where / "outputs.safetensors").write_bytes(b"x")
+    complete_stage(where, {"case": CASE, "rollout_digest": "sha256:another"})
+    assert "not for this case on the frozen rollout" in sealed_problems(layout, ACC, [CASE])[0]
+
+
+def test_no_acceptance_is_a_problem(tmp_path):
+    assert "no acceptance" in acceptance_problems(RunLayout(tmp_path), reference_doc(), None)[0]
+
+
+def rounds_doc(passed: bool = True) -> dict:
+    return {"passed": passed, "failure": None, "num_checks": 1, "num_failed": 0,
+            "rows": [{"check": "version installed", "passed": True}]}
+
+
+def seal_rounds(layout: RunLayout, tp: int, doc: dict) -> None:
+    where = layout.rounds_dir(tp)
+    where.mkdir(parents=True)
+    (where / "verdict.json").write_text(json.dumps(doc))
+    complete_stage(where, {"passed": doc["passed"]})
+
+
+def test_rounds_are_found_per_vllm_tp_and_shown(tmp_path):
+    run = make_run(tmp_path)
+    layout = RunLayout(run)
+    seal_rounds(layout, 2, rounds_doc())
+    (layout.rounds / "verdict.json").write_text(json.dumps(rounds_doc(False)))  # the old, wrong place: ignored
+    assert discover_rounds(layout) == {2: layout.rounds_dir(2) / "verdict.json"}
+    summary = summarize(run)
+    assert summary["rounds"] == [{"vllm_tp": 2, "passed": True, "num_checks": 1, "num_failed": 0}]
+    assert "rounds vLLM tp2: PASS" in to_markdown(summary)
+    assert summary["status"] == NOT_VERIFIED  # a rounds result needs a frozen acceptance behind it
+
+
+def test_rounds_verdict_must_be_sealed_and_agree_with_its_rows(tmp_path):
+    layout = RunLayout(tmp_path)
+    assert "missing, partial or modified" in rounds_problems(layout, 1, rounds_doc())[0]
+    doc = rounds_doc()
+    seal_rounds(layout, 1, doc)
+    assert rounds_problems(layout, 1, doc) == []
+    assert "disagrees" in rounds_problems(layout, 1, doc | {"passed": False})[0]
+    assert "disagrees" in rounds_problems(layout, 1, doc | {"failure": "vLLM died"})[0]
+    assert "no readable rows" in rounds_problems(layout, 1, doc | {"rows": "x"})[0]
+
+
+def test_status_is_pass_or_fail_only_when_verified():
+    ok, bad = Verification(("x",), ()), Verification(("x",), ("tampered",))
+    assert status_of(ok, {"passed": True}, {}) == PASSED
+    assert status_of(ok, {"passed": False}, {}) == FAILED
+    assert status_of(ok, {"passed": True}, {1: {"passed": False}}) == FAILED
+    assert status_of(bad, {"passed": True}, {}) == NOT_VERIFIED
+    assert status_of(ok, None, {}) == NO_VERDICT
+    assert status_of(ok, None, {1: {"passed": False}}) == FAILED
+
+
+def test_reference_only_run_reports_no_verdict_and_exit_0(tmp_path):
+    run = make_run(tmp_path)
+    result = CliRunner().invoke(app, ["report", str(run), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["status"] == NO_VERDICT
+
+
+def test_report_out_into_a_missing_directory_is_a_usage_error(tmp_path):
+    run = make_run(tmp_path)
+    result = CliRunner().invoke(app, ["report", str(run), "--out", str(tmp_path / "nope" / "r.md")])
+    assert result.exit_code == 2
+    assert "does not exist" in result.output
