@@ -21,6 +21,10 @@ class EvidenceError(QualifyError):
     """Evidence on disk is missing, partial or does not match its digest."""
 
 
+class OutputError(QualifyError):
+    """An output file cannot be written: disk full, no permission, a directory where the file should go."""
+
+
 class EngineError(QualifyError):
     """An engine is unknown, cannot be imported or refused the case."""
 

@@ -2,6 +2,8 @@
 
 Every write goes to a temporary file in the target directory, is fsynced, then
 renamed over the target, so a reader never sees a half-written file. No pickles.
+Written files get the mode a plain open() would give (0666 less the umask), and a
+write the system refuses (disk full, no permission) is an OutputError naming the file.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from qualify.errors import EvidenceError
+from qualify.errors import EvidenceError, OutputError
 
 
 def _fsync_dir(path: Path) -> None:
@@ -39,26 +41,30 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     """Call write(tmp_path), fsync tmp_path, then rename it onto path.
 
     The temporary file lies next to path (same filesystem, so the rename is atomic) and is
-    removed if anything fails, an interrupt included.
+    removed if anything fails, an interrupt included; an OSError becomes an OutputError.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    tmp = Path(tmp_name)
+    if path.is_dir():
+        raise OutputError(f"cannot write {path}: it is a directory (give a file path)")
+    tmp: Path | None = None
     try:
-        os.fchmod(fd, _FILE_MODE)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        tmp = Path(tmp_name)
         os.close(fd)
-        fd = -1
         write(tmp)
+        # after write(): a writer may replace the file (safetensors does) and the new one has mkstemp's 0600
+        os.chmod(tmp, _FILE_MODE)
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, path)
+        tmp = None
         _fsync_dir(path.parent)
-    except BaseException:
-        if fd >= 0:
-            os.close(fd)
-        tmp.unlink(missing_ok=True)
-        raise
+    except OSError as exc:
+        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from exc
+    finally:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -86,6 +92,10 @@ def read_json(path: Path) -> Any:
         raise EvidenceError(f"malformed JSON in {path}: {exc}") from exc
     except UnicodeDecodeError as exc:
         raise EvidenceError(f"malformed JSON in {path}: not UTF-8 ({exc.reason} at byte {exc.start})") from exc
+    except RecursionError as exc:
+        raise EvidenceError(f"malformed JSON in {path}: nested too deeply") from exc
+    except ValueError as exc:  # an integer of more than 4300 digits, say
+        raise EvidenceError(f"malformed JSON in {path}: {str(exc).splitlines()[0][:200]}") from exc
     except OSError as exc:
         raise EvidenceError(f"cannot read {path}: {exc.strerror}") from exc
 
@@ -96,6 +106,7 @@ def write_tensors(path: Path, tensors: Mapping[str, Any], metadata: Mapping[str,
     Tensors that share storage with an earlier one (tied embeddings) are cloned: safetensors
     refuses shared storage, and evidence wants every name as its own tensor.
     """
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     contiguous: dict[str, Any] = {}
@@ -107,7 +118,14 @@ def write_tensors(path: Path, tensors: Mapping[str, Any], metadata: Mapping[str,
             t = t.clone()
         storages.add(t.untyped_storage().data_ptr())
         contiguous[name] = t
-    atomic_write(path, lambda tmp: save_file(contiguous, str(tmp), metadata=dict(metadata or {})))
+
+    def save(tmp: Path) -> None:
+        try:
+            save_file(contiguous, str(tmp), metadata=dict(metadata or {}))
+        except SafetensorError as exc:  # its I/O errors (disk full) are not OSErrors
+            raise OutputError(f"cannot write {path}: {exc}") from exc
+
+    atomic_write(path, save)
 
 
 def read_tensors(path: Path) -> dict[str, Any]:

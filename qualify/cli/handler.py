@@ -1,4 +1,8 @@
-"""The one place where a QualifyError becomes a one-line message and exit 2."""
+"""The one place where a QualifyError becomes a one-line message and exit 2.
+
+One line means one line: a message that spans several (an error quoting a child's output, say)
+is folded onto one, and a very long one is cut in the middle, keeping its start and its end.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,16 @@ from qualify.errors import QualifyError
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+MAX_MESSAGE = 1000
+
+
+def one_line(message: str) -> str:
+    """message folded onto one line (' | ' between its non-blank lines), at most MAX_MESSAGE characters."""
+    text = " | ".join(line.strip() for line in message.splitlines() if line.strip())
+    if len(text) > MAX_MESSAGE:
+        half = MAX_MESSAGE // 2 - 3
+        text = f"{text[:half]} ... {text[-half:]}"
+    return text
 
 
 def handle_errors(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -26,7 +40,7 @@ def handle_errors(func: Callable[..., Any]) -> Callable[..., Any]:
         except QualifyError as exc:
             if os.environ.get("QUALIFY_DEBUG") == "1":
                 traceback.print_exc()
-            typer.echo(f"qualify: error: {exc}", err=True)
+            typer.echo(f"qualify: error: {one_line(str(exc))}", err=True)
             raise typer.Exit(EXIT_USAGE) from None
 
     return wrapper

@@ -9,6 +9,7 @@ import typer
 
 from qualify.cli.handler import handle_errors
 from qualify.cli.options import JobsOpt
+from qualify.errors import OutputError
 from qualify.manifest import create_manifest
 
 HELP = "Create sha256 manifests of evidence directories."
@@ -24,5 +25,7 @@ def create(
     jobs: JobsOpt = None,
 ) -> None:
     """Write a sorted manifest (path, bytes, sha256 per file) with its own digest."""
+    if out.is_dir():  # before hashing the whole evidence, not after
+        raise OutputError(f"--out {out} is a directory; give the manifest's file path (e.g. {out}/manifest.json)")
     document = create_manifest(directory, out, jobs=jobs)
     typer.echo(f"{out}: {len(document['files'])} files, {document['digest']}")

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from qualify.errors import EvidenceError
+from qualify.errors import EvidenceError, OutputError
 from qualify.store import (
     atomic_write,
     atomic_write_bytes,
@@ -145,3 +148,62 @@ def test_read_tensors_errors(tmp_path):
 def test_dumps_json_matches_json_module():
     doc = {"k": [1.5, "s", None, True], "a": {"b": 2}}
     assert json.loads(dumps_json(doc)) == doc and dumps_json(doc).endswith("}\n")
+
+
+def test_safetensors_files_follow_the_umask_like_a_plain_file(tmp_path):
+    """Issue 14 item 5: evidence tensors were written 0600, unreadable to the other users of a cluster."""
+    torch = pytest.importorskip("torch")
+    plain = tmp_path / "plain.bin"
+    plain.write_bytes(b"")  # what the umask gives any other file
+    target = tmp_path / "t.safetensors"
+    write_tensors(target, {"w": torch.zeros(3)})
+    assert stat.S_IMODE(target.stat().st_mode) == stat.S_IMODE(plain.stat().st_mode)
+
+
+def test_umask_is_followed_in_a_fresh_process(tmp_path):
+    """Under umask 027 evidence is group-readable and closed to others, JSON and tensors alike."""
+    pytest.importorskip("torch")
+    code = ("import os, stat, torch; from qualify.store import write_json, write_tensors; "
+            f"d = {str(tmp_path)!r}; write_json(d + '/a.json', {{}}); write_tensors(d + '/b.safetensors', "
+            "{'w': torch.zeros(2)}); print(*(oct(stat.S_IMODE(os.stat(d + f).st_mode)) for f in ('/a.json', '/b.safetensors')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          preexec_fn=lambda: os.umask(0o027))
+    assert proc.stdout.split() == ["0o640", "0o640"]
+
+
+def test_writing_onto_a_directory_is_an_output_error(tmp_path):
+    (tmp_path / "d").mkdir()
+    with pytest.raises(OutputError, match=r"cannot write .*/d: it is a directory"):
+        write_json(tmp_path / "d", {})
+    assert names(tmp_path) == ["d"] and names(tmp_path / "d") == []
+
+
+@pytest.mark.parametrize("what", ["json", "tensors"])
+def test_a_full_disk_is_an_output_error_and_leaves_nothing(tmp_path, what):
+    """RLIMIT_FSIZE makes the kernel refuse the write (EFBIG) as a full disk would (ENOSPC)."""
+    if what == "tensors":
+        pytest.importorskip("torch")
+    write = ("write_json(d + '/out', {'x': list(range(100000))})" if what == "json" else
+             "import torch; write_tensors(d + '/out', {'w': torch.zeros(100000)})")
+    code = (f"from qualify.store import write_json, write_tensors; from qualify.errors import OutputError\n"
+            f"d = {str(tmp_path)!r}\ntry:\n    {write}\nexcept OutputError as e:\n    print('OutputError:', e)\n")
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, preexec_fn=limit)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"OutputError: cannot write {tmp_path}/out: ") and proc.stdout.count("\n") == 1
+    assert names(tmp_path) == []
+
+
+@pytest.mark.parametrize("content, expected", [
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    (b'{"n": ' + b"9" * 5000 + b"}", "malformed JSON"),
+])
+def test_read_json_of_hostile_json(tmp_path, content, expected):
+    path = tmp_path / "x.json"
+    path.write_bytes(content)
+    with pytest.raises(EvidenceError, match=expected) as info:
+        read_json(path)
+    assert "\n" not in str(info.value) and len(str(info.value)) < 400
