@@ -67,16 +67,22 @@ def tiny_matrix():
     return load_matrix(TINY)
 
 
+COMMITTED = REPO / "manifests" / "tiny-qwen3"
+
+
 @pytest.fixture(scope="session")
 def frozen_run(tmp_path_factory, tiny_matrix):
-    """Run directory with the embedded default's reference and acceptance (treat as read-only)."""
-    if not _has_vllm():
-        pytest.skip("vLLM is not importable")
+    """Run directory with the embedded default's reference and acceptance (treat as read-only).
+
+    The reference is scored here, on this machine, from the committed rollout (a rollout is
+    platform-specific evidence: it is carried, not re-sampled); freeze makes this machine's own
+    acceptance from it. Capturing with real vLLM is tested on its own (test_capture.py).
+    """
     from qualify.freeze import freeze
     from qualify.reference.stage import run_reference
 
     run_dir = tmp_path_factory.mktemp("frozen") / "tiny-qwen3"
-    run_reference(tiny_matrix, run_dir)
+    run_reference(tiny_matrix, run_dir, rollout=COMMITTED / "reference" / "rollout")
     freeze(run_dir)
     return run_dir
 

@@ -1,0 +1,159 @@
+"""Judge a fresh reference, scored from a committed rollout, against the committed acceptance.
+
+A frozen rollout is platform-specific evidence: it is captured once and carried, never assumed to
+re-sample identically elsewhere. What can be re-run anywhere is the HF reference on that rollout
+(`qualify reference --rollout`). This module says whether that fresh reference agrees with the
+acceptance: bitwise where the platform fingerprint and the numerics versions match (every
+artifact the acceptance lists must reproduce byte for byte, metadata aside), and within the
+frozen bounds where they do not (the fresh fp32-r0 and bf16-r0 runs judged as candidates against
+the committed ones, with the committed bounds of their repeat family).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qualify.candidate.judge import Row, judge_pair
+from qualify.compare import load_run
+from qualify.errors import EvidenceError
+from qualify.hardware import platform_differences
+from qualify.layout import RunLayout
+from qualify.manifest import default_evidence, load_manifest, sha256_file, verify_manifest
+from qualify.metrics import max_abs
+from qualify.models.checkpoint import checkpoint_tensors
+from qualify.schema import from_dict
+from qualify.stages import require_complete
+from qualify.store import read_json, read_tensors
+
+# Versions that change the numbers a reference computes (bitwise is expected only when they match).
+NUMERICS_PACKAGES = ("torch", "transformers", "safetensors")
+ROLES = ("actor", "critic")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayResult:
+    """The outcome of judging a fresh reference against a committed acceptance."""
+
+    mode: str
+    """'bitwise' (same platform and versions) or 'bounds' (another platform: judged like a candidate)."""
+    differences: list[str]
+    """Why bitwise was not expected: differing platform fields and versions."""
+    rows: list[Row]
+    """Every judged value; a failing one names the tensor."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """Unjudged figures (target drift, files reproduced)."""
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.rows) and all(r.passed for r in self.rows)
+
+
+def version_differences(a: dict[str, str], b: dict[str, str]) -> list[str]:
+    return [f"{p}: {a.get(p)!r} != {b.get(p)!r}" for p in NUMERICS_PACKAGES if a.get(p) != b.get(p)]
+
+
+def expectation(acceptance: dict[str, Any], fresh_summary: dict[str, Any]) -> list[str]:
+    """Differences that excuse a fresh reference from reproducing the acceptance bitwise (empty: bitwise)."""
+    return (platform_differences(acceptance.get("platform"), fresh_summary.get("platform"))
+            + version_differences(acceptance.get("versions", {}), fresh_summary.get("versions", {})))
+
+
+def judge_replay(acceptance_path: Path, fresh_run: Path, *, force_mode: str | None = None) -> ReplayResult:
+    """Judge the reference in fresh_run (scored from the acceptance's own rollout) against the acceptance.
+
+    force_mode ('bitwise' or 'bounds') overrides what the platform comparison decides; it exists
+    so both branches can be exercised on one machine.
+    """
+    acceptance_path = Path(acceptance_path)
+    doc = load_manifest(acceptance_path)
+    layout = RunLayout(Path(fresh_run))
+    summary = read_json(layout.reference_summary)
+    if summary.get("rollout_digest") != doc["rollout_digest"]:
+        raise EvidenceError(f"the fresh reference in {fresh_run} was scored on rollout {summary.get('rollout_digest')}, "
+                            f"not on the acceptance's {doc['rollout_digest']}: run 'qualify reference --rollout' "
+                            "with the committed rollout")
+    differences = expectation(doc, summary)
+    mode = force_mode or ("bounds" if differences else "bitwise")
+    if mode == "bitwise":
+        rows, info = bitwise_rows(acceptance_path, layout)
+    else:
+        rows, info = bound_rows(acceptance_path, doc, layout, summary)
+    return ReplayResult(mode, differences, rows, info)
+
+
+def bitwise_rows(acceptance_path: Path, layout: RunLayout) -> tuple[list[Row], dict[str, Any]]:
+    """One row per tensor file the acceptance lists: equal bytes or a failure; metadata (JSON) is not judged."""
+    report = verify_manifest(acceptance_path, layout.reference, progress=False)
+    doc = load_manifest(acceptance_path)
+    modified = {m.path for m in report.modified}
+    rows = []
+    for entry in doc["files"]:
+        path = entry["path"]
+        if not path.endswith(".safetensors"):
+            continue
+        bad = path in modified or path in report.missing
+        note = "missing" if path in report.missing else ("bytes differ" if bad else "")
+        rows.append(Row("replay", role_of(path), "bitwise vs acceptance", path, "bytes_differ", float(bad), 0.0,
+                        not bad, note))
+    info = {"files": report.num_files, "tensor_files": len(rows), "not_reproduced": sorted(modified | set(report.missing)),
+            "extra": report.extra}
+    return rows, info
+
+
+def role_of(path: str) -> str:
+    for role in ("actor", "critic", "reference", "reward"):
+        if f"/{role}/" in f"/{path}":
+            return role
+    return "-"
+
+
+def committed_run(acceptance_path: Path, doc: dict[str, Any], relative: str) -> Path:
+    """A committed reference run directory, each of its files checked against the acceptance's digest."""
+    root = default_evidence(acceptance_path, doc)
+    entries = {e["path"]: e["sha256"] for e in doc["files"] if e["path"].startswith(relative + "/")}
+    if not entries:
+        raise EvidenceError(f"the acceptance {acceptance_path} lists no files under {relative}/")
+    for path, digest in sorted(entries.items()):
+        file = root / path
+        if not file.is_file():
+            raise EvidenceError(f"{file} is not here: the acceptance's reference evidence under {relative}/ is needed "
+                                "to judge a replay on another platform")
+        if sha256_file(file)[1] != digest:
+            raise EvidenceError(f"{file} does not match the acceptance's digest")
+    return root / relative
+
+
+def bound_rows(acceptance_path: Path, doc: dict[str, Any], layout: RunLayout,
+               summary: dict[str, Any]) -> tuple[list[Row], dict[str, Any]]:
+    """Fresh fp32-r0 and bf16-r0 judged against the committed ones with the committed repeat-family bounds."""
+    from qualify.matrix import Matrix
+
+    matrix = from_dict(Matrix, summary["matrix"], str(layout.reference_summary))
+    rows: list[Row] = []
+    for role in ROLES:
+        before = checkpoint_tensors(layout.model(role) if matrix.models.tiny else matrix.resolve(
+            getattr(matrix.models.checkpoints, role)))
+        for precision in matrix.reference.precisions:
+            family = f"{precision}-repeat"
+            bounds_file = acceptance_path.parent / "bounds" / f"{role}-{family}.json"
+            if "sha256:" + sha256_file(bounds_file)[1] != doc["bounds"].get(bounds_file.name):
+                raise EvidenceError(f"bound file {bounds_file} does not match the acceptance's digest")
+            bounds = read_json(bounds_file)
+            ref_run = bounds["reference_run"]
+            committed = load_run(committed_run(acceptance_path, doc, f"scores/{ref_run}/{role}"))
+            fresh_dir = layout.scores(*ref_run.split("-", 1), role)
+            require_complete(fresh_dir, f"fresh reference {ref_run} {role}")
+            fresh = load_run(fresh_dir)
+            rows += judge_pair("replay", role, f"fresh vs committed {ref_run} [{family}]", fresh, committed,
+                               bounds["bounds"], before, matrix.optimizer)
+    return rows, {"targets_max_abs": target_drift(acceptance_path, doc, layout)}
+
+
+def target_drift(acceptance_path: Path, doc: dict[str, Any], layout: RunLayout) -> dict[str, float]:
+    """max |fresh - committed| per target tensor (information: targets have no bound of their own)."""
+    committed = committed_run(acceptance_path, doc, "targets")
+    old = read_tensors(committed / "targets.safetensors")
+    new = read_tensors(layout.targets / "targets.safetensors")
+    return {k: max_abs(new[k], old[k]) for k in sorted(old) if k in new and new[k].shape == old[k].shape}

@@ -1,0 +1,114 @@
+"""The committed acceptance replayed on this machine: the HF reference re-scored from the committed rollout.
+
+`frozen_run` scores the reference here from manifests/tiny-qwen3's rollout. It must reproduce the
+committed acceptance bitwise when this machine's platform fingerprint and numerics versions are the
+acceptance's, and within the committed bounds when they are not. Both branches are exercised on
+whatever machine runs this (the second by recording another platform in a copy), and a perturbed
+fresh reference must fail each branch naming the tensor. The negative controls replay against the
+acceptance frozen here from the same rollout, so that what they perturb is all that differs.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from qualify.hardware import describe
+from qualify.layout import RunLayout
+from qualify.replay import judge_replay
+from qualify.stages import complete_stage
+from qualify.store import read_json, read_tensors, write_json, write_tensors
+
+REPO = Path(__file__).resolve().parents[2]
+COMMITTED = REPO / "manifests" / "tiny-qwen3" / "acceptance" / "acceptance.json"
+TENSOR = "model.layers.1.post_attention_layernorm.weight"
+
+
+def failing(result):
+    return [r for r in result.rows if not r.passed]
+
+
+def copy_reference(frozen_run: Path, tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    shutil.copytree(frozen_run / "reference", run / "reference")
+    return run
+
+
+def claim_platform(run: Path, cpu_model: str) -> None:
+    layout = RunLayout(run)
+    summary = read_json(layout.reference_summary)
+    summary["platform"] = summary["platform"] | {"cpu_model": cpu_model}
+    write_json(layout.reference_summary, summary)
+
+
+def perturb_grad(run: Path, role: str, key: str, delta: float | None) -> None:
+    """Move one element of one gradient of the fresh fp32-r0 run by delta (None: one ulp), and reseal it."""
+    d = RunLayout(run).scores("fp32", "r0", role)
+    grads = read_tensors(d / "grads.safetensors")
+    flat = grads[key].clone().view(-1)
+    old = flat[0].clone()
+    flat[0] = torch.nextafter(old, torch.tensor(float("inf"))) if delta is None else old + delta
+    assert flat[0] != old
+    grads[key] = flat.view(grads[key].shape)
+    write_tensors(d / "grads.safetensors", grads)
+    complete_stage(d, {})
+
+
+def test_fresh_reference_against_committed_acceptance(frozen_run, capsys):
+    result = judge_replay(COMMITTED, frozen_run)
+    acceptance = read_json(COMMITTED)
+    with capsys.disabled():
+        print(f"\ncommitted acceptance frozen on {describe(acceptance['platform'])}; this machine: "
+              f"{describe(read_json(RunLayout(frozen_run).reference_summary)['platform'])}")
+        print(f"replay mode {result.mode}: {len(result.rows)} checks, {len(failing(result))} failing; "
+              f"differences: {result.differences or 'none'}")
+    assert result.mode == ("bounds" if result.differences else "bitwise")
+    assert result.passed, [(r.tensor, r.metric, r.value, r.bound) for r in failing(result)][:5]
+
+
+def test_other_platform_is_judged_within_the_committed_bounds(frozen_run, tmp_path):
+    run = copy_reference(frozen_run, tmp_path)
+    claim_platform(run, "Some Other CPU")
+    result = judge_replay(COMMITTED, run)
+    assert result.mode == "bounds"
+    assert any(d.startswith("cpu_model:") for d in result.differences)
+    comparisons = {r.comparison for r in result.rows}
+    assert comparisons == {"fresh vs committed fp32-r0 [fp32-repeat]", "fresh vs committed bf16-r0 [bf16-repeat]"}
+    assert {r.role for r in result.rows} == {"actor", "critic"}
+    assert result.passed, [(r.tensor, r.metric, r.value, r.bound) for r in failing(result)][:5]
+    assert set(result.info["targets_max_abs"]) >= {"advantages_BT", "returns_BT"}
+
+
+def test_other_platform_fails_a_gradient_outside_its_bound(frozen_run, tmp_path):
+    here = RunLayout(frozen_run).acceptance
+    bounds = read_json(here.parent / "bounds" / "actor-fp32-repeat.json")["bounds"][f"grads/{TENSOR}"]
+    run = copy_reference(frozen_run, tmp_path)
+    claim_platform(run, "Some Other CPU")
+    assert judge_replay(here, run).passed
+    perturb_grad(run, "actor", TENSOR, 3 * bounds["max_abs"]["bound"])
+    bad = failing(judge_replay(here, run))
+    assert bad and {(r.tensor, r.metric) for r in bad} <= {(f"grads/{TENSOR}", "max_abs"), (f"grads/{TENSOR}", "rel_l2")}
+    assert (f"grads/{TENSOR}", "max_abs") in {(r.tensor, r.metric) for r in bad}
+
+
+def test_same_platform_fails_any_byte_that_moves(frozen_run, tmp_path):
+    here = RunLayout(frozen_run).acceptance
+    run = copy_reference(frozen_run, tmp_path)
+    assert judge_replay(here, run).mode == "bitwise" and judge_replay(here, run).passed
+    perturb_grad(run, "critic", TENSOR, None)  # one ulp, within every bound: bitwise is what this platform promises
+    result = judge_replay(here, run)
+    assert result.mode == "bitwise"
+    assert [r.tensor for r in failing(result)] == ["scores/fp32-r0/critic/grads.safetensors"]
+
+
+def test_replay_refuses_a_reference_of_another_rollout(frozen_run, tmp_path):
+    from qualify.errors import EvidenceError
+
+    run = copy_reference(frozen_run, tmp_path)
+    summary = read_json(RunLayout(run).reference_summary)
+    write_json(RunLayout(run).reference_summary, summary | {"rollout_digest": "sha256:" + "0" * 64})
+    with pytest.raises(EvidenceError, match="not on the acceptance's"):
+        judge_replay(COMMITTED, run)
