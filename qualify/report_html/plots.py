@@ -49,8 +49,7 @@ def heatmap(rows: list[str], cols: list[str], cells: dict[tuple[str, str], tuple
     for (r, c), (ratio, _) in cells.items():
         grid[rows.index(r), cols.index(c)] = min(ratio, RATIO_CAP) if ratio is not None else 0.0
     fig, ax = plt.subplots(figsize=(2.5 + 1.2 * len(cols), 1.0 + 0.45 * len(rows)))
-    cmap = plt.get_cmap("RdYlGn_r").copy()
-    cmap.set_bad("#dddddd")
+    cmap = plt.get_cmap("RdYlGn_r").with_extremes(bad="#dddddd")
     image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0.0, vmax=RATIO_CAP, aspect="auto")
     for (r, c), (ratio, passed) in cells.items():
         ax.text(cols.index(c), rows.index(r), _label(ratio) + ("" if passed else "\nFAIL"), ha="center", va="center",
