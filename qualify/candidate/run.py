@@ -194,7 +194,8 @@ def run_candidates(matrix: Matrix, run_dir: Path, *, acceptance: Path | None = N
             rows.append(Row(case.name, case.role, "run", "case", "exit", 1.0, 0.0, False, errors[case.name]))
         else:
             rows += judge_case(layout, case, bounds, befores[case.role], matrix.optimizer)
-    verdict = verdict_document(matrix, doc, cases, rows, complete=only is None)
+    verdict = verdict_document(matrix, doc, cases, rows, complete=only is None,
+                               platforms=case_platforms(layout, cases, doc.get("platform")))
     write_json(layout.verdict if only is None else layout.candidates / f"verdict-{selection_name(only)}.json", verdict)
     return verdict
 
@@ -207,16 +208,34 @@ def selection_name(only: str) -> str:
     return f"{safe}-{hashlib.sha256(only.encode()).hexdigest()[:8]}"
 
 
+def case_platforms(layout: RunLayout, cases: list[Case], reference_platform: dict[str, Any] | None) -> dict[str, Any]:
+    """Per case: its platform and how it differs from the reference's (information: a verdict never fails on it)."""
+    from qualify.hardware import describe, platform_differences
+
+    out = {}
+    for case in cases:
+        meta = layout.case(case.name) / "meta.json"
+        platform = read_json(meta).get("platform") if meta.is_file() else None
+        if platform is not None:
+            out[case.name] = {"platform": describe(platform),
+                              "differs_from_reference": platform_differences(reference_platform, platform)}
+    return out
+
+
 def verdict_document(matrix: Matrix, doc: dict[str, Any], cases: list[Case], rows: list[Row],
-                     complete: bool) -> dict[str, Any]:
+                     complete: bool, platforms: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The verdict: per case, every row, and the platforms (a case run elsewhere than its reference says so)."""
+    from qualify.hardware import describe
+
     per_case = {}
     for case in cases:
         mine = [r for r in rows if r.case == case.name]
         worst = max((r for r in mine if r.bound > 0 or not r.passed), key=lambda r: r.ratio, default=None)
         per_case[case.name] = {"passed": all(r.passed for r in mine) and bool(mine), "num_checks": len(mine),
                                "num_failed": sum(not r.passed for r in mine),
-                               "worst": worst.to_json() if worst else None}
+                               "worst": worst.to_json() if worst else None} | (platforms or {}).get(case.name, {})
     return {"schema": "qualify.verdict/1", "matrix": matrix.name, "acceptance_digest": doc["digest"],
             "rollout_digest": doc["rollout_digest"], "complete": complete,
+            "reference_platform": describe(doc.get("platform")),
             "passed": all(c["passed"] for c in per_case.values()), "cases": per_case,
             "rows": [r.to_json() for r in rows]}
