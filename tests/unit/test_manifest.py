@@ -81,7 +81,7 @@ def test_untouched_tree_verifies(tree):
     assert [e["path"] for e in read_json(manifest)["files"]] == sorted(FILES)
     result = cli("verify", str(manifest), "--evidence", str(evidence))
     assert result.exit_code == 0, result.output
-    assert "OK 4 files" in result.stdout
+    assert "OK 4 of 4 files" in result.stdout
 
 
 @pytest.mark.parametrize("name", TAMPERS)
