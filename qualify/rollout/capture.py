@@ -9,7 +9,6 @@ that digest before reading anything.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -76,6 +75,7 @@ def run_vllm(request: dict[str, Any]) -> dict[str, Any]:
     """
     import time
 
+    from qualify.childlog import summarize_child_failure
     from qualify.rollout.shm import ShmWatch
 
     tmp = Path(tempfile.mkdtemp(prefix="qualify-vllm-"))
@@ -91,19 +91,10 @@ def run_vllm(request: dict[str, Any]) -> dict[str, Any]:
     removed = watch.remove_leftovers()
     if proc.returncode != 0 or not out.is_file():
         raise QualifyError(f"vLLM capture at TP{request['tp']} failed (exit {proc.returncode}): "
-                           f"{last_error_line(log.read_text(errors='replace'))} (full log: {log})")
+                           f"{summarize_child_failure(log.read_text(errors='replace'))} (full log: {log})")
     result = read_json(out)
     shutil.rmtree(tmp, ignore_errors=True)
     return result | {"shm_removed": removed}
-
-
-def last_error_line(text: str) -> str:
-    """The line that says what went wrong: the last exception line of the child's output, else its last line."""
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    for line in reversed(lines):
-        if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b", line):
-            return line[:500]
-    return lines[-1][:500] if lines else "no output"
 
 
 def rollout_tensors(results: list[dict[str, Any]]) -> dict[str, Any]:

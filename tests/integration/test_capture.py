@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -59,3 +60,20 @@ def test_tp2_capture_samples_the_same_prompts(tiny_matrix, frozen_run, tmp_path)
     assert prompts(tp2) == prompts(committed)
     assert tp2["response_mask_BT"].any(dim=1).all()
     assert torch.isfinite(tp2["sampler_logprobs_BT"]).all()
+
+
+def test_a_failing_vllm_child_is_one_line_with_its_log(tiny_matrix, tmp_path):
+    from qualify.errors import QualifyError
+    from qualify.rollout.capture import capture_request, run_vllm
+
+    layout = RunLayout(tmp_path / "run")
+    models = make_tiny_family(tiny_matrix.models.tiny, layout.models)
+    cfg = model_config(models["actor"])
+    request = capture_request(tiny_matrix, models["actor"], 1, vocab_size=cfg["vocab_size"],
+                              eos_token_id=cfg.get("eos_token_id")) | {"max_model_len": 4}  # prompts are 16 tokens
+    with pytest.raises(QualifyError) as info:
+        run_vllm(request)
+    message = str(info.value)
+    assert "\n" not in message and "vLLM capture at TP1 failed" in message and "full log: " in message
+    log = message.rsplit("full log: ", 1)[1].rstrip(")")
+    assert len(Path(log).read_text().splitlines()) > 1

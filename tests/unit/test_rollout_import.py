@@ -9,7 +9,7 @@ import torch
 
 from qualify.errors import EvidenceError
 from qualify.manifest import sha256_file
-from qualify.rollout.capture import ROLLOUT_FILE, import_rollout, last_error_line, load_rollout, model_digest
+from qualify.rollout.capture import ROLLOUT_FILE, import_rollout, load_rollout, model_digest
 from qualify.stages import complete_stage, prepare_stage, stage_is_complete
 from qualify.store import write_json, write_tensors
 
@@ -72,11 +72,3 @@ def test_model_digest_follows_weights_not_path_or_seal(tmp_path):
     assert model_digest(tmp_path / "a") == model_digest(tmp_path / "b")
     (tmp_path / "b" / "model.safetensors").write_bytes(b"weightz")
     assert model_digest(tmp_path / "a") != model_digest(tmp_path / "b")
-
-
-def test_child_failure_is_one_line_naming_the_error():
-    log = "INFO starting\nTraceback (most recent call last):\n  File \"x.py\", line 1\n" \
-          "ValueError: max_model_len 4 is too small\nINFO shutting down\n"
-    assert last_error_line(log) == "ValueError: max_model_len 4 is too small"
-    assert last_error_line("just this\n\n") == "just this"
-    assert last_error_line("") == "no output"
