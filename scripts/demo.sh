@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job: reference -> freeze -> candidate -> verify -> report on a matrix (default: the
+# The main job: reference -> freeze -> candidate -> verify -> report (terminal, HTML, JUnit) on a matrix (default: the
 # embedded tiny Qwen3). Every stage resumes: rerunning skips what is complete and verified.
 set -uo pipefail
 matrix=${1:-matrices/tiny-qwen3.yaml}
@@ -13,7 +13,14 @@ step "$q" freeze "$run" || exit $?
 step "$q" candidate "$matrix" --run "$run"; verdict=$?
 [ "$verdict" -le 1 ] || exit "$verdict"
 step "$q" verify "$run/acceptance/acceptance.json" || exit $?
-step "$q" report "$run"
+step "$q" report "$run"; report=$?
+# The same verified summary as a self-contained HTML page (plots inline) and as JUnit XML for CI.
+step "$q" report "$run" --format html --out "$run/report.html"
+step "$q" report "$run" --format junit --out "$run/junit.xml"
 echo
 echo "main job finished in $(( $(date +%s) - start )) s: candidates $([ "$verdict" -eq 0 ] && echo PASSED || echo FAILED)"
-exit "$verdict"
+echo "HTML report: $run/report.html  JUnit: $run/junit.xml"
+[ "$report" -le 1 ] || exit "$report"
+# the report exits 1 when the evidence does not verify, even where the candidate stage passed
+[ "$verdict" -ne 0 ] && exit "$verdict"
+exit "$report"
