@@ -21,6 +21,7 @@ from typing import Any
 
 from qualify.errors import EvidenceError, ManifestError
 from qualify.hashing import CHUNK_BYTES, Hashes, default_jobs, hash_path, start_hashing
+from qualify.schema import show
 from qualify.store import read_json, write_json
 
 __all__ = ["CHUNK_BYTES", "MANIFEST_SCHEMA", "FileEntry", "Modified", "VerifyReport", "build_manifest",
@@ -230,14 +231,18 @@ def create_manifest(root: Path, out: Path, *, jobs: int | None = None, progress:
 def _check_entry(path: Path, index: int, entry: Any) -> None:
     """One file entry: exactly path, bytes, sha256, each well-formed."""
     if not isinstance(entry, dict) or entry.keys() != _ENTRY_KEYS:
-        raise ManifestError(f"{path}: files[{index}]: malformed entry {entry!r} (keys: bytes, path, sha256)")
-    check_relative(entry["path"])
+        raise ManifestError(f"{path}: files[{index}]: malformed entry {show(entry)} (keys: bytes, path, sha256)")
+    try:
+        check_relative(entry["path"])
+    except ManifestError as exc:
+        raise ManifestError(f"{path}: files[{index}].path: {exc}") from exc
     size, sha = entry["bytes"], entry["sha256"]
     if type(size) is not int or size < 0:
-        raise ManifestError(f"{path}: files[{index}] ({entry['path']}): bytes must be an integer >= 0, got {size!r}")
+        raise ManifestError(f"{path}: files[{index}] ({entry['path']}): bytes must be an integer >= 0, "
+                            f"got {show(size)}")
     if not isinstance(sha, str) or not _SHA256_HEX.fullmatch(sha):
         raise ManifestError(f"{path}: files[{index}] ({entry['path']}): sha256 must be 64 lowercase hex digits, "
-                            f"got {sha!r}")
+                            f"got {show(sha)}")
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:
