@@ -165,7 +165,7 @@ def verification_lines(v: dict[str, Any]) -> list[str]:
 
 
 def _ratio(value: Any) -> str:
-    return "" if value is None else value if isinstance(value, str) else f"{value:.3g}"
+    return "" if value is None else f"{value:.3g}" if isinstance(value, (int, float)) else str(value)
 
 
 def exit_code(summary: dict[str, Any]) -> int:

@@ -51,7 +51,10 @@ def number(v: Any) -> float:
     """A verdict number: floats, or 'inf'/'nan' strings for non-finite values."""
     if isinstance(v, bool) or not isinstance(v, (int, float, str)):
         raise TypeError(f"not a number: {v!r}")
-    return float(v)
+    try:
+        return float(v)
+    except ValueError:
+        raise ValueError(f"not a number: {v!r}") from None
 
 
 def acceptance_problems(layout: RunLayout, reference: dict[str, Any], acceptance: dict[str, Any] | None) -> list[str]:

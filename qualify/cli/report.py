@@ -71,7 +71,8 @@ def render(format: ReportFormat, docs: RunDocs, summary: dict[str, Any]) -> byte
         from qualify.junit import to_junit
         from qualify.report_verify import readable
 
-        verdict = docs.verdict if readable(docs.verdict) else None
+        # the verdict's testcases only when it verified; otherwise the failing verification says why
+        verdict = docs.verdict if summary["verification"]["ok"] and readable(docs.verdict) else None
         return to_junit(verdict, name=summary["matrix"], problems=summary["verification"]["problems"],
                         rounds=summary["rounds"])
     from qualify.report import to_markdown

@@ -19,9 +19,11 @@ from qualify.report_verify import readable
 def to_html(docs: RunDocs, summary: dict[str, Any]) -> str:
     """The whole page as a string."""
     cases = (summary["candidates"] or {}).get("cases", {})
-    rows = docs.verdict["rows"] if readable(docs.verdict) else []
+    verified = summary["verification"]["ok"]
+    # numbers of a verdict that does not verify are neither plotted nor tabled: they are not evidence
+    rows = docs.verdict["rows"] if verified and readable(docs.verdict) else []
     parts = [page.banner(summary), page.verification(summary["verification"])]
-    if cases:
+    if cases and verified:
         grid_rows, grid_cols, cells = data.heatmap_cells(cases)
         families, ratios = data.family_ratios(rows)
         parts += [page.figure("Case matrix", heatmap(grid_rows, grid_cols, cells), "heatmap"),
@@ -33,7 +35,6 @@ def to_html(docs: RunDocs, summary: dict[str, Any]) -> str:
         parts.append(page.mapping_section("Coverage", "coverage", docs.reference["coverage"]))
     parts.append(page.rounds_section(summary["rounds"]))
     bounds = data.bound_docs(docs)
-    verified = summary["verification"]["ok"]
     if cases:
         parts.append(page.cases_overview(cases, verified))
     parts += [page.case_section(name, c, [data.row_view(r, bounds) for r in rows if r["case"] == name], verified)

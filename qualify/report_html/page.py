@@ -93,7 +93,10 @@ def case_section(name: str, case: dict[str, Any], rows: list[dict[str, Any]], ve
     body = [[r["comparison"], r["tensor"], r["metric"], r["value"], r["bound"], r["ratio"], r["set_by"],
              "ok" if r["passed"] else "FAIL", r.get("note", "")] for r in rows]
     classes = ["failed" if not r["passed"] else "near" if r["ratio_value"] >= NEAR else "" for r in rows]
-    outcome = ("PASS" if case["passed"] else "FAIL") if verified else "unverified"
+    if not verified:
+        return (f'<section class="case" id="case-{escape(name)}" data-case="{escape(name)}"><p>{escape(name)}: '
+                "rows not shown: the evidence does not verify</p></section>")
+    outcome = "PASS" if case["passed"] else "FAIL"
     return (f'<section class="case" id="case-{escape(name)}" data-case="{escape(name)}">'
             f'<details{"" if case["passed"] else " open"}><summary>{escape(name)}: {outcome}, '
             f'{case["num_checks"]} checks, {case["num_failed"]} failed</summary>'

@@ -9,10 +9,10 @@ import re
 
 import numpy as np
 
-from qualify.report import load_docs, summarize_docs
+from qualify.report import load_docs, summarize_docs, to_markdown
 from qualify.report_html import to_html
 from qualify.report_html.plots import delta_histogram, family_bars, heatmap
-from qualify.report_verify import verify_run
+from qualify.report_verify import Verification, verify_run
 from tests.unit.test_report_verify import CASE, make_run, row, verdict
 
 # anything that could fetch: scripts, stylesheets, frames, and references that are neither '#id' nor 'data:'
@@ -20,9 +20,12 @@ EXTERNAL = re.compile(r"""<script|<link|<iframe|@import|(?:href|src)\s*=\s*(?!["
                       re.IGNORECASE)
 
 
-def page_of(run) -> tuple[str, dict]:
+def page_of(run, verification: Verification | None = None) -> tuple[str, dict]:
+    """The page of a run, verified for real unless a verification outcome is given (to render a verified page of
+    hand-made data: real verification needs real evidence, see tests/integration/test_html_report.py)."""
     docs = load_docs(run)
-    summary = summarize_docs(docs, verify_run(docs.layout, docs.reference, docs.acceptance, docs.verdict, docs.rounds))
+    verification = verification or verify_run(docs.layout, docs.reference, docs.acceptance, docs.verdict, docs.rounds)
+    summary = summarize_docs(docs, verification)
     return to_html(docs, summary), summary
 
 
@@ -37,7 +40,8 @@ def test_unverified_verdict_gets_no_pass_banner(tmp_path):
 
 
 def test_page_is_self_contained(tmp_path):
-    html, _ = page_of(make_run(tmp_path, verdict()))
+    html, summary = page_of(make_run(tmp_path, verdict()), Verification(("hand-made data",), ()))
+    assert summary["status"] == "PASSED" and 'data-status="PASSED"' in html
     assert not EXTERNAL.search(html), EXTERNAL.search(html)
     for fetching in ('<script src="https://cdn.example/plot.js">', '<image href="http://x/a.png"/>',
                      "<style>body { background: url(https://x/bg.png) }</style>", "<use xlink:href='file:///etc'/>"):
@@ -60,3 +64,13 @@ def test_plots_are_deterministic_svg_without_external_references():
         first, second = make(), make()
         assert first.startswith("<svg") and first == second
         assert "<metadata" not in first and not EXTERNAL.search(first)
+
+
+def test_unverified_numbers_are_not_plotted_and_garbage_does_not_crash(tmp_path):
+    v = verdict([row(0.5), row(0.25, tensor="grads/lm_head.weight") | {"value": "0.25x"}])
+    v["cases"][CASE]["worst"] = {"tensor": "outputs/loss", "ratio": [1]}
+    html, summary = page_of(make_run(tmp_path, v))
+    assert summary["status"] == "NOT VERIFIED" and "not a number" in html
+    assert "<svg" not in html.split('id="rollout"')[0]  # no heatmap, no family bars of unverified numbers
+    assert "rows not shown: the evidence does not verify" in html
+    assert "[1]" in to_markdown(summary)

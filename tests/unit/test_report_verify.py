@@ -204,3 +204,16 @@ def test_report_out_into_a_missing_directory_is_a_usage_error(tmp_path):
     result = CliRunner().invoke(app, ["report", str(run), "--out", str(tmp_path / "nope" / "r.md")])
     assert result.exit_code == 2
     assert "does not exist" in result.output
+
+
+def test_junit_of_an_unverified_run_has_no_passing_candidate_testcases(tmp_path):
+    from junitparser import JUnitXml
+
+    run = make_run(tmp_path, verdict())
+    out = tmp_path / "junit.xml"
+    result = CliRunner().invoke(app, ["report", str(run), "--format", "junit", "--out", str(out)])
+    assert result.exit_code == 1, result.output
+    suites = list(JUnitXml.fromfile(str(out)))
+    assert [s.name for s in suites] == ["qualify tiny: verification"]
+    (tc,) = list(suites[0])
+    assert not tc.is_passed and "no acceptance" in tc.result[0].text
