@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +98,22 @@ def read_json(path: Path) -> Any:
         raise EvidenceError(f"malformed JSON in {path}: {str(exc).splitlines()[0][:200]}") from exc
     except OSError as exc:
         raise EvidenceError(f"cannot read {path}: {exc.strerror}") from exc
+
+
+def read_json_object(path: Path, what: str, required: Iterable[str] = ()) -> dict[str, Any]:
+    """Read a JSON file that must hold an object with the required keys (a reference summary, an acceptance).
+
+    Anything else is an EvidenceError naming the file, what it should be and the first missing key, so a
+    caller indexes the keys it named without a KeyError.
+    """
+    document = read_json(path)
+    if not isinstance(document, dict):
+        raise EvidenceError(f"{path}: not a {what} (a JSON {type(document).__name__}, not an object)")
+    missing = [key for key in required if key not in document]
+    if missing:
+        raise EvidenceError(f"{path}: not a {what}: no '{missing[0]}' key"
+                            + (f" (nor {', '.join(repr(k) for k in missing[1:])})" if missing[1:] else ""))
+    return document
 
 
 def write_tensors(path: Path, tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import stat
 import subprocess
@@ -18,6 +19,7 @@ from qualify.store import (
     atomic_write_bytes,
     dumps_json,
     read_json,
+    read_json_object,
     read_tensors,
     write_json,
     write_tensors,
@@ -207,3 +209,17 @@ def test_read_json_of_hostile_json(tmp_path, content, expected):
     with pytest.raises(EvidenceError, match=expected) as info:
         read_json(path)
     assert "\n" not in str(info.value) and len(str(info.value)) < 400
+
+
+@pytest.mark.parametrize("content, expected", [
+    ("[1, 2]", "x.json: not a reference summary (a JSON list, not an object)"),
+    ('{"controls": []}', "x.json: not a reference summary: no 'matrix' key (nor 'rollout_digest')"),
+    ('{"controls": [], "rollout_digest": "d"}', "x.json: not a reference summary: no 'matrix' key"),
+])
+def test_read_json_object_names_the_missing_key(tmp_path, content, expected):
+    path = tmp_path / "x.json"
+    path.write_text(content)
+    with pytest.raises(EvidenceError, match=re.escape(expected)):
+        read_json_object(path, "reference summary", ("matrix", "controls", "rollout_digest"))
+    path.write_text('{"matrix": {}, "controls": [], "rollout_digest": "d", "more": 1}')
+    assert read_json_object(path, "reference summary", ("matrix", "controls", "rollout_digest"))["more"] == 1
