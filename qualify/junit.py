@@ -16,13 +16,20 @@ from typing import Any
 
 BOUND_RULE = "value <= bound; bound = k * control_error + floor + quantum, frozen per (role, tensor, metric)"
 FAMILY_IN_COMPARISON = re.compile(r"\[(?P<family>[^\]]+)\]$")
+STEP_PREFIX = re.compile(r"^step(?P<step>[0-9]+)/")
+
+
+def step_of(row: dict[str, Any]) -> int | None:
+    """The optimizer step a row judges ('step<k>/' tensors of a multi-step case), None for a step-less row."""
+    m = STEP_PREFIX.match(row["tensor"])
+    return None if m is None else int(m["step"])
 
 
 def check_group(row: dict[str, Any]) -> str:
-    """The tensor family (outputs, grads, updates, moments) or check group (evidence, run) of a row."""
+    """The tensor family (outputs, grads, updates, moments; over all steps) or check group (evidence, run)."""
     if row["comparison"] in ("run", "evidence"):
         return row["comparison"]
-    return row["tensor"].split("/", 1)[0]
+    return STEP_PREFIX.sub("", row["tensor"]).split("/", 1)[0]
 
 
 def rule_of(row: dict[str, Any]) -> str:

@@ -1,9 +1,10 @@
 """`qualify report --format html`: one self-contained static page (inline CSS and SVG, no script, no network).
 
 Sections: a banner (PASS or FAIL only for evidence that verified, NOT VERIFIED otherwise), what was
-verified, the case matrix as a heatmap of worst value/bound, value/bound per tensor family, the
-train-vs-rollout |delta| distribution per precision, rounds, every case's rows with the bound family
-and term that set each bound, and provenance (versions, digests, host, git, platform).
+verified, the case matrix as a heatmap of worst value/bound (and one per optimizer step for
+multi-step cases), value/bound per tensor family, the train-vs-rollout |delta| distribution per
+precision, rounds, every case's rows with the bound family and term that set each bound, and
+provenance (versions, digests, host, git, platform).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 from qualify.report import RunDocs
 from qualify.report_html import data, page
 from qualify.report_html.plots import delta_histogram, family_bars, heatmap
+from qualify.report_html.steps import step_cells
 from qualify.report_verify import readable
 
 
@@ -26,9 +28,12 @@ def to_html(docs: RunDocs, summary: dict[str, Any]) -> str:
     if cases and verified:
         grid_rows, grid_cols, cells = data.heatmap_cells(cases)
         families, ratios = data.family_ratios(rows)
-        parts += [page.figure("Case matrix", heatmap(grid_rows, grid_cols, cells), "heatmap"),
-                  page.figure("value/bound per tensor family", family_bars(list(cases), families, ratios),
-                              "families")]
+        parts.append(page.figure("Case matrix", heatmap(grid_rows, grid_cols, cells), "heatmap"))
+        step_rows, step_cols, step_grid = step_cells(rows)
+        if step_grid:
+            parts.append(page.figure("Per optimizer step", heatmap(step_rows, step_cols, step_grid), "steps"))
+        parts.append(page.figure("value/bound per tensor family", family_bars(list(cases), families, ratios),
+                                 "families"))
     deltas = data.rollout_deltas(docs)
     parts.append(page.rollout_section(summary, delta_histogram(deltas) if deltas else None))
     if docs.reference.get("coverage") is not None:

@@ -102,3 +102,13 @@ def test_groups_and_rules():
     assert check_group({"comparison": "run", "tensor": "case"}) == "run"
     assert "run to completion" in rule_of({"comparison": "run", "metric": "exit"})
     assert "names, shapes and dtypes" in rule_of({"comparison": "vs ref bf16-r0 [bf16-repeat]", "metric": "structure"})
+
+
+def test_steps_are_grouped_into_their_tensor_family(tmp_path):
+    a = CASES[0]
+    rows = [row(a, "vs ref fp32-r0 [fp32-repeat]", f"step{k}/grads/lm_head.weight", "max_abs", v, 1e-6)
+            for k, v in ((0, 1e-7), (1, 5e-6))]
+    xml = parse(to_junit({"cases": {a: {"passed": False}}, "rows": rows}, name="tiny"), tmp_path)
+    (tc,) = list(next(iter(xml)))
+    assert tc.name == "grads" and "1 of 2 checks failed" in tc.result[0].message
+    assert "step1/grads/lm_head.weight max_abs" in tc.result[0].text

@@ -74,3 +74,15 @@ def test_unverified_numbers_are_not_plotted_and_garbage_does_not_crash(tmp_path)
     assert "<svg" not in html.split('id="rollout"')[0]  # no heatmap, no family bars of unverified numbers
     assert "rows not shown: the evidence does not verify" in html
     assert "[1]" in to_markdown(summary)
+
+
+def test_per_step_heatmap_cells_only_for_multi_step_cases():
+    from qualify.report_html.steps import step_cells
+
+    def r(step, value, bound=1.0, passed=True, case=CASE):
+        return row(value, bound, passed, tensor=f"step{step}/grads/w", case=case)
+
+    assert step_cells([row(0.5), r(0, 0.5)]) == ([], [], {})  # one step: the case heatmap says it all
+    cases, steps, cells = step_cells([r(0, 0.5), r(0, 0.25), r(1, 2.0, passed=False), r(1, 3.0) | {"bound": 0.0, "ratio": "inf"}])
+    assert cases == [CASE] and steps == ["step 0", "step 1"]
+    assert cells == {(CASE, "step 0"): (0.5, True), (CASE, "step 1"): (2.0, False)}  # bound-0 rows: not a ratio
