@@ -1,12 +1,18 @@
 """Sampler-formula logprobs of given tokens, chunked so that no [tokens, vocab] fp32 tensor exists.
 
-The formula is vLLM's 'processed_logprobs' (vllm/v1/sample/sampler.py, no top-k/top-p):
+The full formula is vLLM's 'processed_logprobs' with top-k/top-p/min-p off (vllm/v1/sample/sampler.py):
 logits.to(float32), in-place division by a float32 temperature tensor on the logits' device,
 log_softmax(dim=-1, dtype=float32), gather. The chunked version is bitwise equal to it in the
 forward and recomputes the softmax chunk by chunk in the backward.
+
+processed_logprobs adds the truncation vLLM's CPU sampler applies after the temperature (min-p,
+then top-k and top-p) and renormalizes over the kept set, in the same fp32 operations; it is
+forward-only evidence.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -135,3 +141,124 @@ def naive_sampler_logprobs(
     z_BTV.div_(_temperature_11(temperature, logits_BTV.device))
     logp_BTV = z_BTV.log_softmax(dim=-1, dtype=z_BTV.dtype)
     return logp_BTV.gather(-1, tokens_BT.long()[..., None])[..., 0]
+
+
+# --- vLLM's processed logprobs under min-p, top-k and top-p (forward only) ---------------------------
+
+
+class ProcessedLogprobs(NamedTuple):
+    """Per-token evidence of the sampler's processed logprobs; every field has the tokens' shape."""
+
+    processed: torch.Tensor
+    """fp32: log_softmax over the kept set (renormalized); -inf for a token outside it."""
+    full: torch.Tensor
+    """fp32: log_softmax over the whole vocabulary (the full formula, bitwise sampler_logprobs)."""
+    log_kept_mass: torch.Tensor
+    """fp32: log of the kept set's full-vocabulary probability (<= 0; exactly 0 when nothing is cut)."""
+    kept_size: torch.Tensor
+    """int64: number of tokens in the kept set."""
+
+
+def _fp32_11(value: float, device: torch.device) -> torch.Tensor:
+    """A sampling parameter as vLLM's input batch holds it: a float32 tensor on the logits' device."""
+    return torch.full((1, 1), value, dtype=torch.float32, device=device)
+
+
+def truncation_is_off(vocab_size: int, top_k: int, top_p: float, min_p: float) -> bool:
+    """True when vLLM applies no min-p, top-k or top-p: its input batch treats top_k outside
+    (0, vocab) as off, top_p >= 1 as off, and min_p == 0 as off."""
+    return not (0 < top_k < vocab_size) and top_p >= 1 and min_p == 0
+
+
+def _mask_min_p_(z_CV: torch.Tensor, min_p: float) -> None:
+    """vLLM's MinPLogitsProcessor.apply: drop tokens whose probability is below min_p x the largest."""
+    probs_CV = torch.nn.functional.softmax(z_CV, dim=-1)
+    adjusted_C1 = torch.amax(probs_CV, dim=-1, keepdim=True).mul_(_fp32_11(min_p, z_CV.device))
+    z_CV.masked_fill_(probs_CV < adjusted_C1, -float("inf"))
+
+
+def _mask_top_k_top_p_(z_CV: torch.Tensor, top_k: int, top_p: float) -> None:
+    """vLLM's apply_top_k_top_p_pytorch (the CPU path, no Triton), for one (top_k, top_p) on every row.
+
+    top-k keeps every token >= the k-th largest value (ties at the boundary are all kept). top-p
+    sorts ascending with torch's (unstable) sort, takes the fp32 softmax of the sorted row and its
+    cumsum, and drops the prefix whose cumsum is <= 1 - p, never the largest token: which of several
+    tokens tied at the top-p boundary survive is the sort's order, exactly as in vLLM when the row
+    is bitwise the same; the kept size and mass do not depend on it.
+    """
+    vocab = z_CV.shape[-1]
+    use_k = 0 < top_k < vocab
+    if top_p >= 1:  # vLLM's apply_top_k_only: no sort
+        kth_C1 = z_CV.topk(top_k, dim=-1).values[:, -1:]
+        z_CV.masked_fill_(z_CV < kth_C1, -float("inf"))
+        return
+    sort_CV, idx_CV = z_CV.sort(dim=-1, descending=False)
+    if use_k:
+        kth_C1 = sort_CV.gather(1, torch.full_like(idx_CV[:, :1], vocab - top_k))
+        sort_CV.masked_fill_(sort_CV < kth_C1, -float("inf"))
+    probs_sort_CV = sort_CV.softmax(dim=-1)
+    probs_sum_CV = torch.cumsum(probs_sort_CV, dim=-1, out=probs_sort_CV)
+    top_p_mask_CV = probs_sum_CV <= 1 - _fp32_11(top_p, z_CV.device)
+    top_p_mask_CV[:, -1] = False  # at least one token
+    sort_CV.masked_fill_(top_p_mask_CV, -float("inf"))
+    z_CV.scatter_(dim=-1, index=idx_CV, src=sort_CV)
+
+
+def _processed_rows(logits_CV, tokens_C, temp_11, vocab_size: int, top_k: int, top_p: float, min_p: float):
+    """(processed, full, log_kept_mass, kept_size) of a block of rows; its (C, V) buffers are freed on return."""
+    z_CV = logits_CV[:, :vocab_size].to(torch.float32, copy=True)
+    z_CV.div_(temp_11)
+    full_logp_CV = z_CV.log_softmax(dim=-1, dtype=torch.float32)
+    full_C = full_logp_CV.gather(-1, tokens_C[:, None])[:, 0]
+    if truncation_is_off(vocab_size, top_k, top_p, min_p):
+        size_C = torch.full_like(tokens_C, vocab_size)
+        return full_C, full_C, torch.zeros_like(full_C), size_C
+    if min_p > 0:
+        _mask_min_p_(z_CV, min_p)
+    if 0 < top_k < vocab_size or top_p < 1:
+        _mask_top_k_top_p_(z_CV, top_k, top_p)
+    kept_CV = z_CV != -float("inf")
+    size_C = kept_CV.sum(dim=-1)
+    processed_C = z_CV.log_softmax(dim=-1, dtype=torch.float32).gather(-1, tokens_C[:, None])[:, 0]
+    kept_mass_C = torch.logsumexp(full_logp_CV.masked_fill_(~kept_CV, -float("inf")), dim=-1)
+    # The whole vocabulary is kept: its mass is 1, not the rounding of a sum of V probabilities.
+    kept_mass_C = torch.where(size_C == vocab_size, 0.0, kept_mass_C)
+    return processed_C, full_C, kept_mass_C, size_C
+
+
+@torch.no_grad()
+def processed_logprobs(
+    logits_BTV: torch.Tensor,
+    tokens_BT: torch.Tensor,
+    *,
+    temperature: float,
+    top_k: int = -1,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    chunk_tokens: int,
+    vocab_size: int | None = None,
+) -> ProcessedLogprobs:
+    """vLLM's processed logprobs of tokens_BT under temperature, min-p, top-k and top-p, chunk by chunk.
+
+    The order is vLLM's sampler (vllm/v1/sample/sampler.py, CPU path), all in fp32:
+        z = fp32(logits[b, t, :V]) / fp32(T)                       # Sampler.apply_temperature
+        z[p < min_p * max p] = -inf,  p = softmax(z)                # MinPLogitsProcessor (argmax invariant)
+        z[z < k-th largest] = -inf; sorted top-p cut of the rest    # apply_top_k_top_p_pytorch
+        processed = log_softmax(z)[token]   full = log_softmax(fp32(logits) / fp32(T))[token]
+    top_k -1 (or >= V), top_p 1 and min_p 0 are off; with all three off processed is bitwise full,
+    and full is bitwise sampler_logprobs. log_kept_mass = log sum_{kept} exp(full), so that
+    full - processed = log_kept_mass for a kept token (up to rounding). logits_BTV is (B, T, Vpad)
+    in any float dtype; columns beyond vocab_size are tensor-parallel padding. At most a few
+    (chunk_tokens, V) fp32 buffers exist at a time. On GPU vLLM samples top-k/top-p with a Triton
+    kernel whose top-p boundary is searched, not sorted: there the kept set may differ at the boundary.
+    """
+    assert chunk_tokens >= 1, chunk_tokens
+    padded_vocab = logits_BTV.shape[-1]
+    vocab_size = padded_vocab if vocab_size is None else vocab_size
+    assert 0 < vocab_size <= padded_vocab, (vocab_size, padded_vocab)
+    assert 0 < top_p <= 1 and 0 <= min_p < 1 and (top_k == -1 or top_k >= 1), (top_k, top_p, min_p)
+    temp_11 = _temperature_11(temperature, logits_BTV.device)
+    logits_NV, tokens_N = logits_BTV.reshape(-1, padded_vocab), tokens_BT.reshape(-1).long()
+    parts = [_processed_rows(logits_NV[s:s + chunk_tokens], tokens_N[s:s + chunk_tokens], temp_11, vocab_size,
+                             top_k, top_p, min_p) for s in range(0, logits_NV.shape[0], chunk_tokens)]
+    return ProcessedLogprobs(*(torch.cat(column).view(tokens_BT.shape) for column in zip(*parts, strict=True)))
