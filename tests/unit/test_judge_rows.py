@@ -1,0 +1,215 @@
+"""The judge row by row: the threshold itself, the replay target, and the rows a broken candidate leaves.
+
+Each test names the row (tensor, metric) that must fail or pass, rather than trusting any failing
+row: a check that stopped working would otherwise hide behind another one that still fails.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from qualify.candidate.judge import Row, evidence_rows, judge_pair
+from qualify.compare import RunTensors
+from qualify.freeze import bound_entry
+from tests.unit._runs import OPT, adamw_run, params, role_run
+
+FLOORS = {"logprob": 2.0 ** -20, "grad": 2.0 ** -22, "update": 2.0 ** -20, "moment": 2.0 ** -26,
+          "relative": 2.0 ** -20, "loss": 2.0 ** -20, "grad_norm": 2.0 ** -20}
+
+
+def one_tensor_runs(value: float) -> tuple[RunTensors, RunTensors]:
+    """(candidate, reference) holding one logprob tensor; the candidate is off by value at one element."""
+    ref = torch.zeros(2, 3)
+    cand = ref.clone()
+    cand[1, 2] = value
+    return (RunTensors({"logprobs_BT": cand}, {}, {}, {}, {}), RunTensors({"logprobs_BT": ref}, {}, {}, {}, {}))
+
+
+def judge_one(value: float, bound: dict) -> Row:
+    cand, ref = one_tensor_runs(value)
+    [row] = judge_pair("c", "actor", "x", cand, ref, {"outputs/logprobs_BT": {"max_abs": bound}}, {}, OPT)
+    return row
+
+
+# bound = 3 * 2^-12 + 2^-20: exactly representable in float32, so a candidate can sit exactly on it.
+BOUND = bound_entry("logprob", 2.0 ** -12, 3.0, FLOORS)
+EXACT = BOUND["bound"]
+ABOVE = float(torch.nextafter(torch.tensor(EXACT, dtype=torch.float32), torch.tensor(1.0)))
+BELOW = float(torch.nextafter(torch.tensor(EXACT, dtype=torch.float32), torch.tensor(0.0)))
+
+
+def test_the_bound_is_representable():
+    assert EXACT == 3 * 2.0 ** -12 + 2.0 ** -20 == float(torch.tensor(EXACT, dtype=torch.float32))
+    assert BELOW < EXACT < ABOVE < 1.01 * EXACT
+
+
+@pytest.mark.parametrize("value, passed", [(0.0, True), (0.5 * EXACT, True), (BELOW, True), (EXACT, True),
+                                           (ABOVE, False), (1.5 * EXACT, False), (-ABOVE, False), (-EXACT, True)])
+def test_a_candidate_passes_up_to_its_bound_and_fails_just_above(value, passed):
+    row = judge_one(value, BOUND)
+    assert (row.tensor, row.metric, row.value, row.bound, row.passed) == (
+        "outputs/logprobs_BT", "max_abs", abs(value), EXACT, passed)
+    assert row.note == ""
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_non_finite_candidate_row_fails_and_says_why(bad):
+    row = judge_one(bad, BOUND)
+    assert not row.passed and math.isinf(row.value) and row.note == "NaN or Inf in candidate"
+
+
+def test_row_ratio_and_json():
+    assert Row("c", "actor", "x", "t", "m", 1.0, 4.0, True).ratio == 0.25
+    assert Row("c", "actor", "x", "t", "m", 0.0, 0.0, True).ratio == 0.0
+    assert Row("c", "actor", "x", "t", "m", 1e-9, 0.0, False).ratio == math.inf
+    assert Row("c", "actor", "cmp", "t", "m", math.inf, 2.0, False, "why").to_json() == {
+        "case": "c", "role": "actor", "comparison": "cmp", "tensor": "t", "metric": "m", "value": "inf",
+        "bound": 2.0, "passed": False, "note": "why", "ratio": "inf"}
+    assert Row("c", "actor", "x", "t", "m", 3.0, 0.0, False).to_json()["ratio"] == "inf"
+    assert Row("c", "actor", "x", "t", "m", 1.0, 2.0, True).to_json()["ratio"] == 0.5
+
+
+# --- updates and moments ------------------------------------------------------------------------------------------
+
+def tight_bounds(ref: RunTensors) -> dict:
+    """Bounds of a tiny control error for every tensor of ref, the update checks included."""
+    bounds: dict = {}
+    for group, kind in (("outputs", None), ("grads", "grad"), ("moments", "moment")):
+        for name in getattr(ref, group):
+            k = kind or {"logprobs_BT": "logprob", "loss": "loss", "grad_norm": "grad_norm"}[name]
+            bounds[f"{group}/{name}"] = {"max_abs": bound_entry(k, 1e-9, 4.0, FLOORS)}
+            if group != "outputs":
+                bounds[f"{group}/{name}"]["rel_l2"] = bound_entry("relative", 1e-9, 4.0, FLOORS)
+    for name in ref.updates:
+        bounds[f"updates/{name}"] = {"resolved_max_abs": bound_entry("update", 1e-9, 4.0, FLOORS),
+                                     "replay_max_abs": bound_entry("update", 2e-10, 4.0, FLOORS)}
+    return bounds
+
+
+def failed(rows: list[Row]) -> set[tuple[str, str]]:
+    return {(r.tensor, r.metric) for r in rows if not r.passed}
+
+
+def with_(run: RunTensors, **groups) -> RunTensors:
+    parts = {g: {**getattr(run, g), **groups.get(g, {})} for g in ("outputs", "grads", "updates", "moments")}
+    return RunTensors(parts["outputs"], parts["grads"], parts["updates"], parts["moments"], {})
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return role_run("actor", 0.0)
+
+
+def test_the_reference_against_itself_passes_every_row(ref):
+    rows = judge_pair("c", "actor", "x", ref, ref, tight_bounds(ref), params(), OPT)
+    assert failed(rows) == set() and len(rows) == sum(len(v) for v in tight_bounds(ref).values())
+    replay = {r.tensor: r.value for r in rows if r.metric == "replay_max_abs"}
+    assert set(replay) == {"updates/w", "updates/b"} and all(0 <= v < 2.0 ** -21 for v in replay.values())  # fp32 rounding
+
+
+def test_a_corrupted_update_fails_its_resolved_and_replay_rows(ref):
+    cand = with_(ref, updates={"w": ref.updates["w"] * 1.5})  # the step of a 1.5x learning rate, same moments
+    assert failed(judge_pair("c", "actor", "x", cand, ref, tight_bounds(ref), params(), OPT)) == {
+        ("updates/w", "resolved_max_abs"), ("updates/w", "replay_max_abs")}
+
+
+def test_corrupted_moments_fail_the_replay_of_the_candidates_own_moments(ref):
+    """The update is the reference's, the moments are not what produced it: only a replay of the
+    candidate's own moments sees that (a replay of the reference's would pass)."""
+    cand = with_(ref, moments={"exp_avg_sq/w": ref.moments["exp_avg_sq/w"] * 4})
+    assert failed(judge_pair("c", "actor", "x", cand, ref, tight_bounds(ref), params(), OPT)) == {
+        ("updates/w", "replay_max_abs"), ("moments/exp_avg_sq/w", "max_abs"), ("moments/exp_avg_sq/w", "rel_l2")}
+
+
+def test_a_self_consistent_step_from_other_gradients_passes_replay_and_fails_the_gradients(ref):
+    """Gradients scaled by 1.3: AdamW of them is self-consistent (replay passes), the moments and
+    gradients are off, and the update barely moves (Adam normalizes the scale away)."""
+    grads = {n: g * 1.3 for n, g in ref.grads.items()}
+    updates, moments = adamw_run(params(), grads)
+    cand = RunTensors(dict(ref.outputs), grads, updates, moments, {})
+    bad = failed(judge_pair("c", "actor", "x", cand, ref, tight_bounds(ref), params(), OPT))
+    assert not {m for t, m in bad if m == "replay_max_abs"}
+    assert {("grads/w", "max_abs"), ("grads/b", "rel_l2"), ("moments/exp_avg/w", "max_abs"),
+            ("moments/exp_avg_sq/b", "rel_l2")} <= bad
+
+
+def test_the_resolved_update_uses_the_frozen_exp_avg_bound_as_tau(ref):
+    """Flip the update of the one element without gradient (w[0, 0]): a sign the reference does not
+    resolve. Judged with the frozen tau it passes; with tau below that element's |exp_avg| it fails."""
+    flipped = ref.updates["w"].clone()
+    flipped.view(-1)[0] = -flipped.view(-1)[0] + 1e-3
+    cand = with_(ref, updates={"w": flipped})
+    assert ref.moments["exp_avg/w"].view(-1)[0] == 0.0
+    bounds = tight_bounds(ref)
+    [row] = [r for r in judge_pair("c", "actor", "x", cand, ref, bounds, params(), OPT)
+             if (r.tensor, r.metric) == ("updates/w", "resolved_max_abs")]
+    assert row.passed and row.value == 0.0
+
+
+def test_a_bound_without_a_value_is_a_failing_row(ref):
+    bounds = tight_bounds(ref) | {"grads/ghost": {"max_abs": bound_entry("grad", 0.0, 4.0, FLOORS)}}
+    [row] = [r for r in judge_pair("c", "actor", "x", ref, ref, bounds, params(), OPT) if r.tensor == "grads/ghost"]
+    assert (row.metric, row.value, row.bound, row.passed, row.note) == ("max_abs", math.inf, FLOORS["grad"], False,
+                                                                        "not measured")
+
+
+def test_a_structure_problem_is_one_failing_row_in_place_of_the_metrics(ref):
+    cand = with_(ref, grads={"w": torch.zeros(3, 4)})
+    rows = [r for r in judge_pair("case", "critic", "cmp", cand, ref, tight_bounds(ref), params(), OPT)
+            if r.tensor == "grads/w"]
+    assert rows == [Row("case", "critic", "cmp", "grads/w", "structure", math.inf, 0.0, False, "shape (3, 4) != (4, 3)")]
+
+
+# --- evidence rows -------------------------------------------------------------------------------------------------
+
+GOOD = {"grad_dtypes": {"w": "float32", "b": "float32"}, "state_dtypes": {"w": "float32", "b": "float32"},
+        "replica_max_abs": {"q_norm": 0.0, "k_norm": 0.0},
+        "padded_rows": {"lm_head.weight": {"rows": 24, "changed_max_abs": 0.0}}, "extra_params": []}
+CHECKS = [("evidence/grad_buffers", "num_not_fp32"), ("evidence/optimizer_state", "num_not_fp32"),
+          ("evidence/optimizer_state", "num_params"), ("evidence/replicas", "max_abs_across_ranks"),
+          ("evidence/padded_vocab_rows", "changed_max_abs"), ("evidence/params", "num_extra")]
+
+
+def evidence(meta: dict) -> dict[tuple[str, str], Row]:
+    rows = evidence_rows("case", "actor", meta)
+    assert [(r.tensor, r.metric) for r in rows] == CHECKS
+    assert all((r.case, r.role, r.comparison, r.bound) == ("case", "actor", "evidence", 0.0) for r in rows)
+    return {(r.tensor, r.metric): r for r in rows}
+
+
+def test_good_evidence_passes_every_check_with_zero_values():
+    rows = evidence(GOOD)
+    assert all(r.passed and r.value == 0.0 for r in rows.values())
+    assert rows[("evidence/optimizer_state", "num_params")].note == "parameters without optimizer state"
+    assert rows[("evidence/replicas", "max_abs_across_ranks")].note == "q_norm"  # the first of equal maxima
+
+
+def test_empty_evidence_passes():
+    meta = {"grad_dtypes": {}, "state_dtypes": {}, "replica_max_abs": {}, "padded_rows": {}, "extra_params": []}
+    rows = evidence(meta)
+    assert all(r.passed and r.value == 0.0 for r in rows.values())
+    assert rows[("evidence/replicas", "max_abs_across_ranks")].note == ""
+
+
+@pytest.mark.parametrize("change, check, value, note", [
+    ({"grad_dtypes": {"z": "bfloat16", "w": "float32", "a": "float16", "c": "bfloat16", "d": "bfloat16"},
+      "state_dtypes": {n: "float32" for n in "zwacd"}},
+     ("evidence/grad_buffers", "num_not_fp32"), 4.0, "a, c, d"),
+    ({"state_dtypes": {"w": "bfloat16", "b": "float32"}}, ("evidence/optimizer_state", "num_not_fp32"), 1.0, "w"),
+    ({"state_dtypes": {"w": "float32"}}, ("evidence/optimizer_state", "num_params"), 1.0,
+     "parameters without optimizer state"),
+    ({"replica_max_abs": {"q_norm": 1e-9, "k_norm": 3e-9}}, ("evidence/replicas", "max_abs_across_ranks"), 3e-9,
+     "k_norm"),
+    ({"padded_rows": {"a": {"rows": 2, "changed_max_abs": 1e-3}, "b": {"rows": 2, "changed_max_abs": 2e-3}}},
+     ("evidence/padded_vocab_rows", "changed_max_abs"), 2e-3, ""),
+    ({"extra_params": ["x", "y", "z", "zz"]}, ("evidence/params", "num_extra"), 4.0, "x, y, z"),
+    ({"replica_max_abs": {"q_norm": math.nan}}, ("evidence/replicas", "max_abs_across_ranks"), math.nan, "q_norm"),
+])
+def test_each_bad_fact_fails_its_own_row_and_names_it(change, check, value, note):
+    rows = evidence(GOOD | change)
+    assert {key for key, r in rows.items() if not r.passed} == {check}
+    row = rows[check]
+    assert (row.value == value or (math.isnan(value) and math.isnan(row.value))) and row.note == note
