@@ -1,9 +1,11 @@
 """What is compared between two runs (reference controls or a candidate), tensor by tensor.
 
-A run is one role's evidence: outputs (logprobs or values, losses, grad norm), per-parameter
-FP32 gradients, AdamW updates and moments. compare_runs() measures every (tensor, metric) that
-a bound exists for; the same function makes the control errors at freeze time and judges the
-candidates, so a bound and the value it judges are always computed the same way.
+A run is one role's evidence for one optimizer step: outputs (logprobs or values, losses, grad
+norm), per-parameter FP32 gradients, AdamW updates and moments, in the role directory's
+step<k>/ (meta.json, for all steps, beside them). pair_metrics() measures every (tensor, metric)
+that a bound exists for; the same function makes the control errors at freeze time and judges the
+candidates, so a bound and the value it judges are always computed the same way. Bound keys carry
+the step: 'step<k>/<group>/<name>'.
 """
 
 from __future__ import annotations
@@ -33,14 +35,61 @@ class RunTensors:
     meta: dict[str, Any]
 
 
-def load_run(directory: Path) -> RunTensors:
-    """Read a run directory written by the reference or a candidate."""
+def step_dir(step: int) -> str:
+    return f"step{step}"
+
+
+def write_step(directory: Path, step: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Write one step's four tensor groups (full FP32 tensors in HF names) into directory."""
+    from qualify.store import write_tensors
+
+    for group in GROUPS:
+        write_tensors(Path(directory) / f"{group}.safetensors", step[group])
+
+
+def load_run(directory: Path, step: int = 0) -> RunTensors:
+    """Read one step of a role directory written by the reference or a candidate."""
     d = Path(directory)
-    return RunTensors(*(read_tensors(d / f"{g}.safetensors") for g in GROUPS), read_json(d / "meta.json"))
+    return RunTensors(*(read_tensors(d / step_dir(step) / f"{g}.safetensors") for g in GROUPS),
+                      read_json(d / "meta.json"))
+
+
+def num_steps(directory: Path) -> int:
+    """How many optimizer steps a role directory holds (from its meta.json)."""
+    return int(read_json(Path(directory) / "meta.json").get("num_steps", 1))
+
+
+def load_steps(directory: Path) -> list[RunTensors]:
+    """Every step of a role directory, in order."""
+    return [load_run(directory, k) for k in range(num_steps(directory))]
+
+
+def split_step(key: str) -> tuple[int, str]:
+    """'step2/grads/x' -> (2, 'grads/x')."""
+    head, _, rest = key.partition("/")
+    return int(head.removeprefix("step")), rest
+
+
+def with_step(step: int, metrics_by_key: dict[str, Any]) -> dict[str, Any]:
+    """Prefix every key with 'step<k>/'."""
+    return {f"{step_dir(step)}/{k}": v for k, v in metrics_by_key.items()}
+
+
+def params_before_steps(steps: list[RunTensors], initial: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """The parameters each step of a run started from: the initial ones plus that run's own earlier updates (fp64)."""
+    current = {n: t.double() for n, t in initial.items()}
+    out = []
+    for run in steps:
+        out.append(current)
+        current = {n: (t + run.updates[n].double()) if n in run.updates and run.updates[n].shape == t.shape else t
+                   for n, t in current.items()}
+    return out
 
 
 def metric_kind(key: str) -> str:
-    """Floor kind of a tensor key such as 'grads/model.norm.weight'."""
+    """Floor kind of a tensor key such as 'grads/model.norm.weight' (or 'step2/grads/...')."""
+    if key.startswith("step"):
+        key = split_step(key)[1]
     group, _, name = key.partition("/")
     if group == "outputs":
         return OUTPUT_KINDS[name]
@@ -91,10 +140,11 @@ def pair_metrics(candidate: RunTensors, reference: RunTensors,
     return out
 
 
-def replay_metrics(run: RunTensors, params_before: dict[str, torch.Tensor], optimizer: Any) -> dict[str, dict[str, float]]:
-    """Per parameter: how far the run's update is from what AdamW makes of the run's own moments."""
+def replay_metrics(run: RunTensors, params_before: dict[str, torch.Tensor], optimizer: Any,
+                   adam_step: int = 1) -> dict[str, dict[str, float]]:
+    """Per parameter: how far the run's update is from what AdamW's step adam_step makes of the run's own moments."""
     adamw = {"lr": optimizer.lr, "betas": tuple(optimizer.betas), "eps": optimizer.eps,
-             "weight_decay": optimizer.weight_decay}
+             "weight_decay": optimizer.weight_decay, "step": adam_step}
     out = {}
     for name, update in run.updates.items():
         m, v = run.moments.get(f"exp_avg/{name}"), run.moments.get(f"exp_avg_sq/{name}")

@@ -16,11 +16,20 @@ import math
 from pathlib import Path
 from typing import Any
 
-from qualify.compare import load_run, merge_max, metric_kind, pair_metrics, replay_metrics
+from qualify.compare import (
+    load_steps,
+    merge_max,
+    metric_kind,
+    pair_metrics,
+    params_before_steps,
+    replay_metrics,
+    with_step,
+)
 from qualify.errors import EvidenceError, FrozenError
 from qualify.layout import ROLES_ALL, RunLayout
 from qualify.manifest import build_manifest
 from qualify.models.checkpoint import checkpoint_tensors
+from qualify.ppo.coverage import inert
 from qualify.schema import from_dict
 from qualify.stages import require_complete, stage_info
 from qualify.store import atomic_write_bytes, dumps_json, read_json
@@ -72,10 +81,29 @@ def magnitudes(run: Any) -> dict[str, float]:
 
 def family_bounds(layout: RunLayout, role: str, family: str, controls: list[str], k: float,
                   floors: dict[str, float], params_before: dict, optimizer: Any, use_quantum: bool) -> dict[str, Any]:
-    """Bounds of one family for one role."""
+    """Bounds of one family for one role: every step's tensors, keyed 'step<k>/<group>/<name>'."""
     base_name, others = family_pairs(family, controls)
-    base = load_run(layout.scores(*base_name.split("-", 1), role))
-    runs = {name: load_run(layout.scores(*name.split("-", 1), role)) for name in others}
+    base_steps = load_steps(layout.scores(*base_name.split("-", 1), role))
+    runs = {name: load_steps(layout.scores(*name.split("-", 1), role)) for name in others}
+    if any(len(steps) != len(base_steps) for steps in runs.values()):
+        raise EvidenceError(f"{role} {family}: controls took different numbers of steps than {base_name}")
+    starts = {name: params_before_steps(steps, params_before) for name, steps in [(base_name, base_steps),
+                                                                                 *runs.items()]}
+    bounds: dict[str, dict[str, Any]] = {}
+    for step, base in enumerate(base_steps):
+        others_at = {name: steps[step] for name, steps in runs.items()}
+        step_bounds = step_family_bounds(base, others_at, family, k, floors, use_quantum,
+                                         {name: starts[name][step] for name in starts}, base_name, optimizer, step + 1)
+        bounds.update(with_step(step, step_bounds))
+    return {"schema": BOUNDS_SCHEMA, "role": role, "family": family, "reference_run": base_name,
+            "control_runs": others, "num_steps": len(base_steps), "k": k, "floors": floors, "rule": RULE,
+            "bounds": bounds}
+
+
+def step_family_bounds(base: Any, runs: dict[str, Any], family: str, k: float, floors: dict[str, float],
+                       use_quantum: bool, starts: dict[str, dict], base_name: str, optimizer: Any,
+                       adam_step: int) -> dict[str, dict[str, Any]]:
+    """Bounds of one family at one step (keys without the step prefix)."""
     errors: dict[str, dict[str, float]] = {}
     for run in runs.values():
         merge_max(errors, pair_metrics(run, base))
@@ -90,16 +118,15 @@ def family_bounds(layout: RunLayout, role: str, family: str, controls: list[str]
     for run in runs.values():
         merge_max(resolved, {k_: v for k_, v in pair_metrics(run, base, tau).items() if k_.startswith("updates/")})
     replay: dict[str, dict[str, float]] = {}
-    for run in [base, *runs.values()]:
-        merge_max(replay, replay_metrics(run, params_before, optimizer))
+    for name, run in [(base_name, base), *runs.items()]:
+        merge_max(replay, replay_metrics(run, starts[name], optimizer, adam_step))
     for source in (resolved, replay):
         for key, ms in source.items():
             # updates are fp32 master arithmetic: new - old carries one fp32 rounding step of the parameter
-            p = params_before.get(key.removeprefix("updates/"))
-            q = quantum("fp32", "max_abs", float(p.double().abs().max())) if use_quantum and p is not None else 0.0
+            p = starts[base_name].get(key.removeprefix("updates/"))
+            q = quantum("fp32", "max_abs", float(p.abs().max())) if use_quantum and p is not None else 0.0
             bounds.setdefault(key, {}).update({m: bound_entry("update", v, k, floors, q) for m, v in ms.items()})
-    return {"schema": BOUNDS_SCHEMA, "role": role, "family": family, "reference_run": base_name,
-            "control_runs": others, "k": k, "floors": floors, "rule": RULE, "bounds": bounds}
+    return bounds
 
 
 def acceptance_document(layout: RunLayout, name: str, bound_files: dict[str, bytes], summary: dict[str, Any],
@@ -118,6 +145,7 @@ def acceptance_document(layout: RunLayout, name: str, bound_files: dict[str, byt
         "versions": summary["versions"],
         "host": summary["host"],
         "platform": summary.get("platform"),
+        "coverage": {"required": list(matrix.freeze.require), "steps": summary["coverage"]},
         "rollout_platform": summary.get("rollout_platform"),
         "git": summary["git"],
         "evidence": "../reference",
@@ -171,6 +199,11 @@ def freeze(run_dir: Path, name: str | None = None) -> dict[str, Any]:
     layout = RunLayout(run_dir_of(run_dir))
     summary, matrix = verified_reference(layout)
     controls = summary["controls"]
+    coverage = reference_coverage(layout, controls[0])
+    missing = inert(matrix.freeze.require, coverage)
+    if missing:
+        raise FrozenError(f"the reference left {len(missing)} required branch(es) inert (freeze.require): "
+                          + "; ".join(missing))
     files: dict[str, bytes] = {}
     for role in ("actor", "critic"):
         before = checkpoint_tensors(layout.model(role) if matrix.models.tiny else matrix.resolve(
@@ -179,9 +212,15 @@ def freeze(run_dir: Path, name: str | None = None) -> dict[str, Any]:
             doc = family_bounds(layout, role, family, controls, matrix.freeze.k, dict(matrix.freeze.floors), before,
                                 matrix.optimizer, matrix.freeze.quantum)
             files[f"{role}-{family}.json"] = dumps_json(doc).encode("ascii")
-    document = acceptance_document(layout, name or matrix.name, files, summary, matrix)
+    document = acceptance_document(layout, name or matrix.name, files, summary | {"coverage": coverage}, matrix)
     _write_once(layout, files, document)
     return document
+
+
+def reference_coverage(layout: RunLayout, control: str) -> dict[str, list[dict[str, Any]]]:
+    """Per role, the branches each step of the fp32 reference run took (recorded by the reference)."""
+    return {role: read_json(layout.scores("fp32", control, role) / "meta.json").get("coverage", [])
+            for role in ("actor", "critic")}
 
 
 def _write_once(layout: RunLayout, files: dict[str, bytes], document: dict[str, Any]) -> None:

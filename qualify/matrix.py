@@ -160,6 +160,8 @@ class Rollout:
     """Top-k (-1: off)."""
     top_p: float = 1.0
     """Top-p (1.0: off)."""
+    min_p: float = 0.0
+    """Min-p (0.0: off): vLLM drops tokens below min_p x the top token's probability, before top-k/top-p."""
     seed: int = 0
     """Base seed: prompt i is sampled with seed + i."""
     prompts_file: str | None = None
@@ -188,6 +190,8 @@ class Rollout:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
         _seed("seed", self.seed)
         if self.seed + self.num_prompts - 1 > MAX_SEED:
             raise ValueError("seed + num_prompts - 1 must be <= 2^63 - 1 (prompt i samples with seed + i)")
@@ -217,9 +221,14 @@ class PPO:
     """How token losses are averaged: over all active tokens, per sequence then mean, or by a constant."""
     normalizer_constant: float | None = None
     """Divisor when token_normalizer is 'constant'."""
+    epochs: int = 1
+    """Passes over the fixed rollout; K = epochs x minibatches optimizer steps (old logprobs stay the rollout's)."""
+    minibatches: int = 1
+    """Contiguous, equal slices of the rollout's rows per epoch, one optimizer step each."""
 
     def __post_init__(self) -> None:
         _finite(self)
+        _at_least(self, 1, "epochs", "minibatches")
         _positive(self, "clip_eps", "value_clip_eps")
         _at_least(self, 0, "kl_coef")
         for name in ("gamma", "lam"):
@@ -292,9 +301,19 @@ class Freeze:
     target tensors; 'relative' is the floor of every relative metric (rel_l2)."""
     quantum: bool = True
     """Add one rounding step of the family's precision (ulp at the reference magnitude) to each bound."""
+    require: tuple[str, ...] = ()
+    """Branches the reference must exercise before freeze accepts it (qualify.ppo.coverage.BRANCHES): policy_clip_high,
+    policy_clip_low, value_clip, grad_clip, kl, padded_rows, adam_past_first_step."""
 
     def __post_init__(self) -> None:
+        from qualify.ppo.coverage import BRANCHES
+
         _finite(self)
+        _distinct("freeze.require", self.require, nonempty=False)
+        unknown_branches = sorted(set(self.require) - set(BRANCHES))
+        if unknown_branches:
+            raise ValueError(f"freeze.require names unknown branches {unknown_branches} "
+                             f"(known: {', '.join(BRANCHES)})")
         unknown = sorted(set(self.floors) - set(METRIC_KINDS))
         if unknown:
             raise ValueError(f"unknown floor kinds {unknown} (allowed: {', '.join(METRIC_KINDS)})")
@@ -384,6 +403,9 @@ class Matrix:
             raise ValueError("description must be one line of printable text")
         if set(self.reference.precisions) != set(PRECISIONS):
             raise ValueError("reference.precisions must be [fp32, bf16]: the bound families need both")
+        if self.rollout.num_prompts % self.ppo.minibatches:
+            raise ValueError(f"ppo.minibatches {self.ppo.minibatches} does not divide rollout.num_prompts "
+                             f"{self.rollout.num_prompts} (every minibatch has the same rows; none is dropped)")
         if self.models.tiny is not None:
             t = self.models.tiny
             check_family(t.num_heads, t.num_kv_heads, t.intermediate_size, t.vocab_size, self, "models.tiny")

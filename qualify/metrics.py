@@ -11,6 +11,7 @@ update is what AdamW makes of the run's own gradient (replay), which no gradient
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -64,23 +65,26 @@ def flip_frac(candidate: torch.Tensor, reference: torch.Tensor) -> float:
     return float((torch.sign(candidate) != torch.sign(reference)).double().mean())
 
 
-def adamw_first_step(param_before: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *, lr: float,
-                     betas: tuple[float, float], eps: float, weight_decay: float) -> torch.Tensor:
-    """The update AdamW's first step makes from its own moments (float64): decay, then the bias-corrected step."""
+def adamw_update(param_before: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *, lr: float,
+                 betas: tuple[float, float], eps: float, weight_decay: float, step: int = 1) -> torch.Tensor:
+    """The update AdamW's step number `step` makes from its own (already updated) moments, in float64:
+
+        p' = p * (1 - lr * wd) - lr * m_hat / (sqrt(v_hat) + eps),  m_hat = m / (1 - b1^step), v_hat = v / (1 - b2^step)
+    """
     b1, b2 = betas
     p = param_before.double()
-    m_hat = exp_avg.double() / (1 - b1)
-    v_hat = exp_avg_sq.double() / (1 - b2)
+    m_hat = exp_avg.double() / (1 - b1 ** step)
+    v_hat = exp_avg_sq.double() / (1 - b2 ** step)
     decayed = p * (1 - lr * weight_decay)
     return decayed - lr * m_hat / (v_hat.sqrt() + eps) - p
 
 
 def replay_max_abs(update: torch.Tensor, param_before: torch.Tensor, exp_avg: torch.Tensor,
-                   exp_avg_sq: torch.Tensor, **adamw: float) -> float:
+                   exp_avg_sq: torch.Tensor, **adamw: Any) -> float:
     """max |update - AdamW(own moments)|: the optimizer step was the declared one."""
     if not (_finite(update) and _finite(exp_avg) and _finite(exp_avg_sq)):
         return INF
-    expected = adamw_first_step(param_before, exp_avg, exp_avg_sq, **adamw)
+    expected = adamw_update(param_before, exp_avg, exp_avg_sq, **adamw)
     return float((update.double() - expected).abs().max()) if update.numel() else 0.0
 
 

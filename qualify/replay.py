@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qualify.candidate.judge import Row, judge_pair
-from qualify.compare import load_run
+from qualify.candidate.judge import Row, judge_steps
+from qualify.compare import load_steps, params_before_steps
 from qualify.errors import EvidenceError
 from qualify.hardware import platform_differences
 from qualify.layout import RunLayout
@@ -142,12 +142,12 @@ def bound_rows(acceptance_path: Path, doc: dict[str, Any], layout: RunLayout,
                 raise EvidenceError(f"bound file {bounds_file} does not match the acceptance's digest")
             bounds = read_json(bounds_file)
             ref_run = bounds["reference_run"]
-            committed = load_run(committed_run(acceptance_path, doc, f"scores/{ref_run}/{role}"))
+            committed = load_steps(committed_run(acceptance_path, doc, f"scores/{ref_run}/{role}"))
             fresh_dir = layout.scores(*ref_run.split("-", 1), role)
             require_complete(fresh_dir, f"fresh reference {ref_run} {role}")
-            fresh = load_run(fresh_dir)
-            rows += judge_pair("replay", role, f"fresh vs committed {ref_run} [{family}]", fresh, committed,
-                               bounds["bounds"], before, matrix.optimizer)
+            fresh = load_steps(fresh_dir)
+            rows += judge_steps("replay", role, f"fresh vs committed {ref_run} [{family}]", fresh, committed,
+                                bounds["bounds"], params_before_steps(fresh, before), matrix.optimizer)
     return rows, {"targets_max_abs": target_drift(acceptance_path, doc, layout)}
 
 

@@ -9,7 +9,7 @@ identical across TP ranks, padded vocabulary rows untouched) have bound 0.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from qualify.compare import RunTensors, pair_metrics, replay_metrics, structure_problems
@@ -44,16 +44,35 @@ class Row:
         return d
 
 
+def judge_steps(case: str, role: str, comparison: str, candidate: list[RunTensors], reference: list[RunTensors],
+                bounds: dict[str, dict[str, dict[str, Any]]], starts: list[dict], optimizer: Any) -> list[Row]:
+    """Every step's bounds ('step<k>/...') applied to that step of candidate vs reference; rows name the step.
+
+    starts[k] are the parameters the candidate's step k started from (for the AdamW replay check).
+    """
+    rows = []
+    if len(candidate) != len(reference):
+        rows.append(Row(case, role, comparison, "steps", "num_steps", float(len(candidate)), float(len(reference)),
+                        False, f"the candidate took {len(candidate)} optimizer steps, the reference {len(reference)}"))
+    for k in range(min(len(candidate), len(reference))):
+        prefix = f"step{k}/"
+        step_bounds = {key.removeprefix(prefix): b for key, b in bounds.items() if key.startswith(prefix)}
+        rows += [replace(r, tensor=prefix + r.tensor) for r in judge_pair(
+            case, role, comparison, candidate[k], reference[k], step_bounds, starts[k], optimizer, adam_step=k + 1)]
+    return rows
+
+
 def judge_pair(case: str, role: str, comparison: str, candidate: RunTensors, reference: RunTensors,
-               bounds: dict[str, dict[str, dict[str, Any]]], params_before: dict, optimizer: Any) -> list[Row]:
-    """Every bound of a family applied to candidate vs reference."""
+               bounds: dict[str, dict[str, dict[str, Any]]], params_before: dict, optimizer: Any,
+               adam_step: int = 1) -> list[Row]:
+    """Every bound of a family (one step's, keys without the step) applied to candidate vs reference."""
     rows = [Row(case, role, comparison, key, "structure", math.inf, 0.0, False, problem)
             for key, problem in structure_problems(candidate, reference)]
     broken = {r.tensor for r in rows}
     tau = {key.removeprefix("moments/exp_avg/"): ms["max_abs"]["bound"]
            for key, ms in bounds.items() if key.startswith("moments/exp_avg/")}
     values = pair_metrics(candidate, reference, tau)
-    for key, ms in replay_metrics(candidate, params_before, optimizer).items():
+    for key, ms in replay_metrics(candidate, params_before, optimizer, adam_step).items():
         values.setdefault(key, {}).update(ms)
     for key in sorted(bounds):
         if key in broken:

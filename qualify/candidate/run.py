@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from qualify.candidate.judge import Row, evidence_rows, judge_pair
+from qualify.candidate.judge import Row, evidence_rows, judge_steps
 from qualify.candidate.spec import make_spec
-from qualify.compare import load_run
+from qualify.compare import load_steps, params_before_steps
 from qualify.engines.registry import ENGINES
 from qualify.errors import EngineError, EvidenceError, QualifyError
 from qualify.layout import RunLayout
@@ -149,23 +149,25 @@ def model_dirs(matrix: Matrix, layout: RunLayout) -> dict[str, Path]:
 
 
 def judge_case(layout: RunLayout, case: Case, bounds: dict, before: dict, optimizer: Any) -> list[Row]:
-    cand = load_run(layout.case(case.name))
+    """Every step of a case against the reference's families, its evidence checks, and TPn against TP1."""
+    cand = load_steps(layout.case(case.name))
+    starts = params_before_steps(cand, before)
     rows = []
     families = [(f"{case.precision}-repeat", f"{case.precision}-r0")]
     if case.precision == "bf16":
         families.append(("fp32-vs-bf16", "fp32-r0"))
     for family, ref_run in families:
         precision, control = ref_run.split("-", 1)
-        ref = load_run(layout.scores(precision, control, case.role))
-        rows += judge_pair(case.name, case.role, f"vs ref {ref_run} [{family}]", cand, ref,
-                           bounds[(case.role, family)], before, optimizer)
-    rows += evidence_rows(case.name, case.role, cand.meta)
+        ref = load_steps(layout.scores(precision, control, case.role))
+        rows += judge_steps(case.name, case.role, f"vs ref {ref_run} [{family}]", cand, ref,
+                            bounds[(case.role, family)], starts, optimizer)
+    rows += evidence_rows(case.name, case.role, cand[0].meta)
     if case.tp > 1:
         base = Case(engine=case.engine, precision=case.precision, tp=1, role=case.role)
         if stage_is_complete(layout.case(base.name)):
-            rows += judge_pair(case.name, case.role, f"vs tp1 [{case.precision}-repeat]", cand,
-                               load_run(layout.case(base.name)), bounds[(case.role, f"{case.precision}-repeat")],
-                               before, optimizer)
+            rows += judge_steps(case.name, case.role, f"vs tp1 [{case.precision}-repeat]", cand,
+                                load_steps(layout.case(base.name)), bounds[(case.role, f"{case.precision}-repeat")],
+                                starts, optimizer)
     return rows
 
 

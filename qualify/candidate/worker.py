@@ -1,6 +1,7 @@
-"""One rank of a candidate case (launched by torchrun or srun): score, loss, backward, step, export.
+"""One rank of a candidate case (launched by torchrun or srun): K steps of score, loss, backward, step, export.
 
-The PPO objective here is the same pure functions the reference uses (qualify.ppo); the engine
+The PPO objective is the reference's own (qualify.ppo.objective) unless the engine brings its own
+(an optional objective() hook, judged the same way); the engine
 provides everything framework-specific: TP-sharded model, forward (including the sampler-formula
 logprobs, temperature and all), gradient reduction, clipping, the AdamW step and export in HF
 names. Rank 0 writes the evidence; every rank contributes its replicated parameters so that the
@@ -20,15 +21,16 @@ import torch
 import torch.distributed as dist
 
 from qualify.candidate.spec import CaseSpec, read_spec
+from qualify.compare import step_dir, write_step
 from qualify.engines.base import Batch, EngineContext
 from qualify.engines.registry import get_engine
 from qualify.errors import EvidenceError
 from qualify.manifest import sha256_file
 from qualify.models.checkpoint import checkpoint_tensors
-from qualify.ppo.math import clipped_policy_loss, clipped_value_loss, kl_terms, masked_mean
+from qualify.ppo.objective import role_objective, rows_of, step_rows
 from qualify.rollout.capture import load_rollout
 from qualify.stages import complete_stage, prepare_stage
-from qualify.store import read_tensors, write_json, write_tensors
+from qualify.store import read_tensors, write_json
 from qualify.versions import provenance
 
 
@@ -48,20 +50,18 @@ def init_distributed(spec: CaseSpec) -> int:
     return dist.get_rank()
 
 
-def objective(spec: CaseSpec, scores_BT: torch.Tensor, batch: Batch,
+def objective(engine: Any, spec: CaseSpec, scores_BT: torch.Tensor, batch: Batch,
               targets: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO loss of the role and the outputs that are judged."""
-    p, mask_BT = spec.ppo, batch.response_mask_BT
-    scores_BT = scores_BT * mask_BT
-    if spec.role == "actor":
-        loss, ratio_BT, clip_frac = clipped_policy_loss(scores_BT, targets["old_logprobs_BT"], targets["advantages_BT"],
-                                                        mask_BT, p.clip_eps, p.token_normalizer, p.normalizer_constant)
-        kl_BT = kl_terms(scores_BT.detach(), targets["ref_logprobs_BT"]) * mask_BT
-        return loss, {"logprobs_BT": scores_BT.detach(), "ratio_BT": (ratio_BT * mask_BT).detach(), "kl_BT": kl_BT,
-                      "kl_mean": masked_mean(kl_BT, mask_BT, "global"), "clip_frac": clip_frac.detach()}
-    loss, clip_frac = clipped_value_loss(scores_BT, targets["old_values_BT"], targets["returns_BT"], mask_BT,
-                                         p.value_clip_eps, p.token_normalizer, p.normalizer_constant)
-    return loss, {"values_BT": scores_BT.detach(), "clip_frac": clip_frac.detach()}
+    """The role's loss and judged outputs: the engine's own objective when it brings one, else the harness's.
+
+    An engine qualifies its own loss code (normalizer, masking, clipping, KL placement) by implementing
+    objective(role, ppo, scores_BT, response_mask_BT, targets) -> (loss, outputs) with the same output
+    names as qualify.ppo.objective.role_objective.
+    """
+    own = getattr(engine, "objective", None)
+    if own is None:
+        return role_objective(spec.role, spec.ppo, scores_BT, batch.response_mask_BT, targets)
+    return own(spec.role, spec.ppo, scores_BT, batch.response_mask_BT, targets)
 
 
 def gather_replicas(local: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -84,14 +84,13 @@ def padded_rows_report(before: dict[str, torch.Tensor], after: dict[str, torch.T
 
 
 def run_case(spec: CaseSpec, rank: int) -> None:
-    """One case on this rank (the process group is up); rank 0 seals the evidence."""
+    """One case on this rank (the process group is up): K optimizer steps; rank 0 seals the evidence."""
     started = time.monotonic()
     rollout = load_rollout(Path(spec.rollout_dir), spec.rollout_digest)
     targets_file = Path(spec.targets_dir) / "targets.safetensors"
     if "sha256:" + sha256_file(targets_file)[1] != spec.targets_digest:
         raise EvidenceError(f"targets {targets_file} do not have the frozen digest {spec.targets_digest}")
     targets = read_tensors(targets_file)
-    batch = Batch(input_ids_BT=rollout["input_ids_BT"], response_mask_BT=rollout["response_mask_BT"])
     engine = get_engine(spec.engine)
     work_dir = Path(spec.case_dir + ".work")
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -99,28 +98,33 @@ def run_case(spec: CaseSpec, rank: int) -> None:
                         model_dir=Path(spec.model_dir), optimizer=spec.optimizer, temperature=spec.temperature,
                         logprob_chunk_tokens=spec.logprob_chunk_tokens, vocab_size=spec.vocab_size, work_dir=work_dir)
     engine.setup(ctx)
+    before = checkpoint_tensors(Path(spec.model_dir))
     padded_before = {k: v.detach().clone() for k, v in engine.padded_rows().items()}
-    loss, outputs = objective(spec, engine.score(batch), batch, targets)
-    engine.backward(loss)
-    grads, grad_dtypes = engine.grads(), engine.grad_dtypes()
-    outputs["loss"] = loss.detach().float()
-    outputs["grad_norm"] = engine.step().detach().float().cpu()
-    params, state = engine.params(), engine.optimizer_state()
+    steps, grad_dtypes, params = [], {}, {}
+    for rows in step_rows(rollout["input_ids_BT"].shape[0], spec.ppo.epochs, spec.ppo.minibatches):
+        batch = Batch(input_ids_BT=rollout["input_ids_BT"][rows], response_mask_BT=rollout["response_mask_BT"][rows])
+        loss, outputs = objective(engine, spec, engine.score(batch), batch, rows_of(targets, rows))
+        engine.backward(loss)
+        grads, grad_dtypes = engine.grads(), engine.grad_dtypes()
+        outputs["loss"] = loss.detach().float()
+        outputs["grad_norm"] = engine.step().detach().float().cpu()
+        start = params or before
+        params, state = engine.params(), engine.optimizer_state()
+        steps.append({"outputs": {k: v.float().cpu() for k, v in outputs.items()}, "grads": grads,
+                      "updates": {n: p.float() - start[n].float() for n, p in params.items() if n in start},
+                      "moments": {f"{k}/{n}": t for k, ts in state.items() for n, t in ts.items()}})
     replicas = gather_replicas(engine.replicated())
     padded = padded_rows_report(padded_before, engine.padded_rows())
     engine.close()
     if rank == 0:
-        before = checkpoint_tensors(Path(spec.model_dir))
         out = Path(spec.case_dir)
         prepare_stage(out)
-        write_tensors(out / "outputs.safetensors", {k: v.float().cpu() for k, v in outputs.items()})
-        write_tensors(out / "grads.safetensors", grads)
-        write_tensors(out / "updates.safetensors", {n: p.float() - before[n].float() for n, p in params.items()
-                                                    if n in before})
-        write_tensors(out / "moments.safetensors", {f"{k}/{n}": t for k, ts in state.items() for n, t in ts.items()})
+        for k, step in enumerate(steps):
+            write_step(out / step_dir(k), step)
         meta = {"grad_dtypes": grad_dtypes, "state_dtypes": {n: str(t.dtype).removeprefix("torch.")
                                                              for n, t in state.get("exp_avg", {}).items()},
                 "replica_max_abs": replicas, "padded_rows": padded, "extra_params": sorted(set(params) - set(before)),
+                "num_steps": len(steps), "own_objective": hasattr(engine, "objective"),
                 "case": spec.to_json(), "seconds": round(time.monotonic() - started, 3), **provenance()}
         write_json(out / "meta.json", meta)
         complete_stage(out, {"case": spec.name, "rollout_digest": spec.rollout_digest})

@@ -1,10 +1,10 @@
 """The engine Protocol every candidate adapter implements, and what it is given.
 
 A case runs in every rank of a torchrun (or srun) launch. The shared case runner
-(qualify.candidate.worker) owns the PPO objective: it asks the engine for
-scores (the actor's sampler-formula logprobs or the critic's values), builds the
-loss with qualify.ppo, calls backward and step, and exports what the engine
-holds. Every exported tensor is a full (unsharded) FP32 tensor under its Hugging
+(qualify.candidate.worker) asks the engine for scores (the actor's sampler-formula
+logprobs or the critic's values), builds the loss with qualify.ppo (or the engine's
+own objective hook), calls backward and step K times, and exports what the engine
+holds after each step. Every exported tensor is a full (unsharded) FP32 tensor under its Hugging
 Face name, so the verdict compares name for name with the reference.
 """
 
@@ -81,7 +81,10 @@ class TrainEngine(Protocol):
         """dtype of the gradient buffer the optimizer reads, per HF name."""
 
     def step(self) -> torch.Tensor:
-        """Clip to optimizer.max_grad_norm and take one AdamW step; return the pre-clip global norm (fp32)."""
+        """Clip to optimizer.max_grad_norm and take one AdamW step; return the pre-clip global norm (fp32).
+
+        A case takes several steps: afterwards the gradients are cleared and any compute copy holds the
+        stepped master weights, so that the next score() and backward() start from them."""
 
     def params(self) -> dict[str, torch.Tensor]:
         """Full FP32 master parameters in HF names."""
@@ -97,3 +100,8 @@ class TrainEngine(Protocol):
 
     def close(self) -> None:
         """Release process groups and engine resources."""
+
+    # Optional: an engine that brings its own loss code implements
+    #   objective(role, ppo, scores_BT, response_mask_BT, targets) -> (loss, outputs)
+    # returning the outputs qualify.ppo.objective.role_objective returns (actor: logprobs_BT, ratio_BT, kl_BT,
+    # kl_mean, clip_frac; critic: values_BT, clip_frac); the harness then judges those instead of its own.

@@ -207,6 +207,8 @@ class MegatronEngine:
         success, grad_norm, _ = self.optimizer.step()
         if not success:
             raise EngineError("Megatron's optimizer skipped the step (non-finite gradients)")
+        self.model.zero_grad_buffer()  # the next step's backward starts from zero (the step copied main -> model)
+        self.optimizer.zero_grad()
         return torch.tensor(float(grad_norm), dtype=torch.float32)
 
     def params(self) -> dict[str, torch.Tensor]:

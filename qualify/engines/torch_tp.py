@@ -103,6 +103,11 @@ class TorchTPEngine:
             for p in params:
                 p.grad.mul_(coef.to(local(p.grad).device))
         self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.compute is not self.master:  # the next step's forward runs on the stepped master, rounded
+            with torch.no_grad():
+                for mp, cp in zip(self.master.parameters(), self.compute.parameters()):
+                    local(cp).copy_(local(mp))
         return total
 
     def params(self) -> dict[str, torch.Tensor]:

@@ -12,10 +12,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from qualify.compare import step_dir, write_step
 from qualify.errors import EvidenceError, FrozenError, QualifyError
 from qualify.layout import RunLayout
 from qualify.manifest import sha256_file
 from qualify.matrix import Matrix
+from qualify.ppo.objective import step_rows
 from qualify.rollout.capture import capture_rollout, load_rollout
 from qualify.schema import to_dict
 from qualify.stagelog import StageLog
@@ -178,28 +180,45 @@ def score_all(matrix: Matrix, layout: RunLayout, models: dict[str, Path], digest
 
 
 def write_role(out: Path, result: dict[str, Any], info: dict[str, Any]) -> None:
-    """Seal one role's outputs, gradients, updates and optimizer moments."""
+    """Seal one role's K steps: step<k>/{outputs,grads,updates,moments}.safetensors, and meta.json."""
     prepare_stage(out)
-    outputs = {k: v for k, v in result.items() if k not in ("grads", "updates", "moments", "meta")}
-    write_tensors(out / "outputs.safetensors", outputs)
-    write_tensors(out / "grads.safetensors", result["grads"])
-    write_tensors(out / "updates.safetensors", result["updates"])
-    write_tensors(out / "moments.safetensors", result["moments"])
+    for k, step in enumerate(result["steps"]):
+        write_step(out / step_dir(k), step)
     write_json(out / "meta.json", result["meta"] | info)
     complete_stage(out, info)
 
 
 def rollout_mismatch(layout: RunLayout, matrix: Matrix, controls: list[str]) -> dict[str, Any]:
-    """Train-vs-rollout: tokens whose reference logprob is not bitwise the sampler's, max and mean |delta|."""
+    """Train-vs-rollout per precision, decomposed (qualify.reference.targets.decompose_mismatch), on the rows of
+    step 0 (on-policy: the rollout's weights).
+
+    The sampler's logprobs are vLLM's processed formula. At fp32 the reference's processed formula is the
+    targets' processed_logprobs_BT; at another precision it is that precision's scored (full-formula)
+    logprobs minus the fp32 log kept mass, on the fp32 reference's kept set.
+    """
+    import torch
+
+    from qualify.reference.targets import KEPT_SET_FLOOR, TARGETS_FILE, decompose_mismatch
+
     rollout = load_rollout(layout.rollout(matrix.rollout.vllm_tp[0]))
-    mask = rollout["response_mask_BT"]
-    sampler = rollout["sampler_logprobs_BT"][mask]
+    targets = read_tensors(layout.targets / TARGETS_FILE)
+    if "processed_logprobs_BT" not in targets:
+        raise EvidenceError(f"targets in {layout.targets} predate the sampler evidence (no processed_logprobs_BT): "
+                            "run the reference again in another --out directory")
+    rows = step_rows(rollout["response_mask_BT"].shape[0], matrix.ppo.epochs, matrix.ppo.minibatches)[0]
+    mask = rollout["response_mask_BT"][rows]
+    where = torch.nonzero(mask) + torch.tensor([rows.start, 0])
+    sampler = rollout["sampler_logprobs_BT"][rows][mask]
+    processed_fp32, full_fp32, kept_mass = (targets[f"{name}_BT"][rows][mask]
+                                            for name in ("processed_logprobs", "full_logprobs", "log_kept_mass"))
     report = {}
     for precision in matrix.reference.precisions:
-        logp = read_tensors(layout.scores(precision, controls[0], "actor") / "outputs.safetensors")["logprobs_BT"][mask]
-        delta = (logp - sampler).abs()
-        report[precision] = {"num_tokens": int(mask.sum()), "num_not_bitwise": int((logp != sampler).sum()),
-                             "max_abs": float(delta.max()), "mean_abs": float(delta.mean())}
+        first = layout.scores(precision, controls[0], "actor") / step_dir(0)
+        full = read_tensors(first / "outputs.safetensors")["logprobs_BT"][mask]
+        processed = processed_fp32 if precision == "fp32" else torch.where(
+            torch.isinf(processed_fp32), processed_fp32, full - kept_mass)
+        limit = KEPT_SET_FLOOR + 10 * float((full - full_fp32).abs().max()) if mask.any() else KEPT_SET_FLOOR
+        report[precision] = decompose_mismatch(sampler, processed, full, where, limit)
     return report
 
 

@@ -1,4 +1,4 @@
-"""One reference control: forward, PPO loss, backward, clip, one AdamW step, for actor or critic.
+"""One reference control: K optimizer steps (forward, PPO loss, backward, clip, AdamW) for actor or critic.
 
 BF16 runs the forward and backward in a bf16 copy of the model; its gradients are cast to FP32
 into the FP32 master parameters, which are clipped and stepped by torch.optim.AdamW (the FP32
@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from qualify.matrix import Matrix
-from qualify.ppo.math import clipped_policy_loss, clipped_value_loss, kl_terms, masked_mean
+from qualify.ppo.math import kl_terms, masked_mean
+from qualify.ppo.objective import role_objective, rows_of, step_rows
 from qualify.reference.hf import actor_logprobs, compute_copy, critic_values, enable_checkpointing
 
 CONTROL_ATTN = {"attn_impl": "eager"}
@@ -65,10 +66,58 @@ def _row_slices(B: int, n: int) -> list[slice]:
 def run_role(matrix: Matrix, role: str, precision: str, control: Control, master: torch.nn.Module,
              batch: dict[str, torch.Tensor], targets: dict[str, torch.Tensor], vocab_size: int,
              model_dir: Path) -> dict[str, Any]:
-    """Forward + loss + backward + clip + AdamW on master; returns tensors and metadata to store."""
+    """K = epochs x minibatches optimizer steps on master; returns {'steps': [per-step tensors], 'meta': ...}.
+
+    One AdamW instance lives across the steps (its step count, bias correction and moments carry
+    over); after each step the compute copy is refreshed from the stepped FP32 master.
+    """
+    from qualify.ppo.coverage import step_coverage
+
     model = compute_copy(master, precision, model_dir, role, control.attn_impl)
     if matrix.reference.gradient_checkpointing:
         enable_checkpointing(model)
+    o, p = matrix.optimizer, matrix.ppo
+    names = [n for n, _ in master.named_parameters()]
+    params = list(master.parameters())
+    opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, foreach=False)
+    steps, coverage, grad_dtypes, master_grad_dtypes = [], [], {}, {}
+    for k, rows in enumerate(step_rows(batch["input_ids_BT"].shape[0], p.epochs, p.minibatches)):
+        mb = {key: v[rows] for key, v in batch.items()}
+        outputs = _forward_backward(matrix, role, control, model, mb, rows_of(targets, rows), vocab_size)
+        grad_dtypes = _master_grads(master, model)
+        grads = {n: (q.grad.detach().clone() if q.grad is not None else torch.zeros_like(q))
+                 for n, q in zip(names, params)}
+        master_grad_dtypes = {n: str(q.grad.dtype).removeprefix("torch.") for n, q in zip(names, params)
+                              if q.grad is not None}
+        before = {n: q.detach().clone() for n, q in zip(names, params)}
+        max_norm = o.max_grad_norm if o.max_grad_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
+        opt.step()
+        outputs["grad_norm"] = grad_norm.detach().to(torch.float32)
+        state = {n: opt.state[q] for n, q in zip(names, params)}
+        steps.append({"outputs": outputs, "grads": grads,
+                      "updates": {n: q.detach() - before[n] for n, q in zip(names, params)},
+                      "moments": {f"{key}/{n}": st[key].clone() for n, st in state.items()
+                                  for key in ("exp_avg", "exp_avg_sq")}})
+        coverage.append(step_coverage(role, p, o.max_grad_norm, outputs, rows_of(targets, rows),
+                                      mb["response_mask_BT"], float(grad_norm), int(state[names[0]]["step"])))
+        opt.zero_grad(set_to_none=True)
+        if model is not master:
+            model.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                for mp, cp in zip(master.parameters(), model.parameters()):
+                    cp.copy_(mp)
+    meta = {"compute_grad_dtypes": grad_dtypes,
+            "grad_dtypes": master_grad_dtypes, "master_dtype": "float32",
+            "state_dtypes": {n: str(opt.state[q]["exp_avg"].dtype).removeprefix("torch.") for n, q in zip(names, params)},
+            "num_steps": len(steps), "coverage": coverage}
+    return {"steps": steps, "meta": meta}
+
+
+def _forward_backward(matrix: Matrix, role: str, control: Control, model: torch.nn.Module,
+                      batch: dict[str, torch.Tensor], targets: dict[str, torch.Tensor],
+                      vocab_size: int) -> dict[str, torch.Tensor]:
+    """Forward, objective and backward of one optimizer step's rows (split into the control's micro-batches)."""
     order = torch.arange(batch["input_ids_BT"].shape[0])
     if control.reverse_rows:
         order = order.flip(0)
@@ -84,21 +133,17 @@ def run_role(matrix: Matrix, role: str, precision: str, control: Control, master
             normalizer, constant, weight = _loss_scale(mask_BT, rows, p.token_normalizer, p.normalizer_constant)
         m_BT = mask_BT[rows]
         if role == "actor":
-            logp_BT = actor_logprobs(model, ids_BT[rows], matrix.rollout.temperature,
-                                     matrix.reference.logprob_chunk_tokens, vocab_size) * m_BT
-            loss, ratio_BT, clip_frac = clipped_policy_loss(logp_BT, tgt["old_logprobs_BT"][rows],
-                                                            tgt["advantages_BT"][rows], m_BT, p.clip_eps,
-                                                            normalizer, constant)
-            parts.setdefault("logprobs_BT", []).append(logp_BT.detach())
-            parts.setdefault("ratio_BT", []).append((ratio_BT * m_BT).detach())
+            scores_BT = actor_logprobs(model, ids_BT[rows], matrix.rollout.temperature,
+                                       matrix.reference.logprob_chunk_tokens, vocab_size)
         else:
-            values_BT = critic_values(model, ids_BT[rows]) * m_BT
-            loss, clip_frac = clipped_value_loss(values_BT, tgt["old_values_BT"][rows], tgt["returns_BT"][rows], m_BT,
-                                                 p.value_clip_eps, normalizer, constant)
-            parts.setdefault("values_BT", []).append(values_BT.detach())
+            scores_BT = critic_values(model, ids_BT[rows])
+        loss, out = role_objective(role, p, scores_BT, m_BT, rows_of(tgt, rows), normalizer, constant)
+        for key in ("logprobs_BT", "ratio_BT", "values_BT"):
+            if key in out:
+                parts.setdefault(key, []).append(out[key])
         (loss * weight).backward()
         totals["loss"] += (loss * weight).detach()
-        totals["clip_frac"] += (clip_frac * weight).detach()
+        totals["clip_frac"] += (out["clip_frac"] * weight).detach()
     undo = torch.argsort(order)
     outputs = {k: torch.cat(v)[undo] for k, v in parts.items()}
     outputs.update(totals)
@@ -106,35 +151,14 @@ def run_role(matrix: Matrix, role: str, precision: str, control: Control, master
         kl_BT = kl_terms(outputs["logprobs_BT"], targets["ref_logprobs_BT"]) * batch["response_mask_BT"]
         outputs["kl_BT"] = kl_BT
         outputs["kl_mean"] = masked_mean(kl_BT, batch["response_mask_BT"], "global")
-    return outputs | _optimizer_step(matrix, master, model)
+    return outputs
 
 
-def _optimizer_step(matrix: Matrix, master: torch.nn.Module, model: torch.nn.Module) -> dict[str, Any]:
-    """Move gradients to FP32 master grads, clip, step AdamW; return grads, updates, moments, dtypes."""
-    o = matrix.optimizer
-    names = [n for n, _ in master.named_parameters()]
+def _master_grads(master: torch.nn.Module, model: torch.nn.Module) -> dict[str, str]:
+    """Cast the compute copy's gradients into the FP32 master's; return the compute gradients' dtypes."""
     grad_dtypes = {}
     for (name, mp), (_, cp) in zip(master.named_parameters(), model.named_parameters()):
         grad_dtypes[name] = str(cp.grad.dtype).removeprefix("torch.") if cp.grad is not None else "none"
         if cp is not mp:
             mp.grad = None if cp.grad is None else cp.grad.detach().to(torch.float32)
-    params = [p for p in master.parameters()]
-    grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
-             for n, p in zip(names, params)}
-    before = {n: p.detach().clone() for n, p in zip(names, params)}
-    max_norm = o.max_grad_norm if o.max_grad_norm > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
-    opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, foreach=False)
-    opt.step()
-    state = {n: opt.state[p] for n, p in zip(names, params)}
-    return {
-        "grad_norm": grad_norm.detach().to(torch.float32),
-        "grads": grads,
-        "updates": {n: p.detach() - before[n] for n, p in zip(names, params)},
-        "moments": {f"{k}/{n}": s[k] for n, s in state.items() for k in ("exp_avg", "exp_avg_sq")},
-        "meta": {"compute_grad_dtypes": grad_dtypes,
-                 "grad_dtypes": {n: str(p.grad.dtype).removeprefix("torch.") for n, p in zip(names, params)
-                                 if p.grad is not None},
-                 "state_dtypes": {n: str(s["exp_avg"].dtype).removeprefix("torch.") for n, s in state.items()},
-                 "master_dtype": "float32"},
-    }
+    return grad_dtypes

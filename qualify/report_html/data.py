@@ -86,7 +86,7 @@ def rollout_deltas(docs: RunDocs) -> dict[str, np.ndarray]:
         mask, sampler = f.get_tensor("response_mask_BT"), f.get_tensor("sampler_logprobs_BT")
     out = {}
     for precision in ref.get("precisions", []):
-        scores = layout.scores(precision, control, "actor") / "outputs.safetensors"
+        scores = layout.scores(precision, control, "actor") / "step0" / "outputs.safetensors"  # step 0: on-policy
         if scores.is_file():
             with safe_open(str(scores), framework="numpy") as f:
                 logp = f.get_tensor("logprobs_BT")

@@ -78,7 +78,7 @@ def resolve_base(matrix: Matrix, layout: RunLayout) -> Base:
         control, _ = _reference_numbers(layout)
         if not stage_is_complete(primary) or stage_info(primary)["digest"] != doc["rollout_digest"]:
             raise EvidenceError(f"rollout at {primary} is not the one the acceptance froze ({doc['rollout_digest']})")
-        repeat = bounds.get(("actor", "fp32-repeat"), {}).get("outputs/logprobs_BT", {}).get("max_abs", {})
+        repeat = bounds.get(("actor", "fp32-repeat"), {}).get("step0/outputs/logprobs_BT", {}).get("max_abs", {})
         return Base(models=models, rollout_dir=primary, rollout_digest=doc["rollout_digest"],
                     targets_dir=layout.targets, targets_digest=doc["targets_digest"], k=float(doc["rule"]["k"]),
                     floor=float(doc["rule"]["floors"]["logprob"]), control=control,

@@ -1,8 +1,9 @@
 """One actor training step of a round, by the candidate engine, through the candidate stage's own launcher.
 
 The step is a candidate case (engine x fp32 x TP x actor) on the round's rollout and targets,
-launched with torchrun exactly as `qualify candidate` launches it; its evidence directory holds
-updates.safetensors (new - old fp32 parameters in HF names), from which the next version is made.
+launched with torchrun exactly as `qualify candidate` launches it (its K = epochs x minibatches
+optimizer steps); the next version is made from the sum of its steps' updates (new - old fp32
+parameters in HF names).
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import torch
 
 from qualify.candidate.run import TAIL_LINES, device_of, launch
 from qualify.candidate.spec import make_spec
+from qualify.compare import load_steps
 from qualify.errors import EvidenceError
 from qualify.manifest import sha256_file
 from qualify.matrix import Case, Matrix
 from qualify.stages import stage_is_complete
-from qualify.store import read_tensors, write_json
+from qualify.store import write_json
 
 
 class TrainFailed(Exception):
@@ -48,6 +50,9 @@ def train_step(matrix: Matrix, *, engine: str, tp: int, model_dir: Path, rollout
         if code != 0 or not stage_is_complete(out):
             tail = "\n".join((work / "launch.log").read_text(errors="replace").splitlines()[-TAIL_LINES:])
             raise TrainFailed(f"{case.name} step failed (exit {code}); log {work / 'launch.log'}:\n{tail}")
-    updates: dict[str, torch.Tensor] = read_tensors(Path(out) / "updates.safetensors")
-    meta = read_tensors(Path(out) / "outputs.safetensors")
-    return {"case": case.name, "updates": updates, "loss": float(meta["loss"]), "grad_norm": float(meta["grad_norm"])}
+    steps = load_steps(Path(out))
+    updates: dict[str, torch.Tensor] = {n: sum((s.updates[n] for s in steps[1:]), steps[0].updates[n])
+                                        for n in steps[0].updates}
+    last = steps[-1].outputs
+    return {"case": case.name, "updates": updates, "num_steps": len(steps), "loss": float(last["loss"]),
+            "grad_norm": float(last["grad_norm"])}

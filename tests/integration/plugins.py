@@ -10,6 +10,7 @@ import torch
 
 from qualify.engines.common import score_from_logits
 from qualify.engines.torch_tp import TorchTPEngine, local
+from qualify.examples.own_objective import OwnObjectiveEngine
 
 
 class SkipNormAllreduce(TorchTPEngine):
@@ -41,3 +42,53 @@ def skip_norm_allreduce() -> TorchTPEngine:
 
 def bf16_temperature() -> TorchTPEngine:
     return LowPrecisionTemperature()
+
+
+# Engines that bring their own objective (qualify.examples.own_objective) with a bug in their loss code.
+
+class WrongClipRange(OwnObjectiveEngine):
+    """Clips the ratio at 1 +- 1.5 eps (a config read from the wrong place)."""
+
+    def policy_clip(self, ppo):
+        return 1.5 * ppo.clip_eps
+
+
+class NoValueClip(OwnObjectiveEngine):
+    """Forgets the value clip: 1/2 (v - R)^2 only."""
+
+    def value_terms(self, values_BT, old_BT, returns_BT, ppo):
+        plain_BT = (values_BT - returns_BT).square()
+        return plain_BT, plain_BT
+
+
+class PerSequenceNormalizer(OwnObjectiveEngine):
+    """Averages per sequence, then over sequences, where the matrix says global."""
+
+    def normalizer(self, ppo):
+        return "per_sequence", None
+
+
+class PaddingInDenominator(OwnObjectiveEngine):
+    """Divides by every position after the prompt, the padding of shorter responses included."""
+
+    def reduce(self, x_BT, mask_BT, normalizer, constant):
+        if normalizer != "global":
+            return super().reduce(x_BT, mask_BT, normalizer, constant)
+        after_prompt_BT = mask_BT.cumsum(dim=1) > 0
+        return torch.where(mask_BT, x_BT, torch.zeros_like(x_BT)).sum() / int(after_prompt_BT.sum())
+
+
+def wrong_clip_range() -> OwnObjectiveEngine:
+    return WrongClipRange()
+
+
+def no_value_clip() -> OwnObjectiveEngine:
+    return NoValueClip()
+
+
+def per_sequence_normalizer() -> OwnObjectiveEngine:
+    return PerSequenceNormalizer()
+
+
+def padding_in_denominator() -> OwnObjectiveEngine:
+    return PaddingInDenominator()

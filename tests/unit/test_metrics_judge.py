@@ -62,8 +62,8 @@ def fp32_ulp(params: dict) -> float:
 def test_adamw_first_step_matches_torch():
     run, params = make_run()
     for n in params:
-        expected = metrics.adamw_first_step(params[n], run.moments[f"exp_avg/{n}"], run.moments[f"exp_avg_sq/{n}"],
-                                            lr=OPT.lr, betas=OPT.betas, eps=OPT.eps, weight_decay=OPT.weight_decay)
+        expected = metrics.adamw_update(params[n], run.moments[f"exp_avg/{n}"], run.moments[f"exp_avg_sq/{n}"],
+                                        lr=OPT.lr, betas=OPT.betas, eps=OPT.eps, weight_decay=OPT.weight_decay)
         assert float((expected - run.updates[n].double()).abs().max()) <= fp32_ulp(params)
 
 
