@@ -32,7 +32,7 @@ from qualify.models.checkpoint import checkpoint_tensors
 from qualify.ppo.coverage import inert
 from qualify.schema import from_dict
 from qualify.stages import require_complete, stage_info
-from qualify.store import atomic_write_bytes, dumps_json, read_json
+from qualify.store import atomic_write_bytes, dumps_json, read_json, read_json_object
 
 ACCEPTANCE_SCHEMA = "qualify.acceptance/1"
 BOUNDS_SCHEMA = "qualify.bounds/1"
@@ -170,7 +170,8 @@ def verified_reference(layout: RunLayout) -> tuple[dict[str, Any], Any]:
 
     if not layout.reference_summary.is_file():
         raise FrozenError(f"no complete reference in {layout.reference} (run 'qualify reference' first)")
-    summary = read_json(layout.reference_summary)
+    summary = read_json_object(layout.reference_summary, "reference summary",
+                               ("controls", "matrix_digest", "rollout_digest", "targets_digest"))
     require_complete(layout.matrix_snapshot, "matrix snapshot (made by 'qualify reference'; rerun it)")
     if stage_info(layout.matrix_snapshot).get("digest") != summary.get("matrix_digest"):
         raise EvidenceError(f"{layout.reference_summary} names matrix snapshot {summary.get('matrix_digest')}, "

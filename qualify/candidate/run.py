@@ -20,7 +20,7 @@ from qualify.candidate.judge import Row, evidence_rows, judge_steps
 from qualify.candidate.spec import make_spec
 from qualify.compare import load_steps, params_before_steps
 from qualify.engines.registry import ENGINES
-from qualify.errors import EngineError, EvidenceError, QualifyError
+from qualify.errors import EngineError, EvidenceError, ManifestError, QualifyError
 from qualify.layout import RunLayout
 from qualify.manifest import load_manifest, sha256_file, verify_manifest
 from qualify.matrix import Case, Matrix
@@ -38,6 +38,11 @@ def load_acceptance(layout: RunLayout, acceptance: Path | None) -> tuple[dict[st
     if not path.is_file():
         raise EvidenceError(f"no acceptance at {path} (run 'qualify freeze' first)")
     doc = load_manifest(path)
+    from qualify.freeze import ACCEPTANCE_SCHEMA
+
+    if doc.get("schema_version") != ACCEPTANCE_SCHEMA or not isinstance(doc.get("bounds"), dict):
+        raise ManifestError(f"{path}: not an acceptance manifest (no '{ACCEPTANCE_SCHEMA}' schema or no 'bounds'; "
+                            "'qualify freeze' writes one, 'qualify manifest create' does not)")
     report = verify_manifest(path, layout.reference, progress=False)
     if not report.ok:
         raise EvidenceError(f"reference evidence does not match {path}: {len(report.missing)} missing, "
