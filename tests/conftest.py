@@ -1,7 +1,8 @@
 """Shared fixtures: marker-driven skips and one reference + freeze per test session.
 
 Markers skip themselves when what they need is missing: vllm (vLLM importable), slurm (a Slurm
-controller answers), gpu / multi_gpu (CUDA devices). The session fixture `frozen_run` captures the
+controller answers), gpu / multi_gpu (CUDA devices). In CI (CI=true) a missing vLLM or Slurm fails
+the tests that need them, and a missing deepspeed or megatron-core fails the integration run. The session fixture `frozen_run` captures the
 embedded default's rollout with real vLLM, scores the reference and freezes it once; every test
 that needs a reference uses it (read-only) or copies it.
 """
@@ -23,8 +24,15 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # its parent package is missing
+        return False
+
+
 def _has_vllm() -> bool:
-    return importlib.util.find_spec("vllm") is not None
+    return _importable("vllm")
 
 
 def _slurm_up() -> bool:
@@ -45,19 +53,49 @@ def _num_gpus() -> int:
         return 0
 
 
+# In CI (CI=true) what these markers and modules stand for is installed and started by .ci/run: a test that
+# needs one that is missing fails there instead of skipping. GPUs are not among them (CI has none).
+CI_REQUIRED_MARKERS = ("vllm", "slurm")
+CI_REQUIRED_MODULES = ("deepspeed", "megatron.core")  # integration tests importorskip or skipif on them
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("true", "1")
+
+
+def _fail_in_ci(item: pytest.Item, reason: str) -> None:
+    """Make item fail with reason, without setting up its fixtures (they need what is missing)."""
+    def fail() -> None:
+        pytest.fail(f"CI=true: {reason}; a test CI must run fails here instead of skipping", pytrace=False)
+
+    item.setup = lambda: None
+    item.runtest = fail
+
+
 def pytest_collection_modifyitems(config, items):
     checks = {"vllm": (_has_vllm, "vLLM is not importable"),
               "slurm": (_slurm_up, "no Slurm controller answers (start one with scripts/slurm-local.sh)"),
               "gpu": (lambda: _num_gpus() >= 1, "no CUDA GPU"),
               "multi_gpu": (lambda: _num_gpus() >= 2, "fewer than two CUDA GPUs")}
     cache: dict[str, bool] = {}
+    ci = _in_ci()
     for item in items:
         for marker, (probe, reason) in checks.items():
             if marker in item.keywords:
                 if marker not in cache:
                     cache[marker] = probe()
-                if not cache[marker]:
+                if cache[marker]:
+                    continue
+                if ci and marker in CI_REQUIRED_MARKERS:
+                    _fail_in_ci(item, reason)
+                else:
                     item.add_marker(pytest.mark.skip(reason=reason))
+    integration = REPO / "tests" / "integration"
+    if ci and any(integration in Path(str(item.path)).parents for item in items):
+        missing = [name for name in CI_REQUIRED_MODULES if not _importable(name)]
+        if missing:  # the modules' tests skip themselves at import, before there is an item to fail
+            raise pytest.UsageError(f"CI=true: {', '.join(missing)} not importable; the integration tests that "
+                                    "need them would skip (install them with scripts/install.sh)")
 
 
 @pytest.fixture(scope="session")
