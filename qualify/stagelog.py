@@ -60,6 +60,11 @@ class StageLog:
         if not self.quiet:
             self.console.print(f"{self.prefix} {escape_text(description)}: complete, skipped")
 
+    def note(self, text: str) -> None:
+        """One line of information (why a complete output is redone, say)."""
+        if not self.quiet:
+            self.console.print(f"{self.prefix} {escape_text(text)}")
+
 
 def escape_text(text: str) -> str:
     """Text shown verbatim (a case name or a path may hold '[')."""

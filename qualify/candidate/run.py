@@ -11,8 +11,10 @@ from __future__ import annotations
 import fnmatch
 import itertools
 import os
+import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -109,10 +111,30 @@ def write_spec(matrix: Matrix, layout: RunLayout, case: Case, models: dict[str, 
     spec = make_spec(matrix, case, model_dir=models[case.role], rollout_dir=layout.rollout(matrix.rollout.vllm_tp[0]),
                      targets_dir=layout.targets, rollout_digest=doc["rollout_digest"],
                      targets_digest=doc["targets_digest"], case_dir=out, vocab_size=vocab, device=device)
+    spec = replace(spec, resume_key=resume_key(spec, doc))
     work = Path(str(out) + ".work")
     work.mkdir(parents=True, exist_ok=True)
     write_json(work / "spec.json", spec.to_json())
     return work / "spec.json"
+
+
+def resume_key(spec: Any, doc: dict[str, Any]) -> dict[str, str]:
+    """What a complete case must have been made with to be reused: each part a digest, so a mismatch names it."""
+    from qualify.engines.registry import engine_identity
+    from qualify.stages import fingerprint
+    from qualify.versions import dependency_versions
+
+    versions = {k: v for k, v in dependency_versions().items() if k != "qualify"}
+    return {"spec": fingerprint({k: v for k, v in spec.to_json().items() if k != "resume_key"}),
+            "engine code": fingerprint(engine_identity(spec.engine)), "versions": fingerprint(versions),
+            "acceptance": doc["digest"]}
+
+
+def stale_reason(case_dir: Path, key: dict[str, str]) -> str | None:
+    """Why a complete case may not be reused ('engine code changed', ...), or None when its key matches."""
+    recorded = stage_info(case_dir).get("key") or {}
+    changed = [part for part in key if recorded.get(part) != key[part]]
+    return f"{', '.join(changed)} changed since it was sealed" if changed else None
 
 
 def _tail(log_path: Path, code: int) -> str:
@@ -124,13 +146,22 @@ def run_group(matrix: Matrix, layout: RunLayout, cases: list[Case], models: dict
               device: str, log: StageLog) -> dict[str, str]:
     """Run cases sharing engine and TP in one launch (imports are paid once); a failed launch is retried case by
     case so that each failure carries its own log. Returns errors by case name."""
-    pending = [c for c in cases if not stage_is_complete(layout.case(c.name))]
+    specs_by_case = {c: write_spec(matrix, layout, c, models, doc, device) for c in cases}
+    pending = []
     for c in cases:
-        if c not in pending:
+        if not stage_is_complete(layout.case(c.name)):
+            pending.append(c)
+            continue
+        reason = stale_reason(layout.case(c.name), read_json(specs_by_case[c])["resume_key"])
+        if reason is None:
             log.skip(f"case {c.name}")
+            continue
+        log.note(f"redo case {c.name}: {reason}")
+        shutil.rmtree(layout.case(c.name))
+        pending.append(c)
     if not pending:
         return {}
-    specs = [write_spec(matrix, layout, c, models, doc, device) for c in pending]
+    specs = [specs_by_case[c] for c in pending]
     group_log = specs[0].parent / "launch.log"
     with log.step(f"cases {', '.join(c.name for c in pending)}"):
         code = launch(specs, pending[0].tp, device, group_log)

@@ -32,6 +32,8 @@ class CaseSpec:
     ppo: PPO
     optimizer: Optimizer
     device: str = "cpu"
+    resume_key: dict[str, str] | None = None
+    """What the case's evidence depends on (spec, engine code, versions, acceptance), recorded in its seal."""
 
     def to_json(self) -> dict[str, Any]:
         return to_dict(self)

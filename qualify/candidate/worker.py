@@ -127,7 +127,7 @@ def run_case(spec: CaseSpec, rank: int) -> None:
                 "num_steps": len(steps), "own_objective": hasattr(engine, "objective"),
                 "case": spec.to_json(), "seconds": round(time.monotonic() - started, 3), **provenance()}
         write_json(out / "meta.json", meta)
-        complete_stage(out, {"case": spec.name, "rollout_digest": spec.rollout_digest})
+        complete_stage(out, {"case": spec.name, "rollout_digest": spec.rollout_digest, "key": spec.resume_key})
     dist.barrier()
 
 

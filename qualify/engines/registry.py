@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 from qualify.engines.base import TrainEngine
 from qualify.errors import EngineError
@@ -47,3 +50,42 @@ def get_engine(name: str) -> TrainEngine:
     if not callable(factory):
         raise EngineError(f"engine plugin '{name}': {module_name} has no callable '{attr}'")
     return factory()
+
+
+# The code that makes a case's evidence besides the adapter itself: a change here changes every case.
+HARNESS_MODULES = ("qualify.candidate.worker", "qualify.engines.base", "qualify.engines.common", "qualify.ppo.objective",
+                   "qualify.ppo.math", "qualify.ppo.logprob", "qualify.models.checkpoint")
+BUILTIN_SOURCES = "qualify.engines"
+"""Every module of this package is a built-in adapter's source (megatron's converter included)."""
+
+
+def _source_files(module_name: str) -> list[Path]:
+    """The .py files of a module, or of every module of a package (without importing the module itself)."""
+    spec = importlib.util.find_spec(module_name)
+    if spec is None or spec.origin is None:
+        raise EngineError(f"cannot find the source of engine module '{module_name}'")
+    origin = Path(spec.origin)
+    if spec.submodule_search_locations:
+        return sorted(p for loc in spec.submodule_search_locations for p in Path(loc).rglob("*.py"))
+    return [origin]
+
+
+def engine_identity(name: str) -> dict[str, Any]:
+    """What an engine's evidence depends on in code: the sha256 of every source file of the adapter (or the
+    plugin's module) and of the harness modules a case runs, and the plugin's factory name."""
+    import hashlib
+
+    if name in ENGINES:
+        modules, factory = [BUILTIN_SOURCES], name
+    elif ":" in name:
+        module_name, _, factory = name.partition(":")
+        modules = [module_name]
+    else:
+        raise EngineError(f"unknown engine '{name}' (known: {', '.join(sorted(ENGINES))}; or 'module:factory')")
+    files = {}
+    for module in [*modules, *HARNESS_MODULES]:
+        paths = _source_files(module)
+        root = paths[0].parent if len(paths) == 1 else Path(importlib.util.find_spec(module).origin).parent
+        for path in paths:
+            files[f"{module}:{path.relative_to(root).as_posix()}"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return {"engine": name, "factory": factory, "sources": dict(sorted(files.items()))}
