@@ -38,9 +38,11 @@ def test_help_lists_every_command():
     assert set(VERBS) | set(GROUPS) <= listed
 
 
-def test_no_arguments_shows_help():
+def test_no_arguments_shows_help_and_is_a_usage_error():
     result = cli()
-    assert result.exit_code in (0, 2) and "verify" in result.output
+    assert result.exit_code == EXIT_USAGE == 2
+    text = flat(result.output)
+    assert text.startswith("Usage: qualify [OPTIONS] COMMAND [ARGS]...") and all(v in text for v in VERBS)
 
 
 @pytest.mark.parametrize("words", [[v] for v in VERBS] + [[g] for g in GROUPS]
@@ -167,9 +169,18 @@ def test_handler_leaves_programmer_errors_alone():
     assert result.exit_code == 1 and isinstance(result.exception, KeyError)
 
 
-def test_bad_option_value_is_a_usage_error(tmp_path):
-    result = cli("verify", str(tmp_path / "m.json"), "--jobs", "0")
-    assert result.exit_code == 2
+@pytest.mark.parametrize("value, problem", [("0", "Input should be greater than or equal to 1"),
+                                            ("two", "Input should be a valid integer")])
+def test_bad_option_value_is_a_usage_error_naming_the_option(tmp_path, value, problem):
+    evidence = tmp_path / "ev"
+    evidence.mkdir()
+    (evidence / "a.bin").write_bytes(b"a")
+    manifest = tmp_path / "m.json"
+    assert cli("manifest", "create", str(evidence), "--out", str(manifest)).exit_code == 0
+    assert cli("verify", str(manifest), "--jobs", "1").exit_code == 0  # the same call with a good value passes
+    result = cli("verify", str(manifest), "--jobs", value)
+    assert result.exit_code == EXIT_USAGE == 2 and result.stdout == ""
+    assert f"Invalid value for '--jobs': {problem}" in flat(result.stderr), result.stderr
 
 
 def test_cli_import_stays_light():
