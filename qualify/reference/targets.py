@@ -4,6 +4,11 @@ Behaviour logprobs are the sampler's own (vLLM's processed logprobs), so the rat
 train-vs-rollout policy. Reference-policy logprobs, old values and rewards come from the frozen
 HF models in fp32; advantages and returns come from masked GAE. Every candidate replays exactly
 these targets.
+
+The targets also hold the actor's own logprobs of the rollout tokens under the rollout's sampling
+settings, as evidence: the processed formula (vLLM's, renormalized over the tokens that survive
+min-p/top-k/top-p), the full formula, the log kept mass and the kept-set size. decompose_mismatch
+splits a train-vs-rollout mismatch into numerical error and the truncation term with them.
 """
 
 from __future__ import annotations
@@ -14,16 +19,21 @@ from typing import Any
 import torch
 
 from qualify.matrix import Matrix
+from qualify.ppo.logprob import processed_logprobs
 from qualify.ppo.math import masked_gae, token_rewards
 from qualify.reference.hf import actor_logprobs, critic_values, load_model, reward_scores
 
 TARGETS_FILE = "targets.safetensors"
+KEPT_SET_FLOOR = 1e-4
+"""A processed-logprob delta beyond this (50 x the 2e-6 fp32 agreement of vLLM and the reference), and beyond
+10 x the precision's own deviation from the fp32 reference, is a kept-set difference, not numerical error."""
 
 
 @torch.no_grad()
 def compute_targets(matrix: Matrix, models: dict[str, Path], rollout: dict[str, torch.Tensor],
                     vocab_size: int) -> dict[str, torch.Tensor]:
-    """Reference logprobs, rewards, old values, advantages and returns (all fp32, (B, T) or (B,))."""
+    """Reference logprobs, rewards, old values, advantages and returns (all fp32, (B, T) or (B,)), and the
+    actor's sampler evidence (sampler_evidence)."""
     ids_BT, mask_BT = rollout["input_ids_BT"], rollout["response_mask_BT"]
     old_logp_BT = rollout["sampler_logprobs_BT"]
     ref = load_model(models["reference"], "reference")
@@ -35,11 +45,70 @@ def compute_targets(matrix: Matrix, models: dict[str, Path], rollout: dict[str, 
     advantages_BT, returns_BT = masked_gae(rewards_BT, old_values_BT, mask_BT, matrix.ppo.gamma, matrix.ppo.lam)
     return {"old_logprobs_BT": old_logp_BT, "ref_logprobs_BT": ref_logp_BT, "score_B": score_B,
             "old_values_BT": old_values_BT, "rewards_BT": rewards_BT, "advantages_BT": advantages_BT,
-            "returns_BT": returns_BT}
+            "returns_BT": returns_BT} | sampler_evidence(matrix, models["actor"], rollout, vocab_size)
+
+
+def sampler_evidence(matrix: Matrix, actor_dir: Path, rollout: dict[str, torch.Tensor],
+                     vocab_size: int) -> dict[str, torch.Tensor]:
+    """The fp32 actor's logprobs of the rollout tokens under the rollout's sampling settings, (B, T) each:
+
+        processed_logprobs_BT  vLLM's processed formula (-inf: the token is outside the reference's kept set)
+        full_logprobs_BT       the full-vocabulary formula (what a trainer computes)
+        log_kept_mass_BT       log of the kept set's full-vocabulary probability (0: nothing cut)
+        kept_size_BT           int64 size of the kept set
+    Response positions only; every other position is 0.
+    """
+    r = matrix.rollout
+    ids_BT, mask_BT = rollout["input_ids_BT"], rollout["response_mask_BT"]
+    logits_BTV = load_model(actor_dir, "actor")(input_ids=ids_BT, use_cache=False).logits
+    evidence = processed_logprobs(logits_BTV[:, :-1], ids_BT[:, 1:], temperature=r.temperature, top_k=r.top_k,
+                                  top_p=r.top_p, min_p=r.min_p, chunk_tokens=matrix.reference.logprob_chunk_tokens,
+                                  vocab_size=vocab_size)
+    # logp[:, t] scores token t from the logits at t - 1; position 0 has no context.
+    return {f"{name}_BT": torch.where(mask_BT, torch.nn.functional.pad(x_BT, (1, 0)), 0)
+            for name, x_BT in zip(("processed_logprobs", "full_logprobs", "log_kept_mass", "kept_size"), evidence,
+                                  strict=True)}
 
 
 def targets_meta(matrix: Matrix, rollout_digest: str) -> dict[str, Any]:
     """What the targets were computed from."""
-    p = matrix.ppo
+    p, r = matrix.ppo, matrix.rollout
     return {"rollout_digest": rollout_digest, "kl_coef": p.kl_coef, "gamma": p.gamma, "lam": p.lam,
-            "behaviour_logprobs": "vLLM processed_logprobs", "precision": "fp32"}
+            "behaviour_logprobs": "vLLM processed_logprobs", "precision": "fp32",
+            "sampling": {"temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p, "min_p": r.min_p},
+            "processed_formula": "qualify.ppo.logprob.processed_logprobs: vLLM's CPU sampler order (temperature, "
+                                 "min-p, top-k, top-p), renormalized log_softmax over the kept set, fp32"}
+
+
+def _stats(delta_N: torch.Tensor) -> dict[str, Any]:
+    """max and mean of |delta| (None when there is no token to measure)."""
+    if not delta_N.numel():
+        return {"max_abs": None, "mean_abs": None}
+    return {"max_abs": float(delta_N.abs().max()), "mean_abs": float(delta_N.abs().mean())}
+
+
+def decompose_mismatch(sampler_N: torch.Tensor, processed_N: torch.Tensor, full_N: torch.Tensor,
+                       where_N2: torch.Tensor, limit: float) -> dict[str, Any]:
+    """Train-vs-rollout mismatch over N response tokens, split into numerical error and the truncation term.
+
+        total       sampler - full        what a trainer computing the full formula sees
+        numerical   sampler - processed   the same formula on both sides: numerical error only
+        truncation  full - processed      the sampling definition (log kept mass; 0 when nothing is cut)
+    A token is a kept-set difference when the reference's kept set lacks it (processed -inf) or its
+    numerical delta exceeds limit; those are counted and listed (row, position, both logprobs) and
+    left out of the numerical and truncation statistics, which they would swamp. where_N2 holds each
+    token's (row, position). num_tokens, num_not_bitwise, max_abs, mean_abs are the numerical ones.
+    """
+    numerical_N = sampler_N - processed_N
+    differs_N = torch.isinf(processed_N) | (numerical_N.abs() > limit)
+    agree_N = ~differs_N
+    listed = [{"row": int(b), "position": int(t), "sampler": float(s),
+               "processed": float(p) if torch.isfinite(p) else None}
+              for (b, t), s, p in zip(where_N2[differs_N].tolist(), sampler_N[differs_N], processed_N[differs_N],
+                                      strict=True)]
+    return {"num_tokens": int(sampler_N.numel()), "num_not_bitwise": int((sampler_N != processed_N).sum()),
+            **_stats(numerical_N[agree_N]),
+            "total": {"num_not_bitwise": int((sampler_N != full_N).sum()), **_stats(sampler_N - full_N)},
+            "truncation": {"num_truncated": int((full_N[agree_N] != processed_N[agree_N]).sum()),
+                           **_stats(full_N[agree_N] - processed_N[agree_N])},
+            "kept_set_differs": {"count": len(listed), "limit": limit, "tokens": listed}}

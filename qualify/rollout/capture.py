@@ -32,6 +32,8 @@ from qualify.store import read_json, read_tensors, write_json, write_tensors
 from qualify.versions import provenance
 
 ROLLOUT_FILE = "rollout.safetensors"
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p")
+"""The sampling settings of a request; each prompt of a merged request carries its own."""
 
 
 def make_prompts(matrix: Matrix, vocab_size: int, eos_token_id: int | None) -> list[list[int]]:
@@ -131,11 +133,41 @@ def capture_request(matrix: Matrix, model_dir: Path, tp: int, *, vocab_size: int
     r = matrix.rollout
     eos = r.eos_token_id if r.eos_token_id is not None else eos_token_id
     prompts = make_prompts(matrix, vocab_size, eos)
+    # min_p only when set: a request without it is the same request as before min_p existed, so sealed
+    # rollouts (the committed ones among them) keep their settings fingerprint.
+    min_p = {"min_p": r.min_p} if r.min_p else {}
     return {"model_dir": str(model_dir), "tp": tp, "dtype": {"fp32": "float32", "bf16": "bfloat16"}[r.dtype],
             "seed": r.seed, "seeds": [r.seed + i for i in range(len(prompts))], "prompts": prompts,
-            "temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p, "max_new_tokens": r.max_new_tokens,
-            "eos_token_id": eos, "max_model_len": r.max_model_len, "kv_cache_memory_bytes": r.kv_cache_memory_bytes,
-            "block_size": r.block_size}
+            "temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p, **min_p,
+            "max_new_tokens": r.max_new_tokens, "eos_token_id": eos, "max_model_len": r.max_model_len,
+            "kv_cache_memory_bytes": r.kv_cache_memory_bytes, "block_size": r.block_size}
+
+
+def merge_requests(requests: list[dict[str, Any]]) -> dict[str, Any]:
+    """One vLLM launch for several requests that differ only in prompts, seeds and sampling settings.
+
+    The merged request lists every prompt once, with its own seed and its own sampling settings
+    ('prompt_sampling'); split_results gives each request its own results back, in order.
+    """
+    shared = ("model_dir", "tp", "dtype", "seed", "max_new_tokens", "eos_token_id", "max_model_len",
+              "kv_cache_memory_bytes", "block_size")
+    first = requests[0]
+    for request in requests[1:]:
+        differs = [k for k in shared if request[k] != first[k]]
+        if differs:
+            raise QualifyError(f"requests differ in {', '.join(differs)}: only prompts, seeds and sampling may differ")
+    return {k: first[k] for k in shared} | {
+        "prompts": [p for r in requests for p in r["prompts"]], "seeds": [s for r in requests for s in r["seeds"]],
+        "prompt_sampling": [{k: r.get(k, 0.0) for k in SAMPLING_KEYS} for r in requests for _ in r["prompts"]]}
+
+
+def split_results(result: dict[str, Any], requests: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The merged launch's per-prompt results, one list per request of merge_requests."""
+    results, parts = result["results"], []
+    for r in requests:
+        parts.append(results[:len(r["prompts"])])
+        results = results[len(r["prompts"]):]
+    return parts
 
 
 def capture_settings(request: dict[str, Any]) -> str:
@@ -161,8 +193,8 @@ def capture_rollout(matrix: Matrix, model_dir: Path, tp: int, out_dir: Path, *, 
     prepare_stage(out_dir)
     write_tensors(out_dir / ROLLOUT_FILE, rollout_tensors(result["results"]))
     digest = "sha256:" + sha256_file(out_dir / ROLLOUT_FILE)[1]
-    meta = {"digest": digest, "vllm_tp": tp, "sampling": {k: request[k] for k in (
-        "temperature", "top_k", "top_p", "max_new_tokens", "eos_token_id", "seed", "seeds", "dtype")},
+    meta = {"digest": digest, "vllm_tp": tp, "sampling": {k: request.get(k, 0.0) for k in SAMPLING_KEYS} | {
+        k: request[k] for k in ("max_new_tokens", "eos_token_id", "seed", "seeds", "dtype")},
         "logprobs_mode": "processed_logprobs", "finish_reasons": [x["finish_reason"] for x in result["results"]],
         "timings_s": {"load": result["load_s"], "generate": result["generate_s"]},
         "model_dir": str(model_dir), "model_digest": model_digest(model_dir),

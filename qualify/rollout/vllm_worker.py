@@ -39,11 +39,14 @@ def run(request: dict) -> dict:
 
     platform = platform_fingerprint()  # here, where vLLM has set its threads, not in the parent
     try:
+        # Every prompt samples with the request's settings, or its own ones in a merged request.
+        sampling = request.get("prompt_sampling") or [
+            {k: request.get(k, 0.0) for k in ("temperature", "top_k", "top_p", "min_p")}] * len(request["seeds"])
         params = [
-            SamplingParams(n=1, temperature=request["temperature"], top_k=request["top_k"], top_p=request["top_p"],
+            SamplingParams(n=1, temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"], min_p=s["min_p"],
                            seed=seed, max_tokens=request["max_new_tokens"], logprobs=0, detokenize=False,
                            stop_token_ids=[request["eos_token_id"]] if request["eos_token_id"] is not None else None)
-            for seed in request["seeds"]
+            for seed, s in zip(request["seeds"], sampling, strict=True)
         ]
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in request["prompts"]]
         outputs = llm.generate(prompts, params, use_tqdm=False)
