@@ -55,5 +55,25 @@ def main(
     for tp, agreement in summary["tp_agreement"].items():
         typer.echo(f"  {tp}: tokens equal {agreement['tokens_equal']}, logprob max |delta| {agreement['logprob_max_abs']}")
     for precision, mm in summary["rollout_mismatch"].items():
-        typer.echo(f"  train-vs-rollout {precision}: {mm['num_not_bitwise']}/{mm['num_tokens']} tokens not bitwise, "
-                   f"max |delta| {mm['max_abs']:.3g}, mean {mm['mean_abs']:.3g}")
+        for line in mismatch_lines(precision, mm):
+            typer.echo(line)
+
+
+def _g(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3g}"
+
+
+def mismatch_lines(precision: str, mm: dict) -> list[str]:
+    """Train-vs-rollout of one precision: numerical error, truncation term, total, kept-set differences (all listed)."""
+    n, total, trunc, differs = mm["num_tokens"], mm["total"], mm["truncation"], mm["kept_set_differs"]
+    lines = [(f"  train-vs-rollout {precision}: {n - mm['num_not_bitwise']}/{n} tokens bitwise equal to the processed "
+             f"formula; numerical |delta| max {_g(mm['max_abs'])}, mean {_g(mm['mean_abs'])}"),
+             (f"    truncation (full - processed): {trunc['num_truncated']} tokens truncated, |term| max "
+             f"{_g(trunc['max_abs'])}, mean {_g(trunc['mean_abs'])}; vs the full formula: "
+             f"{total['num_not_bitwise']}/{n} not bitwise, max {_g(total['max_abs'])}, mean {_g(total['mean_abs'])}"),
+             (f"    kept set differs (beyond {differs['limit']:.3g} or outside the reference's kept set): "
+             f"{differs['count']} tokens")]
+    lines += [f"      row {t['row']} position {t['position']}: sampler {t['sampler']:.7g}, reference processed "
+              f"{'-inf (outside its kept set)' if t['processed'] is None else format(t['processed'], '.7g')}"
+              for t in differs["tokens"]]
+    return lines
