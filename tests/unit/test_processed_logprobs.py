@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -281,3 +282,127 @@ def test_vllm_sampler_source_still_truncates_this_way():
                  "adjusted_min_p = max_probabilities.mul_(self.min_p)",
                  "invalid_token_mask = probability_values < adjusted_min_p"):
         assert line in builtin, line
+
+
+# --- the train-vs-rollout decomposition -------------------------------------------------------------
+
+
+def test_decompose_mismatch_splits_numerics_from_truncation_and_lists_kept_set_differences():
+    from qualify.cli.reference import mismatch_lines
+    from qualify.reference.targets import decompose_mismatch
+
+    processed = torch.tensor([-0.5, -1.0, -2.0, -INF, -0.25])
+    full = processed - 0.1  # the kept mass is about 0.905 for every token
+    full[3] = -7.0
+    sampler = processed + torch.tensor([0.0, 1e-6, -2e-6, 0.0, 0.3])  # token 3: outside our kept set; 4: too far
+    sampler[3] = -0.3
+    where = torch.tensor([[0, 5], [0, 6], [1, 5], [1, 6], [2, 7]])
+    report = decompose_mismatch(sampler, processed, full, where, limit=1e-4)
+    assert report["num_tokens"] == 5 and report["num_not_bitwise"] == 4
+    assert report["max_abs"] == pytest.approx(2e-6, rel=0.1)  # the two kept-set differences are left out
+    assert report["truncation"]["num_truncated"] == 3 and report["truncation"]["max_abs"] == pytest.approx(0.1)
+    assert report["total"]["num_not_bitwise"] == 5 and report["total"]["max_abs"] == pytest.approx(6.7)
+    differs = report["kept_set_differs"]
+    assert differs["count"] == 2 and [(t["row"], t["position"]) for t in differs["tokens"]] == [(1, 6), (2, 7)]
+    assert differs["tokens"][0]["processed"] is None and differs["tokens"][1]["processed"] == -0.25
+    lines = mismatch_lines("fp32", report)
+    assert "1/5 tokens bitwise equal to the processed formula" in lines[0]
+    assert "kept set differs" in lines[2] and "2 tokens" in lines[2]
+    assert "row 1 position 6: sampler -0.3, reference processed -inf (outside its kept set)" in lines[3]
+    assert "row 2 position 7" in lines[4]
+    import json
+
+    json.dumps(report, allow_nan=False)  # the summary is strict JSON: no -inf anywhere
+
+
+def test_decompose_mismatch_without_truncation_is_the_old_report():
+    from qualify.reference.targets import decompose_mismatch
+
+    logp = torch.tensor([-1.0, -2.0, -3.0])
+    sampler = logp + torch.tensor([0.0, 0.0, 1e-6])
+    report = decompose_mismatch(sampler, logp, logp, torch.zeros(3, 2, dtype=torch.long), limit=1e-4)
+    assert report["num_not_bitwise"] == 1 and report["total"]["num_not_bitwise"] == 1
+    assert report["truncation"] == {"num_truncated": 0, "max_abs": 0.0, "mean_abs": 0.0}
+    assert report["kept_set_differs"]["count"] == 0
+    empty = decompose_mismatch(logp[:0], logp[:0], logp[:0], torch.zeros(0, 2, dtype=torch.long), limit=1e-4)
+    assert empty["max_abs"] is None and empty["num_tokens"] == 0
+
+
+# --- matrices: the sampling fields and the sweep ------------------------------------------------------
+
+MATRICES = Path(__file__).resolve().parents[2] / "matrices"
+
+
+def with_rollout(tmp_path, **rollout):
+    import yaml
+
+    data = yaml.safe_load((MATRICES / "tiny-qwen3.yaml").read_text())
+    data["rollout"].update(rollout)
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize("rollout, message", [
+    ({"min_p": -0.1}, "min_p must be in [0, 1), got -0.1"), ({"min_p": 1.0}, "min_p must be in [0, 1), got 1.0"),
+    ({"min_p": math.nan}, "min_p must be a finite number"), ({"top_p": 0.0}, "top_p must be in (0, 1], got 0.0"),
+    ({"top_k": 0}, "top_k must be -1 (off) or >= 1, got 0"),
+])
+def test_sampling_fields_are_validated(tmp_path, rollout, message):
+    from qualify.errors import MatrixError
+    from qualify.matrix import load_matrix
+
+    with pytest.raises(MatrixError, match=re.escape(message)):
+        load_matrix(with_rollout(tmp_path, **rollout))
+
+
+def test_truncated_sampling_loads_and_min_p_reaches_the_capture_request_only_when_set(tmp_path):
+    from qualify.matrix import load_matrix
+    from qualify.rollout.capture import capture_request, merge_requests, split_results
+
+    m = load_matrix(with_rollout(tmp_path, top_k=50, top_p=0.9, min_p=0.05))
+    assert (m.rollout.top_k, m.rollout.top_p, m.rollout.min_p) == (50, 0.9, 0.05)
+    model = tmp_path / "actor"
+    request = capture_request(m, model, 1, vocab_size=512, eos_token_id=None)
+    assert request["min_p"] == 0.05
+    plain = capture_request(load_matrix(MATRICES / "tiny-qwen3.yaml"), model, 1, vocab_size=512, eos_token_id=None)
+    assert "min_p" not in plain  # the committed rollouts' settings fingerprint does not change
+    merged = merge_requests([plain, request])
+    assert merged["prompts"] == plain["prompts"] + request["prompts"]
+    assert merged["prompt_sampling"][0] == {"temperature": 0.8, "top_k": -1, "top_p": 1.0, "min_p": 0.0}
+    assert merged["prompt_sampling"][-1] == {"temperature": 0.8, "top_k": 50, "top_p": 0.9, "min_p": 0.05}
+    results = {"results": [{"i": i} for i in range(len(merged["prompts"]))]}
+    first, second = split_results(results, [plain, request])
+    assert len(first) == len(plain["prompts"]) and second[0] == {"i": len(plain["prompts"])}
+    from qualify.errors import QualifyError
+
+    with pytest.raises(QualifyError, match="requests differ in tp"):
+        merge_requests([plain, plain | {"tp": 2}])
+
+
+SWEEP_FILES = sorted((MATRICES / "tiny-qwen3-sweep").glob("*.yaml"))
+
+
+def test_the_sweep_matrices_differ_only_in_sampling():
+    import yaml
+
+    from qualify.matrix import load_matrix
+
+    assert len(SWEEP_FILES) >= 7
+    docs = [yaml.safe_load(p.read_text()) for p in SWEEP_FILES]
+    sampling = ("temperature", "top_k", "top_p", "min_p")
+    for path, doc in zip(SWEEP_FILES, docs, strict=True):
+        m = load_matrix(path)
+        assert m.name == f"tiny-qwen3-sweep-{path.stem}" and m.rollout.vllm_tp == (1,)
+        for key in sampling:
+            doc["rollout"].pop(key)
+        doc.pop("name"), doc.pop("description")
+    assert all(doc == docs[0] for doc in docs)
+    settings = {tuple(getattr(load_matrix(p).rollout, k) for k in sampling) for p in SWEEP_FILES}
+    assert len(settings) == len(SWEEP_FILES)
+
+
+def test_qwen3_8b_samples_as_a_real_run():
+    from qualify.matrix import load_matrix
+
+    assert load_matrix(MATRICES / "qwen3-8b.yaml").rollout.top_p < 1
