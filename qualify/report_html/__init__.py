@@ -31,7 +31,7 @@ def to_html(docs: RunDocs, summary: dict[str, Any]) -> str:
         parts.append(page.figure("Case matrix", heatmap(grid_rows, grid_cols, cells), "heatmap"))
         step_rows, step_cols, step_grid = step_cells(rows)
         if step_grid:
-            parts.append(page.figure("Per optimizer step", heatmap(step_rows, step_cols, step_grid), "steps"))
+            parts.append(page.figure("Per optimizer step", heatmap(step_rows, step_cols, step_grid, "case and step"), "steps"))
         parts.append(page.figure("value/bound per tensor family", family_bars(list(cases), families, ratios),
                                  "families"))
     deltas = data.rollout_deltas(docs)

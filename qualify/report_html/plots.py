@@ -42,8 +42,9 @@ def _label(ratio: float | None) -> str:
     return "inf" if math.isinf(ratio) else f"{ratio:.2g}"
 
 
-def heatmap(rows: list[str], cols: list[str], cells: dict[tuple[str, str], tuple[float | None, bool]]) -> str:
-    """Worst value/bound per case: rows x cols grid; cells[(row, col)] = (ratio or None, passed)."""
+def heatmap(rows: list[str], cols: list[str], cells: dict[tuple[str, str], tuple[float | None, bool]],
+            what: str = "case") -> str:
+    """Worst value/bound per case (or what): rows x cols grid; cells[(row, col)] = (ratio or None, passed)."""
     plt = _pyplot()
     grid = np.full((len(rows), len(cols)), np.nan)
     for (r, c), (ratio, _) in cells.items():
@@ -56,7 +57,7 @@ def heatmap(rows: list[str], cols: list[str], cells: dict[tuple[str, str], tuple
                 fontsize=8, fontweight="normal" if passed else "bold")
     ax.set_xticks(range(len(cols)), cols)
     ax.set_yticks(range(len(rows)), rows)
-    ax.set_title(f"worst value/bound per case (colour capped at {RATIO_CAP:g}; grey: no case)")
+    ax.set_title(f"worst value/bound per {what} (colour capped at {RATIO_CAP:g}; grey: none)")
     fig.colorbar(image, ax=ax, label="value/bound")
     return to_svg(fig)
 

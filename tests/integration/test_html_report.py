@@ -26,6 +26,7 @@ import pytest
 from typer.testing import CliRunner
 
 from qualify.cli.app import app
+from qualify.junit import STEP_PREFIX
 from qualify.layout import RunLayout
 from tests.integration._support import matrix_with
 
@@ -44,6 +45,24 @@ def candidate_run(frozen_run, tmp_path_factory):
     result = CliRunner().invoke(app, ["candidate", str(matrix.source), "--run", str(run),
                                       "--junit", str(base / "candidate-junit.xml")])
     assert result.exit_code == 0, result.output
+    return run
+
+
+@pytest.fixture(scope="module")
+def failing_run(frozen_run, tmp_path_factory):
+    """A copy of the frozen run with one real failing case: an engine that divides by a bf16 temperature."""
+    base = tmp_path_factory.mktemp("failing")
+    run = base / "run"
+    shutil.copytree(frozen_run / "reference", run / "reference")
+    shutil.copytree(frozen_run / "acceptance", run / "acceptance")
+    matrix = matrix_with(base, engines=["tests.integration.plugins:bf16_temperature"], precisions=["fp32"], tp=[1],
+                         roles=["actor"])
+    repo = str(Path(__file__).resolve().parents[2])
+    with pytest.MonkeyPatch.context() as mp:  # torchrun's workers import the plugin from the repo root
+        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
+        result = CliRunner().invoke(app, ["candidate", str(matrix.source), "--run", str(run),
+                                          "--junit", str(base / "candidate-junit.xml")])
+    assert result.exit_code == 1, result.output
     return run
 
 
@@ -156,7 +175,8 @@ def test_html_report_in_headless_chromium(candidate_run, chromium, tmp_path):
         assert page.evaluate("document.getElementById('banner').textContent").startswith("PASS: 2/2 cases pass")
         shown = page.evaluate("[...document.querySelectorAll('section.case')].map(s => s.dataset.case)")
         assert sorted(shown) == sorted(CASES)
-        assert page.evaluate("document.querySelectorAll('figure svg').length") == 3
+        for figure in ("heatmap", "families", "rollout"):  # (and 'steps' when cases take several steps)
+            assert page.evaluate(f"document.querySelectorAll('#{figure} figure svg').length") == 1, figure
         shot = base64.b64decode(page.call("Page.captureScreenshot", format="png")["data"])
     stddev, colours = pixel_spread(shot)
     assert stddev > 10 and colours > 50, (stddev, colours)  # a blank or single-colour page has ~0 and 1
@@ -174,6 +194,20 @@ def test_unverified_page_in_chromium_shows_no_pass(candidate_run, chromium, tmp_
         assert page.errors == []
         assert page.evaluate("document.getElementById('banner').dataset.status") == "NOT VERIFIED"
         assert "targets/targets.json" in page.evaluate("document.getElementById('verification').textContent")
+
+
+def test_failed_qualification_is_a_verified_fail_banner(failing_run, chromium, tmp_path):
+    code, output = report(failing_run, "--format", "json")
+    summary = json.loads(output)
+    assert code == 1 and summary["status"] == "FAILED" and summary["verification"]["ok"], summary["verification"]
+    out = tmp_path / "report.html"
+    assert report(failing_run, "--format", "html", "--out", str(out))[0] == 1
+    with open_page(chromium, out.as_uri()) as page:
+        assert page.errors == []
+        assert page.evaluate("document.getElementById('banner').textContent").startswith("FAIL: 0/1 cases pass")
+        assert page.evaluate("document.querySelector('section.case details').open") is True  # failing: open
+        failed = page.evaluate("[...document.querySelectorAll('section.case tr.failed')].map(r => r.textContent)")
+        assert any("outputs/logprobs_BT" in row for row in failed), failed
 
 
 def test_blank_screenshot_is_detected():
@@ -196,6 +230,16 @@ def test_candidate_junit_parses_with_one_testcase_per_case_and_family(candidate_
     assert all(tc.is_passed for suite in xml for tc in suite)
 
 
+def test_candidate_junit_failure_names_tensor_metric_value_bound_and_rule(failing_run):
+    from junitparser import JUnitXml
+
+    xml = JUnitXml.fromfile(str(failing_run.parent / "candidate-junit.xml"))
+    outputs = next(tc for suite in xml for tc in suite if tc.name == "outputs")
+    (failure,) = outputs.result
+    line = next(x for x in failure.text.splitlines() if family_tensor(x).startswith("outputs/logprobs_BT max_abs"))
+    assert " value " in line and " > bound " in line and "rule: value <= bound" in line and "fp32-repeat" in line
+
+
 def test_report_junit_includes_the_verification(candidate_run, tmp_path):
     from junitparser import JUnitXml
 
@@ -209,6 +253,11 @@ def test_report_junit_includes_the_verification(candidate_run, tmp_path):
 
 # ---- false passes: evidence changed after the verdict -------------------------------------------------
 
+def family_tensor(text: str) -> str:
+    """A tensor name (or a failure line) without the 'step<k>/' prefix of multi-step cases."""
+    return STEP_PREFIX.sub("", text)
+
+
 def edit_verdict(run: Path, edit) -> None:
     path = RunLayout(run).verdict
     doc = json.loads(path.read_text())
@@ -217,13 +266,15 @@ def edit_verdict(run: Path, edit) -> None:
 
 
 def lower_a_value(doc: dict) -> None:
-    row = next(r for r in doc["rows"] if r["case"] == CASES[1] and r["tensor"].startswith("grads/") and r["value"])
+    row = next(r for r in doc["rows"] if r["case"] == CASES[1] and family_tensor(r["tensor"]).startswith("grads/")
+               and r["value"])
     row["value"] /= 2  # still a pass, and consistent, but not what the evidence gives
     row["ratio"] = row["value"] / row["bound"]
 
 
 def drop_a_check(doc: dict) -> None:
-    i = next(i for i, r in enumerate(doc["rows"]) if r["case"] == CASES[0] and r["tensor"].startswith("updates/"))
+    i = next(i for i, r in enumerate(doc["rows"])
+             if r["case"] == CASES[0] and family_tensor(r["tensor"]).startswith("updates/"))
     doc["rows"].pop(i)
     doc["cases"][CASES[0]]["num_checks"] -= 1
 
