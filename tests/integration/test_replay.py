@@ -45,15 +45,15 @@ def claim_platform(run: Path, cpu_model: str) -> None:
 
 
 def perturb_grad(run: Path, role: str, key: str, delta: float | None) -> None:
-    """Move one element of one gradient of the fresh fp32-r0 run by delta (None: one ulp), and reseal it."""
+    """Move one element of one gradient of step 1 of the fresh fp32-r0 run by delta (None: one ulp), and reseal it."""
     d = RunLayout(run).scores("fp32", "r0", role)
-    grads = read_tensors(d / "grads.safetensors")
+    grads = read_tensors(d / "step1" / "grads.safetensors")
     flat = grads[key].clone().view(-1)
     old = flat[0].clone()
     flat[0] = torch.nextafter(old, torch.tensor(float("inf"))) if delta is None else old + delta
     assert flat[0] != old
     grads[key] = flat.view(grads[key].shape)
-    write_tensors(d / "grads.safetensors", grads)
+    write_tensors(d / "step1" / "grads.safetensors", grads)
     complete_stage(d, {})
 
 
@@ -84,14 +84,15 @@ def test_other_platform_is_judged_within_the_committed_bounds(frozen_run, tmp_pa
 
 def test_other_platform_fails_a_gradient_outside_its_bound(frozen_run, tmp_path):
     here = RunLayout(frozen_run).acceptance
-    bounds = read_json(here.parent / "bounds" / "actor-fp32-repeat.json")["bounds"][f"grads/{TENSOR}"]
+    bounds = read_json(here.parent / "bounds" / "actor-fp32-repeat.json")["bounds"][f"step1/grads/{TENSOR}"]
     run = copy_reference(frozen_run, tmp_path)
     claim_platform(run, "Some Other CPU")
     assert judge_replay(here, run).passed
     perturb_grad(run, "actor", TENSOR, 3 * bounds["max_abs"]["bound"])
     bad = failing(judge_replay(here, run))
-    assert bad and {(r.tensor, r.metric) for r in bad} <= {(f"grads/{TENSOR}", "max_abs"), (f"grads/{TENSOR}", "rel_l2")}
-    assert (f"grads/{TENSOR}", "max_abs") in {(r.tensor, r.metric) for r in bad}
+    key = f"step1/grads/{TENSOR}"
+    assert bad and {(r.tensor, r.metric) for r in bad} <= {(key, "max_abs"), (key, "rel_l2")}
+    assert (key, "max_abs") in {(r.tensor, r.metric) for r in bad}
 
 
 def test_same_platform_fails_any_byte_that_moves(frozen_run, tmp_path):
@@ -101,7 +102,7 @@ def test_same_platform_fails_any_byte_that_moves(frozen_run, tmp_path):
     perturb_grad(run, "critic", TENSOR, None)  # one ulp, within every bound: bitwise is what this platform promises
     result = judge_replay(here, run)
     assert result.mode == "bitwise"
-    assert [r.tensor for r in failing(result)] == ["scores/fp32-r0/critic/grads.safetensors"]
+    assert [r.tensor for r in failing(result)] == ["scores/fp32-r0/critic/step1/grads.safetensors"]
 
 
 def test_replay_refuses_a_reference_of_another_rollout(frozen_run, tmp_path):

@@ -1,0 +1,77 @@
+"""The candidate's own objective is what gets judged, and several steps make its bugs visible.
+
+qualify.examples.own_objective brings its own PPO loss code (written from the formulas) through the
+engine's objective() hook and must pass. Each plugin in tests.integration.plugins puts one bug from
+the field back into that loss code and must fail on a named tensor. A matrix whose steps leave a
+required branch inert is refused by freeze, naming the branch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from qualify.candidate.run import run_candidates
+from qualify.errors import FrozenError
+from qualify.freeze import freeze
+from qualify.matrix import load_matrix
+from qualify.reference.stage import run_reference
+from qualify.store import read_json
+from tests.conftest import COMMITTED, TINY
+from tests.integration._support import matrix_with, plugins_importable  # noqa: F401  (autouse fixture)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.engines]
+OWN = "qualify.examples.own_objective:engine"
+PLUGINS = "tests.integration.plugins"
+
+
+def failing(verdict, case):
+    return {(r["tensor"], r["metric"]) for r in verdict["rows"] if r["case"] == case and not r["passed"]}
+
+
+def case_of(matrix, engine):
+    return next(c.name for c in matrix.cases() if c.engine == engine)
+
+
+def test_own_objective_passes_and_actor_loss_bugs_fail_on_named_tensors(run_copy):
+    bugs = [f"{PLUGINS}:wrong_clip_range", f"{PLUGINS}:per_sequence_normalizer", f"{PLUGINS}:padding_in_denominator"]
+    m = matrix_with(run_copy.parent, engines=[OWN, *bugs], precisions=["fp32"], tp=[1], roles=["actor"])
+    verdict = run_candidates(m, run_copy)
+    own = case_of(m, OWN)
+    assert verdict["cases"][own]["passed"], sorted(failing(verdict, own))[:5]
+    assert read_json(run_copy / "candidates" / own / "meta.json")["own_objective"] is True
+    clip = failing(verdict, case_of(m, bugs[0]))
+    # the ratio leaves [0.8, 1.2] from step 1 on: a clip at 1 +- 0.3 counts and weighs those tokens differently
+    assert not any(t.startswith("step0/") for t, _ in clip), sorted(clip)[:5]
+    assert {("step1/outputs/clip_frac", "max_abs"), ("step1/outputs/loss", "max_abs")} & clip, sorted(clip)[:5]
+    for bug in bugs[1:]:  # a wrong normalizer is wrong from the first, on-policy step
+        bad = failing(verdict, case_of(m, bug))
+        assert ("step0/outputs/loss", "max_abs") in bad, (bug, sorted(bad)[:5])
+        assert any(t.startswith("step0/grads/") for t, _ in bad), (bug, sorted(bad)[:5])
+
+
+def test_own_objective_critic_passes_and_a_missing_value_clip_fails(run_copy):
+    bug = f"{PLUGINS}:no_value_clip"
+    m = matrix_with(run_copy.parent, engines=[OWN, bug], precisions=["fp32"], tp=[1], roles=["critic"])
+    verdict = run_candidates(m, run_copy)
+    own = case_of(m, OWN)
+    assert verdict["cases"][own]["passed"], sorted(failing(verdict, own))[:5]
+    bad = failing(verdict, case_of(m, bug))
+    assert not any(t.startswith("step0/") for t, _ in bad), sorted(bad)[:5]  # no value has moved at step 0
+    assert ("step1/outputs/clip_frac", "max_abs") in bad and ("step1/outputs/loss", "max_abs") in bad, sorted(bad)[:5]
+
+
+def test_freeze_refuses_a_single_step_matrix_that_requires_coverage(tmp_path):
+    data = yaml.safe_load(TINY.read_text())
+    data["ppo"]["epochs"] = 1
+    path = tmp_path / "one-step.yaml"
+    path.write_text(yaml.safe_dump(data))
+    run = tmp_path / "run"
+    run_reference(load_matrix(path), run, rollout=COMMITTED / "reference" / "rollout")
+    with pytest.raises(FrozenError) as info:
+        freeze(run)
+    message = str(info.value)
+    for branch in ("policy_clip_high", "policy_clip_low", "value_clip", "adam_past_first_step"):
+        assert f"{branch}:" in message, message
+    assert "grad_clip:" not in message and "kl:" not in message  # exercised already at step 0
+    assert not (run / "acceptance").exists()
