@@ -222,7 +222,7 @@ def evidence_problems(layout: RunLayout, reference: dict[str, Any], acceptance: 
     did_not_run = {r["case"] for r in verdict["rows"] if r["comparison"] == "run"}
     names = [n for n in verdict["cases"] if n not in did_not_run]
     problems = sealed_problems(layout, acceptance, names)
-    if problems:
+    if problems or not names:
         return problems
     try:
         return rejudge_problems(layout, reference, acceptance, verdict, names)

@@ -217,3 +217,15 @@ def test_junit_of_an_unverified_run_has_no_passing_candidate_testcases(tmp_path)
     assert [s.name for s in suites] == ["qualify tiny: verification"]
     (tc,) = list(suites[0])
     assert not tc.is_passed and "no acceptance" in tc.result[0].text
+
+
+def test_a_case_that_did_not_run_needs_no_evidence_and_fails(tmp_path):
+    from qualify.report_verify import evidence_problems
+
+    crashed = row(1.0, passed=False) | {"comparison": "run", "tensor": "case", "metric": "exit", "bound": 0.0,
+                                        "ratio": "inf"}
+    v = verdict([crashed])
+    assert verdict_problems(v, ACC) == [] and v["passed"] is False
+    assert evidence_problems(RunLayout(tmp_path), reference_doc(), ACC, v) == []
+    ran = verdict([row()])
+    assert "missing, partial or modified" in evidence_problems(RunLayout(tmp_path), reference_doc(), ACC, ran)[0]
