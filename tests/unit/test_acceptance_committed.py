@@ -66,7 +66,7 @@ def test_committed_evidence_is_what_the_acceptance_names(path):
     present = {e["path"] for e in load_manifest(path)["files"]} - set(report.missing)
     doc = load_manifest(path)
     assert {"rollout/tp1/rollout.safetensors", "targets/targets.safetensors", "matrix/matrix.json",
-            "scores/fp32-r0/actor/grads.safetensors", "scores/bf16-r0/critic/moments.safetensors"} <= present
+            "scores/fp32-r0/actor/step0/grads.safetensors", "scores/bf16-r0/critic/step3/moments.safetensors"} <= present
     assert doc["platform"]["cpu_model"] and doc["platform"]["torch_cpu_capability"]
     assert read_json(path.parent.parent / "reference" / "rollout" / "tp1" / "rollout.json")["digest"] == \
         doc["rollout_digest"]
