@@ -100,8 +100,9 @@ class Engine:
             raise Refused("unusable", f"generate refused: engine is {self.describe()}")
         s = req["sampling"]
         stop = [s["eos_token_id"]] if s.get("eos_token_id") is not None else None
-        params = [SamplingParams(n=1, temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"], seed=seed,
-                                 max_tokens=s["max_tokens"], logprobs=0, detokenize=False, stop_token_ids=stop)
+        params = [SamplingParams(n=1, temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"],
+                                 min_p=s.get("min_p", 0.0), seed=seed, max_tokens=s["max_tokens"], logprobs=0,
+                                 detokenize=False, stop_token_ids=stop)
                   for seed in req["seeds"]]
         started = time.monotonic()
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in req["prompts"]], params,

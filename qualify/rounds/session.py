@@ -58,7 +58,7 @@ class Session:
         self.vocab = self.config["vocab_size"]
         r = matrix.rollout
         eos = r.eos_token_id if r.eos_token_id is not None else self.config.get("eos_token_id")
-        self.sampling = {"temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p,
+        self.sampling = {"temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p, "min_p": r.min_p,
                          "max_tokens": r.max_new_tokens, "eos_token_id": eos}
         self.prompts = make_prompts(matrix, self.vocab, eos)
         self.seeds = [r.seed + i for i in range(len(self.prompts))]
@@ -137,16 +137,25 @@ class Session:
 
     # numerics -------------------------------------------------------------------------------
     def agreement(self, version: Version, results: list[dict[str, Any]], save: Path | None = None) -> dict[str, Any]:
-        """vLLM's sampled-token logprobs vs an HF fp32 forward of version, on the same tokens (saved to save)."""
-        from qualify.reference.hf import actor_logprobs, load_model
+        """vLLM's sampled-token logprobs vs an HF fp32 forward of version, on the same tokens (saved to save).
+
+        The HF side is the processed formula of the rollout's sampling settings (vLLM's logprobs are
+        renormalized over what top-k / top-p / min-p keep); with truncation off it is the full formula.
+        """
+        from qualify.ppo.logprob import processed_logprobs
+        from qualify.reference.hf import load_model
 
         tensors = rollout_tensors(results)
         if self.hf_model[0] != version.number:
             self.hf_model = (version.number, load_model(version.path, "actor"))
-        model = self.hf_model[1]
+        model, r, ids_BT = self.hf_model[1], self.matrix.rollout, tensors["input_ids_BT"]
         with torch.no_grad():
-            hf_BT = actor_logprobs(model, tensors["input_ids_BT"], self.matrix.rollout.temperature,
-                                   self.matrix.reference.logprob_chunk_tokens, self.vocab)
+            logits_BTV = model(input_ids=ids_BT, use_cache=False).logits
+            processed_BT1 = processed_logprobs(logits_BTV[:, :-1], ids_BT[:, 1:], temperature=r.temperature,
+                                               top_k=r.top_k, top_p=r.top_p, min_p=r.min_p,
+                                               chunk_tokens=self.matrix.reference.logprob_chunk_tokens,
+                                               vocab_size=self.vocab).processed
+            hf_BT = torch.nn.functional.pad(processed_BT1, (1, 0))
         if save is not None:
             write_tensors(save, {"input_ids_BT": tensors["input_ids_BT"], "response_mask_BT": tensors["response_mask_BT"],
                                  "vllm_logprobs_BT": tensors["sampler_logprobs_BT"], "hf_logprobs_BT": hf_BT})
