@@ -3,8 +3,8 @@
 Sections: a banner (PASS or FAIL only for evidence that verified, NOT VERIFIED otherwise), what was
 verified, the case matrix as a heatmap of worst value/bound (and one per optimizer step for
 multi-step cases), value/bound per tensor family, the train-vs-rollout |delta| distribution per
-precision, rounds, every case's rows with the bound family and term that set each bound, and
-provenance (versions, digests, host, git, platform).
+precision, the coverage the acceptance sealed, rounds, every case's rows with the bound family and
+term that set each bound, and provenance (versions, digests, host, git, platform).
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ def to_html(docs: RunDocs, summary: dict[str, Any]) -> str:
                                  "families"))
     deltas = data.rollout_deltas(docs)
     parts.append(page.rollout_section(summary, delta_histogram(deltas) if deltas else None))
-    if docs.reference.get("coverage") is not None:
-        parts.append(page.mapping_section("Coverage", "coverage", docs.reference["coverage"]))
+    coverage = (docs.acceptance or {}).get("coverage")
+    if isinstance(coverage, dict):
+        parts.append(page.coverage_section(coverage))
     parts.append(page.rounds_section(summary["rounds"]))
     bounds = data.bound_docs(docs)
     if cases:

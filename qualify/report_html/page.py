@@ -128,3 +128,14 @@ def cases_overview(cases: dict[str, dict[str, Any]], verified: bool) -> str:
     return ('<h2 id="cases">Cases</h2>'
             + table(["case", "result", "checks", "failed", "worst tensor", "metric", "value/bound"], rows,
                     ["failed" if r[1] != "PASS" else "" for r in rows]))
+
+
+def coverage_section(coverage: dict[str, Any]) -> str:
+    """Per role and optimizer step, how often each branch of the objective and optimizer was taken (sealed in the
+    acceptance); the branches freeze required are marked."""
+    steps = coverage.get("steps", {})
+    required = set(coverage.get("required", []))
+    keys = sorted({k for per_role in steps.values() for s in per_role for k in s}, key=lambda k: (k not in required, k))
+    rows = [[role, i, *[s.get(k, "") for k in keys]] for role, per_role in steps.items() for i, s in enumerate(per_role)]
+    header = ["role", "step", *[f"{k} (required)" if k in required else k for k in keys]]
+    return '<section id="coverage"><h2>Coverage</h2>' + table(header, rows) + "</section>"

@@ -86,3 +86,13 @@ def test_per_step_heatmap_cells_only_for_multi_step_cases():
     cases, steps, cells = step_cells([r(0, 0.5), r(0, 0.25), r(1, 2.0, passed=False), r(1, 3.0) | {"bound": 0.0, "ratio": "inf"}])
     assert cases == [CASE] and steps == ["step 0", "step 1"]
     assert cells == {(CASE, "step 0"): (0.5, True), (CASE, "step 1"): (2.0, False)}  # bound-0 rows: not a ratio
+
+
+def test_coverage_table_marks_required_branches():
+    from qualify.report_html.page import coverage_section
+
+    html = coverage_section({"required": ["grad_clip"], "steps": {
+        "actor": [{"grad_clip": True, "kl": 0}, {"grad_clip": False, "kl": 180}], "critic": [{"value_clip": 3}]}})
+    assert "<th>grad_clip (required)</th><th>kl</th><th>value_clip</th>" in html
+    assert html.count("<tr>") == 4  # header + two actor steps + one critic step
+    assert "<td>critic</td><td class=\"num\">0</td><td></td><td></td><td class=\"num\">3</td>" in html
