@@ -36,9 +36,10 @@ sentence-transformers setuptools shellingham simplejson six sortedcontainers sta
 tensorboard tensorstore threadpoolctl tifffile tiktoken timm tokenizers toolz torch torchaudio torchdiffeq \
 torchvision tqdm transformers treescope triton typer typing-inspect urllib3 uvloop wadler-lindig werkzeug \
 wheel wrapt xarray xxhash yarl zipp"
-# Optional back ends that offline generate with the torch sampler never imports (229 MB together): the
+# Optional back ends that offline generate with the torch sampler never imports (226 MB together): the
 # FlashInfer sampler is off (VLLM_USE_FLASHINFER_SAMPLER=0), no video/audio decoding, no TileLang kernels.
-skip="flashinfer-python tokenspeed-triton tilelang z3-solver apache-tvm-ffi pynvvideocodec torchcodec"
+# (apache-tvm-ffi is not optional: vLLM 0.26.0 imports tvm_ffi when it starts an engine.)
+skip="flashinfer-python tokenspeed-triton tilelang z3-solver pynvvideocodec torchcodec"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 rm -rf .gpu/deps

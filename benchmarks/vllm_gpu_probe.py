@@ -43,6 +43,12 @@ def vllm_side(model_dir: str, seqs: list[list[int]]):
                 seen[name] = (first(args) if pre else first(out)).detach().float().cpu()
         return hook
 
+    def keep_stream(name):
+        def hook(module, args, out):
+            if name not in seen:
+                seen[name] = (out[0] + out[1]).detach().float().cpu()
+        return hook  # returns None: a forward hook's return value would replace the module's output
+
     def install(model):
         layers = model.model.layers
         layers[0].input_layernorm.register_forward_hook(keep("l0.input_norm"))
@@ -51,7 +57,7 @@ def vllm_side(model_dir: str, seqs: list[list[int]]):
         layers[0].mlp.register_forward_hook(keep("l0.mlp"))
         for i, layer in enumerate(layers):
             # a vLLM decoder layer returns (mlp output, residual before it): the stream is their sum
-            layer.register_forward_hook(lambda m, a, o, i=i: seen.setdefault(f"stream.{i}", (o[0] + o[1]).float().cpu()))
+            layer.register_forward_hook(keep_stream(f"stream.{i}"))
         attn = layers[0].self_attn.attn
         return type(getattr(attn, "impl", attn)).__name__, torch.get_float32_matmul_precision()
 
@@ -72,15 +78,19 @@ def hf_side(model_dir: str, seqs: list[list[int]]):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").cuda()
     seen: dict[str, torch.Tensor] = {}
+
+    def put(name, value):  # hooks must return None, or they replace the module's output
+        seen.setdefault(name, value)
+
     layers = model.model.layers
     a = layers[0].self_attn
-    layers[0].input_layernorm.register_forward_hook(lambda m, i, o: seen.setdefault("l0.input_norm", first(o)))
+    layers[0].input_layernorm.register_forward_hook(lambda m, i, o: put("l0.input_norm", first(o)))
     for proj in ("q_proj", "k_proj", "v_proj"):
-        getattr(a, proj).register_forward_hook(lambda m, i, o, p=proj: seen.setdefault(p, o))
-    a.o_proj.register_forward_pre_hook(lambda m, i: seen.setdefault("l0.attn_core", first(i)))
-    layers[0].mlp.register_forward_hook(lambda m, i, o: seen.setdefault("l0.mlp", first(o)))
+        getattr(a, proj).register_forward_hook(lambda m, i, o, p=proj: put(p, o))
+    a.o_proj.register_forward_pre_hook(lambda m, i: put("l0.attn_core", first(i)))
+    layers[0].mlp.register_forward_hook(lambda m, i, o: put("l0.mlp", first(o)))
     for i, layer in enumerate(layers):
-        layer.register_forward_hook(lambda m, args, o, i=i: seen.setdefault(f"stream.{i}", first(o)))
+        layer.register_forward_hook(lambda m, args, o, i=i: put(f"stream.{i}", first(o)))
     runs = []
     with torch.no_grad():
         for seq in seqs:
