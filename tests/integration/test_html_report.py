@@ -177,6 +177,11 @@ def test_html_report_in_headless_chromium(candidate_run, chromium, tmp_path):
         assert sorted(shown) == sorted(CASES)
         for figure in ("heatmap", "families", "rollout"):  # (and 'steps' when cases take several steps)
             assert page.evaluate(f"document.querySelectorAll('#{figure} figure svg').length") == 1, figure
+        assert page.evaluate("document.querySelectorAll('#coverage tbody tr').length") > 0
+        provenance = page.evaluate("document.getElementById('provenance').textContent")
+        assert "versions.torch" in provenance and "digests.acceptance" in provenance and "git.commit" in provenance
+        if "platform" in json.loads((RunLayout(candidate_run).reference_summary).read_text()):
+            assert "platform." in provenance
         shot = base64.b64decode(page.call("Page.captureScreenshot", format="png")["data"])
     stddev, colours = pixel_spread(shot)
     assert stddev > 10 and colours > 50, (stddev, colours)  # a blank or single-colour page has ~0 and 1
