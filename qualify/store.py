@@ -137,7 +137,8 @@ def write_tensors(path: Path, tensors: Mapping[str, Any], metadata: Mapping[str,
 
     def save(tmp: Path) -> None:
         try:
-            save_file(contiguous, str(tmp), metadata=dict(metadata or {}))
+            # no metadata rather than an empty one: safetensors writes an unreadable header for {} with {}
+            save_file(contiguous, str(tmp), metadata=dict(metadata) if metadata else None)
         except SafetensorError as exc:  # its I/O errors (disk full) are not OSErrors
             raise OutputError(f"cannot write {path}: {exc}") from exc
 

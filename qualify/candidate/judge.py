@@ -92,15 +92,17 @@ def evidence_rows(case: str, role: str, meta: dict[str, Any]) -> list[Row]:
     """Structural evidence of the candidate run itself."""
     not_fp32_grads = sorted(n for n, d in meta["grad_dtypes"].items() if d != "float32")
     not_fp32_state = sorted(n for n, d in meta["state_dtypes"].items() if d != "float32")
-    replica = max(meta["replica_max_abs"].values(), default=0.0)
-    padded = max((r["changed_max_abs"] for r in meta["padded_rows"].values()), default=0.0)
+    replicas = {name: float(v) for name, v in meta["replica_max_abs"].items()}  # 'nan' / 'inf' read back as floats
+    replica = max(replicas.values(), key=lambda v: math.inf if math.isnan(v) else v, default=0.0)
+    padded = max((float(r["changed_max_abs"]) for r in meta["padded_rows"].values()),
+                 key=lambda v: math.inf if math.isnan(v) else v, default=0.0)
     checks = [
         ("evidence/grad_buffers", "num_not_fp32", float(len(not_fp32_grads)), ", ".join(not_fp32_grads[:3])),
         ("evidence/optimizer_state", "num_not_fp32", float(len(not_fp32_state)), ", ".join(not_fp32_state[:3])),
         ("evidence/optimizer_state", "num_params", float(len(meta["grad_dtypes"]) - len(meta["state_dtypes"])),
          "parameters without optimizer state"),
         ("evidence/replicas", "max_abs_across_ranks", replica,
-         max(meta["replica_max_abs"], key=meta["replica_max_abs"].get, default="")),
+         max(replicas, key=lambda n: math.inf if math.isnan(replicas[n]) else replicas[n], default="")),
         ("evidence/padded_vocab_rows", "changed_max_abs", padded, ""),
         ("evidence/params", "num_extra", float(len(meta["extra_params"])), ", ".join(meta["extra_params"][:3])),
     ]

@@ -11,6 +11,7 @@ Usage: python -m qualify.candidate.worker SPEC.json [SPEC.json ...]
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -62,6 +63,18 @@ def objective(engine: Any, spec: CaseSpec, scores_BT: torch.Tensor, batch: Batch
     if own is None:
         return role_objective(spec.role, spec.ppo, scores_BT, batch.response_mask_BT, targets)
     return own(spec.role, spec.ppo, scores_BT, batch.response_mask_BT, targets)
+
+
+def json_safe(value: Any) -> Any:
+    """Non-finite floats as the strings 'nan', 'inf', '-inf' (JSON has no NaN): the judge reads them back as floats,
+    so a NaN in a replica or a padded row becomes a failing row naming it, not a crash writing meta.json."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def gather_replicas(local: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -126,7 +139,7 @@ def run_case(spec: CaseSpec, rank: int) -> None:
                 "replica_max_abs": replicas, "padded_rows": padded, "extra_params": sorted(set(params) - set(before)),
                 "num_steps": len(steps), "own_objective": hasattr(engine, "objective"),
                 "case": spec.to_json(), "seconds": round(time.monotonic() - started, 3), **provenance()}
-        write_json(out / "meta.json", meta)
+        write_json(out / "meta.json", json_safe(meta))
         complete_stage(out, {"case": spec.name, "rollout_digest": spec.rollout_digest, "key": spec.resume_key})
     dist.barrier()
 

@@ -14,6 +14,7 @@ allocate on CUDA, so this engine runs on GPUs only.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -205,16 +206,20 @@ class MegatronEngine:
 
     def step(self) -> torch.Tensor:
         success, grad_norm, _ = self.optimizer.step()
-        if not success:
-            raise EngineError("Megatron's optimizer skipped the step (non-finite gradients)")
+        # A skipped step (non-finite gradients) is evidence, not a crash: its norm and the missing optimizer
+        # state become failing rows that name them.
+        if not success and grad_norm is not None and math.isfinite(float(grad_norm)):
+            grad_norm = float("nan")
         self.model.zero_grad_buffer()  # the next step's backward starts from zero (the step copied main -> model)
         self.optimizer.zero_grad()
-        return torch.tensor(float(grad_norm), dtype=torch.float32)
+        return torch.tensor(float("nan") if grad_norm is None else float(grad_norm), dtype=torch.float32)
 
     def params(self) -> dict[str, torch.Tensor]:
         return self._gathered({n: p.float() for n, p in self.master.items()})
 
     def optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        if not all(p in self.adam.state for p in self.master.values()):  # no step was taken (skipped)
+            return {"exp_avg": {}, "exp_avg_sq": {}}
         return {key: self._gathered({n: self.adam.state[p][key] for n, p in self.master.items()})
                 for key in ("exp_avg", "exp_avg_sq")}
 

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 from typing import Any, Self
 
-from qualify.rollout.capture import shm_segments, vllm_env
+from qualify.rollout.capture import vllm_env
+from qualify.rollout.shm import ShmWatch
 
 TAIL_LINES = 25
 
@@ -38,10 +39,11 @@ class RolloutEngine:
 
     def __init__(self, start: dict[str, Any], log_path: Path, timeout_s: float = 1800.0) -> None:
         self.log_path, self.timeout_s = Path(log_path), timeout_s
-        self.shm_before = shm_segments()
         self.log = open(self.log_path, "ab")  # noqa: SIM115 (open as long as the engine runs)
         self.proc = subprocess.Popen([sys.executable, "-m", "qualify.rounds.server"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, env=vllm_env(start["tp"]))
+        self.shm = ShmWatch(self.proc.pid)  # only this engine's own segments are ever its leftovers
+        self.shm_removed: list[str] = []
         self.buffer = b""
         try:
             self.started = self.call({"cmd": "start", **start})
@@ -53,9 +55,12 @@ class RolloutEngine:
         """Send one request; return the reply whatever it says."""
         if self.proc.poll() is not None:
             raise EngineCrash(f"the engine process has exited (code {self.proc.returncode}):\n{self.tail()}")
+        self.shm.poll()
         self.proc.stdin.write((json.dumps(req, allow_nan=False) + "\n").encode("ascii"))
         self.proc.stdin.flush()
-        return json.loads(self._read_line(time.monotonic() + self.timeout_s))
+        reply = json.loads(self._read_line(time.monotonic() + self.timeout_s))
+        self.shm.poll()
+        return reply
 
     def call(self, req: dict[str, Any]) -> dict[str, Any]:
         """Send one request; raise Refused unless the engine accepted it."""
@@ -85,7 +90,8 @@ class RolloutEngine:
         return "\n".join(lines[-TAIL_LINES:])
 
     def close(self) -> list[str]:
-        """Shut the engine down; return the /dev/shm segments it left behind (should be none)."""
+        """Shut the engine down and remove the /dev/shm segments its processes left (kept in shm_removed);
+        return those still there afterwards (none unless they could not be removed)."""
         if self.proc.poll() is None:
             try:
                 self.request({"cmd": "shutdown"})
@@ -94,7 +100,8 @@ class RolloutEngine:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
-        return sorted(shm_segments() - self.shm_before)
+        self.shm_removed = self.shm.remove_leftovers()
+        return self.shm.leftovers()
 
     def __enter__(self) -> Self:
         return self
