@@ -223,3 +223,11 @@ def test_read_json_object_names_the_missing_key(tmp_path, content, expected):
         read_json_object(path, "reference summary", ("matrix", "controls", "rollout_digest"))
     path.write_text('{"matrix": {}, "controls": [], "rollout_digest": "d", "more": 1}')
     assert read_json_object(path, "reference summary", ("matrix", "controls", "rollout_digest"))["more"] == 1
+
+
+def test_empty_tensor_dict_round_trips(tmp_path):
+    """An engine that skipped its step has no optimizer state: its empty file must read back as empty."""
+    from qualify.store import read_tensors, write_tensors
+
+    write_tensors(tmp_path / "m.safetensors", {})
+    assert read_tensors(tmp_path / "m.safetensors") == {}
