@@ -11,6 +11,7 @@ from qualify.stages import (
     prepare_stage,
     require_complete,
     reuse_complete,
+    stage_info,
     stage_is_complete,
 )
 
@@ -49,3 +50,52 @@ def test_reuse_refuses_complete_output_made_with_other_settings(tmp_path):
     assert reuse_complete(out, fingerprint({"a": 1}), "s") is True
     with pytest.raises(FrozenError, match="other settings"):
         reuse_complete(out, fingerprint({"a": 2}), "s")
+
+
+def test_marker_records_every_file_but_itself_with_size_and_sha256(tmp_path):
+    import hashlib
+
+    from qualify.store import read_json
+
+    out = tmp_path / "a" / "b" / "s"  # parents are made
+    prepare_stage(out)
+    (out / "sub").mkdir()
+    (out / "sub" / "x.bin").write_bytes(b"xyz")
+    (out / "y.json").write_text("{}")
+    complete_stage(out)
+    marker = read_json(out / "_complete.json")
+    assert marker == {"files": {"sub/x.bin": [3, hashlib.sha256(b"xyz").hexdigest()],
+                                "y.json": [2, hashlib.sha256(b"{}").hexdigest()]}, "info": {}}
+    assert stage_info(out) == {}
+
+
+@pytest.mark.parametrize("marker", ['{"info": {}}', '["files"]', '{"files": ["a.bin"]}', "null"])
+def test_a_marker_without_a_files_map_is_not_complete(tmp_path, marker):
+    out = tmp_path / "s"
+    prepare_stage(out)
+    (out / "a.bin").write_bytes(b"abc")
+    (out / "_complete.json").write_text(marker)
+    assert not stage_is_complete(out)
+    with pytest.raises(EvidenceError, match=f"thing at {out} is missing, partial or modified; rerun the stage"):
+        require_complete(out, "thing")
+
+
+def test_stage_info_and_fingerprint(tmp_path):
+    import hashlib
+
+    from qualify.store import dumps_json
+
+    out = tmp_path / "s"
+    prepare_stage(out)
+    complete_stage(out, {"digest": "sha256:x", "settings": fingerprint({"b": 1, "a": [1, 2]})})
+    assert stage_info(out) == {"digest": "sha256:x", "settings": fingerprint({"a": [1, 2], "b": 1})}
+    assert fingerprint({"a": 1}) == "sha256:" + hashlib.sha256(dumps_json({"a": 1}).encode("ascii")).hexdigest()
+    assert fingerprint({"a": 1}) != fingerprint({"a": 2})
+
+
+def test_reuse_of_a_complete_output_without_recorded_settings_is_refused(tmp_path):
+    out = tmp_path / "s"
+    prepare_stage(out)
+    complete_stage(out, {"digest": "sha256:x"})
+    with pytest.raises(FrozenError, match=f"thing at {out} was made with other settings"):
+        reuse_complete(out, fingerprint({"a": 1}), "thing")
