@@ -137,8 +137,10 @@ def write_tensors(path: Path, tensors: Mapping[str, Any], metadata: Mapping[str,
 
     def save(tmp: Path) -> None:
         try:
-            # no metadata rather than an empty one: safetensors writes an unreadable header for {} with {}
-            save_file(contiguous, str(tmp), metadata=dict(metadata) if metadata else None)
+            # safetensors writes an unreadable header for no tensors with an empty metadata dict: pass none then
+            # (and keep the empty dict otherwise, so evidence files stay byte-identical to earlier ones)
+            md = dict(metadata or {})
+            save_file(contiguous, str(tmp), metadata=md if (md or contiguous) else None)
         except SafetensorError as exc:  # its I/O errors (disk full) are not OSErrors
             raise OutputError(f"cannot write {path}: {exc}") from exc
 
