@@ -131,7 +131,7 @@ def bound_rows(acceptance_path: Path, doc: dict[str, Any], layout: RunLayout,
     from qualify.matrix import Matrix
 
     matrix = from_dict(Matrix, summary["matrix"], str(layout.reference_summary))
-    rows: list[Row] = []
+    rows = model_rows(doc, layout)
     for role in ROLES:
         before = checkpoint_tensors(layout.model(role) if matrix.models.tiny else matrix.resolve(
             getattr(matrix.models.checkpoints, role)))
@@ -149,6 +149,20 @@ def bound_rows(acceptance_path: Path, doc: dict[str, Any], layout: RunLayout,
             rows += judge_steps("replay", role, f"fresh vs committed {ref_run} [{family}]", fresh, committed,
                                 bounds["bounds"], params_before_steps(fresh, before), matrix.optimizer)
     return rows, {"targets_max_abs": target_drift(acceptance_path, doc, layout)}
+
+
+def model_rows(doc: dict[str, Any], layout: RunLayout) -> list[Row]:
+    """The weight files the fresh reference started from must be the acceptance's (seeded models reproduce
+    across platforms; when they do not, nothing after them can be judged and this row says why)."""
+    expected = {e["path"]: e["sha256"] for e in doc["files"] if e["path"].startswith("models/")
+                and e["path"].endswith(".safetensors")}
+    rows = []
+    for path, digest in sorted(expected.items()):
+        file = layout.reference / path
+        same = file.is_file() and sha256_file(file)[1] == digest
+        rows.append(Row("replay", role_of(path), "models vs acceptance", path, "bytes_differ", float(not same), 0.0,
+                        same, "" if same else "this platform did not make the acceptance's weights"))
+    return rows
 
 
 def target_drift(acceptance_path: Path, doc: dict[str, Any], layout: RunLayout) -> dict[str, float]:

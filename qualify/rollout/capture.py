@@ -120,11 +120,24 @@ def rollout_tensors(results: list[dict[str, Any]]) -> dict[str, Any]:
             "sampler_logprobs_BT": logprobs}
 
 
+# Written into every config by whichever transformers saved it: not part of what the model is.
+VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path")
+
+
 def model_digest(model_dir: Path) -> str:
-    """sha256 over the actor checkpoint's files (names and contents): the rollout belongs to these weights."""
-    files = sorted(p for p in Path(model_dir).iterdir()
-                   if p.is_file() and not p.name.startswith(".") and p.name != MARKER)
-    return fingerprint({p.name: sha256_file(p)[1] for p in files})
+    """What the rollout belongs to: the actor's weight files (sha256) and its JSON configs without the keys that
+    only say which transformers wrote them, so the same seeded model made elsewhere has the same digest."""
+    parts: dict[str, Any] = {}
+    for p in sorted(Path(model_dir).iterdir()):
+        if not p.is_file() or p.name.startswith(".") or p.name == MARKER:
+            continue
+        if p.suffix == ".json":
+            config = read_json(p)
+            parts[p.name] = {k: v for k, v in config.items() if k not in VOLATILE_CONFIG_KEYS} \
+                if isinstance(config, dict) else config
+        else:
+            parts[p.name] = sha256_file(p)[1]
+    return fingerprint(parts)
 
 
 def capture_request(matrix: Matrix, model_dir: Path, tp: int, *, vocab_size: int,

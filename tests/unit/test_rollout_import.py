@@ -72,3 +72,13 @@ def test_model_digest_follows_weights_not_path_or_seal(tmp_path):
     assert model_digest(tmp_path / "a") == model_digest(tmp_path / "b")
     (tmp_path / "b" / "model.safetensors").write_bytes(b"weightz")
     assert model_digest(tmp_path / "a") != model_digest(tmp_path / "b")
+
+
+def test_model_digest_ignores_which_transformers_wrote_the_config(tmp_path):
+    for name, version in (("a", "5.19.0"), ("b", "5.17.0")):
+        (tmp_path / name).mkdir()
+        write_json(tmp_path / name / "config.json", {"vocab_size": 512, "transformers_version": version})
+        (tmp_path / name / "model.safetensors").write_bytes(b"weights")
+    assert model_digest(tmp_path / "a") == model_digest(tmp_path / "b")
+    write_json(tmp_path / "b" / "config.json", {"vocab_size": 513, "transformers_version": "5.17.0"})
+    assert model_digest(tmp_path / "a") != model_digest(tmp_path / "b")
