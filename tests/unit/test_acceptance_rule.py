@@ -148,8 +148,27 @@ def test_a_rule_changed_in_the_acceptance_is_caught_in_every_bound_file(acc):
     rewrite(acc, rule=rule | {"k": rule["k"] * 2})
     problems = check_acceptance(acc)
     assert sum("k or floors differ" in p for p in problems) == 6
-    with pytest.raises(ManifestError, match=r"acceptance.json: .* \.\.\.$"):
+
+
+def break_schemas(acc, count: int) -> list[str]:
+    """Give `count` bound files another schema (re-digested): one problem each."""
+    d = read_json(acc)
+    bounds = dict(d["bounds"])
+    for name in sorted(bounds)[:count]:
+        file = acc.parent / "bounds" / name
+        write_json(file, read_json(file) | {"schema": "qualify.bounds/0"})
+        bounds[name] = "sha256:" + hashlib.sha256(file.read_bytes()).hexdigest()
+    rewrite(acc, bounds=bounds)
+    return check_acceptance(acc)
+
+
+@pytest.mark.parametrize("count, ellipsis", [(5, ""), (6, " ...")])
+def test_require_sound_names_the_first_five_problems(acc, count, ellipsis):
+    problems = break_schemas(acc, count)
+    assert len(problems) == count and all(p.endswith(": schema 'qualify.bounds/0'") for p in problems)
+    with pytest.raises(ManifestError) as caught:
         require_sound(acc)
+    assert str(caught.value) == f"{acc}: " + "; ".join(problems[:5]) + ellipsis
 
 
 def test_frozen_field_differences_name_each_changed_field():

@@ -213,3 +213,66 @@ def test_each_bad_fact_fails_its_own_row_and_names_it(change, check, value, note
     assert {key for key, r in rows.items() if not r.passed} == {check}
     row = rows[check]
     assert (row.value == value or (math.isnan(value) and math.isnan(row.value))) and row.note == note
+
+
+# --- several optimizer steps -------------------------------------------------------------------------------------
+
+def two_adamw_steps() -> list[RunTensors]:
+    """Two torch AdamW steps from params() with different gradients: each step's updates and moments."""
+    p0 = params()
+    live = {n: torch.nn.Parameter(p.clone()) for n, p in p0.items()}
+    opt = torch.optim.AdamW(live.values(), lr=OPT.lr, betas=OPT.betas, eps=OPT.eps, weight_decay=OPT.weight_decay,
+                            foreach=False)
+    steps = []
+    for k in range(2):
+        before = {n: p.detach().clone() for n, p in live.items()}
+        grads = {n: torch.randn(p.shape, generator=torch.Generator().manual_seed(40 + k)) * 1e-2
+                 for n, p in live.items()}
+        for n, p in live.items():
+            p.grad = grads[n].clone()
+        opt.step()
+        steps.append(RunTensors({"loss": torch.tensor(0.5 + k)}, grads,
+                                {n: p.detach() - before[n] for n, p in live.items()},
+                                {f"{m}/{n}": opt.state[p][m].clone() for n, p in live.items()
+                                 for m in ("exp_avg", "exp_avg_sq")}, {}))
+    return steps
+
+
+def step_bounds(steps: list[RunTensors]) -> dict:
+    from qualify.compare import with_step
+
+    out = {}
+    for k, s in enumerate(steps):
+        out |= with_step(k, tight_bounds(s))
+    return out
+
+
+def test_every_step_is_judged_with_its_own_bounds_and_adam_step():
+    from qualify.candidate.judge import judge_steps
+    from qualify.compare import params_before_steps
+
+    steps = two_adamw_steps()
+    starts = params_before_steps(steps, params())
+    rows = judge_steps("c", "actor", "x", steps, steps, step_bounds(steps), starts, OPT)
+    assert failed(rows) == set()
+    assert {r.tensor.split("/")[0] for r in rows} == {"step0", "step1"}
+    assert len(rows) == sum(len(v) for v in step_bounds(steps).values())
+    replay = {r.tensor: r.value for r in rows if r.metric == "replay_max_abs"}
+    assert set(replay) == {"step0/updates/w", "step0/updates/b", "step1/updates/w", "step1/updates/b"}
+    assert all(v < 2.0 ** -21 for v in replay.values())  # step 2's bias correction, from step 2's own start
+    late = [steps[0], RunTensors(steps[1].outputs, steps[1].grads, {**steps[1].updates, "b": steps[1].updates["b"] * 2},
+                                 steps[1].moments, {})]
+    assert failed(judge_steps("c", "actor", "x", late, steps, step_bounds(steps), starts, OPT)) == {
+        ("step1/updates/b", "resolved_max_abs"), ("step1/updates/b", "replay_max_abs")}
+
+
+def test_a_candidate_that_took_fewer_steps_fails_a_row_that_says_so():
+    from qualify.candidate.judge import judge_steps
+    from qualify.compare import params_before_steps
+
+    steps = two_adamw_steps()
+    rows = judge_steps("case", "critic", "cmp", steps[:1], steps, step_bounds(steps),
+                       params_before_steps(steps, params()), OPT)
+    assert rows[0] == Row("case", "critic", "cmp", "steps", "num_steps", 1.0, 2.0, False,
+                          "the candidate took 1 optimizer steps, the reference 2")
+    assert {r.tensor.split("/")[0] for r in rows[1:]} == {"step0"} and failed(rows[1:]) == set()

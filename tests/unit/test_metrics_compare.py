@@ -189,3 +189,47 @@ def test_merge_max_starts_from_zero():
     merge_max(into, {"k": {"m": 0.5}})
     merge_max(into, {"k": {"m": 0.25}})
     assert into == {"k": {"m": 0.5}}
+
+
+# --- steps -------------------------------------------------------------------------------------------------------
+
+def test_step_keys_round_trip():
+    from qualify.compare import split_step, step_dir, with_step
+
+    assert step_dir(3) == "step3"
+    assert with_step(2, {"grads/w": 1, "outputs/loss": 2}) == {"step2/grads/w": 1, "step2/outputs/loss": 2}
+    assert split_step("step12/moments/exp_avg/w") == (12, "moments/exp_avg/w")
+    assert metric_kind("step3/outputs/values_BT") == "value" and metric_kind("step0/updates/w") == "update"
+
+
+def test_steps_written_by_write_step_load_in_order(tmp_path):
+    from qualify.compare import load_steps, num_steps, write_step
+
+    runs = [role_run("actor", c) for c in (0.0, 1e-3, 2e-3)]
+    for k, run in enumerate(runs):
+        write_step(tmp_path / f"step{k}", {g: getattr(run, g) for g in ("outputs", "grads", "updates", "moments")})
+    (tmp_path / "meta.json").write_text('{"num_steps": 3, "case": "x"}')
+    assert num_steps(tmp_path) == 3
+    loaded = load_steps(tmp_path)
+    assert len(loaded) == 3 and all(s.meta == {"num_steps": 3, "case": "x"} for s in loaded)
+    for run, got in zip(runs, loaded):
+        for group in ("outputs", "grads", "updates", "moments"):
+            a, b = getattr(got, group), getattr(run, group)
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), group
+    (tmp_path / "meta.json").write_text("{}")
+    assert num_steps(tmp_path) == 1 and len(load_steps(tmp_path)) == 1
+
+
+def test_params_before_each_step_accumulate_the_runs_own_updates_in_fp64():
+    from qualify.compare import params_before_steps
+
+    initial = {"w": T([1.0, 2.0]), "b": T([0.5]), "frozen": T([7.0])}
+    steps = [run_of(updates={"w": T([0.25, -0.5]), "b": T([0.125, 1.0])}),  # b: wrong shape, not applied
+             run_of(updates={"w": T([0.25, 0.25])}), run_of()]
+    starts = params_before_steps(steps, initial)
+    assert len(starts) == 3
+    expected = [{"w": [1.0, 2.0], "b": [0.5], "frozen": [7.0]}, {"w": [1.25, 1.5], "b": [0.5], "frozen": [7.0]},
+                {"w": [1.5, 1.75], "b": [0.5], "frozen": [7.0]}]
+    for got, want in zip(starts, expected):
+        assert {n: t.tolist() for n, t in got.items()} == want
+        assert all(t.dtype == torch.float64 for t in got.values())
