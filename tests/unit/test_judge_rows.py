@@ -199,6 +199,8 @@ def test_empty_evidence_passes():
       "state_dtypes": {n: "float32" for n in "zwacd"}},
      ("evidence/grad_buffers", "num_not_fp32"), 4.0, "a, c, d"),
     ({"state_dtypes": {"w": "bfloat16", "b": "float32"}}, ("evidence/optimizer_state", "num_not_fp32"), 1.0, "w"),
+    ({"grad_dtypes": {n: "float32" for n in "pqrs"}, "state_dtypes": {n: "bfloat16" for n in "srqp"}},
+     ("evidence/optimizer_state", "num_not_fp32"), 4.0, "p, q, r"),
     ({"state_dtypes": {"w": "float32"}}, ("evidence/optimizer_state", "num_params"), 1.0,
      "parameters without optimizer state"),
     ({"replica_max_abs": {"q_norm": 1e-9, "k_norm": 3e-9}}, ("evidence/replicas", "max_abs_across_ranks"), 3e-9,
