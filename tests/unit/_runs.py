@@ -71,6 +71,37 @@ def role_run(role: str, coef: float) -> RunTensors:
     return RunTensors(outputs, grads, updates, moments, {})
 
 
+def role_steps(role: str, coef: float, num_steps: int) -> list[RunTensors]:
+    """num_steps torch AdamW steps of one role from params(): step k's gradients are role_run's, scaled by 1 + k."""
+    p0 = params()
+    live = {n: torch.nn.Parameter(p.clone()) for n, p in p0.items()}
+    opt = torch.optim.AdamW(live.values(), lr=OPT.lr, betas=OPT.betas, eps=OPT.eps, weight_decay=OPT.weight_decay,
+                            foreach=False)
+    first = role_run(role, coef)
+    steps = []
+    for k in range(num_steps):
+        before = {n: p.detach().clone() for n, p in live.items()}
+        grads = {n: g * (1 + k) for n, g in first.grads.items()}
+        for n, p in live.items():
+            p.grad = grads[n].clone()
+        opt.step()
+        steps.append(RunTensors({n: t + k for n, t in first.outputs.items()}, grads,
+                                {n: p.detach() - before[n] for n, p in live.items()},
+                                {f"{m}/{n}": opt.state[p][m].clone() for n, p in live.items()
+                                 for m in ("exp_avg", "exp_avg_sq")}, {}))
+    return steps
+
+
+def write_steps(directory: Path, steps: list[RunTensors], meta: dict | None = None) -> None:
+    """Seal a multi-step role directory: step<k>/ per step, meta.json with num_steps."""
+    prepare_stage(directory)
+    for k, run in enumerate(steps):
+        for group in ("outputs", "grads", "updates", "moments"):
+            write_tensors(directory / f"step{k}" / f"{group}.safetensors", getattr(run, group))
+    write_json(directory / "meta.json", {"num_steps": len(steps), **(meta or {})})
+    complete_stage(directory, meta or {})
+
+
 def write_run(directory: Path, run: RunTensors, meta: dict | None = None) -> None:
     """Seal a one-step run directory as the reference and the candidate stages do.
 
@@ -107,10 +138,10 @@ def rollout_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
             "response_mask_BT": mask, "sampler_logprobs_BT": -torch.rand(2, 6, generator=g)}
 
 
-def synthetic_matrix(tmp_path: Path) -> Matrix:
+def synthetic_matrix(tmp_path: Path, require: tuple[str, ...] = ()) -> Matrix:
     """The embedded default's matrix with K and FLOORS as its freeze rule and OPT as its optimizer."""
     data = yaml.safe_load((REPO / "matrices" / "tiny-qwen3.yaml").read_text())
-    data["freeze"] = {"k": K, "floors": FLOORS}
+    data["freeze"] = {"k": K, "floors": FLOORS, "require": list(require)}
     data["optimizer"] = {"lr": OPT.lr, "betas": list(OPT.betas), "eps": OPT.eps, "weight_decay": OPT.weight_decay,
                          "max_grad_norm": OPT.max_grad_norm}  # the optimizer that made the runs
     path = tmp_path / "synthetic.yaml"
@@ -118,8 +149,11 @@ def synthetic_matrix(tmp_path: Path) -> Matrix:
     return load_matrix(path)
 
 
-def synthetic_reference(run_dir: Path, matrix: Matrix) -> RunLayout:
-    """A complete, sealed reference (no vLLM, no model): snapshot, models, rollouts, targets, scores, summary."""
+def synthetic_reference(run_dir: Path, matrix: Matrix, coverage: dict | None = None) -> RunLayout:
+    """A complete, sealed reference (no vLLM, no model): snapshot, models, rollouts, targets, scores, summary.
+
+    coverage: per role, the branch counts of each step, recorded in the fp32 r0 scores' meta.json.
+    """
     layout = RunLayout(Path(run_dir))
     prepare_stage(layout.matrix_snapshot)
     write_json(layout.matrix_snapshot / "matrix.json", to_dict(matrix))
@@ -132,8 +166,10 @@ def synthetic_reference(run_dir: Path, matrix: Matrix) -> RunLayout:
     targets = sealed_file_stage(layout.targets, "targets.safetensors", {"advantages_BT": torch.ones(2, 6)})
     for (precision, control), coef in COEF.items():
         for role in ("actor", "critic"):
+            cov = (coverage or {}).get(role) if (precision, control) == ("fp32", "r0") else None
             write_run(layout.scores(precision, control, role), role_run(role, coef),
-                      {"precision": precision, "control": control, "role": role})
+                      {"precision": precision, "control": control, "role": role}
+                      | ({"coverage": cov} if cov is not None else {}))
     write_json(layout.reference_summary, {
         "matrix": to_dict(matrix), "matrix_digest": matrix_digest, "controls": CONTROLS,
         "rollout_digest": digests[matrix.rollout.vllm_tp[0]], "targets_digest": targets,

@@ -277,3 +277,68 @@ def test_committed_style_acceptance_of_the_synthetic_run_is_sound_and_a_broken_r
     bound.write_text(json.dumps(doc))
     problems = check_acceptance(copy / "acceptance.json")
     assert any("actor-fp32-repeat.json" in p and "does not match" in p for p in problems), problems
+
+
+# --- several steps, and the coverage freeze requires ----------------------------------------------------------------
+
+def _replay_error_at(update, p, m, v, step):
+    """|update - AdamW step `step` from (p, m, v)|, written out in float64 with step's bias correction."""
+    b1, b2 = OPT.betas
+    p, m, v = p.double(), m.double(), v.double()
+    delta = OPT.lr * (m / (1 - b1 ** step)) / ((v / (1 - b2 ** step)).sqrt() + OPT.eps)
+    return float((update.double() - (p * (1 - OPT.lr * OPT.weight_decay) - delta - p)).abs().max())
+
+
+def test_family_bounds_of_two_steps_replay_each_step_from_its_own_start(tmp_path):
+    from qualify.freeze import family_bounds
+    from tests.unit._runs import role_steps, write_steps
+
+    layout = RunLayout(tmp_path)
+    runs = {pc: role_steps("actor", COEF[pc], 2) for pc in [("fp32", "r0"), ("fp32", "r1"), ("fp32", "r2")]}
+    for (precision, control), steps in runs.items():
+        write_steps(layout.scores(precision, control, "actor"), steps)
+    doc = family_bounds(layout, "actor", "fp32-repeat", ["r0", "r1", "r2"], K, FLOORS, params(), OPT, True)
+    assert doc["num_steps"] == 2
+    assert {key.split("/")[0] for key in doc["bounds"]} == {"step0", "step1"}
+    base = runs[("fp32", "r0")]
+    for step in (0, 1):
+        for name, p in params().items():
+            errors = []
+            for steps in runs.values():
+                start = p.double() + (steps[0].updates[name].double() if step else 0)
+                errors.append(_replay_error_at(steps[step].updates[name], start, steps[step].moments[f"exp_avg/{name}"],
+                                               steps[step].moments[f"exp_avg_sq/{name}"], step + 1))
+            b = doc["bounds"][f"step{step}/updates/{name}"]["replay_max_abs"]
+            base_start = p.double() + (base[0].updates[name].double() if step else 0)
+            q = _ulp("fp32", float(base_start.abs().max()))
+            assert b["control_error"] == pytest.approx(max(errors), rel=1e-6, abs=1e-15) and max(errors) < 2.0 ** -21
+            assert (b["quantum"], b["bound"]) == (q, pytest.approx(K * b["control_error"] + FLOORS["update"] + q))
+        grads1 = doc["bounds"]["step1/grads/w"]["max_abs"]["control_error"]
+        assert grads1 == 2 * doc["bounds"]["step0/grads/w"]["max_abs"]["control_error"] > 0  # step 1: 2x the gradients
+
+
+def test_family_bounds_refuse_controls_with_another_number_of_steps(tmp_path):
+    from qualify.freeze import family_bounds
+    from tests.unit._runs import role_steps, write_steps
+
+    layout = RunLayout(tmp_path)
+    for control, num in (("r0", 2), ("r1", 2), ("r2", 1)):
+        write_steps(layout.scores("bf16", control, "critic"), role_steps("critic", COEF[("bf16", control)], num))
+    with pytest.raises(EvidenceError, match="critic bf16-repeat: controls took different numbers of steps than bf16-r0"):
+        family_bounds(layout, "critic", "bf16-repeat", ["r0", "r1", "r2"], K, FLOORS, params(), OPT, True)
+
+
+def test_freeze_refuses_a_reference_that_left_a_required_branch_inert(tmp_path):
+    matrix = synthetic_matrix(tmp_path, require=("kl", "value_clip"))
+    layout = synthetic_reference(tmp_path / "run", matrix, coverage={"actor": [{"kl": 0, "adam_step": 1}],
+                                                                     "critic": [{"value_clip": 3, "adam_step": 1}]})
+    with pytest.raises(FrozenError, match=r"the reference left 1 required branch\(es\) inert \(freeze.require\): kl: "):
+        freeze(layout.root)
+    assert not layout.acceptance.exists()
+
+
+def test_freeze_records_the_coverage_it_required(tmp_path):
+    matrix = synthetic_matrix(tmp_path, require=("kl",))
+    coverage = {"actor": [{"kl": 5, "adam_step": 1}], "critic": [{"value_clip": 0, "adam_step": 1}]}
+    layout = synthetic_reference(tmp_path / "run", matrix, coverage=coverage)
+    assert freeze(layout.root)["coverage"] == {"required": ["kl"], "steps": coverage}
