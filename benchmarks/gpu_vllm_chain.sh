@@ -30,8 +30,6 @@ install() {
   mkdir -p /tmp/bundle && tar -xf /tmp/bundle.tar -C /tmp/bundle && rm /tmp/bundle.tar
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     /tmp/bundle/dl/vllm-*.whl /tmp/bundle/deps/*.whl /tmp/bundle/.whl/*.whl
-  # benchmark-only: qualify/rounds/client.py imports a function 52ef516 moved (BENCHMARKS.md, issue 18)
-  cp benchmarks/rounds_shim_sitecustomize.py /tmp/site/sitecustomize.py
   touch /tmp/site/.installed
 }
 
