@@ -87,9 +87,10 @@ def capture_all(matrix: Matrix, layout: RunLayout, models: dict[str, Path], log:
             raise QualifyError(f"--rollout {rollout_source} has no tp{tp}/ directory (the matrix's vllm_tp is "
                                f"{list(matrix.rollout.vllm_tp)})")
         what = f"capture rollout: vLLM TP{tp}" if source is None else f"reuse rollout TP{tp} from {source}"
-        with log.step(what):
+        with log.step(what) as step:
             digests[tp] = capture_rollout(matrix, models["actor"], tp, layout.rollout(tp), source=source,
-                                          vocab_size=cfg["vocab_size"], eos_token_id=cfg.get("eos_token_id"))
+                                          vocab_size=cfg["vocab_size"], eos_token_id=cfg.get("eos_token_id"),
+                                          on_reuse=step.skip)
     return digests
 
 

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -190,7 +191,8 @@ def capture_settings(request: dict[str, Any]) -> str:
 
 
 def capture_rollout(matrix: Matrix, model_dir: Path, tp: int, out_dir: Path, *, vocab_size: int,
-                    eos_token_id: int | None, source: Path | None = None) -> str:
+                    eos_token_id: int | None, source: Path | None = None,
+                    on_reuse: Callable[[], None] | None = None) -> str:
     """Capture the rollout at vLLM TP degree tp into out_dir (skipped when complete); return its digest.
 
     With source (a sealed rollout directory made for the same request and weights, for example
@@ -199,6 +201,8 @@ def capture_rollout(matrix: Matrix, model_dir: Path, tp: int, out_dir: Path, *, 
     request = capture_request(matrix, model_dir, tp, vocab_size=vocab_size, eos_token_id=eos_token_id)
     settings = capture_settings(request)
     if reuse_complete(out_dir, settings, f"rollout TP{tp}"):
+        if on_reuse is not None:
+            on_reuse()
         return stage_info(out_dir)["digest"]
     if source is not None:
         return import_rollout(Path(source), out_dir, settings, tp)

@@ -82,3 +82,21 @@ def test_model_digest_ignores_which_transformers_wrote_the_config(tmp_path):
     assert model_digest(tmp_path / "a") == model_digest(tmp_path / "b")
     write_json(tmp_path / "b" / "config.json", {"vocab_size": 513, "transformers_version": "5.17.0"})
     assert model_digest(tmp_path / "a") != model_digest(tmp_path / "b")
+
+
+def test_reusing_the_committed_rollout_then_finding_it_complete_is_logged_as_skipped(tmp_path, capsys):
+    from qualify.layout import RunLayout
+    from qualify.matrix import load_matrix
+    from qualify.models.tiny import make_tiny_family
+    from qualify.reference.stage import capture_all
+    from qualify.stagelog import StageLog
+    from tests.conftest import COMMITTED, TINY
+
+    matrix = load_matrix(TINY)
+    layout = RunLayout(tmp_path / "run")
+    models = make_tiny_family(matrix.models.tiny, layout.models)
+    first = capture_all(matrix, layout, models, StageLog("reference"), COMMITTED / "reference" / "rollout")
+    assert "reference/rollout/tp1: done in" in capsys.readouterr().err
+    again = capture_all(matrix, layout, models, StageLog("reference"), COMMITTED / "reference" / "rollout")
+    err = capsys.readouterr().err
+    assert first == again and "complete, skipped" in err and "done in" not in err
