@@ -29,10 +29,6 @@ class EngineError(QualifyError):
     """An engine is unknown, cannot be imported or refused the case."""
 
 
-class NotBuiltError(QualifyError):
-    """A verb or feature that this version of qualify does not provide yet."""
-
-
 class FrozenError(QualifyError):
     """An attempt to rewrite or widen something that is frozen."""
 

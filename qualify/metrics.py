@@ -10,7 +10,6 @@ update is what AdamW makes of the run's own gradient (replay), which no gradient
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -86,8 +85,3 @@ def replay_max_abs(update: torch.Tensor, param_before: torch.Tensor, exp_avg: to
         return INF
     expected = adamw_update(param_before, exp_avg, exp_avg_sq, **adamw)
     return float((update.double() - expected).abs().max()) if update.numel() else 0.0
-
-
-def is_bad(value: float) -> bool:
-    """NaN counts as bad like +inf."""
-    return math.isnan(value) or math.isinf(value)

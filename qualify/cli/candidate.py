@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from qualify.cli.handler import EXIT_FAILED
 from qualify.cli.options import AcceptanceOpt, Format, FormatOpt, MatrixArg
 
 NAME = "candidate"
@@ -48,4 +49,4 @@ def main(
     else:
         render_verdict(verdict)
     if not verdict["passed"]:
-        raise typer.Exit(1)
+        raise typer.Exit(EXIT_FAILED)

@@ -7,6 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
+from qualify.cli.handler import EXIT_FAILED
 from qualify.cli.options import Format, FormatOpt, MatrixArg
 
 NAME = "rounds"
@@ -43,7 +44,7 @@ def main(
     else:
         render(verdict)
     if not verdict["passed"]:
-        raise typer.Exit(1)
+        raise typer.Exit(EXIT_FAILED)
 
 
 def _fmt(value: Any) -> str:

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from qualify.cli.handler import EXIT_FAILED
 from qualify.cli.options import MatrixArg
 
 NAME = "sbatch"
@@ -66,7 +67,7 @@ def main(matrix: MatrixArg, cluster: ClusterOpt, out: ScriptsOpt = None, run: Ru
         return
     if outcome.code == 1:
         typer.echo(f"qualify: {outcome.message}", err=True)
-        raise typer.Exit(1)
+        raise typer.Exit(EXIT_FAILED)
     raise SlurmError(outcome.message)
 
 

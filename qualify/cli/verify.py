@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from qualify.cli.handler import EXIT_FAILED
 from qualify.cli.options import Format, FormatOpt, JobsOpt
 from qualify.cli.render import render_verify
 from qualify.manifest import verify_manifest
@@ -30,4 +31,4 @@ def main(
     report = verify_manifest(manifest, evidence, jobs=jobs, partial=partial)
     render_verify(report, format)
     if not report.ok:
-        raise typer.Exit(1)
+        raise typer.Exit(EXIT_FAILED)

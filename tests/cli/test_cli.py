@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from qualify.cli.app import app
 from qualify.cli.handler import EXIT_USAGE, handle_errors
-from qualify.errors import MatrixError, NotBuiltError
+from qualify.errors import EngineError, MatrixError
 
 ROOT = Path(__file__).resolve().parents[2]
 MATRICES = ROOT / "matrices"
@@ -154,7 +154,8 @@ def throwaway_app(error: Exception) -> typer.Typer:
 
 
 @pytest.mark.parametrize("error, message", [
-    (NotBuiltError("'qualify boom' is not built yet in this version"), "'qualify boom' is not built yet in this version"),
+    (EngineError("unknown engine 'boom' (known: deepspeed, megatron, torch-tp)"),
+     "unknown engine 'boom' (known: deepspeed, megatron, torch-tp)"),
     (MatrixError("m.yaml: unknown key 'x'"), "m.yaml: unknown key 'x'"),
 ])
 def test_handler_maps_qualify_errors_to_exit_2(error, message):

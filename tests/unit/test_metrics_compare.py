@@ -87,12 +87,6 @@ def test_replay_max_abs_against_a_python_adamw():
     assert metrics.replay_max_abs(empty, empty, empty, empty, **adamw) == 0.0
 
 
-@pytest.mark.parametrize("value, bad", [(math.nan, True), (math.inf, True), (-math.inf, True), (0.0, False),
-                                        (1e308, False)])
-def test_is_bad(value, bad):
-    assert metrics.is_bad(value) is bad
-
-
 # --- compare ---------------------------------------------------------------------------------------------------
 
 def run_of(**groups) -> RunTensors:
