@@ -92,6 +92,11 @@ def hash_path(path: str, on_bytes: Callable[[int], None] | None = None) -> tuple
     return size, digest.hexdigest()
 
 
+def file_digest(path: Path | str) -> str:
+    """'sha256:<hex>' of one file: how every stage names a sealed file's content (rollout, targets, bounds)."""
+    return "sha256:" + hash_path(str(path))[1]
+
+
 def make_batches(paths: list[str], sizes: Mapping[str, int], jobs: int) -> list[list[str]]:
     """Group paths into tasks, largest files first so no thread is left alone with a big one at the end."""
     total = sum(sizes[p] for p in paths)

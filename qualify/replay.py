@@ -19,6 +19,7 @@ from qualify.candidate.judge import Row, judge_steps
 from qualify.compare import load_steps, params_before_steps
 from qualify.errors import EvidenceError
 from qualify.hardware import platform_differences
+from qualify.hashing import file_digest
 from qualify.layout import RunLayout
 from qualify.manifest import default_evidence, load_manifest, sha256_file, verify_manifest
 from qualify.metrics import max_abs
@@ -138,7 +139,7 @@ def bound_rows(acceptance_path: Path, doc: dict[str, Any], layout: RunLayout,
         for precision in matrix.reference.precisions:
             family = f"{precision}-repeat"
             bounds_file = acceptance_path.parent / "bounds" / f"{role}-{family}.json"
-            if "sha256:" + sha256_file(bounds_file)[1] != doc["bounds"].get(bounds_file.name):
+            if file_digest(bounds_file) != doc["bounds"].get(bounds_file.name):
                 raise EvidenceError(f"bound file {bounds_file} does not match the acceptance's digest")
             bounds = read_json(bounds_file)
             ref_run = bounds["reference_run"]

@@ -23,8 +23,9 @@ from qualify.candidate.spec import make_spec
 from qualify.compare import load_steps, params_before_steps
 from qualify.engines.registry import ENGINES
 from qualify.errors import EngineError, EvidenceError, ManifestError, QualifyError
+from qualify.hashing import file_digest
 from qualify.layout import RunLayout
-from qualify.manifest import load_manifest, sha256_file, verify_manifest
+from qualify.manifest import load_manifest, verify_manifest
 from qualify.matrix import Case, Matrix
 from qualify.models.checkpoint import checkpoint_tensors
 from qualify.stagelog import StageLog
@@ -52,7 +53,7 @@ def load_acceptance(layout: RunLayout, acceptance: Path | None) -> tuple[dict[st
     bounds = {}
     for name, digest in doc["bounds"].items():
         file = path.parent / "bounds" / name
-        if not file.is_file() or "sha256:" + sha256_file(file)[1] != digest:
+        if not file.is_file() or file_digest(file) != digest:
             raise EvidenceError(f"bound file {file} is missing or does not match the acceptance's digest")
         b = read_json(file)
         bounds[(b["role"], b["family"])] = b["bounds"]

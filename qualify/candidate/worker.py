@@ -26,7 +26,7 @@ from qualify.compare import step_dir, write_step
 from qualify.engines.base import Batch, EngineContext
 from qualify.engines.registry import get_engine
 from qualify.errors import EvidenceError
-from qualify.manifest import sha256_file
+from qualify.hashing import file_digest
 from qualify.models.checkpoint import checkpoint_tensors
 from qualify.ppo.objective import role_objective, rows_of, step_rows
 from qualify.rollout.capture import load_rollout
@@ -101,7 +101,7 @@ def run_case(spec: CaseSpec, rank: int) -> None:
     started = time.monotonic()
     rollout = load_rollout(Path(spec.rollout_dir), spec.rollout_digest)
     targets_file = Path(spec.targets_dir) / "targets.safetensors"
-    if "sha256:" + sha256_file(targets_file)[1] != spec.targets_digest:
+    if file_digest(targets_file) != spec.targets_digest:
         raise EvidenceError(f"targets {targets_file} do not have the frozen digest {spec.targets_digest}")
     targets = read_tensors(targets_file)
     engine = get_engine(spec.engine)

@@ -14,8 +14,8 @@ from typing import Any
 
 from qualify.compare import step_dir, write_step
 from qualify.errors import EvidenceError, FrozenError, QualifyError
+from qualify.hashing import file_digest
 from qualify.layout import RunLayout
-from qualify.manifest import sha256_file
 from qualify.matrix import Matrix
 from qualify.ppo.objective import step_rows
 from qualify.rollout.capture import capture_rollout, load_rollout
@@ -67,7 +67,7 @@ def snapshot_matrix(matrix: Matrix, layout: RunLayout) -> str:
         return stage_info(out)["digest"]
     prepare_stage(out)
     write_json(out / "matrix.json", data)
-    digest = "sha256:" + sha256_file(out / "matrix.json")[1]
+    digest = file_digest(out / "matrix.json")
     complete_stage(out, {"digest": digest})
     return digest
 
@@ -129,7 +129,7 @@ def make_targets(matrix: Matrix, layout: RunLayout, models: dict[str, Path], dig
         targets = compute_targets(matrix, models, rollout, vocab)
         prepare_stage(out)
         write_tensors(out / TARGETS_FILE, targets)
-        tdigest = "sha256:" + sha256_file(out / TARGETS_FILE)[1]
+        tdigest = file_digest(out / TARGETS_FILE)
         write_json(out / "targets.json", targets_meta(matrix, digest) | {"digest": tdigest})
         complete_stage(out, {"digest": tdigest, "rollout_digest": digest, "settings": settings})
     return tdigest
@@ -140,7 +140,7 @@ def load_targets(layout: RunLayout, expected_digest: str | None = None) -> dict[
     from qualify.reference.targets import TARGETS_FILE
 
     require_complete(layout.targets, "targets")
-    digest = "sha256:" + sha256_file(layout.targets / TARGETS_FILE)[1]
+    digest = file_digest(layout.targets / TARGETS_FILE)
     if expected_digest is not None and digest != expected_digest:
         raise EvidenceError(f"targets digest {digest} differs from the expected {expected_digest}")
     return read_tensors(layout.targets / TARGETS_FILE)

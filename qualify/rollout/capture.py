@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from qualify.errors import EvidenceError, QualifyError
+from qualify.hashing import file_digest
 from qualify.manifest import sha256_file
 from qualify.matrix import Matrix
 from qualify.stages import (
@@ -209,7 +210,7 @@ def capture_rollout(matrix: Matrix, model_dir: Path, tp: int, out_dir: Path, *, 
     result = run_vllm(request)
     prepare_stage(out_dir)
     write_tensors(out_dir / ROLLOUT_FILE, rollout_tensors(result["results"]))
-    digest = "sha256:" + sha256_file(out_dir / ROLLOUT_FILE)[1]
+    digest = file_digest(out_dir / ROLLOUT_FILE)
     meta = {"digest": digest, "vllm_tp": tp, "sampling": {k: request.get(k, 0.0) for k in SAMPLING_KEYS} | {
         k: request[k] for k in ("max_new_tokens", "eos_token_id", "seed", "seeds", "dtype")},
         "logprobs_mode": "processed_logprobs", "finish_reasons": [x["finish_reason"] for x in result["results"]],
@@ -229,7 +230,7 @@ def import_rollout(source: Path, out_dir: Path, settings: str, tp: int) -> str:
     if info.get("settings") != settings:
         raise EvidenceError(f"rollout {source} was captured for other settings or weights than this matrix asks "
                             f"for at TP{tp} (prompts, seeds, sampling, model): refusing to reuse it")
-    digest = "sha256:" + sha256_file(source / ROLLOUT_FILE)[1]
+    digest = file_digest(source / ROLLOUT_FILE)
     if digest != info.get("digest"):
         raise EvidenceError(f"rollout {source} has digest {digest}, its seal says {info.get('digest')}")
     prepare_stage(out_dir)
@@ -242,7 +243,7 @@ def import_rollout(source: Path, out_dir: Path, settings: str, tp: int) -> str:
 def load_rollout(rollout_dir: Path, expected_digest: str | None = None) -> dict[str, Any]:
     """Read a rollout after checking it is complete and (when given) that its digest is the expected one."""
     require_complete(rollout_dir, "rollout")
-    digest = "sha256:" + sha256_file(Path(rollout_dir) / ROLLOUT_FILE)[1]
+    digest = file_digest(Path(rollout_dir) / ROLLOUT_FILE)
     if expected_digest is not None and digest != expected_digest:
         raise EvidenceError(f"rollout {rollout_dir} has digest {digest}, expected {expected_digest}: "
                             "refusing to run on a different rollout")

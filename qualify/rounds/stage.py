@@ -20,8 +20,8 @@ from typing import Any
 
 from qualify.engines.registry import ENGINES
 from qualify.errors import EngineError, QualifyError
+from qualify.hashing import file_digest
 from qualify.layout import RunLayout
-from qualify.manifest import sha256_file
 from qualify.matrix import Matrix
 from qualify.models.checkpoint import checkpoint_tensors
 from qualify.rollout.capture import ROLLOUT_FILE, load_rollout, rollout_tensors
@@ -77,10 +77,10 @@ def frozen_digests(base: Base, targets_file: Path | None, captured: Path | None 
     """Digest of every model that must stay frozen, and of the round-0 targets and rollout."""
     out = {role: version_digest(digests_of(checkpoint_tensors(base.models[role]))) for role in FROZEN_ROLES}
     if targets_file is not None:
-        out["round-0 targets"] = "sha256:" + sha256_file(targets_file)[1]
+        out["round-0 targets"] = file_digest(targets_file)
     rollout = base.rollout_dir or captured
     if rollout is not None and (rollout / ROLLOUT_FILE).is_file():
-        out["round-0 rollout"] = "sha256:" + sha256_file(rollout / ROLLOUT_FILE)[1]
+        out["round-0 rollout"] = file_digest(rollout / ROLLOUT_FILE)
     return out
 
 
@@ -88,7 +88,7 @@ def write_rollout(out: Path, results: list[dict[str, Any]], info: dict[str, Any]
     """Seal a round's rollout in the reference's rollout format; return its digest."""
     prepare_stage(out)
     write_tensors(out / ROLLOUT_FILE, rollout_tensors(results))
-    digest = "sha256:" + sha256_file(out / ROLLOUT_FILE)[1]
+    digest = file_digest(out / ROLLOUT_FILE)
     write_json(out / "rollout.json", info | {"digest": digest, "logprobs_mode": "processed_logprobs",
                                              "finish_reasons": [r["finish_reason"] for r in results]})
     complete_stage(out, {"digest": digest})
@@ -102,7 +102,7 @@ def write_targets(s: Session, out: Path, rollout_dir: Path, digest: str) -> str:
     targets = compute_targets(s.matrix, s.base.models, load_rollout(rollout_dir, digest), s.vocab)
     prepare_stage(out)
     write_tensors(out / TARGETS_FILE, targets)
-    tdigest = "sha256:" + sha256_file(out / TARGETS_FILE)[1]
+    tdigest = file_digest(out / TARGETS_FILE)
     write_json(out / "targets.json", targets_meta(s.matrix, digest) | {"digest": tdigest})
     complete_stage(out, {"digest": tdigest, "rollout_digest": digest})
     return tdigest

@@ -17,7 +17,7 @@ from qualify.candidate.run import TAIL_LINES, device_of, launch
 from qualify.candidate.spec import make_spec
 from qualify.compare import load_steps
 from qualify.errors import EvidenceError
-from qualify.manifest import sha256_file
+from qualify.hashing import file_digest
 from qualify.matrix import Case, Matrix
 from qualify.stages import stage_is_complete
 from qualify.store import write_json
@@ -28,7 +28,7 @@ class TrainFailed(Exception):
 
 
 def check_digest(path: Path, expected: str, what: str) -> None:
-    actual = "sha256:" + sha256_file(path)[1]
+    actual = file_digest(path)
     if actual != expected:
         raise EvidenceError(f"{what} {path} has digest {actual}, expected {expected}")
 

@@ -26,6 +26,8 @@ def sandbox(tmp_path: Path, start: str, sinfo_rc: int) -> tuple[Path, dict[str, 
                      f'echo "slurm-local $*" >>"{tmp_path}/calls"\n'
                      f'if [ "$1" = start ]; then {start}; fi\n')
     slurm.chmod(0o755)
+    chromium = root / "scripts" / "ensure-chromium.sh"
+    chromium.write_text(f'#!/usr/bin/env bash\necho "ensure-chromium" >>"{tmp_path}/calls"\n')
     (root / "Makefile").write_text(f"test:\n\techo \"make test CI=$$CI\" >>{tmp_path}/calls\n")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -49,7 +51,7 @@ def run_ci(tmp_path: Path, start: str, sinfo_rc: int = 0) -> tuple[subprocess.Co
 def test_tests_run_with_ci_set_and_slurm_is_stopped_after_them(tmp_path):
     result, calls = run_ci(tmp_path, 'echo "export SLURM_CONF=/x/slurm.conf"; echo "export QUALIFY_SLURM_DIR=/x"')
     assert result.returncode == 0, result.stderr
-    assert calls == ["slurm-local start", "make test CI=true", "slurm-local stop /x"]
+    assert calls == ["slurm-local start", "ensure-chromium", "make test CI=true", "slurm-local stop /x"]
 
 
 def test_a_failed_slurm_start_fails_ci_before_any_test(tmp_path):
