@@ -181,3 +181,10 @@ def test_frozen_field_differences_name_each_changed_field():
         "freeze.floors.x: None (frozen) != 1"]
     assert frozen_field_differences(snapshot, snapshot) == []
     assert "candidates" not in FROZEN_SECTIONS
+
+
+def test_a_bound_file_without_entries_and_a_rule_without_its_quantum_flag():
+    assert check_bounds({"schema": BOUNDS_SCHEMA, "k": 3.0, "floors": RULE["floors"]}, RULE, "f.json") == []
+    no_flag = {k: v for k, v in RULE.items() if k != "quantum"}  # an acceptance that does not allow a quantum
+    assert check_bounds(doc(), no_flag, "f.json") == [(f"f.json: grads/w max_abs: quantum {2.0 ** -10} not allowed "
+                                                      "by the rule")]
