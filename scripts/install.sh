@@ -19,6 +19,7 @@ pipq() {
 pipq install -q --upgrade "pip>=25"
 pipq install -q --no-deps -r requirements/cpu.lock
 pipq install -q --no-deps -r requirements/test.lock
-pipq install -q --no-deps -e .
+# setuptools' build backend warns about editable installs on stderr, which -q does not hide
+PYTHONWARNINGS=ignore pipq install -q --no-deps -e .
 "$venv/bin/python" scripts/check_env.py
 touch "$venv/.installed"
