@@ -1,0 +1,73 @@
+"""freeze seals only a whole, untampered reference, with the rule of the matrix it started from; the candidate
+stage only runs the matrix that was frozen."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+
+from qualify.candidate.run import run_candidates
+from qualify.errors import EvidenceError, QualifyError
+from qualify.freeze import freeze
+from qualify.layout import RunLayout
+from qualify.store import read_json, write_json
+from tests.integration._support import matrix_with
+
+pytestmark = [pytest.mark.vllm]
+
+
+def without_acceptance(run_copy):
+    layout = RunLayout(run_copy)
+    shutil.rmtree(layout.acceptance_dir)
+    return layout
+
+
+@pytest.mark.parametrize("victim", ["targets/targets.safetensors", "rollout/tp2/rollout.safetensors",
+                                    "models/critic/model.safetensors", "scores/bf16-r1/actor/step2/grads.safetensors"])
+def test_refreeze_refuses_tampered_evidence_anywhere_in_the_reference(run_copy, victim):
+    layout = without_acceptance(run_copy)
+    path = layout.reference / victim
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(EvidenceError, match="missing, partial or modified"):
+        freeze(run_copy)
+    assert not layout.acceptance.exists()
+
+
+@pytest.mark.parametrize("victim", ["targets", "rollout/tp2"])
+def test_refreeze_refuses_a_missing_stage(run_copy, victim):
+    layout = without_acceptance(run_copy)
+    shutil.rmtree(layout.reference / victim)
+    with pytest.raises(EvidenceError, match="missing, partial or modified"):
+        freeze(run_copy)
+
+
+def test_the_rule_comes_from_the_sealed_snapshot_not_reference_json(run_copy):
+    layout = RunLayout(run_copy)
+    frozen = layout.acceptance.read_bytes()
+    summary = read_json(layout.reference_summary)
+    summary["matrix"]["freeze"]["k"] = 1000.0  # reference.json is not sealed: editing it must change nothing
+    write_json(layout.reference_summary, summary)
+    shutil.rmtree(layout.acceptance_dir)
+    freeze(run_copy)
+    assert json.loads(layout.acceptance.read_bytes())["rule"]["k"] == json.loads(frozen)["rule"]["k"] == 4.0
+
+
+def test_a_tampered_snapshot_is_refused(run_copy):
+    layout = without_acceptance(run_copy)
+    snapshot = layout.matrix_snapshot / "matrix.json"
+    snapshot.write_text(snapshot.read_text().replace('"k": 4.0', '"k": 1000.0'))
+    with pytest.raises(EvidenceError, match="matrix snapshot"):
+        freeze(run_copy)
+
+
+def test_candidate_refuses_a_matrix_whose_frozen_fields_changed(run_copy, tmp_path):
+    m = matrix_with(tmp_path, engines=["torch-tp"])
+    changed = dataclasses.replace(m, optimizer=dataclasses.replace(m.optimizer, lr=2 * m.optimizer.lr))
+    with pytest.raises(QualifyError, match=r"optimizer\.lr: 0\.0001 \(frozen\) != 0\.0002"):
+        run_candidates(changed, run_copy, only="torch-tp-fp32-tp1-actor")
+    assert not RunLayout(run_copy).case("torch-tp-fp32-tp1-actor").exists()
