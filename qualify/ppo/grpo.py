@@ -1,0 +1,298 @@
+"""GRPO numerics on padded (B, T) tensors, DP-aware: group-relative advantages, KL estimators, the clipped
+surrogate with a KL term, and the loss aggregations, each taking its global normalizers as arguments.
+
+Conventions as in qualify.ppo.math: masks are bool (B, T), True on active (response) tokens; inactive
+positions never influence a value or a gradient (inputs are zeroed with torch.where before arithmetic).
+B = num_groups x group_size, a group being group_size contiguous rows (one prompt's responses).
+
+Data parallelism: a DP rank holds a contiguous slice of whole rows (dp_slices). Everything that reduces
+over the batch takes the *global* quantities explicitly (GroupStats from the global rewards, the global
+numbers of active tokens and of sequences with an active token), so a rank's loss is exactly its rows'
+share of the global loss: every per-sequence contribution and every gradient is bitwise the single-process
+one, and the sum of the ranks' losses equals the single-process loss up to the rounding of that final sum.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from qualify.errors import QualifyError
+
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+STD_ESTIMATORS = ("population", "unbiased")
+
+
+class DataParallelError(QualifyError):
+    """A batch cannot be split over the requested data-parallel ranks."""
+
+
+def dp_slices(num_rows: int, dp: int) -> list[slice]:
+    """Contiguous row slices of DP ranks 0..dp-1: rank r holds rows [r * B/dp, (r + 1) * B/dp).
+
+    Raises DataParallelError when dp does not divide num_rows: a trailing row is never dropped.
+    """
+    if dp < 1:
+        raise DataParallelError(f"dp must be >= 1, got {dp}")
+    if num_rows % dp:
+        raise DataParallelError(
+            f"{num_rows} sequences do not split evenly over dp={dp} ranks "
+            f"({num_rows % dp} would be left over); use a batch size that dp divides"
+        )
+    rows = num_rows // dp
+    return [slice(r * rows, (r + 1) * rows) for r in range(dp)]
+
+
+# --- group-relative advantages ----------------------------------------------------------------------------
+
+
+class GroupStats(NamedTuple):
+    """Statistics of each group's rewards, computed once from the global (B,) rewards; every field is (G,)."""
+
+    mean: torch.Tensor
+    """mean_g = (1/n) sum_{i in g} r_i."""
+    std: torch.Tensor
+    """population sqrt((1/n) sum (r_i - mean_g)^2) or unbiased sqrt((1/(n-1)) sum (...)^2)."""
+    identical: torch.Tensor
+    """bool: every reward of the group is bitwise the same (its advantages are exactly 0)."""
+
+
+def group_stats(rewards_B: torch.Tensor, group_size: int, std_estimator: str = "unbiased") -> GroupStats:
+    """Per-group mean, std and 'identical' flag of the global rewards (B,), groups = contiguous rows.
+
+    Two-pass (mean first, then the mean of squared deviations), which stays exact for a constant group.
+    'unbiased' with group_size 1 has no defined std: it gives std = 0 (the group is identical anyway).
+    """
+    if std_estimator not in STD_ESTIMATORS:
+        raise ValueError(f"unknown std_estimator {std_estimator!r}; known: {', '.join(STD_ESTIMATORS)}")
+    num_rows = rewards_B.shape[0]
+    if group_size < 1 or num_rows % group_size:
+        raise DataParallelError(f"{num_rows} rewards do not form groups of {group_size}")
+    r_GN = rewards_B.reshape(num_rows // group_size, group_size)
+    mean_G = r_GN.mean(-1)
+    sq_dev_G = ((r_GN - mean_G[:, None]) ** 2).sum(-1)
+    dof = group_size - 1 if std_estimator == "unbiased" else group_size
+    std_G = (sq_dev_G / max(dof, 1)).sqrt()
+    identical_G = (r_GN == r_GN[:, :1]).all(-1)
+    return GroupStats(mean=mean_G, std=std_G, identical=identical_G)
+
+
+def all_gather_rewards(rewards_b: torch.Tensor, group=None) -> torch.Tensor:
+    """The global rewards (B,) from every DP rank's contiguous slice (b,), in rank order (one all_gather).
+
+    Rewards are B numbers: gathering them and computing group_stats on every rank is exact and cheap, where
+    all-reducing sums of rewards and of their squares would round differently from the single process.
+    """
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(rewards_b) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, rewards_b.contiguous(), group=group)
+    return torch.cat(parts)
+
+
+def group_advantages(
+    rewards_b: torch.Tensor,
+    stats: GroupStats,
+    group_size: int,
+    *,
+    row_start: int = 0,
+    scale_std: bool,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Group-relative advantages (b,) of the rows [row_start, row_start + b) of the global batch.
+
+        A_i = r_i - mean_g(i)                        scale_std False (Dr. GRPO)
+        A_i = (r_i - mean_g(i)) / (std_g(i) + eps)   scale_std True  (GRPO)
+        A_i = 0 exactly when every reward of g(i) is the same (never NaN, never a rounding residue)
+
+    with g(i) = (row_start + i) // group_size. stats come from group_stats over the *global* rewards: a
+    group may straddle DP ranks, and normalizing it with a rank's own rows would be a different objective.
+    Single process: row_start 0 and the whole batch.
+    """
+    group_b = (torch.arange(rewards_b.shape[0], device=rewards_b.device) + row_start) // group_size
+    centred_b = rewards_b - stats.mean[group_b]
+    if scale_std:
+        centred_b = centred_b / (stats.std[group_b] + eps)
+    # The mean of n equal floats need not round back to them (0.1 * 3 / 3), so a constant group is
+    # zeroed explicitly rather than left with a 1e-17 / eps residue.
+    return torch.where(stats.identical[group_b], 0.0, centred_b)
+
+
+def token_advantages(advantages_B: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """Broadcast sequence advantages (B,) to tokens (B, T): A[b, t] = A[b] on active tokens, 0 elsewhere."""
+    return torch.where(mask_BT, advantages_B[:, None], 0.0)
+
+
+# --- KL to the reference policy ------------------------------------------------------------------------------
+
+
+def kl_estimate(logp_BT: torch.Tensor, logp_ref_BT: torch.Tensor, mask_BT: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimator (B, T) of KL(policy || ref) for tokens sampled from the policy; 0 off the mask.
+
+    With d = logp_ref - logp:
+        k1 = -d                    (unbiased, can be negative)        d k1 / d logp = 1
+        k2 = 0.5 d^2               (biased, >= 0)                      d k2 / d logp = -d
+        k3 = exp(d) - d - 1        (unbiased, >= 0; Schulman's k3)     d k3 / d logp = 1 - exp(d)
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {estimator!r}; known: {', '.join(KL_ESTIMATORS)}")
+    # d is zeroed off the mask first so that exp() of garbage there cannot reach the backward as 0 * inf.
+    d_BT = torch.where(mask_BT, logp_ref_BT - logp_BT, 0.0)
+    if estimator == "k1":
+        return -d_BT
+    if estimator == "k2":
+        return 0.5 * d_BT * d_BT
+    return torch.exp(d_BT) - d_BT - 1.0
+
+
+# --- loss aggregation with global normalizers ---------------------------------------------------------------
+
+
+class Normalizers(NamedTuple):
+    """The batch-level denominators of the loss aggregations: int64 0-d tensors, global over DP ranks."""
+
+    num_active_tokens: torch.Tensor
+    """sum_{b,t} m[b, t] over the global batch."""
+    num_active_sequences: torch.Tensor
+    """number of rows of the global batch with at least one active token."""
+
+
+def count_normalizers(mask_BT: torch.Tensor) -> Normalizers:
+    """This batch's (or this rank's slice's) Normalizers. On a DP rank, sum them over ranks
+    (all_reduce_normalizers) before use: integer sums are exact, in any order."""
+    return Normalizers(num_active_tokens=mask_BT.sum(), num_active_sequences=mask_BT.any(-1).sum())
+
+
+def all_reduce_normalizers(local: Normalizers, group=None) -> Normalizers:
+    """Global Normalizers from every rank's count_normalizers, by one int64 all_reduce(SUM) over group."""
+    import torch.distributed as dist
+
+    counts_2 = torch.stack([local.num_active_tokens, local.num_active_sequences]).to(torch.int64)
+    dist.all_reduce(counts_2, op=dist.ReduceOp.SUM, group=group)
+    return Normalizers(num_active_tokens=counts_2[0], num_active_sequences=counts_2[1])
+
+
+def _check_aggregation(aggregation: str, constant: float | None) -> None:
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {aggregation!r}; known: {', '.join(AGGREGATIONS)}")
+    if (aggregation == "seq_mean_token_sum_norm") != (constant is not None):
+        raise ValueError("constant is required with aggregation 'seq_mean_token_sum_norm' and only then")
+    if constant is not None and not constant > 0:
+        raise ValueError(f"constant must be > 0, got {constant}")
+
+
+def per_sequence_loss(
+    x_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    aggregation: str,
+    normalizers: Normalizers,
+    constant: float | None = None,
+) -> torch.Tensor:
+    """Each row's contribution c (B,) to the aggregated loss: loss = sum_b c[b]. With s_b = sum_t m*x,
+    n_b = sum_t m, N_tok and N_seq the *global* normalizers (each clamped to >= 1):
+
+        'token_mean':              c_b = s_b / N_tok
+        'seq_mean_token_mean':     c_b = (s_b / n_b) / N_seq        (0 for a row with n_b = 0)
+        'seq_mean_token_sum_norm': c_b = s_b / (constant * N_seq)   (Dr. GRPO; constant e.g. the max length)
+
+    A row's c_b depends only on its own tokens and the normalizers, so it is bitwise the same on any DP
+    split. No active token at all gives c = 0 and a zero gradient, never NaN (the clamps divide 0 by 1).
+    """
+    _check_aggregation(aggregation, constant)
+    dtype = x_BT.dtype
+    s_B = torch.where(mask_BT, x_BT, 0.0).sum(-1)
+    if aggregation == "token_mean":
+        return s_B / normalizers.num_active_tokens.clamp_min(1).to(dtype)
+    num_seq = normalizers.num_active_sequences.clamp_min(1).to(dtype)
+    if aggregation == "seq_mean_token_sum_norm":
+        return s_B / (constant * num_seq)
+    n_B = mask_BT.sum(-1)
+    return torch.where(n_B > 0, s_B / n_B.clamp_min(1).to(dtype), 0.0) / num_seq
+
+
+def aggregate_loss(
+    x_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    aggregation: str,
+    normalizers: Normalizers,
+    constant: float | None = None,
+) -> torch.Tensor:
+    """Scalar sum_b per_sequence_loss(...)[b]: the global loss, or on a DP rank its share of it."""
+    return per_sequence_loss(x_BT, mask_BT, aggregation, normalizers, constant).sum()
+
+
+# --- the GRPO objective --------------------------------------------------------------------------------------
+
+
+class GRPOLoss(NamedTuple):
+    """The GRPO objective of a batch (or of a DP rank's share of it). Scalars unless marked."""
+
+    loss: torch.Tensor
+    """aggregate of the per-token policy loss + kl_coef * kl: what backward() is called on."""
+    policy_loss: torch.Tensor
+    """aggregate of the per-token clipped surrogate alone."""
+    kl: torch.Tensor
+    """aggregate of the per-token KL estimate (0 when kl_coef is 0 and no reference is given)."""
+    clip_frac: torch.Tensor
+    """aggregate of 1[the clipped term was taken], no gradient."""
+    per_sequence_B: torch.Tensor
+    """(B,) each row's contribution to loss (loss = per_sequence_B.sum())."""
+    ratio_BT: torch.Tensor
+    """(B, T) exp(logp - logp_old) on active tokens, 1 elsewhere."""
+
+
+def grpo_loss(
+    logp_BT: torch.Tensor,
+    logp_old_BT: torch.Tensor,
+    logp_ref_BT: torch.Tensor | None,
+    advantages_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    clip_eps: float,
+    clip_eps_high: float | None = None,
+    kl_coef: float,
+    kl_estimator: str = "k3",
+    aggregation: str,
+    normalizers: Normalizers,
+    constant: float | None = None,
+) -> GRPOLoss:
+    """GRPO's clipped surrogate with the KL penalty inside the loss, aggregated with global normalizers.
+
+        ratio_t = exp(logp_t - logp_old_t)
+        pg_t    = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - clip_eps, 1 + clip_eps_high))
+        loss_t  = pg_t + kl_coef * kl_estimate(logp_t, logp_ref_t)
+        loss    = aggregate_loss(loss_t, mask, aggregation, normalizers, constant)
+
+    clip_eps_high defaults to clip_eps (DAPO's clip-higher when larger). logp_ref_BT may be None only
+    with kl_coef 0. The clip comparison is strict, as in qualify.ppo.math.clipped_policy_loss.
+    """
+    if logp_ref_BT is None and kl_coef != 0:
+        raise ValueError("a reference logprob is required when kl_coef is not 0")
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    log_ratio_BT = torch.where(mask_BT, logp_BT - logp_old_BT, 0.0)
+    adv_BT = torch.where(mask_BT, advantages_BT, 0.0)
+    ratio_BT = torch.exp(log_ratio_BT)
+    unclipped_BT = -adv_BT * ratio_BT
+    clipped_BT = -adv_BT * torch.clamp(ratio_BT, 1.0 - clip_eps, 1.0 + high)
+    pg_BT = torch.maximum(unclipped_BT, clipped_BT)
+    if logp_ref_BT is None:
+        kl_BT = torch.zeros_like(pg_BT)
+    else:
+        kl_BT = kl_estimate(logp_BT, logp_ref_BT, mask_BT, kl_estimator)
+    loss_BT = pg_BT + kl_coef * kl_BT
+
+    def agg(x_BT: torch.Tensor) -> torch.Tensor:
+        return per_sequence_loss(x_BT, mask_BT, aggregation, normalizers, constant)
+
+    per_sequence_B = agg(loss_BT)
+    is_clipped_BT = (clipped_BT > unclipped_BT).detach().to(logp_BT.dtype)
+    return GRPOLoss(
+        loss=per_sequence_B.sum(),
+        policy_loss=agg(pg_BT).sum(),
+        kl=agg(kl_BT).sum(),
+        clip_frac=agg(is_clipped_BT).sum(),
+        per_sequence_B=per_sequence_B,
+        ratio_BT=ratio_BT,
+    )
