@@ -58,7 +58,7 @@ def test_freeze_is_idempotent_and_refuses_change(run_copy):
     assert layout.acceptance.read_bytes() == before
     bound_file = layout.bounds / "actor-fp32-repeat.json"
     doc = json.loads(bound_file.read_text())
-    doc["bounds"]["outputs/logprobs_BT"]["max_abs"]["bound"] *= 10  # an attempt to widen
+    doc["bounds"]["step0/outputs/logprobs_BT"]["max_abs"]["bound"] *= 10  # an attempt to widen
     bound_file.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     with pytest.raises(FrozenError):
         freeze(run_copy)
@@ -102,7 +102,8 @@ def test_correct_engine_passes_three_repeated_runs(run_copy, tiny_matrix):
     for attempt in range(3):
         verdict = run_candidates(m, run_copy)
         assert verdict["passed"], failing_rows(verdict, "torch-tp-fp32-tp2-actor")[:3]
-        evidence.append((layout.case("torch-tp-fp32-tp2-actor") / "grads.safetensors").read_bytes())
+        evidence.append(b"".join((layout.case("torch-tp-fp32-tp2-actor") / f"step{k}" / "grads.safetensors").read_bytes()
+                                 for k in range(m.ppo.epochs * m.ppo.minibatches)))
         shutil.rmtree(layout.case("torch-tp-fp32-tp2-actor"))
     assert evidence[0] == evidence[1] == evidence[2]
 
