@@ -342,3 +342,17 @@ def test_freeze_records_the_coverage_it_required(tmp_path):
     coverage = {"actor": [{"kl": 5, "adam_step": 1}], "critic": [{"value_clip": 0, "adam_step": 1}]}
     layout = synthetic_reference(tmp_path / "run", matrix, coverage=coverage)
     assert freeze(layout.root)["coverage"] == {"required": ["kl"], "steps": coverage}
+
+
+def test_a_control_name_with_a_hyphen_names_its_own_directory(tmp_path):
+    """Run names are '<precision>-<control>': only the first hyphen separates them."""
+    from qualify.freeze import family_bounds
+    from tests.unit._runs import role_steps, write_steps
+
+    layout = RunLayout(tmp_path)
+    for control, coef in (("r0", 0.0), ("mb-split-2", 1e-4)):
+        write_steps(layout.scores("fp32", control, "actor"), role_steps("actor", coef, 1))
+        write_steps(layout.scores("bf16", control, "actor"), role_steps("actor", coef + 3e-4, 1))
+    for family, runs in (("fp32-repeat", ["fp32-mb-split-2"]), ("fp32-vs-bf16", ["bf16-r0", "bf16-mb-split-2"])):
+        doc = family_bounds(layout, "actor", family, ["r0", "mb-split-2"], K, FLOORS, params(), OPT, True)
+        assert doc["control_runs"] == runs and doc["bounds"]["step0/grads/w"]["max_abs"]["control_error"] > 0
