@@ -8,7 +8,7 @@ q=${QUALIFY:-.venv/bin/qualify}
 export VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-0} TORCHDYNAMO_DISABLE=${TORCHDYNAMO_DISABLE:-1}
 start=$(date +%s)
 step() { echo; echo "== $*"; "$@"; }
-step "$q" reference "$matrix" --out "$run" || exit $?
+step "$q" reference "$matrix" --run "$run" || exit $?
 step "$q" freeze "$run" || exit $?
 step "$q" candidate "$matrix" --run "$run"; verdict=$?
 [ "$verdict" -le 1 ] || exit "$verdict"

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from qualify.cli.handler import EXIT_FAILED
-from qualify.cli.options import AcceptanceOpt, Format, FormatOpt, MatrixArg
+from qualify.cli.options import AcceptanceOpt, Format, FormatOpt, MatrixArg, OnlyOpt, RunOpt
 
 NAME = "candidate"
 HELP = "Replay the engine x precision x TP x role matrix and judge every tensor against frozen bounds."
@@ -20,9 +20,9 @@ EPILOG = ("Examples:  qualify candidate matrices/tiny-qwen3.yaml  |  "
 
 def main(
     matrix: MatrixArg,
-    run: Annotated[Path | None, typer.Option("--run", help="Run directory (default: runs/<matrix name>).")] = None,
+    run: RunOpt = None,
     acceptance: AcceptanceOpt = None,
-    only: Annotated[str | None, typer.Option("--only", help="Glob over case names, e.g. 'deepspeed-bf16-*'.")] = None,
+    only: OnlyOpt = None,
     format: FormatOpt = Format.text,
     junit: Annotated[Path | None, typer.Option("--junit", help="Also write the verdict as JUnit XML to this file.")]
     = None,

@@ -18,7 +18,13 @@ class Format(str, Enum):
 
 MatrixArg = Annotated[Path, typer.Argument(help="Matrix YAML file (see matrices/README.md).", show_default=False)]
 RunDirArg = Annotated[Path, typer.Argument(help="Run directory written by an earlier stage.", show_default=False)]
-OutOpt = Annotated[Path | None, typer.Option("--out", help="Output directory (default: runs/<matrix name>).")]
+RunOpt = Annotated[Path | None, typer.Option("--run", help="Run directory (default: runs/<matrix name>).")]
+OnlyOpt = Annotated[str | None, typer.Option(
+    "--only", help="Only the cases whose name matches this glob (fnmatch), e.g. 'deepspeed-bf16-*'.")]
+# Old spellings, accepted (hidden) for one release: --out was the run directory of `reference`, --cases the
+# case glob of `sbatch`; everywhere else --out is the file or directory a command writes.
+LegacyRunOpt = Annotated[Path | None, typer.Option("--out", hidden=True)]
+LegacyOnlyOpt = Annotated[str | None, typer.Option("--cases", hidden=True)]
 FormatOpt = Annotated[Format, typer.Option("--format", help="Output format.")]
 JobsOpt = Annotated[int | None, typer.Option("--jobs", min=1, help="Parallel hashing threads (default: CPU count).")]
 AcceptanceOpt = Annotated[Path | None, typer.Option("--acceptance", help="Frozen acceptance.json (default: the run's).")]

@@ -8,13 +8,13 @@ from typing import Annotated
 
 import typer
 
-from qualify.cli.options import Format, FormatOpt, MatrixArg, OutOpt
+from qualify.cli.options import Format, FormatOpt, LegacyRunOpt, MatrixArg, RunOpt
 from qualify.cli.render import echo_json
 
 NAME = "reference"
 HELP = "Capture a fixed rollout with vLLM and score it with the independent HF reference, with controls."
 EPILOG = ("Examples:  qualify reference matrices/tiny-qwen3.yaml  |  "
-          "qualify reference matrices/qwen3-8b.yaml --out /scratch/q8b --stage capture  |  "
+          "qualify reference matrices/qwen3-8b.yaml --run /scratch/q8b --stage capture  |  "
           "qualify reference matrices/tiny-qwen3.yaml --rollout manifests/tiny-qwen3/reference/rollout")
 
 
@@ -26,20 +26,21 @@ class Stage(str, Enum):
 
 def main(
     matrix: MatrixArg,
-    out: OutOpt = None,
+    run: RunOpt = None,
     stage: Annotated[Stage, typer.Option("--stage", help="Run only the vLLM capture or only the HF scoring.")] = Stage.all,
     rollout: Annotated[Path | None, typer.Option(
         "--rollout", help="Reuse the sealed rollouts in DIR/tp<N>/ (e.g. a committed acceptance's reference/rollout) "
                           "instead of sampling; refused unless they were made for this matrix and its weights.",
         exists=True, file_okay=False, dir_okay=True)] = None,
     format: FormatOpt = Format.text,
+    out: LegacyRunOpt = None,
 ) -> None:
     from qualify.layout import default_run_dir
     from qualify.matrix import load_matrix
     from qualify.reference.stage import run_reference
 
     m = load_matrix(matrix)
-    run_dir = out or default_run_dir(m.name)
+    run_dir = run or out or default_run_dir(m.name)
     summary = run_reference(m, run_dir, stage.value, rollout)
     if format is Format.json:
         echo_json(summary)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from qualify.cli.handler import EXIT_FAILED
-from qualify.cli.options import Format, FormatOpt, MatrixArg
+from qualify.cli.options import Format, FormatOpt, MatrixArg, RunOpt
 
 NAME = "rounds"
 HELP = "Run two PPO rounds with live actor-weight installation into vLLM, and the rejection probes."
@@ -18,7 +17,7 @@ EPILOG = ("Examples:  qualify rounds matrices/tiny-qwen3.yaml --engine torch-tp 
 
 def main(
     matrix: MatrixArg,
-    run: Annotated[Path | None, typer.Option("--run", help="Run directory (default: runs/<matrix name>).")] = None,
+    run: RunOpt = None,
     engine: Annotated[str, typer.Option("--engine", help="Candidate engine that trains the actor.")] = "torch-tp",
     rounds: Annotated[int, typer.Option("--rounds", min=2, help="Rounds; an install happens between two.")] = 2,
     vllm_tp: Annotated[int | None, typer.Option("--vllm-tp", min=1,

@@ -8,13 +8,13 @@ from typing import Annotated
 import typer
 
 from qualify.cli.handler import EXIT_FAILED
-from qualify.cli.options import MatrixArg
+from qualify.cli.options import LegacyOnlyOpt, MatrixArg, OnlyOpt
 
 NAME = "sbatch"
 HELP = ("Render the stages of a matrix as chained sbatch scripts (reference, freeze, candidate array, verdict; "
         "on a GPU cluster a rounds job per topology); --submit submits them, --wait follows them and exits with the chain's result.")
 EPILOG = ("Examples:  qualify sbatch matrices/qwen3-8b.yaml --cluster sbatch/clusters/h100x4.yaml  "
-          "|  qualify sbatch matrices/tiny-qwen3.yaml --cluster sbatch/clusters/local.yaml --cases 'torch-tp-*' "
+          "|  qualify sbatch matrices/tiny-qwen3.yaml --cluster sbatch/clusters/local.yaml --only 'torch-tp-*' "
           "--submit --wait")
 
 ClusterOpt = Annotated[Path, typer.Option("--cluster", help="Cluster profile YAML (see sbatch/clusters/).",
@@ -24,16 +24,14 @@ RunOpt = Annotated[Path | None, typer.Option("--run", help="Run directory the jo
 TopologyOpt = Annotated[str | None, typer.Option(
     "--topology", help="Render the rounds job for this GPU topology only: dedicated or shared (default: one per "
                        "topology of the matrix's candidates.topologies).")]
-CasesOpt = Annotated[str | None, typer.Option(
-    "--cases", help="Only the cases whose name matches this glob (e.g. 'torch-tp-*-tp2-*'); the verdict covers them.")]
 SubmitOpt = Annotated[bool, typer.Option("--submit", help="Submit the chain with sbatch and print the job ids.")]
 WaitOpt = Annotated[bool, typer.Option(
     "--wait", help="Submit, follow the chain live and exit 0 if every job completed, 1 if the verdict failed, 2 else.")]
 
 
 def main(matrix: MatrixArg, cluster: ClusterOpt, out: ScriptsOpt = None, run: RunOpt = None,
-         topology: TopologyOpt = None, cases: CasesOpt = None, submit: SubmitOpt = False,
-         wait: WaitOpt = False) -> None:
+         topology: TopologyOpt = None, only: OnlyOpt = None, submit: SubmitOpt = False,
+         wait: WaitOpt = False, cases: LegacyOnlyOpt = None) -> None:
     # imported here: `qualify --help` and the other verbs should not pay for Slurm and rich.live
     from qualify.cli.slurm_view import ChainDisplay
     from qualify.errors import SlurmError
@@ -44,7 +42,7 @@ def main(matrix: MatrixArg, cluster: ClusterOpt, out: ScriptsOpt = None, run: Ru
     from qualify.slurm.watch import ChainWatch, follow
 
     run = run or default_run_dir(load_matrix(matrix).name)
-    chain = render_chain(matrix, cluster, run=run, out=out or run / "slurm", topology=topology, cases=cases)
+    chain = render_chain(matrix, cluster, run=run, out=out or run / "slurm", topology=topology, cases=only or cases)
     write_chain(chain)
     for job in chain.jobs:
         typer.echo(f"rendered {chain.out / job.file}  ({_describe(job)})")

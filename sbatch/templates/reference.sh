@@ -2,4 +2,4 @@
 
 # vLLM capture (its TP from the matrix) then HF reference scoring. A requeued job resumes:
 # complete and verified outputs are skipped, partial ones redone.
-{{ srun }} {{ qualify }} reference {{ matrix }} --out {{ run }} --stage all
+{{ srun }} {{ qualify }} reference {{ matrix }} --run {{ run }} --stage all

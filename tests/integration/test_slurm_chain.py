@@ -124,7 +124,7 @@ def scontrol_job(job_id: str) -> dict[str, str]:
 
 @pytest.mark.timeout(300)
 def test_chain_completes_with_dependencies_array_and_provenance(tmp_path):
-    code, out, err = run_chain(tmp_path, make_profile(tmp_path), "--cases", "*-tp1-*")
+    code, out, err = run_chain(tmp_path, make_profile(tmp_path), "--only", "*-tp1-*")
     assert code == 0, out + err
     ids = job_ids(out)
     assert list(ids) == ["1-reference.sbatch", "2-freeze.sbatch", "3-candidate-1cpu.sbatch", "4-verdict.sbatch"]
@@ -150,7 +150,7 @@ def test_chain_completes_with_dependencies_array_and_provenance(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_failed_verdict_exits_1_naming_the_verdict_job(tmp_path):
-    code, out, err = run_chain(tmp_path, make_profile(tmp_path, STUB_VERDICT_EXIT="1"), "--cases", "*-fp32-tp1-*")
+    code, out, err = run_chain(tmp_path, make_profile(tmp_path, STUB_VERDICT_EXIT="1"), "--only", "*-fp32-tp1-*")
     assert code == 1, out + err
     ids = job_ids(out)
     assert f"qualification failed: job {ids['4-verdict.sbatch']} 4-verdict.sbatch: FAILED exit 1" in err
@@ -160,7 +160,7 @@ def test_failed_verdict_exits_1_naming_the_verdict_job(tmp_path):
 @pytest.mark.timeout(300)
 def test_failed_array_task_exits_2_and_cancels_the_verdict(tmp_path):
     bad = "deepspeed-fp32-tp2-critic"
-    code, out, err = run_chain(tmp_path, make_profile(tmp_path, STUB_FAIL_CASE=bad), "--cases", "*-fp32-*")
+    code, out, err = run_chain(tmp_path, make_profile(tmp_path, STUB_FAIL_CASE=bad), "--only", "*-fp32-*")
     assert code == 2, out + err
     ids = job_ids(out)
     index = [c for c in _case_names() if "-fp32-" in c and "-tp2-" in c].index(bad)
@@ -178,7 +178,7 @@ def test_requeued_array_task_resumes_and_the_chain_completes(tmp_path):
     (tmp_path / "run" / "hold").mkdir(parents=True)
     (tmp_path / "run" / "hold" / held).touch()
     proc = qualify_sbatch("--cluster", str(make_profile(tmp_path)), "--run", str(tmp_path / "run"), "--wait",
-                          "--cases", "*-tp1-*")
+                          "--only", "*-tp1-*")
     lines = []
     while len(job_ids("".join(lines))) < 4:
         lines.append(proc.stdout.readline())

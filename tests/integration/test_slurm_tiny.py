@@ -4,7 +4,7 @@ A real local Slurm (scripts/slurm-local.sh) runs the real stages on the `local` 
 2 cores and a 30-minute budget, so (measured on 2 loaded cores: the full chain from scratch took
 593 s, 300 s of it the vLLM TP1+TP2 capture) the chain starts from a copy of the session's frozen
 run (tests/conftest.py): its reference and freeze jobs run for real and find their outputs complete,
-and the candidate stage covers a slice of the matrix chosen with `qualify sbatch --cases`: torch-tp
+and the candidate stage covers a slice of the matrix chosen with `qualify sbatch --only`: torch-tp
 fp32 actor at TP1 and TP2, one case in each array shape (1 and 2 CPUs). A second chain on a copy of
 that run has both arrays requeued while the TP2 case runs: it must end with the same verdict, the
 interrupted case redone and the completed one skipped.
@@ -39,7 +39,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]  # tests/conftest.py skips th
 
 def start_chain(run: Path) -> subprocess.Popen:
     cmd = [QUALIFY, "sbatch", MATRIX, "--cluster", "sbatch/clusters/local.yaml", "--run", str(run),
-           "--cases", CASES, "--wait"]
+           "--only", CASES, "--wait"]
     return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
