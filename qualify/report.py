@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from qualify.errors import EvidenceError
+from qualify.hardware import describe
 from qualify.layout import RunLayout
+from qualify.reference.mismatch_text import mismatch_lines
 from qualify.report_verify import CASE_NAME, Verification, discover_rounds, readable, verify_run
 from qualify.store import read_json
 
@@ -116,9 +118,39 @@ def summarize_docs(docs: RunDocs, verification: Verification) -> dict[str, Any]:
                                                 "k": acc.get("rule", {}).get("k"),
                                                 "bounds": sorted(acc.get("bounds", {}))},
         "candidates": candidates_summary(docs.verdict),
+        "steps": steps_summary(docs.verdict),
+        "coverage": (acc or {}).get("coverage"),
         "rounds": rounds_summary(docs.rounds),
         "provenance": provenance(docs),
     }
+
+
+def steps_summary(verdict: Any) -> dict[str, dict[str, int]]:
+    """Per optimizer step, over every case: checks and failed checks (rows named 'step<k>/...')."""
+    out: dict[str, dict[str, int]] = {}
+    for row in (verdict or {}).get("rows", []) if isinstance(verdict, dict) else []:
+        head = str(row.get("tensor", "")).split("/", 1)[0]
+        if head.startswith("step") and head[4:].isdigit():
+            slot = out.setdefault(head, {"checks": 0, "failed": 0})
+            slot["checks"] += 1
+            slot["failed"] += not row.get("passed")
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0][4:])))
+
+
+COVERAGE_COLUMNS = ("policy_clip_high", "policy_clip_low", "value_clip", "grad_clip", "kl", "padded_rows", "adam_step")
+
+
+def coverage_lines(coverage: dict[str, Any] | None) -> list[str]:
+    """The branches each reference step exercised, per role, as a Markdown table (frozen in the acceptance)."""
+    if not coverage:
+        return []
+    lines = ["", f"Coverage (required: {', '.join(coverage.get('required', [])) or 'nothing'})", "",
+             "| role | step | " + " | ".join(COVERAGE_COLUMNS) + " |", "| --- | --- |" + " --- |" * len(COVERAGE_COLUMNS)]
+    for role, steps in coverage.get("steps", {}).items():
+        for k, step in enumerate(steps):
+            cells = ["" if c not in step else str(step[c]) for c in COVERAGE_COLUMNS]
+            lines.append(f"| {role} | {k} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def summarize(run_dir: Path) -> dict[str, Any]:
@@ -135,8 +167,14 @@ def to_markdown(summary: dict[str, Any]) -> str:
     for tp, a in summary["tp_agreement"].items():
         lines.append(f"- vLLM {tp}: tokens equal {a['tokens_equal']}, logprob max |delta| {a['logprob_max_abs']}")
     for precision, mm in summary["rollout_mismatch"].items():
-        lines.append(f"- train-vs-rollout {precision}: {mm['num_not_bitwise']}/{mm['num_tokens']} not bitwise, "
-                     f"max |delta| {mm['max_abs']:.3g}, mean {mm['mean_abs']:.3g}")
+        if "total" in mm:  # decomposed: numerical error, truncation term, kept-set differences
+            lines += [f"- {line.strip()}" for line in mismatch_lines(precision, mm)]
+        else:
+            lines.append(f"- train-vs-rollout {precision}: {mm['num_not_bitwise']}/{mm['num_tokens']} not bitwise, "
+                         f"max |delta| {_ratio(mm['max_abs'])}, mean {_ratio(mm['mean_abs'])}")
+    platform = summary["provenance"].get("platform")
+    if platform:
+        lines.append(f"- platform: {describe(platform)}")
     acc = summary["acceptance"]
     if acc is None:
         lines.append("- acceptance: not frozen")
@@ -155,6 +193,10 @@ def to_markdown(summary: dict[str, Any]) -> str:
             outcome = ("PASS" if c["passed"] else "FAIL") if verified else "unverified"
             lines.append(f"| {name} | {outcome} | {c['num_checks']} | {c['num_failed']} | "
                          f"{w.get('tensor', '')} | {w.get('metric', '')} | {_ratio(w.get('ratio'))} |")
+        if summary["steps"]:
+            lines += ["", "| step | checks | failed |", "| --- | --- | --- |"]
+            lines += [f"| {k.removeprefix('step')} | {v['checks']} | {v['failed']} |" for k, v in summary["steps"].items()]
+    lines += coverage_lines(summary["coverage"])
     lines += ["", *verification_lines(summary["verification"]), "", f"**{summary['status']}**"]
     return "\n".join(lines) + "\n"
 

@@ -49,6 +49,7 @@ def main(
         typer.echo(f"rollout captured under {run_dir}/reference/rollout")
         return
     from qualify.hardware import describe
+    from qualify.reference.mismatch_text import mismatch_lines
 
     typer.echo(f"reference complete: {run_dir}/reference  rollout {summary['rollout_digest'][:19]}  "
                f"controls {', '.join(summary['controls'])}")
@@ -58,23 +59,3 @@ def main(
     for precision, mm in summary["rollout_mismatch"].items():
         for line in mismatch_lines(precision, mm):
             typer.echo(line)
-
-
-def _g(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.3g}"
-
-
-def mismatch_lines(precision: str, mm: dict) -> list[str]:
-    """Train-vs-rollout of one precision: numerical error, truncation term, total, kept-set differences (all listed)."""
-    n, total, trunc, differs = mm["num_tokens"], mm["total"], mm["truncation"], mm["kept_set_differs"]
-    lines = [(f"  train-vs-rollout {precision}: {n - mm['num_not_bitwise']}/{n} tokens bitwise equal to the processed "
-             f"formula; numerical |delta| max {_g(mm['max_abs'])}, mean {_g(mm['mean_abs'])}"),
-             (f"    truncation (full - processed): {trunc['num_truncated']} tokens truncated, |term| max "
-             f"{_g(trunc['max_abs'])}, mean {_g(trunc['mean_abs'])}; vs the full formula: "
-             f"{total['num_not_bitwise']}/{n} not bitwise, max {_g(total['max_abs'])}, mean {_g(total['mean_abs'])}"),
-             (f"    kept set differs (beyond {differs['limit']:.3g} or outside the reference's kept set): "
-             f"{differs['count']} tokens")]
-    lines += [f"      row {t['row']} position {t['position']}: sampler {t['sampler']:.7g}, reference processed "
-              f"{'-inf (outside its kept set)' if t['processed'] is None else format(t['processed'], '.7g')}"
-              for t in differs["tokens"]]
-    return lines

@@ -1,0 +1,23 @@
+"""Train-vs-rollout mismatch as lines for people: shared by `qualify reference` and `qualify report`."""
+
+from __future__ import annotations
+
+
+def _g(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3g}"
+
+
+def mismatch_lines(precision: str, mm: dict) -> list[str]:
+    """Train-vs-rollout of one precision: numerical error, truncation term, total, kept-set differences (all listed)."""
+    n, total, trunc, differs = mm["num_tokens"], mm["total"], mm["truncation"], mm["kept_set_differs"]
+    lines = [(f"  train-vs-rollout {precision}: {n - mm['num_not_bitwise']}/{n} tokens bitwise equal to the processed "
+             f"formula; numerical |delta| max {_g(mm['max_abs'])}, mean {_g(mm['mean_abs'])}"),
+             (f"    truncation (full - processed): {trunc['num_truncated']} tokens truncated, |term| max "
+             f"{_g(trunc['max_abs'])}, mean {_g(trunc['mean_abs'])}; vs the full formula: "
+             f"{total['num_not_bitwise']}/{n} not bitwise, max {_g(total['max_abs'])}, mean {_g(total['mean_abs'])}"),
+             (f"    kept set differs (beyond {differs['limit']:.3g} or outside the reference's kept set): "
+             f"{differs['count']} tokens")]
+    lines += [f"      row {t['row']} position {t['position']}: sampler {t['sampler']:.7g}, reference processed "
+              f"{'-inf (outside its kept set)' if t['processed'] is None else format(t['processed'], '.7g')}"
+              for t in differs["tokens"]]
+    return lines

@@ -1,0 +1,22 @@
+"""The text report shows per-step checks and the coverage the acceptance froze."""
+
+from __future__ import annotations
+
+from qualify.report import coverage_lines, steps_summary
+
+
+def test_steps_summary_counts_checks_and_failures_per_step_in_order():
+    rows = [{"tensor": "step10/grads/w", "passed": True}, {"tensor": "step2/outputs/loss", "passed": False},
+            {"tensor": "step2/grads/w", "passed": True}, {"tensor": "evidence/replicas", "passed": False}]
+    assert steps_summary({"rows": rows}) == {"step2": {"checks": 2, "failed": 1}, "step10": {"checks": 1, "failed": 0}}
+    assert steps_summary(None) == {} and steps_summary(["not", "a", "verdict"]) == {}
+
+
+def test_coverage_lines_has_a_row_per_role_and_step():
+    coverage = {"required": ["value_clip"], "steps": {"critic": [{"value_clip": 0, "adam_step": 1},
+                                                                 {"value_clip": 7, "adam_step": 2}]}}
+    lines = coverage_lines(coverage)
+    assert "required: value_clip" in lines[1]
+    assert [line for line in lines if line.startswith("| critic |")] == [
+        "| critic | 0 |  |  | 0 |  |  |  | 1 |", "| critic | 1 |  |  | 7 |  |  |  | 2 |"]
+    assert coverage_lines(None) == []
