@@ -444,8 +444,9 @@ def _dp_worker(rank: int, world: int, port: int, queue) -> None:
                         mask_BT[rows], clip_eps=0.2, kl_coef=0.05, aggregation="seq_mean_token_mean",
                         normalizers=norms)
         out.loss.backward()
-        queue.put((rank, torch.equal(rewards_all_B, rewards_B), out.per_sequence_B.detach(), logp_b.grad,
-                   [int(norms.num_active_tokens), int(norms.num_active_sequences)]))
+        # numpy arrays travel by value; a tensor would travel as a shared-memory handle the exiting rank closes
+        queue.put((rank, torch.equal(rewards_all_B, rewards_B), out.per_sequence_B.detach().numpy(),
+                   logp_b.grad.numpy(), [int(norms.num_active_tokens), int(norms.num_active_sequences)]))
     finally:
         dist.destroy_process_group()
 
@@ -474,8 +475,8 @@ def test_gloo_ranks_reproduce_the_single_process(world):
     single.loss.backward()
     assert all(r[1] for r in results)
     assert all(r[4] == [int(norms.num_active_tokens), int(norms.num_active_sequences)] for r in results)
-    assert torch.equal(torch.cat([r[2] for r in results]), single.per_sequence_B.detach())
-    assert torch.equal(torch.cat([r[3] for r in results]), logp_BT.grad)
+    assert torch.equal(torch.cat([torch.from_numpy(r[2]) for r in results]), single.per_sequence_B.detach())
+    assert torch.equal(torch.cat([torch.from_numpy(r[3]) for r in results]), logp_BT.grad)
 
 
 def test_normalizers_are_int64_counts():
