@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from qualify.errors import QualifyError
+from qualify.ppo.vocab_parallel import tree_sum
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -197,12 +198,14 @@ def per_sequence_loss(
         'seq_mean_token_mean':     c_b = (s_b / n_b) / N_seq        (0 for a row with n_b = 0)
         'seq_mean_token_sum_norm': c_b = s_b / (constant * N_seq)   (Dr. GRPO; constant e.g. the max length)
 
-    A row's c_b depends only on its own tokens and the normalizers, so it is bitwise the same on any DP
-    split. No active token at all gives c = 0 and a zero gradient, never NaN (the clamps divide 0 by 1).
+    A row's c_b depends only on its own tokens and the normalizers (s_b is a fixed pairwise sum over t), so it
+    is bitwise the same on any DP split. No active token at all gives c = 0 and a zero gradient, never NaN (the clamps divide 0 by 1).
     """
     _check_aggregation(aggregation, constant)
     dtype = x_BT.dtype
-    s_B = torch.where(mask_BT, x_BT, 0.0).sum(-1)
+    # A fixed pairwise tree of elementwise adds, not torch.sum: torch may split one long row over threads
+    # when a rank holds few rows, which would make s_b depend on how many rows the rank holds.
+    s_B = tree_sum(torch.where(mask_BT, x_BT, 0.0))
     if aggregation == "token_mean":
         return s_B / normalizers.num_active_tokens.clamp_min(1).to(dtype)
     num_seq = normalizers.num_active_sequences.clamp_min(1).to(dtype)

@@ -85,31 +85,56 @@ def shard_grad(z_NW, tokens_N, vocab_start: int, lse_N, g_N, temp_11) -> torch.T
     return (g_N[:, None] * (onehot_NW.to(z_NW.dtype) - p_NW)).div_(temp_11)
 
 
+def _starts(shards_NW: Sequence[torch.Tensor]) -> list[int]:
+    starts = [0]
+    for shard in shards_NW[:-1]:
+        starts.append(starts[-1] + shard.shape[-1])
+    return starts
+
+
+def _lse_and_target(shards_NW, tokens_N, temp_11, vocab_size: int, tile_size: int):
+    """(lse, z[y]) (N,) of a block of rows, every shard reduced to its tile partials as its TP rank would."""
+    zs = [scaled_shard(s, start, vocab_size, temp_11) for s, start in zip(shards_NW, _starts(shards_NW), strict=True)]
+    partials = [tile_partials(z, tile_size) for z in zs]
+    lse_N = merge_partials(torch.cat([m for m, _ in partials], -1), torch.cat([s for _, s in partials], -1))
+    target_N = picked_logit(zs[0], tokens_N, 0)
+    for z, start in zip(zs[1:], _starts(shards_NW)[1:], strict=True):
+        target_N = target_N + picked_logit(z, tokens_N, start)
+    return lse_N, target_N
+
+
 class _VocabParallelLogprob(torch.autograd.Function):
-    """Every TP shard in one process: forward(tokens, temp, vocab_size, tile_size, *shards) -> logp (N,)."""
+    """Every TP shard in one process: forward(tokens, temp, vocab_size, tile_size, chunk, *shards) -> logp (N,).
+
+    Rows are processed chunk_tokens at a time, so at most a few (chunk_tokens, W) compute-dtype buffers per
+    shard exist; rows are independent, so the chunking changes no bit.
+    """
 
     @staticmethod
-    def forward(ctx, tokens_N, temp_11, vocab_size: int, tile_size: int, *shards_NW):
-        starts = [0]
-        for shard in shards_NW:
-            starts.append(starts[-1] + shard.shape[-1])
-        zs = [scaled_shard(s, start, vocab_size, temp_11) for s, start in zip(shards_NW, starts, strict=False)]
-        partials = [tile_partials(z, tile_size) for z in zs]  # what each TP rank computes
-        lse_N = merge_partials(torch.cat([m for m, _ in partials], -1), torch.cat([s for _, s in partials], -1))
-        target_N = picked_logit(zs[0], tokens_N, 0)
-        for z, start in zip(zs[1:], starts[1:], strict=False):
-            target_N = target_N + picked_logit(z, tokens_N, start)
+    def forward(ctx, tokens_N, temp_11, vocab_size: int, tile_size: int, chunk_tokens: int, *shards_NW):
+        num_rows = tokens_N.shape[0]
+        lse_N = temp_11.new_empty(num_rows, dtype=_compute_dtype(shards_NW[0].dtype))
+        logp_N = torch.empty_like(lse_N)
+        for start in range(0, num_rows, chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            lse_C, target_C = _lse_and_target([s[rows] for s in shards_NW], tokens_N[rows], temp_11, vocab_size,
+                                              tile_size)
+            lse_N[rows], logp_N[rows] = lse_C, target_C - lse_C
         ctx.save_for_backward(tokens_N, temp_11, lse_N, *shards_NW)
-        ctx.vocab_size, ctx.starts = vocab_size, starts
-        return target_N - lse_N
+        ctx.vocab_size, ctx.chunk_tokens = vocab_size, chunk_tokens
+        return logp_N
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g_N):
         tokens_N, temp_11, lse_N, *shards_NW = ctx.saved_tensors
-        grads = [shard_grad(scaled_shard(s, start, ctx.vocab_size, temp_11), tokens_N, start, lse_N, g_N, temp_11)
-                 .to(s.dtype) for s, start in zip(shards_NW, ctx.starts, strict=False)]
-        return None, None, None, None, *grads
+        grads = [torch.empty_like(s) for s in shards_NW]
+        for start in range(0, tokens_N.shape[0], ctx.chunk_tokens):
+            rows = slice(start, start + ctx.chunk_tokens)
+            for s, grad, col in zip(shards_NW, grads, _starts(shards_NW), strict=True):
+                z_CW = scaled_shard(s[rows], col, ctx.vocab_size, temp_11)
+                grad[rows] = shard_grad(z_CW, tokens_N[rows], col, lse_N[rows], g_N[rows], temp_11)
+        return None, None, None, None, None, *grads
 
 
 def vocab_parallel_logprobs(
@@ -119,6 +144,7 @@ def vocab_parallel_logprobs(
     vocab_size: int,
     temperature: float,
     tile_size: int,
+    chunk_tokens: int | None = None,
 ) -> torch.Tensor:
     """logprobs (...) of tokens (...) from the TP column shards (..., W_r) of the padded logits, rank order.
 
@@ -126,13 +152,16 @@ def vocab_parallel_logprobs(
 
     Each shard must hold whole tiles of tile_size columns (tp_shard_bounds); columns at global index
     >= vocab_size are padding. Differentiable w.r.t. every shard: d logp / d z = onehot(y) - softmax(z),
-    divided by T, 0 on padding columns, in the shard's dtype. Bitwise the same for any split.
+    divided by T, 0 on padding columns, in the shard's dtype. chunk_tokens (default: all) bounds the
+    (tokens, W) buffers of the compute dtype. Bitwise the same for any split and any chunking.
     """
     assert all(s.shape[-1] % tile_size == 0 for s in shards), ([s.shape[-1] for s in shards], tile_size)
     assert sum(s.shape[-1] for s in shards) >= vocab_size
     flat = [s.reshape(-1, s.shape[-1]) for s in shards]
     temp_11 = _temperature_11(temperature, flat[0].device)
-    logp_N = _VocabParallelLogprob.apply(tokens.reshape(-1).long(), temp_11, vocab_size, tile_size, *flat)
+    chunk = max(flat[0].shape[0], 1) if chunk_tokens is None else chunk_tokens
+    assert chunk >= 1, chunk
+    logp_N = _VocabParallelLogprob.apply(tokens.reshape(-1).long(), temp_11, vocab_size, tile_size, chunk, *flat)
     return logp_N.view(tokens.shape)
 
 

@@ -8,6 +8,14 @@ import socket
 import pytest
 import torch
 
+from qualify.ppo.grpo import (
+    count_normalizers,
+    dp_slices,
+    group_advantages,
+    group_stats,
+    grpo_loss,
+    token_advantages,
+)
 from qualify.ppo.logprob import naive_sampler_logprobs
 from qualify.ppo.vocab_parallel import (
     merge_partials,
@@ -31,10 +39,12 @@ def make_logits(seed: int, dtype=torch.float32, num_tokens: int = NUM_TOKENS) ->
     return logits_NV, tokens_N
 
 
-def split_logprobs(logits_NV: torch.Tensor, tokens_N: torch.Tensor, tp: int, temperature: float = TEMPERATURE):
+def split_logprobs(logits_NV: torch.Tensor, tokens_N: torch.Tensor, tp: int, temperature: float = TEMPERATURE,
+                   chunk_tokens: int | None = None):
     """(logp, d sum(w * logp) / d logits) through tp column shards."""
     shards = [logits_NV[:, a:b].clone().requires_grad_() for a, b in tp_shard_bounds(PADDED, tp, TILE)]
-    logp_N = vocab_parallel_logprobs(shards, tokens_N, vocab_size=VOCAB, temperature=temperature, tile_size=TILE)
+    logp_N = vocab_parallel_logprobs(shards, tokens_N, vocab_size=VOCAB, temperature=temperature, tile_size=TILE,
+                                     chunk_tokens=chunk_tokens)
     weights_N = torch.linspace(-1.0, 2.0, tokens_N.shape[0])
     (logp_N * weights_N).sum().backward()
     return logp_N.detach(), torch.cat([s.grad for s in shards], dim=-1)
@@ -65,6 +75,14 @@ def test_tp_splits_are_bitwise_identical(dtype):
         assert torch.equal(logp_tp, logp_1), tp
         assert torch.equal(grad_tp, grad_1), tp
     assert grad_1.dtype == dtype and logp_1.dtype == torch.promote_types(dtype, torch.float32)
+
+
+def test_token_chunking_changes_no_bit():
+    logits_NV, tokens_N = make_logits(9)
+    logp_all, grad_all = split_logprobs(logits_NV, tokens_N, 2)
+    for chunk in (1, 7, 32, 1000):
+        logp_chunked, grad_chunked = split_logprobs(logits_NV, tokens_N, 2, chunk_tokens=chunk)
+        assert torch.equal(logp_chunked, logp_all) and torch.equal(grad_chunked, grad_all), chunk
 
 
 def test_agrees_with_log_softmax_and_its_gradient():
@@ -150,6 +168,52 @@ def test_negative_control_a_per_shard_logsumexp_is_not_split_invariant():
         return torch.logsumexp(torch.stack(parts, -1), -1)
 
     assert not torch.equal(naive(1), naive(2)) or not torch.equal(naive(1), naive(4))
+
+
+# --- the GRPO loss on top, across TP x DP ---------------------------------------------------------------------------
+
+
+def grpo_case(tp: int, dp: int, aggregation: str):
+    """(per-sequence totals, summed rank losses, d loss / d logits) of a TP x DP split, each DP rank computing
+    from its own rows' logit shards with the global normalizers and group statistics."""
+    num_rows, num_positions, group_size = 12, 5, 4  # at dp=2 and dp=4, group 1 (rows 4..7) straddles ranks
+    gen = torch.Generator().manual_seed(11)
+    logits_BTV = 3 * torch.randn(num_rows, num_positions, PADDED, generator=gen)
+    tokens_BT = torch.randint(0, VOCAB, (num_rows, num_positions), generator=gen)
+    mask_BT = torch.rand(num_rows, num_positions, generator=gen) < 0.7
+    mask_BT[2] = False
+    logp_old_BT = naive_sampler_logprobs(logits_BTV, tokens_BT, TEMPERATURE, VOCAB) + 0.2 * torch.randn(
+        num_rows, num_positions, generator=gen)
+    logp_ref_BT = logp_old_BT + 0.3 * torch.randn(num_rows, num_positions, generator=gen)
+    rewards_B = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.5, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    stats, norms = group_stats(rewards_B, group_size), count_normalizers(mask_BT)
+    per_seq, losses, grad_rows = [], [], []
+    for rows in dp_slices(num_rows, dp):
+        shards = [logits_BTV[rows, :, a:b].clone().requires_grad_() for a, b in tp_shard_bounds(PADDED, tp, TILE)]
+        logp_bT = vocab_parallel_logprobs(shards, tokens_BT[rows], vocab_size=VOCAB, temperature=TEMPERATURE,
+                                          tile_size=TILE, chunk_tokens=3)
+        adv_b = group_advantages(rewards_B[rows], stats, group_size, row_start=rows.start, scale_std=True)
+        out = grpo_loss(logp_bT, logp_old_BT[rows], logp_ref_BT[rows], token_advantages(adv_b, mask_BT[rows]),
+                        mask_BT[rows], clip_eps=0.2, kl_coef=0.05, aggregation=aggregation, normalizers=norms,
+                        constant=8.0 if aggregation == "seq_mean_token_sum_norm" else None)
+        out.loss.backward()
+        per_seq.append(out.per_sequence_B.detach())
+        losses.append(out.loss.detach())
+        grad_rows.append(torch.cat([s.grad for s in shards], dim=-1))
+    return torch.cat(per_seq), sum(losses), torch.cat(grad_rows)
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_grpo_loss_per_sequence_totals_and_logit_gradients_are_bitwise_across_tp_x_dp(aggregation):
+    per_seq_11, loss_11, grad_11 = grpo_case(1, 1, aggregation)
+    assert grad_11.abs().sum() > 0 and (grad_11[..., VOCAB:] == 0).all()
+    for tp, dp in ((2, 1), (1, 2), (2, 2), (4, 2), (2, 4)):
+        per_seq, loss, grad = grpo_case(tp, dp, aggregation)
+        assert torch.equal(per_seq, per_seq_11), (tp, dp)
+        assert torch.equal(grad, grad_11), (tp, dp)
+        assert torch.equal(per_seq.sum(), loss_11)  # the gathered totals summed in global order: bitwise
+        # the ranks' own scalar losses summed: the rounding of that last sum only
+        assert abs((loss - loss_11).item()) <= 2 * torch.finfo(torch.float32).eps * per_seq_11.abs().sum().item()
 
 
 # --- real TP ranks over gloo --------------------------------------------------------------------------------------
