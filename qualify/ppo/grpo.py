@@ -63,14 +63,16 @@ class GroupStats(NamedTuple):
 def group_stats(rewards_B: torch.Tensor, group_size: int, std_estimator: str = "unbiased") -> GroupStats:
     """Per-group mean, std and 'identical' flag of the global rewards (B,), groups = contiguous rows.
 
-    Two-pass (mean first, then the mean of squared deviations), which stays exact for a constant group.
-    'unbiased' with group_size 1 has no defined std: it gives std = 0 (the group is identical anyway).
+    Two-pass: the mean first, then the sum of squared deviations from it, divided by n (population) or
+    n - 1 (unbiased, Bessel; TRL's and verl's choice). A constant group's mean need not round back to its
+    value, so its std may be a tiny non-zero: the 'identical' flag, not the std, marks it. 'unbiased' with
+    group_size 1 has no defined std: it gives std = 0 (the group is identical anyway).
     """
     if std_estimator not in STD_ESTIMATORS:
         raise ValueError(f"unknown std_estimator {std_estimator!r}; known: {', '.join(STD_ESTIMATORS)}")
     num_rows = rewards_B.shape[0]
     if group_size < 1 or num_rows % group_size:
-        raise DataParallelError(f"{num_rows} rewards do not form groups of {group_size}")
+        raise ValueError(f"{num_rows} rewards do not form whole groups of {group_size}")
     r_GN = rewards_B.reshape(num_rows // group_size, group_size)
     mean_G = r_GN.mean(-1)
     sq_dev_G = ((r_GN - mean_G[:, None]) ** 2).sum(-1)
@@ -108,7 +110,8 @@ def group_advantages(
         A_i = (r_i - mean_g(i)) / (std_g(i) + eps)   scale_std True  (GRPO)
         A_i = 0 exactly when every reward of g(i) is the same (never NaN, never a rounding residue)
 
-    with g(i) = (row_start + i) // group_size. stats come from group_stats over the *global* rewards: a
+    with g(i) = (row_start + i) // group_size. eps (default 1e-6; TRL uses 1e-4) keeps a near-constant group
+    finite. stats come from group_stats over the *global* rewards (all_gather_rewards on DP ranks): a
     group may straddle DP ranks, and normalizing it with a rank's own rows would be a different objective.
     Single process: row_start 0 and the whole batch.
     """
@@ -129,7 +132,9 @@ def token_advantages(advantages_B: torch.Tensor, mask_BT: torch.Tensor) -> torch
 # --- KL to the reference policy ------------------------------------------------------------------------------
 
 
-def kl_estimate(logp_BT: torch.Tensor, logp_ref_BT: torch.Tensor, mask_BT: torch.Tensor, estimator: str) -> torch.Tensor:
+def kl_estimate(
+    logp_BT: torch.Tensor, logp_ref_BT: torch.Tensor, mask_BT: torch.Tensor, estimator: str
+) -> torch.Tensor:
     """Per-token estimator (B, T) of KL(policy || ref) for tokens sampled from the policy; 0 off the mask.
 
     With d = logp_ref - logp:
@@ -198,8 +203,9 @@ def per_sequence_loss(
         'seq_mean_token_mean':     c_b = (s_b / n_b) / N_seq        (0 for a row with n_b = 0)
         'seq_mean_token_sum_norm': c_b = s_b / (constant * N_seq)   (Dr. GRPO; constant e.g. the max length)
 
-    A row's c_b depends only on its own tokens and the normalizers (s_b is a fixed pairwise sum over t), so it
-    is bitwise the same on any DP split. No active token at all gives c = 0 and a zero gradient, never NaN (the clamps divide 0 by 1).
+    A row's c_b depends only on its own tokens and the normalizers (s_b is a fixed pairwise sum over t), so
+    it is bitwise the same on any DP split. No active token at all gives c = 0 and a zero gradient, never
+    NaN (the clamps divide 0 by 1).
     """
     _check_aggregation(aggregation, constant)
     dtype = x_BT.dtype

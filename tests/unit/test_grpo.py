@@ -179,7 +179,7 @@ def test_group_size_one_unbiased_is_zero():
 
 
 def test_group_stats_refuse_partial_groups_and_unknown_estimator():
-    with pytest.raises(DataParallelError, match="do not form groups of 5"):
+    with pytest.raises(ValueError, match="do not form whole groups of 5"):
         group_stats(torch.zeros(12), 5)
     with pytest.raises(ValueError, match="unknown std_estimator 'sample'"):
         group_stats(torch.zeros(12), 4, "sample")
