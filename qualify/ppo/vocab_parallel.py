@@ -165,34 +165,51 @@ def vocab_parallel_logprobs(
     return logp_N.view(tokens.shape)
 
 
+def _rank_lse_and_target(shard_NW, tokens_N, vocab_start: int, vocab_size: int, tile_size: int, temp_11, group):
+    """(lse, z[y]) (N,) of a block of rows on one TP rank: its partials all-gathered, the picked logit all-reduced."""
+    import torch.distributed as dist
+
+    z_NW = scaled_shard(shard_NW, vocab_start, vocab_size, temp_11)
+    m_NL, s_NL = tile_partials(z_NW, tile_size)
+    world = dist.get_world_size(group)
+    ms = [torch.empty_like(m_NL) for _ in range(world)]
+    ss = [torch.empty_like(s_NL) for _ in range(world)]
+    dist.all_gather(ms, m_NL.contiguous(), group=group)
+    dist.all_gather(ss, s_NL.contiguous(), group=group)
+    lse_N = merge_partials(torch.cat(ms, -1), torch.cat(ss, -1))  # rank order = global tile order
+    target_N = picked_logit(z_NW, tokens_N, vocab_start)
+    dist.all_reduce(target_N, group=group)  # one owner, zeros elsewhere: exact in any order
+    return lse_N, target_N
+
+
 class _TPRankLogprob(torch.autograd.Function):
-    """One TP rank's shard: forward(shard, tokens, start, vocab, tile, temp, group) -> logp (N,), replicated."""
+    """One TP rank's shard: forward(shard, tokens, start, vocab, tile, temp, chunk, group) -> logp (N,), replicated."""
 
     @staticmethod
-    def forward(ctx, shard_NW, tokens_N, vocab_start: int, vocab_size: int, tile_size: int, temp_11, group):
-        import torch.distributed as dist
-
-        z_NW = scaled_shard(shard_NW, vocab_start, vocab_size, temp_11)
-        m_NL, s_NL = tile_partials(z_NW, tile_size)
-        world = dist.get_world_size(group)
-        ms = [torch.empty_like(m_NL) for _ in range(world)]
-        ss = [torch.empty_like(s_NL) for _ in range(world)]
-        dist.all_gather(ms, m_NL.contiguous(), group=group)
-        dist.all_gather(ss, s_NL.contiguous(), group=group)
-        lse_N = merge_partials(torch.cat(ms, -1), torch.cat(ss, -1))  # rank order = global tile order
-        target_N = picked_logit(z_NW, tokens_N, vocab_start)
-        dist.all_reduce(target_N, group=group)  # one owner, zeros elsewhere: exact in any order
+    def forward(ctx, shard_NW, tokens_N, vocab_start: int, vocab_size: int, tile_size: int, temp_11,
+                chunk_tokens: int, group):
+        num_rows = tokens_N.shape[0]
+        lse_N = temp_11.new_empty(num_rows, dtype=_compute_dtype(shard_NW.dtype))
+        logp_N = torch.empty_like(lse_N)
+        for start in range(0, num_rows, chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            lse_C, target_C = _rank_lse_and_target(shard_NW[rows], tokens_N[rows], vocab_start, vocab_size,
+                                                   tile_size, temp_11, group)
+            lse_N[rows], logp_N[rows] = lse_C, target_C - lse_C
         ctx.save_for_backward(shard_NW, tokens_N, temp_11, lse_N)
-        ctx.vocab_start, ctx.vocab_size = vocab_start, vocab_size
-        return target_N - lse_N
+        ctx.vocab_start, ctx.vocab_size, ctx.chunk_tokens = vocab_start, vocab_size, chunk_tokens
+        return logp_N
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g_N):
         shard_NW, tokens_N, temp_11, lse_N = ctx.saved_tensors
-        z_NW = scaled_shard(shard_NW, ctx.vocab_start, ctx.vocab_size, temp_11)
-        grad_NW = shard_grad(z_NW, tokens_N, ctx.vocab_start, lse_N, g_N, temp_11).to(shard_NW.dtype)
-        return grad_NW, None, None, None, None, None, None
+        grad_NW = torch.empty_like(shard_NW)
+        for start in range(0, tokens_N.shape[0], ctx.chunk_tokens):
+            rows = slice(start, start + ctx.chunk_tokens)
+            z_CW = scaled_shard(shard_NW[rows], ctx.vocab_start, ctx.vocab_size, temp_11)
+            grad_NW[rows] = shard_grad(z_CW, tokens_N[rows], ctx.vocab_start, lse_N[rows], g_N[rows], temp_11)
+        return grad_NW, None, None, None, None, None, None, None
 
 
 def tp_rank_logprobs(
@@ -203,16 +220,20 @@ def tp_rank_logprobs(
     vocab_size: int,
     temperature: float,
     tile_size: int,
+    chunk_tokens: int | None = None,
     group=None,
 ) -> torch.Tensor:
     """vocab_parallel_logprobs on a real TP rank holding columns [vocab_start, vocab_start + W) of the
-    padded logits: two all_gathers of the (N, W / tile_size) partials and one all_reduce of the picked
-    logit in the forward, no collective in the backward (the upstream gradient is replicated over TP).
-    Ranks of group must hold the shards in rank order. Bitwise the same as the single-process function.
+    padded logits: per chunk of tokens, two all_gathers of the (chunk, W / tile_size) partials and one
+    all_reduce of the picked logit in the forward; no collective in the backward (the upstream gradient
+    is replicated over TP). Ranks of group hold the shards in rank order and call it with the same tokens
+    and chunk_tokens (the same number of collectives). Bitwise the same as the single-process function.
     """
     assert shard.shape[-1] % tile_size == 0 and vocab_start % tile_size == 0, (shard.shape, vocab_start, tile_size)
     flat_NW = shard.reshape(-1, shard.shape[-1])
     temp_11 = _temperature_11(temperature, flat_NW.device)
+    chunk = max(flat_NW.shape[0], 1) if chunk_tokens is None else chunk_tokens
+    assert chunk >= 1, chunk
     logp_N = _TPRankLogprob.apply(flat_NW, tokens.reshape(-1).long(), vocab_start, vocab_size, tile_size, temp_11,
-                                  group)
+                                  chunk, group)
     return logp_N.view(tokens.shape)

@@ -235,7 +235,7 @@ def _tp_worker(rank: int, world: int, port: int, queue) -> None:
         start, end = tp_shard_bounds(PADDED, world, TILE)[rank]
         shard_NW = logits_NV[:, start:end].clone().requires_grad_()
         logp_N = tp_rank_logprobs(shard_NW, tokens_N, vocab_start=start, vocab_size=VOCAB, temperature=TEMPERATURE,
-                                  tile_size=TILE)
+                                  tile_size=TILE, chunk_tokens=40)  # chunks of 40, 40, 16 tokens
         (logp_N * torch.linspace(-1.0, 2.0, NUM_TOKENS)).sum().backward()
         # numpy arrays travel by value; a tensor would travel as a shared-memory handle the exiting rank closes
         queue.put((rank, logp_N.detach().numpy(), shard_NW.grad.numpy()))
