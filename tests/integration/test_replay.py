@@ -76,8 +76,10 @@ def test_other_platform_is_judged_within_the_committed_bounds(frozen_run, tmp_pa
     assert result.mode == "bounds"
     assert any(d.startswith("cpu_model:") for d in result.differences)
     comparisons = {r.comparison for r in result.rows}
-    assert comparisons == {"fresh vs committed fp32-r0 [fp32-repeat]", "fresh vs committed bf16-r0 [bf16-repeat]"}
-    assert {r.role for r in result.rows} == {"actor", "critic"}
+    assert comparisons == {"models vs acceptance", "fresh vs committed fp32-r0 [fp32-repeat]",
+                           "fresh vs committed bf16-r0 [bf16-repeat]"}
+    assert {r.role for r in result.rows if r.comparison != "models vs acceptance"} == {"actor", "critic"}
+    assert {r.role for r in result.rows} == {"actor", "critic", "reference", "reward"}  # every model checked
     assert result.passed, [(r.tensor, r.metric, r.value, r.bound) for r in failing(result)][:5]
     assert set(result.info["targets_max_abs"]) >= {"advantages_BT", "returns_BT"}
 
@@ -113,3 +115,15 @@ def test_replay_refuses_a_reference_of_another_rollout(frozen_run, tmp_path):
     write_json(RunLayout(run).reference_summary, summary | {"rollout_digest": "sha256:" + "0" * 64})
     with pytest.raises(EvidenceError, match="not on the acceptance's"):
         judge_replay(COMMITTED, run)
+
+
+def test_other_platform_whose_seeded_models_differ_fails_naming_the_weight_file(frozen_run, tmp_path):
+    run = copy_reference(frozen_run, tmp_path)
+    claim_platform(run, "Some Other CPU")
+    weights = RunLayout(run).model("critic") / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    bad = failing(judge_replay(RunLayout(frozen_run).acceptance, run))
+    assert [(r.tensor, r.note) for r in bad if r.comparison == "models vs acceptance"] == [
+        ("models/critic/model.safetensors", "this platform did not make the acceptance's weights")]
