@@ -16,7 +16,7 @@ from qualify.hardware import describe
 from qualify.layout import RunLayout
 from qualify.reference.mismatch_text import mismatch_lines
 from qualify.report_verify import CASE_NAME, Verification, discover_rounds, readable, verify_run
-from qualify.store import read_json
+from qualify.store import read_json, read_json_object
 
 PASSED, FAILED, NOT_VERIFIED, NO_VERDICT = "PASSED", "FAILED", "NOT VERIFIED", "NO VERDICT"
 WORST_KEYS = ("comparison", "tensor", "metric", "value", "bound", "ratio")
@@ -40,9 +40,12 @@ def _maybe(path: Path) -> Any:
 def load_docs(run_dir: Path) -> RunDocs:
     """Read the reference summary, acceptance, candidates' verdict and rounds verdicts of a run."""
     layout = RunLayout(Path(run_dir))
-    reference = _maybe(layout.reference_summary)
-    if not isinstance(reference, dict):
+    if not layout.reference_summary.is_file():
         raise EvidenceError(f"{run_dir} holds no reference summary ({layout.reference_summary})")
+    reference = read_json_object(layout.reference_summary, "reference summary",
+                                 ("matrix", "rollout_digest", "tp_agreement", "rollout_mismatch", "controls"))
+    if not isinstance(reference["matrix"], dict) or "name" not in reference["matrix"]:
+        raise EvidenceError(f"{layout.reference_summary}: not a reference summary: 'matrix' has no name")
     acceptance = _maybe(layout.acceptance)
     if acceptance is not None and not isinstance(acceptance, dict):
         raise EvidenceError(f"{layout.acceptance}: not an acceptance document")

@@ -20,3 +20,17 @@ def test_coverage_lines_has_a_row_per_role_and_step():
     assert [line for line in lines if line.startswith("| critic |")] == [
         "| critic | 0 |  |  | 0 |  |  |  | 1 |", "| critic | 1 |  |  | 7 |  |  |  | 2 |"]
     assert coverage_lines(None) == []
+
+
+def test_report_of_a_reference_summary_without_its_keys_is_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from qualify.cli.app import app
+    from qualify.layout import RunLayout
+    from qualify.store import write_json
+
+    for summary, says in (({}, "no 'matrix' key"), ({"matrix": [], "rollout_digest": "x", "tp_agreement": {},
+                                                      "rollout_mismatch": {}, "controls": []}, "has no name")):
+        write_json(RunLayout(tmp_path).reference_summary, summary)
+        result = CliRunner().invoke(app, ["report", str(tmp_path)])
+        assert result.exit_code == 2 and says in result.stderr and "Traceback" not in result.stderr, result.stderr
