@@ -19,6 +19,8 @@ from typing import Any
 # CPU flags that select kernels (x86 vector extensions and matrix engines; arm's equivalents).
 ISA_PATTERN = re.compile(r"^(sse4_2|fma|f16c|avx\w*|amx\w*|sve\d*|sme\d*|asimd\w*|bf16|i8mm)$")
 # The fields whose difference makes bitwise reproduction not expected (the rest is information).
+# Environment switches that change kernels' arithmetic; recorded (in settings) only when set.
+ENV_KNOBS = ("TRITON_F32_DEFAULT", "NVIDIA_TF32_OVERRIDE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "CUBLAS_WORKSPACE_CONFIG")
 KEY_FIELDS = ("machine", "cpu_model", "isa", "torch_cpu_capability", "torch_threads", "gpus", "cuda", "driver",
               "settings")
 
@@ -84,6 +86,7 @@ def torch_description() -> dict[str, Any]:
                      "sdp_flash": torch.backends.cuda.flash_sdp_enabled(),
                      "sdp_mem_efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
                      "sdp_math": torch.backends.cuda.math_sdp_enabled()}
+    settings |= {f"env.{k}": os.environ[k] for k in ENV_KNOBS if k in os.environ}
     out["settings"] = settings
     return out
 

@@ -68,6 +68,9 @@ def vllm_env(tp: int) -> dict[str, str]:
     env.setdefault("TORCHDYNAMO_DISABLE", "1")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(tp) if tp > 1 else "auto")
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    # vLLM's fp32 attention on GPU is a Triton kernel whose tl.dot defaults to TF32: 2e-3 off HF fp32 in the
+    # logprobs (measured on H200, BENCHMARKS.md); IEEE fp32 dots bring it to CPU-sized agreement. No effect on CPU.
+    env.setdefault("TRITON_F32_DEFAULT", "ieee")
     return env
 
 
@@ -216,7 +219,7 @@ def capture_rollout(matrix: Matrix, model_dir: Path, tp: int, out_dir: Path, *, 
         "logprobs_mode": "processed_logprobs", "finish_reasons": [x["finish_reason"] for x in result["results"]],
         "timings_s": {"load": result["load_s"], "generate": result["generate_s"]},
         "model_dir": str(model_dir), "model_digest": model_digest(model_dir),
-        "env": {k: v for k, v in vllm_env(tp).items() if k.startswith("VLLM_")},
+        "env": {k: v for k, v in vllm_env(tp).items() if k.startswith(("VLLM_", "TRITON_"))},
         "shm_removed": result["shm_removed"], **provenance(), "platform": result["platform"]}
     write_json(out_dir / "rollout.json", meta)
     complete_stage(out_dir, {"digest": digest, "settings": settings})

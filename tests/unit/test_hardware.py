@@ -58,3 +58,22 @@ def test_describe_is_one_line():
     line = describe(fp)
     assert line == "Example CPU (avx2, avx512f, 2 threads) + 2x NVIDIA H200 (CUDA 13.0, driver 580.1)"
     assert describe(None) == "not recorded"
+
+
+def test_kernel_switches_in_the_environment_are_recorded_only_when_set(monkeypatch):
+    monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
+    assert "env.TRITON_F32_DEFAULT" not in platform_fingerprint()["settings"]
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "tf32")
+    with_tf32 = platform_fingerprint()
+    assert with_tf32["settings"]["env.TRITON_F32_DEFAULT"] == "tf32"
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
+    assert platform_differences(with_tf32, platform_fingerprint())[0].startswith("settings:")
+
+
+def test_vllm_child_runs_with_ieee_fp32_dots_unless_told_otherwise(monkeypatch):
+    from qualify.rollout.capture import vllm_env
+
+    monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
+    assert vllm_env(1)["TRITON_F32_DEFAULT"] == "ieee"
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "tf32")
+    assert vllm_env(1)["TRITON_F32_DEFAULT"] == "tf32"
