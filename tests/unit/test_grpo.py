@@ -1,8 +1,12 @@
 """qualify.ppo.grpo against slow, obvious Python loops, and its DP splits against the single process.
 
-Independent implementation: TRL 1.16 (the dev extra) keeps its GRPO loss aggregations inside
-GRPOTrainer._compute_loss, a method that needs a model and the trainer's state, so only its pure helper
-trl.trainer.utils.nanstd (the unbiased group std of its 'group' reward scaling) is compared against.
+Independent implementation: TRL 1.16 (the dev extra). Its GRPO loss lives in GRPOTrainer._compute_loss, so a
+real GRPOTrainer is built on the tiny Qwen3 (a word-level tokenizer made in memory, nothing downloaded) and
+its loss and parameter gradients are compared for loss_type bnpo, grpo and dr_grpo (= token_mean,
+seq_mean_token_mean and seq_mean_token_sum_norm with constant = max_completion_length, on a batch whose
+rows all have active tokens: TRL divides by all B rows). TRL's default use_bias_correction_kl=True multiplies
+the KL term by the ratio, which qualify does not do: it is switched off. trl.trainer.utils.nanstd is compared
+with the unbiased group std.
 """
 
 from __future__ import annotations
@@ -485,3 +489,76 @@ def test_normalizers_are_int64_counts():
     assert isinstance(norms, Normalizers)
     assert norms.num_active_tokens.item() == sum(int(x) for row in mask_BT.tolist() for x in row)
     assert norms.num_active_sequences.item() == sum(any(row) for row in mask_BT.tolist())
+
+
+# --- TRL's GRPOTrainer, for real --------------------------------------------------------------------------------
+
+TRL_LOSS_TYPES = {"bnpo": "token_mean", "grpo": "seq_mean_token_mean", "dr_grpo": "seq_mean_token_sum_norm"}
+
+
+def trl_trainer(loss_type: str, model_dir: str, max_completion_length: int):
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    from trl import GRPOConfig, GRPOTrainer
+
+    vocab = {f"t{i}": i for i in range(64)}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab=vocab, unk_token="t1")),
+                                        pad_token="t0", eos_token="t63", unk_token="t1")
+    args = GRPOConfig(output_dir=f"{model_dir}/out-{loss_type}", loss_type=loss_type, beta=0.05, epsilon=0.2,
+                      epsilon_high=0.28, num_generations=4, per_device_train_batch_size=4,
+                      max_completion_length=max_completion_length, use_bias_correction_kl=False, report_to=[],
+                      use_cpu=True)
+    return GRPOTrainer(model=model_dir, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
+                       train_dataset=Dataset.from_dict({"prompt": ["t3 t4"] * 4}), processing_class=tokenizer)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_loss_and_parameter_gradients_match_trl_grpo_trainer(tmp_path):
+    pytest.importorskip("trl")
+    from qualify.matrix import TinyModel
+    from qualify.models.tiny import build_tiny_model
+
+    build_tiny_model(TinyModel(seed=3, vocab_size=64), "actor").save_pretrained(tmp_path)
+    num_rows, prompt_len, num_positions = 4, 2, 6
+    gen = torch.Generator().manual_seed(0)
+    prompt_ids = torch.randint(2, 63, (num_rows, prompt_len), generator=gen)
+    completion_ids = torch.randint(2, 63, (num_rows, num_positions), generator=gen)
+    completion_mask = torch.ones(num_rows, num_positions, dtype=torch.long)
+    completion_mask[1, 4:] = 0
+    completion_mask[2, 1:] = 0
+    mask_BT = completion_mask.bool()
+    input_ids = torch.cat([prompt_ids, completion_ids], 1)
+    attention_mask = torch.cat([torch.ones_like(prompt_ids), completion_mask], 1)
+    advantages_B = torch.tensor([1.0, -0.5, 0.3, -0.8])
+    for loss_type, aggregation in TRL_LOSS_TYPES.items():
+        trainer = trl_trainer(loss_type, str(tmp_path), num_positions)
+        model = trainer.model.eval()
+        with torch.no_grad():
+            logp_BT = trainer._get_per_token_logps_and_entropies(model, input_ids, attention_mask, num_positions)[0]
+        logp_old_BT = logp_BT + 0.3 * torch.randn(num_rows, num_positions, generator=gen)
+        logp_ref_BT = logp_BT + 0.5 * torch.randn(num_rows, num_positions, generator=gen)
+        inputs = {"prompt_ids": prompt_ids, "prompt_mask": torch.ones_like(prompt_ids),
+                  "completion_ids": completion_ids, "completion_mask": completion_mask, "advantages": advantages_B,
+                  "old_per_token_logps": logp_old_BT, "ref_per_token_logps": logp_ref_BT}
+        theirs = trainer._compute_loss(model, inputs)
+        theirs_grads = torch.autograd.grad(theirs, list(model.parameters()))
+
+        live_logp_BT = trainer._get_per_token_logps_and_entropies(model, input_ids, attention_mask, num_positions)[0]
+        ours = grpo_loss(live_logp_BT, logp_old_BT, logp_ref_BT, token_advantages(advantages_B, mask_BT), mask_BT,
+                         clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.05, kl_estimator="k3", aggregation=aggregation,
+                         normalizers=count_normalizers(mask_BT),
+                         constant=float(num_positions) if aggregation == "seq_mean_token_sum_norm" else None)
+        ours_grads = torch.autograd.grad(ours.loss, list(model.parameters()))
+        # fp32, and the loss is a small difference of terms near 1e-2: an absolute bound at that scale
+        assert math.isclose(ours.loss.item(), theirs.item(), rel_tol=1e-6, abs_tol=1e-7), (loss_type, ours, theirs)
+        for mine, trl_grad in zip(ours_grads, theirs_grads, strict=True):
+            assert torch.allclose(mine, trl_grad, rtol=1e-4, atol=1e-7), loss_type
+        # negative control: the other aggregations do not match this loss type (rows have 6, 4, 1, 6 tokens)
+        for other in set(TRL_LOSS_TYPES.values()) - {aggregation}:
+            wrong = grpo_loss(logp_BT, logp_old_BT, logp_ref_BT, token_advantages(advantages_B, mask_BT), mask_BT,
+                              clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.05, aggregation=other,
+                              normalizers=count_normalizers(mask_BT),
+                              constant=float(num_positions) if other == "seq_mean_token_sum_norm" else None)
+            assert not math.isclose(wrong.loss.item(), theirs.item(), rel_tol=1e-3), (loss_type, other)
