@@ -1,0 +1,33 @@
+"""A complete case is redone when the engine's code changed since it was sealed (never an old PASS reused)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from qualify.candidate.run import run_candidates
+from tests.integration._support import matrix_with, plugins_importable  # noqa: F401  (autouse fixture)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.engines]
+GOOD = "from qualify.engines.torch_tp import TorchTPEngine\n\n\ndef engine():\n    return TorchTPEngine()\n"
+BROKEN = GOOD.replace("return TorchTPEngine()", "from tests.integration.plugins import NanGradient\n"
+                                                "    return NanGradient()")
+
+
+def test_changed_plugin_code_redoes_the_case(run_copy, tmp_path, monkeypatch, capsys):
+    plugin_dir = tmp_path / "plugin"
+    plugin_dir.mkdir()
+    (plugin_dir / "team_engine.py").write_text(GOOD)
+    monkeypatch.syspath_prepend(str(plugin_dir))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(plugin_dir), os.environ["PYTHONPATH"]]))
+    m = matrix_with(run_copy.parent, engines=["team_engine:engine"], precisions=["fp32"], tp=[1], roles=["actor"])
+    assert run_candidates(m, run_copy)["passed"]
+    assert run_candidates(m, run_copy)["passed"]  # unchanged: reused
+    assert "complete, skipped" in capsys.readouterr().err
+    (plugin_dir / "team_engine.py").write_text(BROKEN)
+    sys.modules.pop("team_engine", None)
+    verdict = run_candidates(m, run_copy)
+    assert "engine code changed since it was sealed" in capsys.readouterr().err
+    assert not verdict["passed"]
