@@ -1,0 +1,30 @@
+"""What `qualify verify` says, as (style, tag, text) lines: one home for both of its renderers.
+
+The Typer command prints them through rich (colours on a terminal); the fast path of a piped
+`qualify verify` (qualify.cli.entry) prints them as plain text, which is what rich prints when
+stdout is not a terminal. This module imports neither Typer nor rich.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def verify_lines(report: Any) -> list[tuple[str, str, str]]:
+    """(style, tag, text) per line of a VerifyReport: OK, or every missing, extra, modified and renamed file."""
+    if report.ok:
+        present = report.num_files - len(report.missing)
+        absent = f"; {len(report.missing)} absent from this partial copy" if report.missing else ""
+        return [("green", "OK", (f"{present} of {report.num_files} files match {report.manifest} "
+                                f"(evidence {report.evidence}{absent})"))]
+    lines = [("red", "missing ", path) for path in report.missing]
+    lines += [("red", "extra   ", path) for path in report.extra]
+    for m in report.modified:
+        detail = (f"size {m.expected_bytes} -> {m.actual_bytes}" if m.expected_bytes != m.actual_bytes
+                  else f"sha256 {m.expected_sha256[:12]} -> {m.actual_sha256[:12]}")
+        lines.append(("red", "modified", f"{m.path} ({detail})"))
+    lines += [("yellow", "renamed ", f"{old} -> {new} (same content)") for old, new in report.renamed]
+    lines.append(("bold red", "FAILED", (f"{len(report.missing)} missing, {len(report.extra)} extra, "
+                                        f"{len(report.modified)} modified, {len(report.renamed)} renamed of "
+                                        f"{report.num_files} files in {report.manifest}")))
+    return lines
