@@ -209,6 +209,14 @@ def test_empty_evidence_passes():
      ("evidence/padded_vocab_rows", "changed_max_abs"), 2e-3, ""),
     ({"extra_params": ["x", "y", "z", "zz"]}, ("evidence/params", "num_extra"), 4.0, "x, y, z"),
     ({"replica_max_abs": {"q_norm": math.nan}}, ("evidence/replicas", "max_abs_across_ranks"), math.nan, "q_norm"),
+    # NaN after a finite value: a plain max() would keep the 0.0 and pass
+    ({"replica_max_abs": {"q_norm": 0.0, "k_norm": math.nan, "z_norm": 1e-9}},
+     ("evidence/replicas", "max_abs_across_ranks"), math.nan, "k_norm"),
+    ({"replica_max_abs": {"q_norm": 0.0, "k_norm": "nan"}}, ("evidence/replicas", "max_abs_across_ranks"), math.nan,
+     "k_norm"),  # meta.json stores non-finite numbers as text
+    ({"padded_rows": {"a": {"rows": 2, "changed_max_abs": 0.0}, "b": {"rows": 2, "changed_max_abs": "nan"},
+                      "c": {"rows": 2, "changed_max_abs": 1e-3}}},
+     ("evidence/padded_vocab_rows", "changed_max_abs"), math.nan, ""),
 ])
 def test_each_bad_fact_fails_its_own_row_and_names_it(change, check, value, note):
     rows = evidence(GOOD | change)
@@ -256,7 +264,7 @@ def test_every_step_is_judged_with_its_own_bounds_and_adam_step():
     steps = two_adamw_steps()
     starts = params_before_steps(steps, params())
     rows = judge_steps("c", "actor", "x", steps, steps, step_bounds(steps), starts, OPT)
-    assert failed(rows) == set()
+    assert failed(rows) == set() and {(r.case, r.role, r.comparison) for r in rows} == {("c", "actor", "x")}
     assert {r.tensor.split("/")[0] for r in rows} == {"step0", "step1"}
     assert len(rows) == sum(len(v) for v in step_bounds(steps).values())
     replay = {r.tensor: r.value for r in rows if r.metric == "replay_max_abs"}
