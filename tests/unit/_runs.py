@@ -173,5 +173,6 @@ def synthetic_reference(run_dir: Path, matrix: Matrix, coverage: dict | None = N
     write_json(layout.reference_summary, {
         "matrix": to_dict(matrix), "matrix_digest": matrix_digest, "controls": CONTROLS,
         "rollout_digest": digests[matrix.rollout.vllm_tp[0]], "targets_digest": targets,
-        "versions": {"torch": torch.__version__}, "host": {"name": "unit"}, "git": {"commit": None, "dirty": None}})
+        "versions": {"torch": torch.__version__}, "host": {"name": "unit"}, "git": {"commit": None, "dirty": None},
+        "platform": {"cpu": "unit"}, "rollout_platform": {"cpu": "capture"}})
     return layout

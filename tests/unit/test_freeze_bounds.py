@@ -99,11 +99,11 @@ def test_magnitudes_are_the_largest_absolute_value_of_each_tensor():
 
 # --- the whole freeze on a synthetic reference -------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def frozen(tmp_path_factory):
-    """A synthetic reference, frozen once (read-only for the tests that take it)."""
-    root = tmp_path_factory.mktemp("synthetic")
-    layout = synthetic_reference(root / "run", synthetic_matrix(root))
+@pytest.fixture
+def frozen(tmp_path):
+    """A synthetic reference, frozen (per test: freeze runs inside each test that reads its output, which is
+    also what lets mutation testing map freeze's code to these tests)."""
+    layout = synthetic_reference(tmp_path / "run", synthetic_matrix(tmp_path))
     return layout, freeze(layout.root)
 
 
@@ -199,7 +199,8 @@ def test_the_synthetic_controls_have_distinct_nonzero_errors():
 def test_acceptance_names_the_rule_digests_and_evidence(frozen):
     layout, doc = frozen
     assert read_json(layout.acceptance) == doc == load_manifest(layout.acceptance)
-    assert doc["schema_version"] == ACCEPTANCE_SCHEMA and doc["name"] == "tiny-qwen3"
+    assert doc["schema_version"] == ACCEPTANCE_SCHEMA and doc["name"] == doc["matrix"] == "tiny-qwen3"
+    assert (doc["platform"], doc["rollout_platform"]) == ({"cpu": "unit"}, {"cpu": "capture"})
     assert doc["rule"] == {"text": RULE, "k": K, "floors": FLOORS, "quantum": True, "families": list(FAMILIES)}
     summary = read_json(layout.reference_summary)
     for key in ("rollout_digest", "targets_digest", "matrix_digest", "versions", "host", "git"):
