@@ -47,7 +47,7 @@ STUB = textwrap.dedent('''
     stage = sys.argv[1]
     restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
     if stage == "reference":
-        run = Path(option("--out"))
+        run = Path(option("--run"))
         if not (run / "reference.json").exists():
             write(run / "reference.json", stage=stage)
     elif stage == "freeze":

@@ -288,7 +288,7 @@ def test_vllm_sampler_source_still_truncates_this_way():
 
 
 def test_decompose_mismatch_splits_numerics_from_truncation_and_lists_kept_set_differences():
-    from qualify.cli.reference import mismatch_lines
+    from qualify.reference.mismatch_text import mismatch_lines
     from qualify.reference.targets import decompose_mismatch
 
     processed = torch.tensor([-0.5, -1.0, -2.0, -INF, -0.25])
