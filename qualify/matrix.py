@@ -340,7 +340,8 @@ class Candidates:
     roles: tuple[Role, ...] = ("actor", "critic")
     """Roles."""
     topologies: tuple[Topology, ...] = ("dedicated",)
-    """GPU topologies for Slurm: dedicated = actor_tp + critic_tp + vllm_tp GPUs, shared = max of them."""
+    """GPU topologies of the rounds job (the one that runs vLLM and a trainer together): dedicated = vLLM TP + trainer
+    TP GPUs, shared = the larger of the two. Candidate jobs always ask for their case's tp x dp GPUs."""
 
     def __post_init__(self) -> None:
         from qualify.engines.registry import ENGINES  # a plain dict; no engine is imported
