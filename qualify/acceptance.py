@@ -1,22 +1,93 @@
-"""Checks of a frozen acceptance that need no evidence: schema, bound-file digests, the rule itself.
+"""The frozen acceptance: loading and verifying it, its bounds, and the checks that need no evidence.
 
-Used by CI on every committed acceptance (manifests/*/acceptance.json) and by `qualify verify`'s
-callers who want more than file integrity.
+`Acceptance.load` is the one way a stage reads an acceptance: the manifest (schema, own digest) is
+verified against the reference evidence, every bound file against the digest the acceptance names,
+and the frozen rollout and targets are the ones it froze. `check_acceptance` checks what needs no
+evidence (schema, bound-file digests, every bound obeying the rule): CI runs it on every committed
+acceptance.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qualify.errors import ManifestError
-from qualify.freeze import ACCEPTANCE_SCHEMA, BOUNDS_SCHEMA, FAMILIES
-from qualify.manifest import load_manifest
+from qualify.errors import EvidenceError, ManifestError
+from qualify.hashing import file_digest
+from qualify.manifest import load_manifest, verify_manifest
 from qualify.store import read_json
 
+ACCEPTANCE_SCHEMA = "qualify.acceptance/1"
+BOUNDS_SCHEMA = "qualify.bounds/1"
+FAMILIES = ("fp32-repeat", "bf16-repeat", "fp32-vs-bf16")
 REL_TOL = 1e-12  # the bound is recomputed in float64 from the same numbers
+
+
+@dataclass(frozen=True, slots=True)
+class Acceptance:
+    """A verified acceptance: its document and, per (role, family), the bounds and the reference run they judge."""
+
+    path: Path
+    document: dict[str, Any]
+    families: dict[tuple[str, str], dict[str, Any]]
+    """(role, family) -> the bound file's document (reference_run, bounds keyed 'step<k>/<group>/<name>')."""
+
+    @classmethod
+    def load(cls, path: Path, evidence: Path | None = None, *, partial: bool = False) -> Acceptance:
+        """Verify path against its evidence (the reference it names, or evidence) and read its bound files."""
+        path = Path(path)
+        if not path.is_file():
+            raise EvidenceError(f"no acceptance at {path} (run 'qualify freeze' first)")
+        doc = load_manifest(path)
+        if doc.get("schema_version") != ACCEPTANCE_SCHEMA or not isinstance(doc.get("bounds"), dict):
+            raise ManifestError(f"{path}: not an acceptance manifest (no '{ACCEPTANCE_SCHEMA}' schema or no "
+                                "'bounds'; 'qualify freeze' writes one, 'qualify manifest create' does not)")
+        report = verify_manifest(path, evidence, progress=False, partial=partial)
+        if not report.ok:
+            raise EvidenceError(f"reference evidence does not match {path}: {len(report.missing)} missing, "
+                                f"{len(report.extra)} extra, {len(report.modified)} modified (run 'qualify verify')")
+        families = {}
+        for name, digest in doc["bounds"].items():
+            file = path.parent / "bounds" / name
+            if not file.is_file() or file_digest(file) != digest:
+                raise EvidenceError(f"bound file {file} is missing or does not match the acceptance's digest")
+            b = read_json(file)
+            families[(b["role"], b["family"])] = b
+        return cls(path, doc, families)
+
+    @property
+    def digest(self) -> str:
+        return self.document["digest"]
+
+    @property
+    def rollout_digest(self) -> str:
+        return self.document["rollout_digest"]
+
+    @property
+    def targets_digest(self) -> str:
+        return self.document["targets_digest"]
+
+    def bounds(self, role: str, family: str) -> dict[str, dict[str, dict[str, Any]]]:
+        """Every bound of a family: key ('step<k>/grads/x') -> metric -> entry (control_error, floor, bound ...)."""
+        return self.families[(role, family)]["bounds"]
+
+    def bound(self, role: str, family: str, key: str, metric: str) -> float:
+        """The frozen bound of one (role, family, tensor key, metric)."""
+        return float(self.bounds(role, family)[key][metric]["bound"])
+
+    def reference_run(self, role: str, family: str) -> str:
+        """The reference run ('fp32-r0') the family's bounds judge against."""
+        return self.families[(role, family)]["reference_run"]
+
+    def require_rollout(self, rollout_dir: Path) -> None:
+        """The rollout at rollout_dir must be complete and the one this acceptance froze."""
+        from qualify.stages import stage_info, stage_is_complete
+
+        if not stage_is_complete(rollout_dir) or stage_info(rollout_dir).get("digest") != self.rollout_digest:
+            raise EvidenceError(f"rollout at {rollout_dir} is not the one the acceptance froze ({self.rollout_digest})")
 
 
 def check_acceptance(path: Path) -> list[str]:

@@ -16,6 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from qualify.acceptance import ACCEPTANCE_SCHEMA, BOUNDS_SCHEMA, FAMILIES
 from qualify.compare import (
     load_steps,
     merge_max,
@@ -34,9 +35,6 @@ from qualify.schema import from_dict
 from qualify.stages import require_complete, stage_info
 from qualify.store import atomic_write_bytes, dumps_json, read_json, read_json_object
 
-ACCEPTANCE_SCHEMA = "qualify.acceptance/1"
-BOUNDS_SCHEMA = "qualify.bounds/1"
-FAMILIES = ("fp32-repeat", "bf16-repeat", "fp32-vs-bf16")
 RULE = ("bound = k * control_error + floor + quantum (per role, tensor, metric; control_error = max over the "
         "family's controls; quantum = one rounding step of the family's precision at the reference magnitude)")
 

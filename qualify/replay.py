@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qualify.acceptance import Acceptance
 from qualify.candidate.judge import Row, judge_steps
 from qualify.compare import load_steps, params_before_steps
 from qualify.errors import EvidenceError
 from qualify.hardware import platform_differences
-from qualify.hashing import file_digest
 from qualify.layout import RunLayout
 from qualify.manifest import default_evidence, load_manifest, sha256_file, verify_manifest
 from qualify.metrics import max_abs
@@ -132,23 +132,20 @@ def bound_rows(acceptance_path: Path, doc: dict[str, Any], layout: RunLayout,
     from qualify.matrix import Matrix
 
     matrix = from_dict(Matrix, summary["matrix"], str(layout.reference_summary))
+    acc = Acceptance.load(acceptance_path, partial=True)  # the committed evidence beside it, and its bound files
     rows = model_rows(doc, layout)
     for role in ROLES:
         before = checkpoint_tensors(layout.model(role) if matrix.models.tiny else matrix.resolve(
             getattr(matrix.models.checkpoints, role)))
         for precision in matrix.reference.precisions:
             family = f"{precision}-repeat"
-            bounds_file = acceptance_path.parent / "bounds" / f"{role}-{family}.json"
-            if file_digest(bounds_file) != doc["bounds"].get(bounds_file.name):
-                raise EvidenceError(f"bound file {bounds_file} does not match the acceptance's digest")
-            bounds = read_json(bounds_file)
-            ref_run = bounds["reference_run"]
+            ref_run = acc.reference_run(role, family)
             committed = load_steps(committed_run(acceptance_path, doc, f"scores/{ref_run}/{role}"))
             fresh_dir = layout.scores(*ref_run.split("-", 1), role)
             require_complete(fresh_dir, f"fresh reference {ref_run} {role}")
             fresh = load_steps(fresh_dir)
             rows += judge_steps("replay", role, f"fresh vs committed {ref_run} [{family}]", fresh, committed,
-                                bounds["bounds"], params_before_steps(fresh, before), matrix.optimizer)
+                                acc.bounds(role, family), params_before_steps(fresh, before), matrix.optimizer)
     return rows, {"targets_max_abs": target_drift(acceptance_path, doc, layout)}
 
 

@@ -18,14 +18,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from qualify.acceptance import Acceptance
 from qualify.candidate.judge import Row, evidence_rows, judge_steps
 from qualify.candidate.spec import make_spec
 from qualify.compare import load_steps, params_before_steps
 from qualify.engines.registry import ENGINES
-from qualify.errors import EngineError, EvidenceError, ManifestError, QualifyError
-from qualify.hashing import file_digest
+from qualify.errors import EngineError, EvidenceError, QualifyError
 from qualify.layout import RunLayout
-from qualify.manifest import load_manifest, verify_manifest
 from qualify.matrix import Case, Matrix
 from qualify.models.checkpoint import checkpoint_tensors
 from qualify.stagelog import StageLog
@@ -33,31 +32,6 @@ from qualify.stages import stage_info, stage_is_complete
 from qualify.store import read_json, write_json
 
 TAIL_LINES = 30
-
-
-def load_acceptance(layout: RunLayout, acceptance: Path | None) -> tuple[dict[str, Any], dict[str, dict]]:
-    """Verify the acceptance manifest against the reference evidence and load its bounds (digest-checked)."""
-    path = Path(acceptance) if acceptance else layout.acceptance
-    if not path.is_file():
-        raise EvidenceError(f"no acceptance at {path} (run 'qualify freeze' first)")
-    doc = load_manifest(path)
-    from qualify.freeze import ACCEPTANCE_SCHEMA
-
-    if doc.get("schema_version") != ACCEPTANCE_SCHEMA or not isinstance(doc.get("bounds"), dict):
-        raise ManifestError(f"{path}: not an acceptance manifest (no '{ACCEPTANCE_SCHEMA}' schema or no 'bounds'; "
-                            "'qualify freeze' writes one, 'qualify manifest create' does not)")
-    report = verify_manifest(path, layout.reference, progress=False)
-    if not report.ok:
-        raise EvidenceError(f"reference evidence does not match {path}: {len(report.missing)} missing, "
-                            f"{len(report.extra)} extra, {len(report.modified)} modified (run 'qualify verify')")
-    bounds = {}
-    for name, digest in doc["bounds"].items():
-        file = path.parent / "bounds" / name
-        if not file.is_file() or file_digest(file) != digest:
-            raise EvidenceError(f"bound file {file} is missing or does not match the acceptance's digest")
-        b = read_json(file)
-        bounds[(b["role"], b["family"])] = b["bounds"]
-    return doc, bounds
 
 
 def require_frozen_matrix(matrix: Matrix, layout: RunLayout) -> None:
@@ -213,11 +187,10 @@ def run_candidates(matrix: Matrix, run_dir: Path, *, acceptance: Path | None = N
     """Run and judge the (selected) cases; returns the verdict document."""
     layout = RunLayout(Path(run_dir))
     check_engines(matrix)
-    doc, bounds = load_acceptance(layout, acceptance)
+    acc = Acceptance.load(Path(acceptance) if acceptance else layout.acceptance, layout.reference)
+    doc, bounds = acc.document, {key: fam["bounds"] for key, fam in acc.families.items()}
     require_frozen_matrix(matrix, layout)
-    primary = layout.rollout(matrix.rollout.vllm_tp[0])
-    if not stage_is_complete(primary) or stage_info(primary)["digest"] != doc["rollout_digest"]:
-        raise EvidenceError(f"rollout at {primary} is not the one the acceptance froze ({doc['rollout_digest']})")
+    acc.require_rollout(layout.rollout(matrix.rollout.vllm_tp[0]))
     cases = [c for c in matrix.cases() if only is None or fnmatch.fnmatch(c.name, only)]
     if not cases:
         raise QualifyError(f"no case matches {only!r} (cases: {', '.join(c.name for c in matrix.cases())})")

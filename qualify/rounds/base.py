@@ -72,13 +72,13 @@ def resolve_base(matrix: Matrix, layout: RunLayout) -> Base:
     primary = layout.rollout(matrix.rollout.vllm_tp[0])
     models = prepare_models(matrix, layout)
     if layout.acceptance.is_file():
-        from qualify.candidate.run import load_acceptance
+        from qualify.acceptance import Acceptance
 
-        doc, bounds = load_acceptance(layout, None)
+        acc = Acceptance.load(layout.acceptance, layout.reference)
+        doc = acc.document
         control, _ = _reference_numbers(layout)
-        if not stage_is_complete(primary) or stage_info(primary)["digest"] != doc["rollout_digest"]:
-            raise EvidenceError(f"rollout at {primary} is not the one the acceptance froze ({doc['rollout_digest']})")
-        repeat = bounds.get(("actor", "fp32-repeat"), {}).get("step0/outputs/logprobs_BT", {}).get("max_abs", {})
+        acc.require_rollout(primary)
+        repeat = acc.bounds("actor", "fp32-repeat").get("step0/outputs/logprobs_BT", {}).get("max_abs", {})
         return Base(models=models, rollout_dir=primary, rollout_digest=doc["rollout_digest"],
                     targets_dir=layout.targets, targets_digest=doc["targets_digest"], k=float(doc["rule"]["k"]),
                     floor=float(doc["rule"]["floors"]["logprob"]), control=control,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from qualify.candidate.run import load_acceptance
+from qualify.acceptance import Acceptance
 from qualify.errors import EvidenceError, FrozenError, ManifestError
 from qualify.freeze import freeze
 from qualify.layout import RunLayout
@@ -19,7 +19,7 @@ def test_plain_manifest_is_not_an_acceptance(tmp_path):
     plain = tmp_path / "plain.json"
     create_manifest(layout.reference, plain, progress=False)
     with pytest.raises(ManifestError, match="not an acceptance manifest"):
-        load_acceptance(layout, plain)
+        Acceptance.load(plain, layout.reference)
 
 
 @pytest.mark.parametrize("summary,match", [({}, "no 'controls' key"), ([1, 2], "not an object"),
