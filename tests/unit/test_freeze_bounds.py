@@ -357,3 +357,14 @@ def test_a_control_name_with_a_hyphen_names_its_own_directory(tmp_path):
     for family, runs in (("fp32-repeat", ["fp32-mb-split-2"]), ("fp32-vs-bf16", ["bf16-r0", "bf16-mb-split-2"])):
         doc = family_bounds(layout, "actor", family, ["r0", "mb-split-2"], K, FLOORS, params(), OPT, True)
         assert doc["control_runs"] == runs and doc["bounds"]["step0/grads/w"]["max_abs"]["control_error"] > 0
+
+
+def test_a_refused_refreeze_names_every_changed_file(fresh):
+    freeze(fresh.root)
+    changed = [fresh.bounds / "actor-bf16-repeat.json", fresh.bounds / "critic-fp32-repeat.json"]
+    for path in changed:
+        path.write_text(path.read_text() + " ")
+    with pytest.raises(FrozenError) as caught:
+        freeze(fresh.root)
+    assert str(caught.value) == (f"an acceptance already exists for this reference and differs: {changed[0]}, "
+                                 f"{changed[1]} (a frozen acceptance is never rewritten or widened)")
