@@ -151,16 +151,19 @@ def test_the_resolved_update_uses_the_frozen_exp_avg_bound_as_tau(ref):
 
 def test_a_bound_without_a_value_is_a_failing_row(ref):
     bounds = tight_bounds(ref) | {"grads/ghost": {"max_abs": bound_entry("grad", 0.0, 4.0, FLOORS)}}
-    [row] = [r for r in judge_pair("c", "actor", "x", ref, ref, bounds, params(), OPT) if r.tensor == "grads/ghost"]
-    assert (row.metric, row.value, row.bound, row.passed, row.note) == ("max_abs", math.inf, FLOORS["grad"], False,
-                                                                        "not measured")
+    rows = judge_pair("c", "actor", "x", ref, ref, bounds, params(), OPT)
+    [row] = [r for r in rows if r.tensor == "grads/ghost"]
+    assert row == Row("c", "actor", "x", "grads/ghost", "max_abs", math.inf, FLOORS["grad"], False, "not measured")
+    assert len(rows) == sum(len(v) for v in bounds.values()) and failed(rows) == {("grads/ghost", "max_abs")}
 
 
 def test_a_structure_problem_is_one_failing_row_in_place_of_the_metrics(ref):
     cand = with_(ref, grads={"w": torch.zeros(3, 4)})
-    rows = [r for r in judge_pair("case", "critic", "cmp", cand, ref, tight_bounds(ref), params(), OPT)
-            if r.tensor == "grads/w"]
+    all_rows = judge_pair("case", "critic", "cmp", cand, ref, tight_bounds(ref), params(), OPT)
+    rows = [r for r in all_rows if r.tensor == "grads/w"]
     assert rows == [Row("case", "critic", "cmp", "grads/w", "structure", math.inf, 0.0, False, "shape (3, 4) != (4, 3)")]
+    others = {k: v for k, v in tight_bounds(ref).items() if k != "grads/w"}
+    assert len(all_rows) == 1 + sum(len(v) for v in others.values())  # every other tensor is still judged
 
 
 # --- evidence rows -------------------------------------------------------------------------------------------------
