@@ -188,3 +188,22 @@ def test_a_bound_file_without_entries_and_a_rule_without_its_quantum_flag():
     no_flag = {k: v for k, v in RULE.items() if k != "quantum"}  # an acceptance that does not allow a quantum
     assert check_bounds(doc(), no_flag, "f.json") == [(f"f.json: grads/w max_abs: quantum {2.0 ** -10} not allowed "
                                                       "by the rule")]
+
+
+def test_an_acceptance_without_bound_files_is_named(acc):
+    d = {k: v for k, v in read_json(acc).items() if k != "bounds"}
+    d["digest"] = digest_of(d)
+    write_json(acc, d)
+    [problem] = check_acceptance(acc)
+    assert problem.startswith("bound files [] != ['actor-bf16-repeat.json', ")
+
+
+def test_every_bound_file_is_checked_after_a_missing_one(acc):
+    (acc.parent / "bounds" / "actor-bf16-repeat.json").unlink()  # first in sorted order
+    edited = acc.parent / "bounds" / "critic-fp32-vs-bf16.json"  # last
+    edited.write_text(edited.read_text() + " ")
+    stale = acc.parent / "bounds" / "actor-fp32-repeat.json"
+    stale.write_text(stale.read_text() + " ")
+    assert check_acceptance(acc) == [f"missing bound file {acc.parent / 'bounds' / 'actor-bf16-repeat.json'}",
+                                     f"bound file {stale} does not match the acceptance's digest",
+                                     f"bound file {edited} does not match the acceptance's digest"]
