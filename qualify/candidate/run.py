@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import itertools
-import os
 import shutil
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -22,16 +19,15 @@ from qualify.acceptance import Acceptance
 from qualify.candidate.judge import Row, evidence_rows, judge_steps
 from qualify.candidate.spec import make_spec
 from qualify.compare import load_steps, params_before_steps
-from qualify.engines.registry import ENGINES
-from qualify.errors import EngineError, EvidenceError, QualifyError
+from qualify.engines.registry import require_engine
+from qualify.errors import EvidenceError, QualifyError
+from qualify.launch import launch, log_tail, write_spec_file
 from qualify.layout import RunLayout
 from qualify.matrix import Case, Matrix
 from qualify.models.checkpoint import checkpoint_tensors
 from qualify.stagelog import StageLog
 from qualify.stages import stage_info, stage_is_complete
 from qualify.store import read_json, write_json
-
-TAIL_LINES = 30
 
 
 def require_frozen_matrix(matrix: Matrix, layout: RunLayout) -> None:
@@ -59,23 +55,7 @@ def device_of(matrix: Matrix) -> str:
 
 def check_engines(matrix: Matrix) -> None:
     for name in matrix.candidates.engines:
-        if name not in ENGINES and ":" not in name:
-            raise EngineError(f"unknown engine '{name}' in {matrix.source} (known: {', '.join(sorted(ENGINES))}; "
-                              "or 'module:factory')")
-
-
-def launch(spec_paths: Path | list[Path], tp: int, device: str, log_path: Path) -> int:
-    """torchrun the worker with tp ranks over one or more case specs; returns its exit code, output in log_path."""
-    paths = [spec_paths] if isinstance(spec_paths, Path) else list(spec_paths)
-    env = dict(os.environ)
-    if device == "cpu":
-        cpus = int(os.environ.get("SLURM_CPUS_PER_TASK") or len(os.sched_getaffinity(0)))  # the allocation, not the node
-        env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // tp)))
-        env.setdefault("DS_ACCELERATOR", "cpu")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}",
-           "-m", "qualify.candidate.worker", *map(str, paths)]
-    with open(log_path, "w") as log:
-        return subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+        require_engine(name, where=f" in {matrix.source}")
 
 
 def write_spec(matrix: Matrix, layout: RunLayout, case: Case, models: dict[str, Path], doc: dict[str, Any],
@@ -86,11 +66,7 @@ def write_spec(matrix: Matrix, layout: RunLayout, case: Case, models: dict[str, 
     spec = make_spec(matrix, case, model_dir=models[case.role], rollout_dir=layout.rollout(matrix.rollout.vllm_tp[0]),
                      targets_dir=layout.targets, rollout_digest=doc["rollout_digest"],
                      targets_digest=doc["targets_digest"], case_dir=out, vocab_size=vocab, device=device)
-    spec = replace(spec, resume_key=resume_key(spec, doc))
-    work = Path(str(out) + ".work")
-    work.mkdir(parents=True, exist_ok=True)
-    write_json(work / "spec.json", spec.to_json())
-    return work / "spec.json"
+    return write_spec_file(replace(spec, resume_key=resume_key(spec, doc)))
 
 
 def resume_key(spec: Any, doc: dict[str, Any]) -> dict[str, str]:
@@ -110,11 +86,6 @@ def stale_reason(case_dir: Path, key: dict[str, str]) -> str | None:
     recorded = stage_info(case_dir).get("key") or {}
     changed = [part for part in key if recorded.get(part) != key[part]]
     return f"{', '.join(changed)} changed since it was sealed" if changed else None
-
-
-def _tail(log_path: Path, code: int) -> str:
-    tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-TAIL_LINES:])
-    return f"exit {code}; log {log_path}:\n{tail}"
 
 
 def run_group(matrix: Matrix, layout: RunLayout, cases: list[Case], models: dict[str, Path], doc: dict[str, Any],
@@ -148,7 +119,7 @@ def run_group(matrix: Matrix, layout: RunLayout, cases: list[Case], models: dict
             with log.step(f"case {case.name} (alone, after a failed group launch)"):
                 code = launch(spec, case.tp, device, spec.parent / "launch.log")
         if not stage_is_complete(layout.case(case.name)):
-            errors[case.name] = _tail(spec.parent / "launch.log" if len(pending) > 1 else group_log, code)
+            errors[case.name] = log_tail(spec.parent / "launch.log" if len(pending) > 1 else group_log, code)
     return errors
 
 

@@ -27,6 +27,7 @@ from qualify.engines.base import Batch, EngineContext
 from qualify.engines.registry import get_engine
 from qualify.errors import EvidenceError
 from qualify.hashing import file_digest
+from qualify.launch import work_dir
 from qualify.models.checkpoint import checkpoint_tensors
 from qualify.ppo.objective import role_objective, rows_of, step_rows
 from qualify.rollout.capture import load_rollout
@@ -105,11 +106,11 @@ def run_case(spec: CaseSpec, rank: int) -> None:
         raise EvidenceError(f"targets {targets_file} do not have the frozen digest {spec.targets_digest}")
     targets = read_tensors(targets_file)
     engine = get_engine(spec.engine)
-    work_dir = Path(spec.case_dir + ".work")
-    work_dir.mkdir(parents=True, exist_ok=True)
+    work = work_dir(spec.case_dir)
+    work.mkdir(parents=True, exist_ok=True)
     ctx = EngineContext(role=spec.role, precision=spec.precision, tp=spec.tp, rank=rank, device=spec.device,
                         model_dir=Path(spec.model_dir), optimizer=spec.optimizer, temperature=spec.temperature,
-                        logprob_chunk_tokens=spec.logprob_chunk_tokens, vocab_size=spec.vocab_size, work_dir=work_dir)
+                        logprob_chunk_tokens=spec.logprob_chunk_tokens, vocab_size=spec.vocab_size, work_dir=work)
     engine.setup(ctx)
     before = checkpoint_tensors(Path(spec.model_dir))
     padded_before = {k: v.detach().clone() for k, v in engine.padded_rows().items()}

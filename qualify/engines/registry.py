@@ -35,12 +35,17 @@ def _megatron() -> TrainEngine:
 ENGINES: dict[str, Factory] = {"torch-tp": _torch_tp, "deepspeed": _deepspeed, "megatron": _megatron}
 
 
+def require_engine(name: str, where: str = "") -> None:
+    """name is a registered engine or a 'module:factory' plugin; anything else is an error listing the known ones."""
+    if name not in ENGINES and ":" not in name:
+        raise EngineError(f"unknown engine '{name}'{where} (known: {', '.join(sorted(ENGINES))}; or 'module:factory')")
+
+
 def get_engine(name: str) -> TrainEngine:
     """Build the engine called name: a registered name or 'package.module:factory'."""
+    require_engine(name)
     if name in ENGINES:
         return ENGINES[name]()
-    if ":" not in name:
-        raise EngineError(f"unknown engine '{name}' (known: {', '.join(sorted(ENGINES))}; or 'module:factory')")
     module_name, _, attr = name.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -75,13 +80,12 @@ def engine_identity(name: str) -> dict[str, Any]:
     plugin's module) and of the harness modules a case runs, and the plugin's factory name."""
     import hashlib
 
+    require_engine(name)
     if name in ENGINES:
         modules, factory = [BUILTIN_SOURCES], name
-    elif ":" in name:
+    else:
         module_name, _, factory = name.partition(":")
         modules = [module_name]
-    else:
-        raise EngineError(f"unknown engine '{name}' (known: {', '.join(sorted(ENGINES))}; or 'module:factory')")
     files = {}
     for module in [*modules, *HARNESS_MODULES]:
         paths = _source_files(module)

@@ -13,14 +13,14 @@ from typing import Any
 
 import torch
 
-from qualify.candidate.run import TAIL_LINES, device_of, launch
+from qualify.candidate.run import device_of
 from qualify.candidate.spec import make_spec
 from qualify.compare import load_steps
 from qualify.errors import EvidenceError
 from qualify.hashing import file_digest
+from qualify.launch import launch, log_tail, write_spec_file
 from qualify.matrix import Case, Matrix
 from qualify.stages import stage_is_complete
-from qualify.store import write_json
 
 
 class TrainFailed(Exception):
@@ -43,13 +43,10 @@ def train_step(matrix: Matrix, *, engine: str, tp: int, model_dir: Path, rollout
         spec = make_spec(matrix, case, model_dir=model_dir, rollout_dir=rollout_dir, targets_dir=targets_dir,
                          rollout_digest=rollout_digest, targets_digest=targets_digest, case_dir=out,
                          vocab_size=vocab_size, device=device)
-        work = Path(str(out) + ".work")
-        work.mkdir(parents=True, exist_ok=True)
-        write_json(work / "spec.json", spec.to_json())
-        code = launch(work / "spec.json", tp, device, work / "launch.log")
+        spec_path = write_spec_file(spec)
+        code = launch(spec_path, tp, device, spec_path.parent / "launch.log")
         if code != 0 or not stage_is_complete(out):
-            tail = "\n".join((work / "launch.log").read_text(errors="replace").splitlines()[-TAIL_LINES:])
-            raise TrainFailed(f"{case.name} step failed (exit {code}); log {work / 'launch.log'}:\n{tail}")
+            raise TrainFailed(f"{case.name} step failed: {log_tail(spec_path.parent / 'launch.log', code)}")
     steps = load_steps(Path(out))
     updates: dict[str, torch.Tensor] = {n: sum((s.updates[n] for s in steps[1:]), steps[0].updates[n])
                                         for n in steps[0].updates}
