@@ -13,8 +13,6 @@ import torch
 from qualify.models.checkpoint import quiet_transformers
 from qualify.ppo.logprob import sampler_logprobs
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
 
 def hf_class(role: str):
     """The HF class of a role: causal LM for the actor, token classification (1 label) for the critic."""

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from qualify.engines.base import Batch, EngineContext
-from qualify.engines.common import DTYPES, dtype_name, load_hf, score_from_logits
+from qualify.engines.common import dtype_name, load_hf, score_from_logits
+from qualify.models.precision import torch_dtype
 
 GRAD_ALLREDUCE_SUFFIXES = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 
@@ -62,7 +63,7 @@ class TorchTPEngine:
         parallelize_module(self.master, self.mesh, tp_plan(ctx.role))
         self.compute = self.master
         if ctx.precision != "fp32":
-            self.compute = load_hf(ctx.model_dir, ctx.role, DTYPES[ctx.precision]).to(ctx.device)
+            self.compute = load_hf(ctx.model_dir, ctx.role, torch_dtype(ctx.precision)).to(ctx.device)
             parallelize_module(self.compute, self.mesh, tp_plan(ctx.role))
             with torch.no_grad():
                 for mp, cp in zip(self.master.parameters(), self.compute.parameters()):

@@ -14,10 +14,9 @@ from pathlib import Path
 import torch
 
 from qualify.models.checkpoint import quiet_transformers
+from qualify.models.precision import torch_dtype
 from qualify.ppo.logprob import sampler_logprobs
 from qualify.ppo.math import last_active_index
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def load_model(model_dir: Path, role: str, attn_impl: str = "sdpa", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -37,7 +36,7 @@ def compute_copy(master: torch.nn.Module, precision: str, model_dir: Path, role:
     holding exactly the master weights rounded to bf16."""
     if precision == "fp32":
         return master
-    model = load_model(model_dir, role, attn_impl, DTYPES[precision])
+    model = load_model(model_dir, role, attn_impl, torch_dtype(precision))
     with torch.no_grad():
         for mp, cp in zip(master.parameters(), model.parameters()):
             cp.copy_(mp)  # round-to-nearest of the current master, whatever the checkpoint held

@@ -21,6 +21,7 @@ from qualify.errors import EvidenceError, QualifyError
 from qualify.hashing import file_digest
 from qualify.manifest import sha256_file
 from qualify.matrix import Matrix
+from qualify.models.precision import DTYPE_NAMES
 from qualify.stages import (
     MARKER,
     complete_stage,
@@ -154,7 +155,7 @@ def capture_request(matrix: Matrix, model_dir: Path, tp: int, *, vocab_size: int
     # min_p only when set: a request without it is the same request as before min_p existed, so sealed
     # rollouts (the committed ones among them) keep their settings fingerprint.
     min_p = {"min_p": r.min_p} if r.min_p else {}
-    return {"model_dir": str(model_dir), "tp": tp, "dtype": {"fp32": "float32", "bf16": "bfloat16"}[r.dtype],
+    return {"model_dir": str(model_dir), "tp": tp, "dtype": DTYPE_NAMES[r.dtype],
             "seed": r.seed, "seeds": [r.seed + i for i in range(len(prompts))], "prompts": prompts,
             "temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p, **min_p,
             "max_new_tokens": r.max_new_tokens, "eos_token_id": eos, "max_model_len": r.max_model_len,

@@ -15,6 +15,7 @@ import torch
 
 from qualify.errors import QualifyError
 from qualify.matrix import Matrix
+from qualify.models.precision import DTYPE_NAMES, torch_dtype
 from qualify.rollout.capture import make_prompts, rollout_tensors
 from qualify.rounds.acks import ack_problems
 from qualify.rounds.base import Base
@@ -26,7 +27,6 @@ from qualify.rounds.weights import Version
 from qualify.stagelog import StageLog
 from qualify.store import write_tensors
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 NUM_CACHE_PROMPTS = 2
 CACHE_SEED_OFFSET = 7919  # cache-probe prompts and seeds are drawn apart from the rollout's
 
@@ -76,14 +76,14 @@ class Session:
         """What every rank must hold for version (computed here from the HF tensors)."""
         if version.number not in self.expected_cache:
             self.expected_cache[version.number] = expected_shard_digests(
-                version.tensors, version.config, self.tp, DTYPES[self.matrix.rollout.dtype])
+                version.tensors, version.config, self.tp, torch_dtype(self.matrix.rollout.dtype))
         return self.expected_cache[version.number]
 
     def start(self, version: Version) -> dict[str, Any]:
         """Start the engine at version; every rank's report of what it holds must match."""
         r = self.matrix.rollout
         start = {"model_dir": str(version.path), "version": version.number, "expected": self.expected(version),
-                 "tp": self.tp, "dtype": {"fp32": "float32", "bf16": "bfloat16"}[r.dtype], "seed": r.seed,
+                 "tp": self.tp, "dtype": DTYPE_NAMES[r.dtype], "seed": r.seed,
                  "max_model_len": r.max_model_len, "kv_cache_memory_bytes": r.kv_cache_memory_bytes,
                  "block_size": r.block_size, "max_num_seqs": len(self.prompts) + NUM_CACHE_PROMPTS}
         self.engine = RolloutEngine(start, self.out / "engine.log")
