@@ -35,3 +35,8 @@ class FrozenError(QualifyError):
 
 class SlurmError(QualifyError):
     """Slurm refused a submission or a job of the chain failed to start."""
+
+
+class RoundsError(QualifyError):
+    """A rounds run could not go on: the live vLLM engine crashed or refused a request, an installed version's
+    acknowledgments did not verify, or the trainer's step failed (probes expect some of these: they are caught)."""

@@ -16,17 +16,18 @@ import time
 from pathlib import Path
 from typing import Any, Self
 
+from qualify.errors import RoundsError
 from qualify.rollout.capture import vllm_env
 from qualify.rollout.shm import ShmWatch
 
 TAIL_LINES = 25
 
 
-class EngineCrash(Exception):
+class EngineCrash(RoundsError):
     """The engine process died or did not answer in time."""
 
 
-class Refused(Exception):
+class Refused(RoundsError):
     """The engine refused a request; kind names the rule (stale_version, install_failed, unusable, ...)."""
 
     def __init__(self, kind: str, message: str, reply: dict[str, Any]) -> None:

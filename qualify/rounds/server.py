@@ -27,13 +27,14 @@ import sys
 import time
 from typing import IO, Any
 
+from qualify.errors import RoundsError
 from qualify.rounds.acks import ack_problems
 from qualify.store import dumps_json
 
 EXTENSION = "qualify.rounds.vllm_ext.RoundsWorkerExtension"
 
 
-class Refused(Exception):
+class Refused(RoundsError):
     """A request the engine refuses in its current state (reply kind and message)."""
 
     def __init__(self, kind: str, message: str, **extra: Any) -> None:

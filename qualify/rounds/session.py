@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from qualify.errors import QualifyError
+from qualify.errors import QualifyError, RoundsError
 from qualify.matrix import Matrix
 from qualify.models.precision import DTYPE_NAMES, torch_dtype
 from qualify.rollout.capture import make_prompts, rollout_tensors
@@ -31,7 +31,7 @@ NUM_CACHE_PROMPTS = 2
 CACHE_SEED_OFFSET = 7919  # cache-probe prompts and seeds are drawn apart from the rollout's
 
 
-class InstallRejected(Exception):
+class InstallRejected(RoundsError):
     """The harness's own verification of the acknowledgments failed."""
 
 
