@@ -368,3 +368,17 @@ def test_a_refused_refreeze_names_every_changed_file(fresh):
         freeze(fresh.root)
     assert str(caught.value) == (f"an acceptance already exists for this reference and differs: {changed[0]}, "
                                  f"{changed[1]} (a frozen acceptance is never rewritten or widened)")
+
+
+def test_without_the_quantum_every_bound_is_k_times_error_plus_floor(tmp_path):
+    from qualify.freeze import family_bounds
+    from tests.unit._runs import role_steps, write_steps
+
+    layout = RunLayout(tmp_path)
+    for control in ("r0", "r1"):
+        write_steps(layout.scores("bf16", control, "critic"), role_steps("critic", COEF[("bf16", control)], 1))
+    doc = family_bounds(layout, "critic", "bf16-repeat", ["r0", "r1"], K, FLOORS, params(), OPT, False)
+    entries = [b for ms in doc["bounds"].values() for b in ms.values()]
+    assert {m for ms in doc["bounds"].values() for m in ms} == {"max_abs", "rel_l2", "resolved_max_abs",
+                                                               "replay_max_abs"}
+    assert all(b["quantum"] == 0.0 and b["bound"] == K * b["control_error"] + b["floor"] for b in entries)
