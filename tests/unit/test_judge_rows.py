@@ -289,3 +289,10 @@ def test_a_candidate_that_took_fewer_steps_fails_a_row_that_says_so():
     assert rows[0] == Row("case", "critic", "cmp", "steps", "num_steps", 1.0, 2.0, False,
                           "the candidate took 1 optimizer steps, the reference 2")
     assert {r.tensor.split("/")[0] for r in rows[1:]} == {"step0"} and failed(rows[1:]) == set()
+
+
+def test_a_replay_bound_without_an_exp_avg_bound_is_still_measured(ref):
+    """No resolved-update metric without the exp_avg bound (tau), but the replay is measured all the same."""
+    bounds = {"updates/b": {"replay_max_abs": bound_entry("update", 2e-10, 4.0, FLOORS)}}
+    [row] = judge_pair("c", "actor", "x", ref, ref, bounds, params(), OPT)
+    assert (row.tensor, row.metric, row.passed) == ("updates/b", "replay_max_abs", True) and row.value < 2.0 ** -21
