@@ -161,8 +161,8 @@ def synthetic_reference(run_dir: Path, matrix: Matrix, coverage: dict | None = N
     complete_stage(layout.matrix_snapshot, {"digest": matrix_digest})
     for role in ROLES_ALL:
         sealed_file_stage(layout.model(role), "model.safetensors", params())
-    digests = {tp: sealed_file_stage(layout.rollout(tp), "rollout.safetensors", rollout_tensors())
-               for tp in matrix.rollout.vllm_tp}
+    digests = {tp: sealed_file_stage(layout.rollout(tp), "rollout.safetensors", rollout_tensors(tp))
+               for tp in matrix.rollout.vllm_tp}  # each TP degree its own digest: the primary one is the first
     targets = sealed_file_stage(layout.targets, "targets.safetensors", {"advantages_BT": torch.ones(2, 6)})
     for (precision, control), coef in COEF.items():
         for role in ("actor", "critic"):

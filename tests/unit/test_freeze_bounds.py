@@ -382,3 +382,27 @@ def test_without_the_quantum_every_bound_is_k_times_error_plus_floor(tmp_path):
     assert {m for ms in doc["bounds"].values() for m in ms} == {"max_abs", "rel_l2", "resolved_max_abs",
                                                                "replay_max_abs"}
     assert all(b["quantum"] == 0.0 and b["bound"] == K * b["control_error"] + b["floor"] for b in entries)
+
+
+def test_freeze_refusals_name_what_and_where(fresh):
+    """The messages in full: a hand-edited summary, an unsealed snapshot or targets, a summary that is no object."""
+    summary = read_json(fresh.reference_summary)
+    snapshot = read_json(fresh.matrix_snapshot / "_complete.json")["info"]["digest"]
+    _edit_summary(fresh, matrix_digest="sha256:" + "0" * 64)
+    with pytest.raises(EvidenceError) as caught:
+        freeze(fresh.root)
+    assert str(caught.value) == (f"{fresh.reference_summary} names matrix snapshot sha256:{'0' * 64}, "
+                                 f"not the sealed {snapshot}")
+    write_json(fresh.reference_summary, summary)
+    for stage, what in ((fresh.targets, "targets"),
+                        (fresh.matrix_snapshot, "matrix snapshot (made by 'qualify reference'; rerun it)")):
+        marker = (stage / "_complete.json").read_bytes()
+        (stage / "_complete.json").unlink()
+        with pytest.raises(EvidenceError) as caught:
+            freeze(fresh.root)
+        assert str(caught.value) == f"{what} at {stage} is missing, partial or modified; rerun the stage that makes it"
+        (stage / "_complete.json").write_bytes(marker)
+    fresh.reference_summary.write_text("[]")
+    with pytest.raises(EvidenceError) as caught:
+        freeze(fresh.root)
+    assert str(caught.value) == f"{fresh.reference_summary}: not a reference summary (a JSON list, not an object)"
