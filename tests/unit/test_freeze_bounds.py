@@ -336,6 +336,9 @@ def test_freeze_refuses_a_reference_that_left_a_required_branch_inert(tmp_path):
     with pytest.raises(FrozenError, match=r"the reference left 1 required branch\(es\) inert \(freeze.require\): kl: "):
         freeze(layout.root)
     assert not layout.acceptance.exists()
+    both = synthetic_reference(tmp_path / "run2", synthetic_matrix(tmp_path, require=("kl", "value_clip")))
+    with pytest.raises(FrozenError, match=r"2 required branch\(es\) inert \(freeze.require\): kl: .*\); value_clip: "):
+        freeze(both.root)
 
 
 def test_freeze_records_the_coverage_it_required(tmp_path):
