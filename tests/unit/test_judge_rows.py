@@ -150,11 +150,14 @@ def test_the_resolved_update_uses_the_frozen_exp_avg_bound_as_tau(ref):
 
 
 def test_a_bound_without_a_value_is_a_failing_row(ref):
-    bounds = tight_bounds(ref) | {"grads/ghost": {"max_abs": bound_entry("grad", 0.0, 4.0, FLOORS)}}
+    bounds = tight_bounds(ref) | {"grads/ghost": {"max_abs": bound_entry("grad", 0.0, 4.0, FLOORS),
+                                                  "rel_l2": bound_entry("relative", 0.0, 4.0, FLOORS)}}
     rows = judge_pair("c", "actor", "x", ref, ref, bounds, params(), OPT)
-    [row] = [r for r in rows if r.tensor == "grads/ghost"]
-    assert row == Row("c", "actor", "x", "grads/ghost", "max_abs", math.inf, FLOORS["grad"], False, "not measured")
-    assert len(rows) == sum(len(v) for v in bounds.values()) and failed(rows) == {("grads/ghost", "max_abs")}
+    ghost = [r for r in rows if r.tensor == "grads/ghost"]
+    assert ghost == [Row("c", "actor", "x", "grads/ghost", "max_abs", math.inf, FLOORS["grad"], False, "not measured"),
+                     Row("c", "actor", "x", "grads/ghost", "rel_l2", math.inf, FLOORS["relative"], False, "not measured")]
+    assert len(rows) == sum(len(v) for v in bounds.values())
+    assert failed(rows) == {("grads/ghost", "max_abs"), ("grads/ghost", "rel_l2")}
 
 
 def test_a_structure_problem_is_one_failing_row_in_place_of_the_metrics(ref):
