@@ -24,17 +24,18 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff check qualify tests benchmarks
 
 # Mutation testing of the judging core (mutmut; settings in pyproject's [tool.mutmut]; TESTING.md has the scores).
-# It works on a copy of the tree in MUTATION_DIR (mutmut writes mutants/ beside the sources; results are cached
-# there between runs), with one worker and one thread. MUTANTS narrows it: make mutation MUTANTS='qualify.freeze*'.
-# Not run in CI (about an hour on 2 cores).
+# It works on a fresh copy of the working tree in $(MUTATION_DIR)/tree (mutmut writes mutants/ beside the sources
+# and re-copies only the mutated modules, so a copy is never reused), with one worker and one thread.
+# MUTANTS narrows it: make mutation MUTANTS='qualify.freeze*'. Not run in CI (about an hour on 2 cores).
 MUTATION_DIR ?= /tmp/qualify-mutation
 MUTANTS ?=
 mutation: $(VENV)/.installed
-	mkdir -p $(MUTATION_DIR)
-	git ls-files -z --cached --others --exclude-standard | tar --null --ignore-failed-read -T - -c | tar -x -C $(MUTATION_DIR)
-	cd $(MUTATION_DIR) && OMP_NUM_THREADS=1 $(abspath $(BIN))/mutmut run --max-children 1 $(MUTANTS) >mutmut-run.log 2>&1 \
-	  || { tail -c 2000 mutmut-run.log; exit 1; }
-	cd $(MUTATION_DIR) && $(abspath $(BIN))/mutmut results --all true | awk -F'[ :]+' '{ \
+	rm -rf $(MUTATION_DIR)/tree && mkdir -p $(MUTATION_DIR)/tree
+	git ls-files -z --cached --others --exclude-standard | tar --null --ignore-failed-read -T - -c \
+	  | tar -x -C $(MUTATION_DIR)/tree
+	cd $(MUTATION_DIR)/tree && OMP_NUM_THREADS=1 $(abspath $(BIN))/mutmut run --max-children 1 $(MUTANTS) \
+	  >../mutmut-run.log 2>&1 || { tail -c 2000 ../mutmut-run.log; exit 1; }
+	cd $(MUTATION_DIR)/tree && $(abspath $(BIN))/mutmut results --all true | awk -F'[ :]+' '{ \
 	  m = $$2; sub(/__mutmut_[0-9]+$$/, "", m); sub(/\.[^.]*$$/, "", m); n[m]++; s[m, $$3]++ } END { \
 	  for (m in n) printf "%-28s %4d mutants %4d killed %3d survived %3d no tests %3d timeout\n", m, n[m], \
 	    s[m, "killed"], s[m, "survived"], s[m, "no"], s[m, "timeout"] }' | sort
