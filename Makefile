@@ -26,7 +26,7 @@ lint: $(VENV)/.installed
 # Mutation testing of the judging core (mutmut; settings in pyproject's [tool.mutmut]; TESTING.md has the scores).
 # It works on a fresh copy of the working tree in $(MUTATION_DIR)/tree (mutmut writes mutants/ beside the sources
 # and re-copies only the mutated modules, so a copy is never reused), with one worker and one thread.
-# MUTANTS narrows it: make mutation MUTANTS='qualify.freeze*'. Not run in CI (about an hour on 2 cores).
+# MUTANTS narrows it: make mutation MUTANTS='qualify.freeze*'. Not run in CI (one to two hours on 2 cores).
 MUTATION_DIR ?= /tmp/qualify-mutation
 MUTANTS ?=
 mutation: $(VENV)/.installed
