@@ -120,8 +120,13 @@ def check_bounds(doc: dict[str, Any], rule: dict[str, Any], name: str) -> list[s
         problems.append(f"{name}: schema {doc.get('schema')!r}")
     if doc.get("k") != rule.get("k") or doc.get("floors") != rule.get("floors"):
         problems.append(f"{name}: k or floors differ from the acceptance's rule")
+    if not isinstance(rule.get("k"), int | float) or not isinstance(rule.get("floors"), dict):
+        return [*problems, f"{name}: the acceptance has no rule (k and floors) to check its bounds against"]
     for key, metrics in doc.get("bounds", {}).items():
         for metric, b in metrics.items():
+            if b.get("kind") not in rule["floors"]:
+                problems.append(f"{name}: {key} {metric}: kind {b.get('kind')!r} has no floor in the rule")
+                continue
             if b["floor"] != rule["floors"][b["kind"]]:
                 problems.append(f"{name}: {key} {metric}: floor {b['floor']} is not the {b['kind']} floor")
             if b["quantum"] < 0 or (b["quantum"] > 0 and not rule.get("quantum", False)):

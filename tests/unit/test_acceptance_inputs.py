@@ -42,3 +42,14 @@ def test_freeze_refuses_a_reference_without_its_sealed_matrix_snapshot(tmp_path)
 def test_freeze_without_a_reference_says_so(tmp_path):
     with pytest.raises(FrozenError, match="no complete reference"):
         freeze(tmp_path)
+
+
+def test_bounds_checked_against_no_rule_or_an_unknown_kind_are_problems_not_key_errors():
+    from qualify.acceptance import BOUNDS_SCHEMA, check_bounds
+
+    entry = {"kind": "grad", "control_error": 1e-7, "floor": 1e-6, "quantum": 0.0, "bound": 1.4e-6}
+    doc = {"schema": BOUNDS_SCHEMA, "k": 4.0, "floors": {"grad": 1e-6}, "bounds": {"step0/grads/w": {"max_abs": entry}}}
+    assert check_bounds(doc, {"k": 4.0, "floors": {"grad": 1e-6}}, "b.json") == []
+    assert any("has no rule" in p for p in check_bounds(doc, {}, "b.json"))
+    odd = {**doc, "bounds": {"step0/grads/w": {"max_abs": {**entry, "kind": "nonsense"}}}}
+    assert any("has no floor in the rule" in p for p in check_bounds(odd, {"k": 4.0, "floors": {"grad": 1e-6}}, "b"))
