@@ -12,21 +12,7 @@ from qualify.candidate.judge import evidence_rows, judge_pair
 from qualify.compare import RunTensors, pair_metrics, replay_metrics, structure_problems
 from qualify.freeze import bound_entry, quantum
 from qualify.matrix import Optimizer
-
-OPT = Optimizer(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, max_grad_norm=0.5)
-
-
-def adamw_run(params: dict, grads: dict, opt: Optimizer = OPT) -> tuple[dict, dict]:
-    """One torch AdamW step from params with the given grads: (updates, moments)."""
-    live = {n: torch.nn.Parameter(p.clone()) for n, p in params.items()}
-    for n, p in live.items():
-        p.grad = grads[n].clone()
-    o = torch.optim.AdamW(live.values(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
-                          foreach=False)
-    o.step()
-    updates = {n: p.detach() - params[n] for n, p in live.items()}
-    moments = {f"{k}/{n}": o.state[p][k] for n, p in live.items() for k in ("exp_avg", "exp_avg_sq")}
-    return updates, moments
+from tests.unit._runs import OPT, adamw_run
 
 
 def make_run(seed: int = 0, scale: float = 1.0) -> tuple[RunTensors, dict]:
