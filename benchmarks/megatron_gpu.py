@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from qualify.engines.base import Batch, EngineContext
-from qualify.engines.common import score_from_logits
 from qualify.matrix import load_matrix
+from qualify.models.hf import scores_from_outputs
 from qualify.ppo.math import clipped_policy_loss, clipped_value_loss
 
 MATRIX = Path(__file__).resolve().parents[1] / "matrices" / "tiny-qwen3.yaml"
@@ -99,7 +99,7 @@ def hf_run(model_dir: Path, role: str, precision: str, attn: str, batch: Batch, 
     master = cls.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation=attn).eval().cuda()
     model = master if precision == "fp32" else copy.deepcopy(master).to(torch.bfloat16)
     ids_BT = batch.input_ids_BT.cuda()
-    scores_BT = score_from_logits(role, model(input_ids=ids_BT, use_cache=False).logits, ids_BT, temp, chunk,
+    scores_BT = scores_from_outputs(role, model(input_ids=ids_BT, use_cache=False).logits, ids_BT, temp, chunk,
                                   vocab).cpu()
     loss = loss_of(role, scores_BT, batch, targets, old_BT)
     loss.backward()

@@ -30,6 +30,7 @@ from qualify.errors import EvidenceError, FrozenError
 from qualify.layout import ROLES_ALL, RunLayout
 from qualify.manifest import build_manifest
 from qualify.models.checkpoint import checkpoint_tensors
+from qualify.models.family import model_dir
 from qualify.ppo.coverage import inert
 from qualify.schema import from_dict
 from qualify.stages import require_complete, stage_info
@@ -205,8 +206,7 @@ def freeze(run_dir: Path, name: str | None = None) -> dict[str, Any]:
                           + "; ".join(missing))
     files: dict[str, bytes] = {}
     for role in ("actor", "critic"):
-        before = checkpoint_tensors(layout.model(role) if matrix.models.tiny else matrix.resolve(
-            getattr(matrix.models.checkpoints, role)))
+        before = checkpoint_tensors(model_dir(matrix, layout.models, role))
         for family in FAMILIES:
             doc = family_bounds(layout, role, family, controls, matrix.freeze.k, dict(matrix.freeze.floors), before,
                                 matrix.optimizer, matrix.freeze.quantum)

@@ -24,6 +24,7 @@ from qualify.layout import RunLayout
 from qualify.manifest import default_evidence, load_manifest, sha256_file, verify_manifest
 from qualify.metrics import max_abs
 from qualify.models.checkpoint import checkpoint_tensors
+from qualify.models.family import model_dir
 from qualify.schema import from_dict
 from qualify.stages import require_complete
 from qualify.store import read_json, read_tensors
@@ -135,8 +136,7 @@ def bound_rows(acceptance_path: Path, doc: dict[str, Any], layout: RunLayout,
     acc = Acceptance.load(acceptance_path, partial=True)  # the committed evidence beside it, and its bound files
     rows = model_rows(doc, layout)
     for role in ROLES:
-        before = checkpoint_tensors(layout.model(role) if matrix.models.tiny else matrix.resolve(
-            getattr(matrix.models.checkpoints, role)))
+        before = checkpoint_tensors(model_dir(matrix, layout.models, role))
         for precision in matrix.reference.precisions:
             family = f"{precision}-repeat"
             ref_run = acc.reference_run(role, family)

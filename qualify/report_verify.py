@@ -196,13 +196,14 @@ def compare_rows(name: str, judged: list[dict[str, Any]], recorded: list[dict[st
 def rejudge_problems(layout: RunLayout, reference: dict[str, Any], acceptance: dict[str, Any],
                      verdict: dict[str, Any], names: list[str]) -> list[str]:
     """Judge every named case again from its sealed evidence and compare with the verdict's rows."""
-    from qualify.candidate.run import judge_case, model_dirs
+    from qualify.candidate.run import judge_case
     from qualify.matrix import Case, Matrix
     from qualify.models.checkpoint import checkpoint_tensors
+    from qualify.models.family import model_dirs
     from qualify.schema import from_dict
 
     matrix = from_dict(Matrix, reference["matrix"], str(layout.reference_summary))
-    bounds, models = load_bounds(layout, acceptance), model_dirs(matrix, layout)
+    bounds, models = load_bounds(layout, acceptance), model_dirs(matrix, layout.models)
     befores: dict[str, Any] = {}
     problems = []
     for name in names:

@@ -25,6 +25,7 @@ from qualify.launch import launch, log_tail, write_spec_file
 from qualify.layout import RunLayout
 from qualify.matrix import Case, Matrix
 from qualify.models.checkpoint import checkpoint_tensors
+from qualify.models.family import model_dirs
 from qualify.stagelog import StageLog
 from qualify.stages import stage_info, stage_is_complete
 from qualify.store import read_json, write_json
@@ -123,13 +124,6 @@ def run_group(matrix: Matrix, layout: RunLayout, cases: list[Case], models: dict
     return errors
 
 
-def model_dirs(matrix: Matrix, layout: RunLayout) -> dict[str, Path]:
-    if matrix.models.tiny is not None:
-        return {"actor": layout.model("actor"), "critic": layout.model("critic")}
-    c = matrix.models.checkpoints
-    return {"actor": matrix.resolve(c.actor), "critic": matrix.resolve(c.critic)}
-
-
 def judge_case(layout: RunLayout, case: Case, bounds: dict, before: dict, optimizer: Any) -> list[Row]:
     """Every step of a case against the reference's families, its evidence checks, and TPn against TP1."""
     cand = load_steps(layout.case(case.name))
@@ -165,7 +159,7 @@ def run_candidates(matrix: Matrix, run_dir: Path, *, acceptance: Path | None = N
     cases = [c for c in matrix.cases() if only is None or fnmatch.fnmatch(c.name, only)]
     if not cases:
         raise QualifyError(f"no case matches {only!r} (cases: {', '.join(c.name for c in matrix.cases())})")
-    models, device, log = model_dirs(matrix, layout), device_of(matrix), StageLog("candidate")
+    models, device, log = model_dirs(matrix, layout.models), device_of(matrix), StageLog("candidate")
     errors: dict[str, str] = {}
     for (engine, tp), group in itertools.groupby(sorted(cases, key=lambda c: (c.tp, c.engine)),
                                                  key=lambda c: (c.engine, c.tp)):

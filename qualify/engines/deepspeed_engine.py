@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 
 from qualify.engines.base import Batch, EngineContext
-from qualify.engines.common import dtype_name, load_hf, score_from_logits
 from qualify.errors import EngineError
+from qualify.models.hf import dtype_name, load_model, scores_from_outputs
 
 # Relative difference between DeepSpeed's global norm and the exported gradients' norm above which
 # the log says so (summation order alone gives ~1e-7).
@@ -120,7 +120,7 @@ class DeepSpeedEngine:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.utils.logger.setLevel(logging.WARNING)
         self.ctx = ctx
-        model = load_hf(ctx.model_dir, ctx.role)
+        model = load_model(ctx.model_dir, ctx.role, "sdpa")
         fp32_full = {n: p.detach().clone() for n, p in model.named_parameters()}
         clip = ctx.optimizer.max_grad_norm if self.gradient_clipping_from_matrix else None
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
@@ -200,7 +200,7 @@ class DeepSpeedEngine:
         device = next(self.engine.module.parameters()).device
         ids_BT = batch.input_ids_BT.to(device)
         out_BTX = self.engine(input_ids=ids_BT, use_cache=False).logits
-        return score_from_logits(self.ctx.role, out_BTX, ids_BT, self.ctx.temperature,
+        return scores_from_outputs(self.ctx.role, out_BTX, ids_BT, self.ctx.temperature,
                                  self.ctx.logprob_chunk_tokens, self.ctx.vocab_size).cpu()
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 from qualify.engines.base import Batch, EngineContext
-from qualify.engines.common import score_from_logits
 from qualify.engines.megatron_convert import (
     Qwen3Layout,
     conversion_plan,
@@ -32,6 +31,7 @@ from qualify.engines.megatron_convert import (
     padded_rows,
 )
 from qualify.errors import EngineError
+from qualify.models.hf import scores_from_outputs
 
 VOCAB_DIVISIBLE_BY = 128  # Megatron-LM's default make_vocab_size_divisible_by
 
@@ -175,7 +175,7 @@ class MegatronEngine:
         pos_BT = torch.arange(ids_BT.shape[1], device=ids_BT.device).expand_as(ids_BT)
         out_BTX = self.model(input_ids=ids_BT, position_ids=pos_BT, attention_mask=None,
                              runtime_gather_output=True)
-        return score_from_logits(self.ctx.role, out_BTX, ids_BT, self.ctx.temperature,
+        return scores_from_outputs(self.ctx.role, out_BTX, ids_BT, self.ctx.temperature,
                                  self.ctx.logprob_chunk_tokens, self.ctx.vocab_size).cpu()
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -58,7 +58,7 @@ def get_engine(name: str) -> TrainEngine:
 
 
 # The code that makes a case's evidence besides the adapter itself: a change here changes every case.
-HARNESS_MODULES = ("qualify.candidate.worker", "qualify.engines.base", "qualify.engines.common", "qualify.ppo.objective",
+HARNESS_MODULES = ("qualify.candidate.worker", "qualify.engines.base", "qualify.models.hf", "qualify.ppo.objective",
                    "qualify.ppo.math", "qualify.ppo.logprob", "qualify.models.checkpoint")
 BUILTIN_SOURCES = "qualify.engines"
 """Every module of this package is a built-in adapter's source (megatron's converter included)."""

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from qualify.engines.base import Batch, EngineContext
-from qualify.engines.common import dtype_name, load_hf, score_from_logits
+from qualify.models.hf import dtype_name, load_model, scores_from_outputs
 from qualify.models.precision import torch_dtype
 
 GRAD_ALLREDUCE_SUFFIXES = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
@@ -59,11 +59,11 @@ class TorchTPEngine:
         self.ctx = ctx
         device_type = "cuda" if ctx.device.startswith("cuda") else "cpu"
         self.mesh = init_device_mesh(device_type, (ctx.tp,))
-        self.master = load_hf(ctx.model_dir, ctx.role).to(ctx.device)
+        self.master = load_model(ctx.model_dir, ctx.role, "sdpa").to(ctx.device)
         parallelize_module(self.master, self.mesh, tp_plan(ctx.role))
         self.compute = self.master
         if ctx.precision != "fp32":
-            self.compute = load_hf(ctx.model_dir, ctx.role, torch_dtype(ctx.precision)).to(ctx.device)
+            self.compute = load_model(ctx.model_dir, ctx.role, "sdpa", torch_dtype(ctx.precision)).to(ctx.device)
             parallelize_module(self.compute, self.mesh, tp_plan(ctx.role))
             with torch.no_grad():
                 for mp, cp in zip(self.master.parameters(), self.compute.parameters()):
@@ -75,7 +75,7 @@ class TorchTPEngine:
     def score(self, batch: Batch) -> torch.Tensor:
         ids_BT = batch.input_ids_BT.to(self.ctx.device)
         out_BTX = self.compute(input_ids=ids_BT, use_cache=False).logits
-        return score_from_logits(self.ctx.role, local(out_BTX), ids_BT, self.ctx.temperature,
+        return scores_from_outputs(self.ctx.role, local(out_BTX), ids_BT, self.ctx.temperature,
                                  self.ctx.logprob_chunk_tokens, self.ctx.vocab_size).cpu()
 
     def backward(self, loss: torch.Tensor) -> None:

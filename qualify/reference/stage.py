@@ -17,6 +17,7 @@ from qualify.errors import EvidenceError, FrozenError, QualifyError
 from qualify.hashing import file_digest
 from qualify.layout import RunLayout
 from qualify.matrix import Matrix
+from qualify.models.family import model_dirs
 from qualify.ppo.objective import step_rows
 from qualify.rollout.capture import capture_rollout, load_rollout
 from qualify.schema import to_dict
@@ -42,8 +43,7 @@ def prepare_models(matrix: Matrix, layout: RunLayout) -> dict[str, Path]:
         from qualify.models.tiny import make_tiny_family
 
         return make_tiny_family(matrix.models.tiny, layout.models)
-    c = matrix.models.checkpoints
-    paths = {role: matrix.resolve(getattr(c, role)) for role in ("actor", "reference", "critic", "reward")}
+    paths = model_dirs(matrix, layout.models)
     for role, path in paths.items():
         if not (path / "config.json").is_file():
             raise QualifyError(f"{role} checkpoint {path} has no config.json (models are never downloaded)")
@@ -150,7 +150,7 @@ def score_all(matrix: Matrix, layout: RunLayout, models: dict[str, Path], digest
     """Every precision x control x role; returns the control names."""
     import torch
 
-    from qualify.reference.hf import load_model
+    from qualify.models.hf import load_model
     from qualify.reference.step import controls_of, run_role
 
     tdigest = make_targets(matrix, layout, models, digest, log)

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from qualify.matrix import Matrix
+from qualify.models.hf import actor_logprobs, compute_copy, critic_values, enable_checkpointing
 from qualify.ppo.math import kl_terms, masked_mean
 from qualify.ppo.objective import role_objective, rows_of, step_rows
-from qualify.reference.hf import actor_logprobs, compute_copy, critic_values, enable_checkpointing
 
 CONTROL_ATTN = {"attn_impl": "eager"}
 BASE_ATTN = "sdpa"

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from qualify.matrix import Matrix
+from qualify.models.hf import actor_logprobs, critic_values, load_model, reward_scores
 from qualify.ppo.logprob import processed_logprobs
 from qualify.ppo.math import masked_gae, token_rewards
-from qualify.reference.hf import actor_logprobs, critic_values, load_model, reward_scores
 
 TARGETS_FILE = "targets.safetensors"
 KEPT_SET_FLOOR = 1e-4

@@ -142,8 +142,8 @@ class Session:
         The HF side is the processed formula of the rollout's sampling settings (vLLM's logprobs are
         renormalized over what top-k / top-p / min-p keep); with truncation off it is the full formula.
         """
+        from qualify.models.hf import load_model
         from qualify.ppo.logprob import processed_logprobs
-        from qualify.reference.hf import load_model
 
         tensors = rollout_tensors(results)
         if self.hf_model[0] != version.number:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from qualify.engines.common import score_from_logits
 from qualify.engines.torch_tp import TorchTPEngine, local
 from qualify.examples.own_objective import OwnObjectiveEngine
+from qualify.models.hf import scores_from_outputs
 
 
 class SkipNormAllreduce(TorchTPEngine):
@@ -32,7 +32,7 @@ class LowPrecisionTemperature(TorchTPEngine):
         if self.ctx.role != "actor":
             return super().score(batch)
         scaled_BTV = logits_BTV / torch.tensor(self.ctx.temperature, dtype=torch.bfloat16)
-        return score_from_logits("actor", scaled_BTV, ids_BT, 1.0, self.ctx.logprob_chunk_tokens,
+        return scores_from_outputs("actor", scaled_BTV, ids_BT, 1.0, self.ctx.logprob_chunk_tokens,
                                  self.ctx.vocab_size).cpu()
 
 

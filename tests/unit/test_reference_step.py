@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from qualify.matrix import PPO, TinyModel
+from qualify.models import hf
 from qualify.models.tiny import build_tiny_model
 from qualify.ppo.math import masked_gae, token_rewards
-from qualify.reference import hf
 from qualify.reference.step import Control, _loss_scale, _row_slices
 
 SPEC = TinyModel(seed=7, vocab_size=128, hidden_size=64, intermediate_size=64, num_layers=1, num_heads=2,

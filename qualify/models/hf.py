@@ -1,0 +1,100 @@
+"""Hugging Face models of the family: the one loader and the one scorer, for the reference and every engine.
+
+Conventions (shared by the reference and every engine): sequences are right-padded, positions are 0..T-1,
+and causal attention means padding never influences a real token, so no attention mask is passed.
+logp_BT[:, t] = log p(token t | tokens < t) comes from the logits at t-1; values_BT[:, t] is the critic's
+head at t-1 (the state in which token t is emitted); the reward model is pooled at the last response token.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from qualify.errors import EngineError
+from qualify.models.checkpoint import quiet_transformers
+from qualify.models.precision import torch_dtype
+from qualify.ppo.logprob import sampler_logprobs
+from qualify.ppo.math import last_active_index
+
+LM_ROLES = ("actor", "reference")
+"""Roles whose checkpoint is a causal LM; the others (critic, reward) have a one-label scalar head."""
+
+
+def hf_class(role: str):
+    """The HF class of a role: causal LM for the actor and the reference policy, token classification else."""
+    from transformers import Qwen3ForCausalLM, Qwen3ForTokenClassification
+
+    return Qwen3ForCausalLM if role in LM_ROLES else Qwen3ForTokenClassification
+
+
+def load_model(model_dir: Path, role: str, attn_impl: str = "sdpa", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Load the role's HF checkpoint in dtype (fp32: the master weights), in eval mode, with no dropout active."""
+    quiet_transformers()
+    model = hf_class(role).from_pretrained(str(model_dir), dtype=dtype, attn_implementation=attn_impl)
+    return model.eval()
+
+
+def compute_copy(master: torch.nn.Module, precision: str, model_dir: Path, role: str,
+                 attn_impl: str) -> torch.nn.Module:
+    """The module the forward/backward runs in: the master itself in fp32; in bf16 the checkpoint loaded
+    the way transformers loads bf16 (RoPE inv_freq stays fp32: a blanket .to(bf16) would round it too),
+    holding exactly the master weights rounded to bf16."""
+    if precision == "fp32":
+        return master
+    model = load_model(model_dir, role, attn_impl, torch_dtype(precision))
+    with torch.no_grad():
+        for mp, cp in zip(master.parameters(), model.parameters()):
+            cp.copy_(mp)  # round-to-nearest of the current master, whatever the checkpoint held
+    return model
+
+
+def enable_checkpointing(model: torch.nn.Module) -> None:
+    """Turn on activation checkpointing for real: transformers only checkpoints in train mode."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout) and module.p != 0:
+            raise EngineError(f"the checkpoint has dropout p={module.p}: train-mode activation checkpointing would "
+                              "make the reference non-deterministic; use a checkpoint without dropout")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+
+
+def scores_from_outputs(role: str, out_BTX: torch.Tensor, input_ids_BT: torch.Tensor, temperature: float,
+                        chunk_tokens: int, vocab_size: int) -> torch.Tensor:
+    """(B, T) fp32 scores from full (unsharded) model outputs: the actor's sampler-formula logprobs (position 0,
+    which has no context, is 0) or the critic's values (the head at t-1 values token t; position 0 is 0)."""
+    if role in LM_ROLES:
+        logp_BT1 = sampler_logprobs(out_BTX[:, :-1], input_ids_BT[:, 1:], temperature, chunk_tokens, vocab_size)
+        return torch.nn.functional.pad(logp_BT1, (1, 0))
+    return torch.nn.functional.pad(out_BTX[:, :-1, 0].float(), (1, 0))
+
+
+def actor_logprobs(model: torch.nn.Module, input_ids_BT: torch.Tensor, temperature: float, chunk_tokens: int,
+                   vocab_size: int) -> torch.Tensor:
+    """(B, T) fp32 sampler-formula logprobs of input_ids under an HF causal LM."""
+    logits_BTV = model(input_ids=input_ids_BT, use_cache=False).logits
+    return scores_from_outputs("actor", logits_BTV, input_ids_BT, temperature, chunk_tokens, vocab_size)
+
+
+def head_outputs(model: torch.nn.Module, input_ids_BT: torch.Tensor) -> torch.Tensor:
+    """(B, T) fp32 scalar-head outputs at every position."""
+    return model(input_ids=input_ids_BT, use_cache=False).logits[..., 0].float()
+
+
+def critic_values(model: torch.nn.Module, input_ids_BT: torch.Tensor) -> torch.Tensor:
+    """(B, T) fp32 values of an HF scalar-head model."""
+    return torch.nn.functional.pad(head_outputs(model, input_ids_BT)[:, :-1], (1, 0))
+
+
+def reward_scores(model: torch.nn.Module, input_ids_BT: torch.Tensor, response_mask_BT: torch.Tensor) -> torch.Tensor:
+    """(B,) fp32 rewards pooled at each row's last response token; 0 for a row without response."""
+    out_BT = head_outputs(model, input_ids_BT)
+    last_B, has_any_B = last_active_index(response_mask_BT)
+    pooled_B = out_BT.gather(1, last_B[:, None])[:, 0]
+    return torch.where(has_any_B, pooled_B, torch.zeros_like(pooled_B))
+
+
+def dtype_name(t: torch.Tensor) -> str:
+    """'float32', 'bfloat16', ...: a tensor's dtype as evidence records it."""
+    return str(t.dtype).removeprefix("torch.")
