@@ -26,6 +26,7 @@ from qualify.compare import (
     replay_metrics,
     with_step,
 )
+from qualify.diagnose.bounds import LAYER_BOUNDS_DIR, layer_bound_files
 from qualify.errors import EvidenceError, FrozenError
 from qualify.layout import ROLES_ALL, RunLayout
 from qualify.manifest import build_manifest
@@ -129,8 +130,8 @@ def step_family_bounds(base: Any, runs: dict[str, Any], family: str, k: float, f
 
 
 def acceptance_document(layout: RunLayout, name: str, bound_files: dict[str, bytes], summary: dict[str, Any],
-                        matrix: Any) -> dict[str, Any]:
-    """The manifest of the reference evidence plus rule, digests and provenance."""
+                        matrix: Any, layer_files: dict[str, bytes] | None = None) -> dict[str, Any]:
+    """The manifest of the reference evidence plus rule, digests and provenance (and the layer bounds' digests)."""
     extra = {
         "schema_version": ACCEPTANCE_SCHEMA,
         "name": name,
@@ -149,6 +150,8 @@ def acceptance_document(layout: RunLayout, name: str, bound_files: dict[str, byt
         "git": summary["git"],
         "evidence": "../reference",
     }
+    if layer_files:  # qualify diagnose's per-layer bounds (qualify.diagnose.bounds); absent when none were frozen
+        extra["layer_bounds"] = {f: "sha256:" + hashlib.sha256(d).hexdigest() for f, d in sorted(layer_files.items())}
     return build_manifest(layout.reference, progress=False, extra=extra)
 
 
@@ -211,8 +214,9 @@ def freeze(run_dir: Path, name: str | None = None) -> dict[str, Any]:
             doc = family_bounds(layout, role, family, controls, matrix.freeze.k, dict(matrix.freeze.floors), before,
                                 matrix.optimizer, matrix.freeze.quantum)
             files[f"{role}-{family}.json"] = dumps_json(doc).encode("ascii")
-    document = acceptance_document(layout, name or matrix.name, files, summary | {"coverage": coverage}, matrix)
-    _write_once(layout, files, document)
+    layers = layer_bound_files(layout, matrix, controls)  # {} for a reference scored without layer activations
+    document = acceptance_document(layout, name or matrix.name, files, summary | {"coverage": coverage}, matrix, layers)
+    _write_once(layout, files, document, layers)
     return document
 
 
@@ -222,9 +226,11 @@ def reference_coverage(layout: RunLayout, control: str) -> dict[str, list[dict[s
             for role in ("actor", "critic")}
 
 
-def _write_once(layout: RunLayout, files: dict[str, bytes], document: dict[str, Any]) -> None:
+def _write_once(layout: RunLayout, files: dict[str, bytes], document: dict[str, Any],
+                layer_files: dict[str, bytes] | None = None) -> None:
     """Write bounds and acceptance unless they exist; identical content is fine, anything else is refused."""
     targets = {layout.bounds / f: data for f, data in files.items()}
+    targets.update({layout.acceptance_dir / LAYER_BOUNDS_DIR / f: data for f, data in (layer_files or {}).items()})
     targets[layout.acceptance] = dumps_json(document).encode("ascii")
     changed = [p for p, data in targets.items() if p.exists() and p.read_bytes() != data]
     if changed:

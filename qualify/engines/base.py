@@ -105,3 +105,8 @@ class TrainEngine(Protocol):
     #   objective(role, ppo, scores_BT, response_mask_BT, targets) -> (loss, outputs)
     # returning the outputs qualify.ppo.objective.role_objective returns (actor: logprobs_BT, ratio_BT, kl_BT,
     # kl_mean, clip_frac; critic: values_BT, clip_frac); the harness then judges those instead of its own.
+    # Optional: an engine that exposes its per-layer activations implements
+    #   layer_outputs(batch) -> dict[str, Tensor]
+    # full (unsharded) fp32 (B, T, H) outputs of one no-grad forward, named after the HF modules
+    # (qualify.diagnose.hooks.activation_names: each layer's input_layernorm, self_attn, post_attention_layernorm,
+    # mlp, the layer itself, then model.norm); `qualify diagnose` compares them with the reference's layer by layer.

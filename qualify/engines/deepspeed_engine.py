@@ -203,6 +203,13 @@ class DeepSpeedEngine:
         return scores_from_outputs(self.ctx.role, out_BTX, ids_BT, self.ctx.temperature,
                                  self.ctx.logprob_chunk_tokens, self.ctx.vocab_size).cpu()
 
+    def layer_outputs(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """Full fp32 outputs of every decoder layer's modules and the final norm (qualify diagnose): AutoTP keeps
+        the HF module tree, and its row-parallel layers all-reduce, so every hooked output is whole."""
+        from qualify.diagnose.hooks import capture_layer_outputs
+
+        return capture_layer_outputs(self.engine.module, batch.input_ids_BT)
+
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss)
 

@@ -78,6 +78,12 @@ class TorchTPEngine:
         return scores_from_outputs(self.ctx.role, local(out_BTX), ids_BT, self.ctx.temperature,
                                  self.ctx.logprob_chunk_tokens, self.ctx.vocab_size).cpu()
 
+    def layer_outputs(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """Full fp32 outputs of every decoder layer's modules and the final norm (qualify diagnose)."""
+        from qualify.diagnose.hooks import capture_layer_outputs
+
+        return capture_layer_outputs(self.compute, batch.input_ids_BT)
+
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
         for (name, mp), cp in zip(self.master.named_parameters(), self.compute.parameters()):

@@ -14,7 +14,6 @@ from typing import Any
 
 from qualify.compare import step_dir, write_step
 from qualify.errors import EvidenceError, FrozenError, QualifyError
-from qualify.hashing import file_digest
 from qualify.layout import RunLayout
 from qualify.matrix import Matrix
 from qualify.models.family import model_dirs
@@ -25,11 +24,14 @@ from qualify.stagelog import StageLog
 from qualify.stages import (
     complete_stage,
     fingerprint,
+    open_sealed,
     prepare_stage,
     require_complete,
     reuse_complete,
+    seal,
     stage_info,
     stage_is_complete,
+    write_tensor_stage,
 )
 from qualify.store import read_json, read_tensors, write_json, write_tensors
 from qualify.versions import git_state, provenance
@@ -67,9 +69,7 @@ def snapshot_matrix(matrix: Matrix, layout: RunLayout) -> str:
         return stage_info(out)["digest"]
     prepare_stage(out)
     write_json(out / "matrix.json", data)
-    digest = file_digest(out / "matrix.json")
-    complete_stage(out, {"digest": digest})
-    return digest
+    return seal(out, main="matrix.json")
 
 
 def model_config(model_dir: Path) -> dict[str, Any]:
@@ -127,22 +127,15 @@ def make_targets(matrix: Matrix, layout: RunLayout, models: dict[str, Path], dig
         rollout = load_rollout(layout.rollout(matrix.rollout.vllm_tp[0]), digest)
         vocab = model_config(models["actor"])["vocab_size"]
         targets = compute_targets(matrix, models, rollout, vocab)
-        prepare_stage(out)
-        write_tensors(out / TARGETS_FILE, targets)
-        tdigest = file_digest(out / TARGETS_FILE)
-        write_json(out / "targets.json", targets_meta(matrix, digest) | {"digest": tdigest})
-        complete_stage(out, {"digest": tdigest, "rollout_digest": digest, "settings": settings})
-    return tdigest
+        return write_tensor_stage(out, TARGETS_FILE, targets, "targets.json", targets_meta(matrix, digest),
+                                  {"rollout_digest": digest, "settings": settings})
 
 
 def load_targets(layout: RunLayout, expected_digest: str | None = None) -> dict[str, Any]:
     """Read the sealed targets, checking their digest."""
     from qualify.reference.targets import TARGETS_FILE
 
-    require_complete(layout.targets, "targets")
-    digest = file_digest(layout.targets / TARGETS_FILE)
-    if expected_digest is not None and digest != expected_digest:
-        raise EvidenceError(f"targets digest {digest} differs from the expected {expected_digest}")
+    open_sealed(layout.targets, "targets", expected_digest, main=TARGETS_FILE)
     return read_tensors(layout.targets / TARGETS_FILE)
 
 
@@ -185,6 +178,10 @@ def write_role(out: Path, result: dict[str, Any], info: dict[str, Any]) -> None:
     prepare_stage(out)
     for k, step in enumerate(result["steps"]):
         write_step(out / step_dir(k), step)
+    if "layers" in result:  # step 1's per-layer activations, for qualify diagnose (qualify.diagnose.bounds)
+        from qualify.diagnose.bounds import LAYERS_FILE
+
+        write_tensors(out / LAYERS_FILE, result["layers"])
     write_json(out / "meta.json", result["meta"] | info)
     complete_stage(out, info)
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from qualify.diagnose.hooks import capture_layer_outputs
 from qualify.matrix import Matrix
 from qualify.models.hf import actor_logprobs, compute_copy, critic_values, enable_checkpointing
 from qualify.ppo.math import kl_terms, masked_mean
@@ -66,7 +67,8 @@ def _row_slices(B: int, n: int) -> list[slice]:
 def run_role(matrix: Matrix, role: str, precision: str, control: Control, master: torch.nn.Module,
              batch: dict[str, torch.Tensor], targets: dict[str, torch.Tensor], vocab_size: int,
              model_dir: Path) -> dict[str, Any]:
-    """K = epochs x minibatches optimizer steps on master; returns {'steps': [per-step tensors], 'meta': ...}.
+    """K = epochs x minibatches optimizer steps on master; returns {'steps': [per-step tensors], 'meta': ...,
+    'layers': step 1's per-layer activations (qualify.diagnose.hooks)}.
 
     One AdamW instance lives across the steps (its step count, bias correction and moments carry
     over); after each step the compute copy is refreshed from the stepped FP32 master.
@@ -76,6 +78,9 @@ def run_role(matrix: Matrix, role: str, precision: str, control: Control, master
     model = compute_copy(master, precision, model_dir, role, control.attn_impl)
     if matrix.reference.gradient_checkpointing:
         enable_checkpointing(model)
+    # per-layer activations of step 1's forward, split and ordered as this control runs it (qualify diagnose)
+    rows0 = step_rows(batch["input_ids_BT"].shape[0], matrix.ppo.epochs, matrix.ppo.minibatches)[0]
+    layers = capture_layer_outputs(model, batch["input_ids_BT"][rows0], control.microbatches, control.reverse_rows)
     o, p = matrix.optimizer, matrix.ppo
     names = [n for n, _ in master.named_parameters()]
     params = list(master.parameters())
@@ -111,7 +116,7 @@ def run_role(matrix: Matrix, role: str, precision: str, control: Control, master
             "grad_dtypes": master_grad_dtypes, "master_dtype": "float32",
             "state_dtypes": {n: str(opt.state[q]["exp_avg"].dtype).removeprefix("torch.") for n, q in zip(names, params)},
             "num_steps": len(steps), "coverage": coverage}
-    return {"steps": steps, "meta": meta}
+    return {"steps": steps, "meta": meta, "layers": layers}
 
 
 def _forward_backward(matrix: Matrix, role: str, control: Control, model: torch.nn.Module,

@@ -1,0 +1,159 @@
+"""Per-layer evidence and its frozen bounds: what `qualify diagnose` compares, measured the same way at freeze time.
+
+Two kinds of per-layer tensors at step 1 (step0/ in the evidence), keyed like the per-tensor bounds:
+- 'act/<module>': the forward output of every hooked module (qualify.diagnose.hooks), max_abs and rel_l2;
+- 'grads/<group>': the FP32 gradients of one decoder layer ('model.layers.<i>': every 'model.layers.<i>.*'
+  parameter together), of the embedding ('model.embed_tokens') or of the head ('head': final norm, LM or
+  value head), max_abs (the largest element error of the group) and rel_l2 (of the group as one vector).
+Bounds follow freeze's rule (qualify.freeze.bound_entry and quantum): k x the largest control error of
+the family + floor (+ one rounding step), per (key, metric), one file per role under acceptance/layers/,
+named by digest in the acceptance ('layer_bounds'). A reference scored before layer capture existed has
+no layers.safetensors: freeze then writes no layer bounds and the acceptance is the same as before.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qualify import metrics
+from qualify.diagnose.hooks import layer_index
+from qualify.store import dumps_json, read_tensors
+
+LAYERS_FILE = "layers.safetensors"
+"""Per-layer activations of a reference run's first step, in its role directory (covered by the acceptance)."""
+LAYER_BOUNDS_SCHEMA = "qualify.layer-bounds/1"
+LAYER_BOUNDS_DIR = "layers"
+"""acceptance/layers/<role>.json"""
+ACTIVATION_KIND = "value"
+"""Floor kind of an activation's max_abs: hidden states are O(1) numbers like the critic's values (the rule has
+no floor of its own for them); rel_l2 takes the 'relative' floor, as per-tensor rel_l2 bounds do."""
+HEAD = "head"
+EMBED = "model.embed_tokens"
+
+
+def grad_group(name: str) -> str:
+    """The per-layer group of a parameter: 'model.layers.<i>', the embedding, or the head (final norm, LM/value head)."""
+    i = layer_index(name)
+    if i is not None:
+        return f"model.layers.{i}"
+    return EMBED if name.startswith(EMBED) else HEAD
+
+
+def backward_groups(names: list[str]) -> list[str]:
+    """Gradient groups in the order the backward computes them: head, last layer ... first layer, embedding."""
+    groups = {grad_group(n) for n in names}
+    layers = sorted((g for g in groups if layer_index(g) is not None), key=layer_index, reverse=True)
+    return [g for g in (HEAD, *layers, EMBED) if g in groups]
+
+
+def group_members(names: list[str]) -> dict[str, list[str]]:
+    """group -> its parameter names (sorted)."""
+    out: dict[str, list[str]] = {}
+    for n in sorted(names):
+        out.setdefault(grad_group(n), []).append(n)
+    return out
+
+
+def group_metrics(candidate: dict[str, torch.Tensor], reference: dict[str, torch.Tensor],
+                  names: list[str]) -> dict[str, float]:
+    """max_abs and rel_l2 of a group of tensors taken as one vector, float64; +inf when the candidate is not finite."""
+    diff2 = norm2 = 0.0
+    worst = 0.0
+    for n in names:
+        c, r = candidate[n], reference[n]
+        if not bool(torch.isfinite(c).all()):
+            return {"max_abs": metrics.INF, "rel_l2": metrics.INF}
+        worst = max(worst, metrics.max_abs(c, r))
+        diff2 += float((c.double() - r.double()).square().sum())
+        norm2 += float(r.double().square().sum())
+    rel = diff2 ** 0.5 / norm2 ** 0.5 if norm2 > 0 else diff2 ** 0.5
+    return {"max_abs": worst, "rel_l2": rel}
+
+
+def layer_metrics(cand_acts: dict[str, torch.Tensor] | None, ref_acts: dict[str, torch.Tensor],
+                  cand_grads: dict[str, torch.Tensor], ref_grads: dict[str, torch.Tensor]) -> dict[str, dict[str, float]]:
+    """metric values per layer key for what both sides hold with equal shapes ('act/<module>', 'grads/<group>').
+
+    The same function makes the control errors at freeze time and measures a candidate in diagnose.
+    """
+    out: dict[str, dict[str, float]] = {}
+    for name in sorted(set(cand_acts or {}) & set(ref_acts)):
+        c, r = cand_acts[name], ref_acts[name]
+        if c.shape == r.shape:
+            out[f"act/{name}"] = {"max_abs": metrics.max_abs(c, r), "rel_l2": metrics.rel_l2(c, r)}
+    common = [n for n in set(cand_grads) & set(ref_grads) if cand_grads[n].shape == ref_grads[n].shape]
+    for group, names in group_members(common).items():
+        if len(names) == len(group_members(list(ref_grads)).get(group, [])):  # a group is judged whole or not at all
+            out[f"grads/{group}"] = group_metrics(cand_grads, ref_grads, names)
+    return out
+
+
+def kind_of(key: str, metric: str) -> str:
+    """Floor kind of a layer bound (the matrix's floors; see ACTIVATION_KIND)."""
+    if metric == "rel_l2":
+        return "relative"
+    return ACTIVATION_KIND if key.startswith("act/") else "grad"
+
+
+def magnitudes(acts: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> dict[str, float]:
+    """max |x| of every layer key of a reference run (for the rounding step of the rule)."""
+    out = {f"act/{n}": float(t.double().abs().max()) if t.numel() else 0.0 for n, t in acts.items()}
+    for group, names in group_members(list(grads)).items():
+        out[f"grads/{group}"] = max((float(grads[n].double().abs().max()) for n in names if grads[n].numel()),
+                                    default=0.0)
+    return out
+
+
+def run_layers(role_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(activations, step-0 gradients) of a reference run's role directory."""
+    from qualify.compare import step_dir
+
+    return read_tensors(Path(role_dir) / LAYERS_FILE), read_tensors(Path(role_dir) / step_dir(0) / "grads.safetensors")
+
+
+def family_layer_bounds(layout: Any, role: str, family: str, controls: list[str], k: float, floors: dict[str, float],
+                        use_quantum: bool) -> dict[str, Any]:
+    """Layer bounds of one family for one role: the family's control runs against its reference run."""
+    from qualify.freeze import bound_entry, family_pairs, quantum
+
+    base_name, others = family_pairs(family, controls)
+    base_acts, base_grads = run_layers(layout.scores(*base_name.split("-", 1), role))
+    errors: dict[str, dict[str, float]] = {}
+    for name in others:
+        acts, grads = run_layers(layout.scores(*name.split("-", 1), role))
+        for key, ms in layer_metrics(acts, base_acts, grads, base_grads).items():
+            slot = errors.setdefault(key, {})
+            for metric, value in ms.items():
+                slot[metric] = max(slot.get(metric, 0.0), value)
+    precision = "fp32" if family == "fp32-repeat" else "bf16"
+    mags = magnitudes(base_acts, base_grads)
+    bounds = {key: {m: bound_entry(kind_of(key, m), v, k, floors,
+                                   quantum(precision, m, mags[key]) if use_quantum else 0.0)
+                    for m, v in ms.items()} for key, ms in errors.items()}
+    return {"reference_run": base_name, "control_runs": others, "bounds": bounds}
+
+
+def has_layers(layout: Any, controls: list[str], precisions: list[str]) -> bool:
+    """Every scored run of the reference holds its layer activations."""
+    return all((layout.scores(p, c, role) / LAYERS_FILE).is_file()
+               for p in precisions for c in controls for role in ("actor", "critic"))
+
+
+def layer_bound_files(layout: Any, matrix: Any, controls: list[str]) -> dict[str, bytes]:
+    """{'<role>.json': canonical JSON} of every role's layer bounds; empty when the reference has no layer activations."""
+    from qualify.acceptance import FAMILIES
+    from qualify.freeze import RULE
+
+    if not has_layers(layout, controls, list(matrix.reference.precisions)):
+        return {}
+    files = {}
+    k, floors = matrix.freeze.k, dict(matrix.freeze.floors)
+    for role in ("actor", "critic"):
+        doc = {"schema": LAYER_BOUNDS_SCHEMA, "role": role, "step": 0, "k": k, "floors": floors, "rule": RULE,
+               "families": {f: family_layer_bounds(layout, role, f, controls, k, floors, matrix.freeze.quantum)
+                            for f in FAMILIES}}
+        files[f"{role}.json"] = dumps_json(doc).encode("ascii")
+    return files

@@ -1,0 +1,92 @@
+"""Per-layer activations of a Hugging Face Qwen3 forward, captured with generic torch forward hooks.
+
+The reference (every control of `qualify reference`) and the HF-based engines (torch-tp, deepspeed) use
+the same capture, so a name means the same module output everywhere: for each decoder layer i, in
+forward order, 'model.layers.<i>.input_layernorm', '.self_attn' (after o_proj), '.post_attention_layernorm',
+'.mlp' (after down_proj) and 'model.layers.<i>' itself (the residual stream after the layer), then
+'model.norm' (the final norm). No model code is edited: hooks are registered for one forward and removed.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import torch
+
+PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+"""Sub-modules of a decoder layer whose outputs are captured, in forward order (the layer's own output last)."""
+FINAL_NORM = "model.norm"
+_LAYER = re.compile(r"^model\.layers\.(\d+)(?:\.|$)")
+
+
+def activation_names(num_layers: int) -> list[str]:
+    """Every captured activation of a model with num_layers decoder layers, in forward order."""
+    names = []
+    for i in range(num_layers):
+        names += [f"model.layers.{i}.{part}" for part in PARTS] + [f"model.layers.{i}"]
+    return names + [FINAL_NORM]
+
+
+def layer_index(name: str) -> int | None:
+    """Decoder layer of an activation or parameter name ('model.layers.3.mlp' -> 3), None outside the layers."""
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m else None
+
+
+def hooked_modules(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
+    """(activation name, module) of every captured module of an HF Qwen3 model (causal LM or token classifier)."""
+    base = model.model  # Qwen3Model under both heads
+    for i, layer in enumerate(base.layers):
+        for part in PARTS:
+            yield f"model.layers.{i}.{part}", getattr(layer, part)
+        yield f"model.layers.{i}", layer
+    yield FINAL_NORM, base.norm
+
+
+def _first_tensor(output: object) -> torch.Tensor:
+    """A module's hidden-state output: attention and some decoder layers return tuples, the states first."""
+    while isinstance(output, tuple | list):
+        output = output[0]
+    assert isinstance(output, torch.Tensor), type(output)
+    return output
+
+
+def _full_fp32(t: torch.Tensor) -> torch.Tensor:
+    """A detached full fp32 CPU copy (a DTensor output of a TP plan is gathered first)."""
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    return t.detach().to(torch.float32).cpu().clone()
+
+
+@torch.no_grad()
+def capture_layer_outputs(model: torch.nn.Module, input_ids_BT: torch.Tensor, microbatches: int = 1,
+                          reverse_rows: bool = False) -> dict[str, torch.Tensor]:
+    """(B, T, H) fp32 output of every hooked module for input_ids_BT (rows in their given order).
+
+    microbatches and reverse_rows run the forward the way a reference control runs it (row split,
+    reversed row order); the captured rows are put back in input order, so every control's tensors
+    line up with r0's row for row.
+    """
+    order = torch.arange(input_ids_BT.shape[0])
+    if reverse_rows:
+        order = order.flip(0)
+    ids_BT = input_ids_BT[order]
+    parts: dict[str, list[torch.Tensor]] = {}
+
+    def hook_for(name: str):
+        def hook(module, args, output):
+            parts.setdefault(name, []).append(_full_fp32(_first_tensor(output)))
+        return hook
+
+    device = next(model.parameters()).device
+    handles = [module.register_forward_hook(hook_for(name)) for name, module in hooked_modules(model)]
+    try:
+        step = -(-ids_BT.shape[0] // microbatches)
+        for start in range(0, ids_BT.shape[0], step):
+            model(input_ids=ids_BT[start:start + step].to(device), use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    undo = torch.argsort(order)
+    return {name: torch.cat(chunks)[undo].contiguous() for name, chunks in parts.items()}
