@@ -84,9 +84,10 @@ class Acceptance:
 
     def require_rollout(self, rollout_dir: Path) -> None:
         """The rollout at rollout_dir must be complete and the one this acceptance froze."""
-        from qualify.stages import stage_info, stage_is_complete
+        from qualify.stages import check_sealed
 
-        if not stage_is_complete(rollout_dir) or stage_info(rollout_dir).get("digest") != self.rollout_digest:
+        sealed = check_sealed(rollout_dir)
+        if sealed is None or sealed.info.get("digest") != self.rollout_digest:
             raise EvidenceError(f"rollout at {rollout_dir} is not the one the acceptance froze ({self.rollout_digest})")
 
 

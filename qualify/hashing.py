@@ -1,4 +1,5 @@
-"""Streaming sha256 of many files in parallel, with bounded memory.
+"""The one home of file digests: listing an evidence tree, and streaming sha256 of many files in parallel with
+bounded memory (file_digest is the "sha256:<hex>" string every stage records).
 
 Every file is read in CHUNK_BYTES pieces into one reusable buffer per thread (os.readv: no
 allocation per read). Large files are hashed by threads: hashlib releases the GIL while it
@@ -21,7 +22,7 @@ import os
 import stat
 import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -279,3 +280,77 @@ def start_hashing(root: Path, paths: list[str], sizes: Mapping[str, int], *, job
         finally:
             for part in parts:
                 part.stop()
+
+
+def sha256_file(path: Path, on_bytes: Callable[[int], None] | None = None) -> tuple[int, str]:
+    """Stream a file through sha256; return (size, hexdigest). Refuses symlinks and special files."""
+    return hash_path(os.fspath(path), on_bytes)
+
+
+def _relative_excludes(root: Path, exclude: Iterable[Path]) -> set[str]:
+    """The excluded paths that lie under root, as relative POSIX paths.
+
+    Symlinks under root are refused, so a file's real path is realpath(root)/relative: comparing
+    relative strings is exact and costs no per-file resolve().
+    """
+    real_root = os.path.realpath(root)
+    inside = set()
+    for path in exclude:
+        rel = os.path.relpath(os.path.realpath(path), real_root)
+        if rel != ".." and not rel.startswith("../"):
+            inside.add(rel)
+    return inside
+
+
+def scan_files(root: Path, exclude: Iterable[Path] = ()) -> dict[str, int]:
+    """Every regular file under root: relative POSIX path -> size. Symlinks and special files are refused."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ManifestError(f"evidence root is not a directory: {root}")
+    skip = _relative_excludes(root, exclude)
+    sizes: dict[str, int] = {}
+    pending = [("", os.fspath(root))]
+    while pending:
+        prefix, directory = pending.pop()
+        try:
+            with os.scandir(directory) as it:
+                entries = list(it)
+        except OSError as exc:
+            raise EvidenceError(f"cannot list {directory}: {exc.strerror}") from exc
+        for entry in entries:  # is_* come from the directory listing; one lstat per file, for its size
+            rel = prefix + entry.name
+            if entry.is_symlink():
+                raise ManifestError(f"refusing symlink in evidence: {entry.path}")
+            if entry.is_dir(follow_symlinks=False):
+                pending.append((rel + "/", entry.path))
+            elif not entry.is_file(follow_symlinks=False):
+                raise ManifestError(f"refusing special file in evidence: {entry.path}")
+            elif rel not in skip:
+                sizes[rel] = entry.stat(follow_symlinks=False).st_size
+    return sizes
+
+
+def list_files(root: Path, exclude: Iterable[Path] = ()) -> list[str]:
+    """Every regular file under root as a sorted relative POSIX path; symlinks are refused."""
+    return sorted(scan_files(root, exclude))
+
+
+def hash_files(root: Path, paths: list[str], jobs: int | None = None, progress: bool = True, *,
+               sizes: Mapping[str, int] | None = None) -> Hashes:
+    """Hash many files under root in parallel; returns path -> (size, sha256), in the order of paths.
+
+    sizes (path -> bytes, as scan_files returns) schedules the work and sizes the progress bar;
+    without it every file is stat'ed first.
+    """
+    if sizes is None:
+        sizes = {p: _size_of(os.path.join(root, p)) for p in paths}
+    with start_hashing(root, paths, sizes, jobs=jobs, progress=progress) as result:
+        found = result()
+    return {p: found[p] for p in paths}
+
+
+def _size_of(path: str) -> int:
+    try:
+        return os.lstat(path).st_size
+    except OSError as exc:
+        raise EvidenceError(f"cannot read {path}: {exc.strerror}") from exc

@@ -14,13 +14,13 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qualify.errors import EvidenceError, ManifestError
-from qualify.hashing import CHUNK_BYTES, Hashes, default_jobs, hash_path, start_hashing
+from qualify.errors import ManifestError
+from qualify.hashing import CHUNK_BYTES, default_jobs, hash_files, list_files, scan_files, sha256_file, start_hashing
 from qualify.schema import show
 from qualify.store import read_json, write_json
 
@@ -106,59 +106,6 @@ def _modified_json(m: Modified) -> dict[str, Any]:
     }
 
 
-def sha256_file(path: Path, on_bytes: Callable[[int], None] | None = None) -> tuple[int, str]:
-    """Stream a file through sha256; return (size, hexdigest). Refuses symlinks and special files."""
-    return hash_path(os.fspath(path), on_bytes)
-
-
-def _relative_excludes(root: Path, exclude: Iterable[Path]) -> set[str]:
-    """The excluded paths that lie under root, as relative POSIX paths.
-
-    Symlinks under root are refused, so a file's real path is realpath(root)/relative: comparing
-    relative strings is exact and costs no per-file resolve().
-    """
-    real_root = os.path.realpath(root)
-    inside = set()
-    for path in exclude:
-        rel = os.path.relpath(os.path.realpath(path), real_root)
-        if rel != ".." and not rel.startswith("../"):
-            inside.add(rel)
-    return inside
-
-
-def scan_files(root: Path, exclude: Iterable[Path] = ()) -> dict[str, int]:
-    """Every regular file under root: relative POSIX path -> size. Symlinks and special files are refused."""
-    root = Path(root)
-    if not root.is_dir():
-        raise ManifestError(f"evidence root is not a directory: {root}")
-    skip = _relative_excludes(root, exclude)
-    sizes: dict[str, int] = {}
-    pending = [("", os.fspath(root))]
-    while pending:
-        prefix, directory = pending.pop()
-        try:
-            with os.scandir(directory) as it:
-                entries = list(it)
-        except OSError as exc:
-            raise EvidenceError(f"cannot list {directory}: {exc.strerror}") from exc
-        for entry in entries:  # is_* come from the directory listing; one lstat per file, for its size
-            rel = prefix + entry.name
-            if entry.is_symlink():
-                raise ManifestError(f"refusing symlink in evidence: {entry.path}")
-            if entry.is_dir(follow_symlinks=False):
-                pending.append((rel + "/", entry.path))
-            elif not entry.is_file(follow_symlinks=False):
-                raise ManifestError(f"refusing special file in evidence: {entry.path}")
-            elif rel not in skip:
-                sizes[rel] = entry.stat(follow_symlinks=False).st_size
-    return sizes
-
-
-def list_files(root: Path, exclude: Iterable[Path] = ()) -> list[str]:
-    """Every regular file under root as a sorted relative POSIX path; symlinks are refused."""
-    return sorted(scan_files(root, exclude))
-
-
 def check_relative(path: str) -> str:
     """Validate a manifest path: a relative, normalized POSIX path inside the root."""
     if not isinstance(path, str) or not path:
@@ -182,27 +129,6 @@ def digest_of(document: dict[str, Any]) -> str:
     body = {k: v for k, v in document.items() if k != "digest"}
     text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
     return "sha256:" + hashlib.sha256(text.encode("ascii")).hexdigest()
-
-
-def hash_files(root: Path, paths: list[str], jobs: int | None = None, progress: bool = True, *,
-               sizes: Mapping[str, int] | None = None) -> Hashes:
-    """Hash many files under root in parallel; returns path -> (size, sha256), in the order of paths.
-
-    sizes (path -> bytes, as scan_files returns) schedules the work and sizes the progress bar;
-    without it every file is stat'ed first.
-    """
-    if sizes is None:
-        sizes = {p: _size_of(os.path.join(root, p)) for p in paths}
-    with start_hashing(root, paths, sizes, jobs=jobs, progress=progress) as result:
-        found = result()
-    return {p: found[p] for p in paths}
-
-
-def _size_of(path: str) -> int:
-    try:
-        return os.lstat(path).st_size
-    except OSError as exc:
-        raise EvidenceError(f"cannot read {path}: {exc.strerror}") from exc
 
 
 def build_manifest(root: Path, *, exclude: Iterable[Path] = (), jobs: int | None = None,

@@ -20,8 +20,9 @@ from qualify.candidate.judge import Row, judge_steps
 from qualify.compare import load_steps, params_before_steps
 from qualify.errors import EvidenceError
 from qualify.hardware import platform_differences
+from qualify.hashing import sha256_file
 from qualify.layout import RunLayout
-from qualify.manifest import default_evidence, load_manifest, sha256_file, verify_manifest
+from qualify.manifest import default_evidence, load_manifest, verify_manifest
 from qualify.metrics import max_abs
 from qualify.models.checkpoint import checkpoint_tensors
 from qualify.models.family import model_dir

@@ -1,40 +1,100 @@
-"""Resumable stage directories: complete-and-verified outputs are skipped, partial ones redone.
+"""Resumable, sealed stage directories: complete-and-verified outputs are skipped, partial ones redone.
 
-A stage writes its files into its directory, then a marker `_complete.json` listing the sha256
-of every file it wrote. On resume (after preemption or a requeue) a directory whose marker
-verifies is kept as it is, never overwritten; a directory without a valid marker is partial:
-it is removed and the stage runs again.
+A stage writes its files into its directory, then seals it (seal): a marker `_complete.json` listing
+the sha256 of every file it wrote, and the info the stage records (its digest, its settings). A
+consumer opens a sealed directory with open_sealed, which verifies every file once and checks the
+digest it expects, and reads what it needs. On resume (after preemption or a requeue) a directory whose
+marker verifies is kept as it is, never overwritten; a directory without a valid marker is partial: it is
+removed and the stage runs again.
+
+Nothing here remembers a verification: a caller that has verified a directory keeps the Sealed it got
+rather than checking again (a file rewritten within one tick of the filesystem clock keeps its size
+and modification time, so a stat-based memory could miss it).
 """
 
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from qualify.errors import EvidenceError
-from qualify.manifest import hash_files, list_files
+from qualify.hashing import hash_files, scan_files
 from qualify.store import read_json, write_json
 
 MARKER = "_complete.json"
 
+@dataclass(frozen=True, slots=True)
+class Sealed:
+    """A verified sealed directory: every file's (size, sha256) as recorded, and the stage's info."""
+
+    path: Path
+    files: dict[str, list] = field(repr=False)
+    info: dict[str, Any]
+
+    def digest(self, name: str) -> str:
+        """'sha256:<hex>' of one of the directory's files, as verified."""
+        if name not in self.files:
+            raise EvidenceError(f"{self.path} holds no {name}")
+        return "sha256:" + self.files[name][1]
+
 
 def _digests(path: Path) -> dict[str, list]:
-    files = [f for f in list_files(path) if f != MARKER]
-    return {f: list(v) for f, v in hash_files(path, files, progress=False).items()}
+    sizes = {f: n for f, n in scan_files(path).items() if f != MARKER}
+    files = sorted(sizes)
+    return {f: list(v) for f, v in hash_files(path, files, progress=False, sizes=sizes).items()}
+
+
+def check_sealed(path: Path) -> Sealed | None:
+    """The verified seal of path, or None when path is missing, partial or modified since it was sealed."""
+    path = Path(path)
+    marker = path / MARKER
+    if not marker.is_file():
+        return None
+    try:
+        doc = read_json(marker)
+        recorded, info = doc["files"], doc.get("info", {})
+    except (EvidenceError, KeyError, TypeError, AttributeError):
+        return None
+    if not isinstance(recorded, dict) or recorded != _digests(path):
+        return None
+    return Sealed(path, recorded, info)
 
 
 def stage_is_complete(path: Path) -> bool:
     """True when path holds a marker whose file digests all match what is on disk."""
+    return check_sealed(path) is not None
+
+
+def open_sealed(path: Path, what: str, expected_digest: str | None = None, main: str | None = None) -> Sealed:
+    """Verify a sealed directory (every file against its marker) and, given expected_digest, that its main file
+    (or, without main, the digest the stage recorded in its info) is the expected one."""
+    sealed = check_sealed(path)
+    if sealed is None:
+        raise EvidenceError(f"{what} at {path} is missing, partial or modified; rerun the stage that makes it")
+    if expected_digest is not None:
+        actual = sealed.digest(main) if main is not None else sealed.info.get("digest")
+        if actual != expected_digest:
+            raise EvidenceError(f"{what} at {path} has digest {actual}, expected {expected_digest}: refusing to run "
+                                f"on a different {what}")
+    return sealed
+
+
+def seal(path: Path, info: dict[str, Any] | None = None, main: str | None = None) -> str | None:
+    """Seal path: record the digest of every file in it and info (with, given main, that file's digest as
+    info['digest']). Returns the main file's digest ('sha256:<hex>'), else None."""
     path = Path(path)
-    marker = path / MARKER
-    if not marker.is_file():
-        return False
-    try:
-        recorded = read_json(marker)["files"]
-    except (EvidenceError, KeyError, TypeError):
-        return False
-    return recorded == _digests(path)
+    files = _digests(path)
+    info = dict(info or {})
+    digest = None
+    if main is not None:
+        if main not in files:
+            raise EvidenceError(f"cannot seal {path}: it holds no {main}")
+        digest = "sha256:" + files[main][1]
+        info["digest"] = digest
+    write_json(path / MARKER, {"files": files, "info": info})
+    return digest
 
 
 def prepare_stage(path: Path) -> None:
@@ -47,15 +107,29 @@ def prepare_stage(path: Path) -> None:
     path.mkdir(parents=True)
 
 
+def write_tensor_stage(path: Path, file: str, tensors: dict[str, Any], meta_file: str, meta: dict[str, Any],
+                       info: dict[str, Any] | None = None) -> str:
+    """The sequence of every tensor stage: empty path, write the tensors, record their digest in the meta file
+    (meta | {'digest': ...}) and in the seal's info, seal. Returns the tensors' digest."""
+    from qualify.hashing import file_digest
+    from qualify.store import write_tensors
+
+    prepare_stage(path)
+    write_tensors(Path(path) / file, tensors)
+    digest = file_digest(Path(path) / file)
+    write_json(Path(path) / meta_file, meta | {"digest": digest})
+    seal(path, info, main=file)
+    return digest
+
+
 def complete_stage(path: Path, info: dict[str, Any] | None = None) -> None:
-    """Seal path: record the digest of every file in it."""
-    write_json(Path(path) / MARKER, {"files": _digests(Path(path)), "info": info or {}})
+    """Seal path without a main file (see seal)."""
+    seal(path, info)
 
 
-def require_complete(path: Path, what: str) -> None:
-    """Raise EvidenceError unless path is a complete, verified stage output."""
-    if not stage_is_complete(path):
-        raise EvidenceError(f"{what} at {path} is missing, partial or modified; rerun the stage that makes it")
+def require_complete(path: Path, what: str) -> Sealed:
+    """The verified seal of path; EvidenceError unless path is a complete, verified stage output."""
+    return open_sealed(path, what)
 
 
 def stage_info(path: Path) -> dict[str, Any]:

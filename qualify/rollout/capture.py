@@ -18,20 +18,20 @@ from pathlib import Path
 from typing import Any
 
 from qualify.errors import EvidenceError, QualifyError
-from qualify.hashing import file_digest
-from qualify.manifest import sha256_file
+from qualify.hashing import sha256_file
 from qualify.matrix import Matrix
 from qualify.models.precision import DTYPE_NAMES
 from qualify.stages import (
     MARKER,
-    complete_stage,
     fingerprint,
+    open_sealed,
     prepare_stage,
     require_complete,
     reuse_complete,
     stage_info,
+    write_tensor_stage,
 )
-from qualify.store import read_json, read_tensors, write_json, write_tensors
+from qualify.store import read_json, read_tensors, write_json
 from qualify.versions import provenance
 
 ROLLOUT_FILE = "rollout.safetensors"
@@ -212,31 +212,26 @@ def capture_rollout(matrix: Matrix, model_dir: Path, tp: int, out_dir: Path, *, 
     if source is not None:
         return import_rollout(Path(source), out_dir, settings, tp)
     result = run_vllm(request)
-    prepare_stage(out_dir)
-    write_tensors(out_dir / ROLLOUT_FILE, rollout_tensors(result["results"]))
-    digest = file_digest(out_dir / ROLLOUT_FILE)
-    meta = {"digest": digest, "vllm_tp": tp, "sampling": {k: request.get(k, 0.0) for k in SAMPLING_KEYS} | {
+    meta = {"vllm_tp": tp, "sampling": {k: request.get(k, 0.0) for k in SAMPLING_KEYS} | {
         k: request[k] for k in ("max_new_tokens", "eos_token_id", "seed", "seeds", "dtype")},
         "logprobs_mode": "processed_logprobs", "finish_reasons": [x["finish_reason"] for x in result["results"]],
         "timings_s": {"load": result["load_s"], "generate": result["generate_s"]},
         "model_dir": str(model_dir), "model_digest": model_digest(model_dir),
         "env": {k: v for k, v in vllm_env(tp).items() if k.startswith(("VLLM_", "TRITON_"))},
         "shm_removed": result["shm_removed"], **provenance(), "platform": result["platform"]}
-    write_json(out_dir / "rollout.json", meta)
-    complete_stage(out_dir, {"digest": digest, "settings": settings})
-    return digest
+    return write_tensor_stage(out_dir, ROLLOUT_FILE, rollout_tensors(result["results"]), "rollout.json", meta,
+                              {"settings": settings})
 
 
 def import_rollout(source: Path, out_dir: Path, settings: str, tp: int) -> str:
     """Copy a sealed rollout made for exactly these settings into out_dir; return its digest."""
-    require_complete(source, f"rollout TP{tp} to reuse")
-    info = stage_info(source)
-    if info.get("settings") != settings:
+    sealed = require_complete(source, f"rollout TP{tp} to reuse")
+    if sealed.info.get("settings") != settings:
         raise EvidenceError(f"rollout {source} was captured for other settings or weights than this matrix asks "
                             f"for at TP{tp} (prompts, seeds, sampling, model): refusing to reuse it")
-    digest = file_digest(source / ROLLOUT_FILE)
-    if digest != info.get("digest"):
-        raise EvidenceError(f"rollout {source} has digest {digest}, its seal says {info.get('digest')}")
+    digest = sealed.digest(ROLLOUT_FILE)
+    if digest != sealed.info.get("digest"):
+        raise EvidenceError(f"rollout {source} has digest {digest}, its seal says {sealed.info.get('digest')}")
     prepare_stage(out_dir)
     for f in sorted(p for p in source.iterdir() if p.is_file()):
         shutil.copyfile(f, out_dir / f.name)
@@ -246,9 +241,5 @@ def import_rollout(source: Path, out_dir: Path, settings: str, tp: int) -> str:
 
 def load_rollout(rollout_dir: Path, expected_digest: str | None = None) -> dict[str, Any]:
     """Read a rollout after checking it is complete and (when given) that its digest is the expected one."""
-    require_complete(rollout_dir, "rollout")
-    digest = file_digest(Path(rollout_dir) / ROLLOUT_FILE)
-    if expected_digest is not None and digest != expected_digest:
-        raise EvidenceError(f"rollout {rollout_dir} has digest {digest}, expected {expected_digest}: "
-                            "refusing to run on a different rollout")
+    open_sealed(rollout_dir, "rollout", expected_digest, main=ROLLOUT_FILE)
     return read_tensors(Path(rollout_dir) / ROLLOUT_FILE)

@@ -35,8 +35,8 @@ from qualify.rounds.session import InstallRejected, Session
 from qualify.rounds.train import TrainFailed, train_step
 from qualify.rounds.weights import Version, load_version, write_version
 from qualify.stagelog import StageLog
-from qualify.stages import complete_stage, prepare_stage, stage_is_complete
-from qualify.store import read_json, write_json, write_tensors
+from qualify.stages import complete_stage, prepare_stage, stage_is_complete, write_tensor_stage
+from qualify.store import read_json, write_json
 from qualify.versions import provenance
 
 SCHEMA = "qualify.rounds/1"
@@ -86,13 +86,8 @@ def frozen_digests(base: Base, targets_file: Path | None, captured: Path | None 
 
 def write_rollout(out: Path, results: list[dict[str, Any]], info: dict[str, Any]) -> str:
     """Seal a round's rollout in the reference's rollout format; return its digest."""
-    prepare_stage(out)
-    write_tensors(out / ROLLOUT_FILE, rollout_tensors(results))
-    digest = file_digest(out / ROLLOUT_FILE)
-    write_json(out / "rollout.json", info | {"digest": digest, "logprobs_mode": "processed_logprobs",
-                                             "finish_reasons": [r["finish_reason"] for r in results]})
-    complete_stage(out, {"digest": digest})
-    return digest
+    return write_tensor_stage(out, ROLLOUT_FILE, rollout_tensors(results), "rollout.json", info | {
+        "logprobs_mode": "processed_logprobs", "finish_reasons": [r["finish_reason"] for r in results]})
 
 
 def write_targets(s: Session, out: Path, rollout_dir: Path, digest: str) -> str:
@@ -100,12 +95,8 @@ def write_targets(s: Session, out: Path, rollout_dir: Path, digest: str) -> str:
     from qualify.reference.targets import TARGETS_FILE, compute_targets, targets_meta
 
     targets = compute_targets(s.matrix, s.base.models, load_rollout(rollout_dir, digest), s.vocab)
-    prepare_stage(out)
-    write_tensors(out / TARGETS_FILE, targets)
-    tdigest = file_digest(out / TARGETS_FILE)
-    write_json(out / "targets.json", targets_meta(s.matrix, digest) | {"digest": tdigest})
-    complete_stage(out, {"digest": tdigest, "rollout_digest": digest})
-    return tdigest
+    return write_tensor_stage(out, TARGETS_FILE, targets, "targets.json", targets_meta(s.matrix, digest),
+                              {"rollout_digest": digest})
 
 
 def cache_rows(s: Session, rnd: int, version: Version, first: dict[str, Any], what: str) -> dict[str, Any]:

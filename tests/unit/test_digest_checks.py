@@ -54,7 +54,7 @@ def test_load_targets_checks_the_digest(tmp_path):
     shutil.rmtree(layout.targets)
     other = sealed_file_stage(layout.targets, "targets.safetensors", {"returns_BT": torch.zeros(2, 3)})
     assert stage_is_complete(layout.targets)
-    with pytest.raises(EvidenceError, match=f"targets digest {other} differs from the expected {frozen}"):
+    with pytest.raises(EvidenceError, match=f"has digest {other}, expected {frozen}: refusing to run on a different targets"):
         load_targets(layout, frozen)
 
 

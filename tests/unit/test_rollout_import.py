@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from qualify.errors import EvidenceError
-from qualify.manifest import sha256_file
+from qualify.hashing import sha256_file
 from qualify.rollout.capture import ROLLOUT_FILE, import_rollout, load_rollout, model_digest
 from qualify.stages import complete_stage, prepare_stage, stage_is_complete
 from qualify.store import write_json, write_tensors
