@@ -212,7 +212,8 @@ def rejudge_problems(layout: RunLayout, reference: dict[str, Any], acceptance: d
         case = Case(engine=parts["engine"], precision=parts["precision"], tp=int(parts["tp"]), role=parts["role"])
         if case.role not in befores:
             befores[case.role] = checkpoint_tensors(models[case.role])
-        judged = [r.to_json() for r in judge_case(layout, case, bounds, befores[case.role], matrix.optimizer)]
+        judged = [r.to_json() for r in judge_case(layout, case, bounds, befores[case.role], matrix.optimizer,
+                                                  frozenset(names))]  # sealed_problems verified every named case
         problems += compare_rows(name, judged, [r for r in verdict["rows"] if r["case"] == name])
     return problems
 

@@ -124,8 +124,10 @@ def run_group(matrix: Matrix, layout: RunLayout, cases: list[Case], models: dict
     return errors
 
 
-def judge_case(layout: RunLayout, case: Case, bounds: dict, before: dict, optimizer: Any) -> list[Row]:
-    """Every step of a case against the reference's families, its evidence checks, and TPn against TP1."""
+def judge_case(layout: RunLayout, case: Case, bounds: dict, before: dict, optimizer: Any,
+               verified: frozenset[str] = frozenset()) -> list[Row]:
+    """Every step of a case against the reference's families, its evidence checks, and TPn against TP1 (verified
+    names cases whose seal this process has checked since they were last written: not hashed again)."""
     cand = load_steps(layout.case(case.name))
     starts = params_before_steps(cand, before)
     rows = []
@@ -140,7 +142,7 @@ def judge_case(layout: RunLayout, case: Case, bounds: dict, before: dict, optimi
     rows += evidence_rows(case.name, case.role, cand[0].meta)
     if case.tp > 1:
         base = Case(engine=case.engine, precision=case.precision, tp=1, role=case.role)
-        if stage_is_complete(layout.case(base.name)):
+        if base.name in verified or stage_is_complete(layout.case(base.name)):
             rows += judge_steps(case.name, case.role, f"vs tp1 [{case.precision}-repeat]", cand,
                                 load_steps(layout.case(base.name)), bounds[(case.role, f"{case.precision}-repeat")],
                                 starts, optimizer)
@@ -166,11 +168,12 @@ def run_candidates(matrix: Matrix, run_dir: Path, *, acceptance: Path | None = N
         errors |= run_group(matrix, layout, list(group), models, doc, device, log)
     befores = {role: checkpoint_tensors(path) for role, path in models.items()}
     rows: list[Row] = []
+    verified = frozenset(c.name for c in cases if c.name not in errors)  # run_group checked each seal
     for case in cases:
         if case.name in errors:
             rows.append(Row(case.name, case.role, "run", "case", "exit", 1.0, 0.0, False, errors[case.name]))
         else:
-            rows += judge_case(layout, case, bounds, befores[case.role], matrix.optimizer)
+            rows += judge_case(layout, case, bounds, befores[case.role], matrix.optimizer, verified)
     verdict = verdict_document(matrix, doc, cases, rows, complete=only is None,
                                platforms=case_platforms(layout, cases, doc.get("platform")))
     write_json(layout.verdict if only is None else layout.candidates / f"verdict-{selection_name(only)}.json", verdict)
