@@ -6,6 +6,8 @@ must fail for every one of them (negative controls).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from qualify.engines.torch_tp import TorchTPEngine, local
@@ -42,6 +44,32 @@ def skip_norm_allreduce() -> TorchTPEngine:
 
 def bf16_temperature() -> TorchTPEngine:
     return LowPrecisionTemperature()
+
+
+# Engines that report logprobs in another formula than the one the matrix declares (candidates.logprob_formula).
+
+class FullWhileDeclaringProcessed(TorchTPEngine):
+    """Reports score()'s full-formula logprobs whatever the matrix declares: a trainer that never applies the
+    sampler's top-k/top-p, qualified as if it did."""
+
+    def logprobs(self):
+        return None
+
+
+class ProcessedWhileDeclaringFull(TorchTPEngine):
+    """Reports the processed formula whatever the matrix declares: a trainer that copies the sampler's truncation
+    into its logprobs, qualified as one that computes the full formula."""
+
+    def setup(self, ctx):
+        super().setup(replace(ctx, logprob_formula="processed"))
+
+
+def full_while_declaring_processed() -> TorchTPEngine:
+    return FullWhileDeclaringProcessed()
+
+
+def processed_while_declaring_full() -> TorchTPEngine:
+    return ProcessedWhileDeclaringFull()
 
 
 # Engines that bring their own objective (qualify.examples.own_objective) with a bug in their loss code.
@@ -126,3 +154,45 @@ def nan_gradient() -> TorchTPEngine:
 
 def skips_non_finite_step() -> TorchTPEngine:
     return SkipsNonFiniteStep()
+
+
+# Faults in one decoder layer only: `qualify diagnose` must name that layer and module (negative controls).
+
+class AttentionScaleInLayer(TorchTPEngine):
+    """One layer's attention scales q.k by 1.05 / sqrt(head_dim) (a wrong softmax scale in one layer's kernel)."""
+
+    def __init__(self, layer: int) -> None:
+        self.layer = layer
+
+    def setup(self, ctx):
+        super().setup(ctx)
+        attn = self.compute.model.layers[self.layer].self_attn
+        attn.scaling = attn.scaling * 1.05
+
+
+class NormWeightInLayer(TorchTPEngine):
+    """One layer's post-attention RMSNorm computes with its weight scaled by 1 + 1e-3 (a perturbed norm weight)."""
+
+    def __init__(self, layer: int) -> None:
+        self.layer = layer
+
+    def setup(self, ctx):
+        super().setup(ctx)
+        norm = self.compute.model.layers[self.layer].post_attention_layernorm
+        norm.register_forward_hook(lambda module, args, out: out * (1 + 1e-3))
+
+
+def attention_scale_layer0() -> TorchTPEngine:
+    return AttentionScaleInLayer(0)
+
+
+def attention_scale_layer1() -> TorchTPEngine:
+    return AttentionScaleInLayer(1)
+
+
+def norm_weight_layer0() -> TorchTPEngine:
+    return NormWeightInLayer(0)
+
+
+def norm_weight_layer1() -> TorchTPEngine:
+    return NormWeightInLayer(1)

@@ -1,0 +1,196 @@
+"""`qualify diagnose`: where a candidate case first leaves its bounds, layer by layer, at step 1.
+
+The acceptance (verified against the reference evidence) must hold layer bounds (qualify.diagnose.bounds).
+The case's engine is launched again from the case's own spec to expose its per-layer activations on the
+first step's rows (qualify.diagnose.worker; sealed under RUN/diagnose/<case>/ and reused while the case's
+evidence is unchanged); its step-1 gradients come from the case's sealed evidence. Each family the
+candidate stage judges the case by (<precision>-repeat, and fp32-vs-bf16 for bf16) compares the candidate
+with that family's reference run; the diagnosis names the first layer and tensor out of bound.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from qualify.acceptance import Acceptance
+from qualify.diagnose.bounds import LAYER_BOUNDS_DIR, LAYER_BOUNDS_SCHEMA, LAYERS_FILE, group_members, layer_metrics
+from qualify.diagnose.localize import LayerRow, by_layer, first_departure, judge_layers
+from qualify.errors import EvidenceError, QualifyError
+from qualify.hashing import file_digest
+from qualify.layout import RunLayout
+from qualify.stagelog import StageLog
+from qualify.stages import fingerprint, require_complete, stage_info, stage_is_complete
+from qualify.store import read_json, read_tensors, write_json
+
+DIAGNOSIS_SCHEMA = "qualify.diagnosis/1"
+
+
+def diagnose_dir(layout: RunLayout) -> Path:
+    """RUN/diagnose/: <case>/ (the candidate's sealed activations) and <case>.json (the diagnosis)."""
+    return layout.root / "diagnose"
+
+
+def load_layer_bounds(acc: Acceptance, role: str) -> dict[str, Any]:
+    """The role's layer bounds named by the acceptance, checked against its digest."""
+    named = acc.document.get("layer_bounds")
+    if not named:
+        raise EvidenceError(f"the acceptance {acc.path} has no layer bounds: it was frozen from a reference scored "
+                            "without per-layer activations. Re-run 'qualify reference' into a new run directory and "
+                            "'qualify freeze' it to diagnose layer by layer")
+    file = acc.path.parent / LAYER_BOUNDS_DIR / f"{role}.json"
+    if f"{role}.json" not in named or not file.is_file() or file_digest(file) != named[f"{role}.json"]:
+        raise EvidenceError(f"layer bound file {file} is missing or does not match the acceptance's digest")
+    doc = read_json(file)
+    if doc.get("schema") != LAYER_BOUNDS_SCHEMA:
+        raise EvidenceError(f"{file}: schema {doc.get('schema')!r}, expected {LAYER_BOUNDS_SCHEMA!r}")
+    return doc
+
+
+def case_spec(layout: RunLayout, case: str) -> Any:
+    """The sealed case's spec (written by the candidate stage beside its evidence)."""
+    from qualify.candidate.spec import read_spec
+    from qualify.launch import work_dir
+
+    case_dir = layout.case(case)
+    if not case_dir.is_dir():
+        known = sorted(p.name for p in layout.candidates.iterdir() if p.is_dir() and not p.name.endswith(".work")) \
+            if layout.candidates.is_dir() else []
+        listed = ", ".join(known) or "none: run 'qualify candidate' first"
+        raise QualifyError(f"no case {case!r} in {layout.candidates} (cases: {listed})")
+    require_complete(case_dir, f"case {case} (run 'qualify candidate' for it first)")
+    spec = work_dir(case_dir) / "spec.json"
+    if not spec.is_file():
+        raise EvidenceError(f"case {case} has no spec at {spec} (run 'qualify candidate' for it again)")
+    return read_spec(spec)
+
+
+def launch_worker(spec_path: Path, out: Path, key: str, tp: int, device: str, log_path: Path) -> int:
+    """torchrun qualify.diagnose.worker with tp ranks (the environment the candidate stage gives a case)."""
+    env = dict(os.environ)
+    if device == "cpu":
+        cpus = int(os.environ.get("SLURM_CPUS_PER_TASK") or len(os.sched_getaffinity(0)))
+        env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // tp)))
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}",
+           "-m", "qualify.diagnose.worker", str(spec_path), str(out), key]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        return subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+
+
+def candidate_layers(layout: RunLayout, case: str, spec: Any, log: StageLog) -> tuple[dict[str, Any], bool]:
+    """(activations, whether the engine has the layer_outputs hook), launching the engine unless a sealed
+    capture made from the same case evidence exists."""
+    from qualify.launch import log_tail, work_dir
+
+    out = diagnose_dir(layout) / case
+    key = fingerprint(stage_info(layout.case(case)))
+    with log.step(f"layer outputs of {case} ({spec.engine}, TP{spec.tp}, {spec.precision})") as step:
+        if stage_is_complete(out) and stage_info(out).get("key") == key:
+            step.skip()
+        else:
+            log_path = Path(str(out) + ".work") / "launch.log"
+            code = launch_worker(work_dir(layout.case(case)) / "spec.json", out, key, spec.tp, spec.device, log_path)
+            if code != 0 or not stage_is_complete(out):
+                raise EvidenceError(f"the engine of case {case} did not produce its layer outputs: "
+                                    + log_tail(log_path, code))
+    return read_tensors(out / LAYERS_FILE), bool(stage_info(out).get("hook"))
+
+
+def grads_detail(group_key: str, cand: dict, ref: dict, acc: Acceptance, role: str, family: str) -> dict[str, Any]:
+    """The parameter of a gradient group farthest out of its per-tensor bound (the acceptance's step0/grads/ bounds)."""
+    from qualify.compare import RunTensors, pair_metrics, step_dir
+
+    names = group_members(list(ref)).get(group_key.removeprefix("grads/"), [])
+    empty: dict = {}
+    measured = pair_metrics(RunTensors(empty, {n: cand[n] for n in names if n in cand}, empty, empty, empty),
+                            RunTensors(empty, {n: ref[n] for n in names}, empty, empty, empty))
+    bounds = acc.bounds(role, family)
+    worst = None
+    for key, ms in measured.items():
+        for metric, value in ms.items():
+            entry = bounds.get(f"{step_dir(0)}/{key}", {}).get(metric)
+            if entry is not None:
+                row = LayerRow(key, metric, value, float(entry["bound"]), value <= float(entry["bound"]))
+                worst = row if worst is None or row.ratio > worst.ratio else worst
+    return {} if worst is None else {"tensor": worst.key, "metric": worst.metric, "value": worst.value,
+                                     "bound": worst.bound, "ratio": worst.ratio}
+
+
+def families_of(precision: str) -> list[str]:
+    """The families the candidate stage judges a case of this precision by (qualify.candidate.run.judge_case)."""
+    return [f"{precision}-repeat"] + (["fp32-vs-bf16"] if precision == "bf16" else [])
+
+
+def diagnose_family(layout: RunLayout, acc: Acceptance, spec: Any, family: str, bounds_doc: dict[str, Any],
+                    acts: dict[str, Any], hook: bool, cand_grads: dict[str, Any]) -> dict[str, Any]:
+    """Rows, first departure and per-layer worst ratios of the case against one family."""
+    from qualify.diagnose.bounds import run_layers
+
+    fam = bounds_doc["families"][family]
+    ref_acts, ref_grads = run_layers(layout.scores(*fam["reference_run"].split("-", 1), spec.role))
+    measured = layer_metrics(acts if hook else None, ref_acts, cand_grads, ref_grads)
+    problems = {f"act/{n}": f"shape {tuple(acts[n].shape)} != {tuple(ref_acts[n].shape)}"
+                for n in set(acts) & set(ref_acts) if acts[n].shape != ref_acts[n].shape}
+    rows = judge_layers(measured, fam["bounds"], problems, forward=hook)
+    first = first_departure(rows)
+    departure = None
+    if first is not None:
+        departure = first.to_json()
+        if first.phase == "backward":
+            departure["detail"] = grads_detail(first.key, cand_grads, ref_grads, acc, spec.role, family)
+    return {"reference_run": fam["reference_run"], "passed": first is None, "first_departure": departure,
+            "layers": by_layer(rows), "rows": [r.to_json() for r in rows]}
+
+
+def diagnose(run_dir: Path, case: str, *, log: StageLog | None = None) -> dict[str, Any]:
+    """Diagnose one sealed candidate case of run_dir; writes and returns the diagnosis (RUN/diagnose/<case>.json)."""
+    from qualify.compare import step_dir
+
+    layout = RunLayout(Path(run_dir))
+    log = log or StageLog("diagnose")
+    with log.step("verify the acceptance against the reference evidence"):
+        acc = Acceptance.load(layout.acceptance, layout.reference)
+    spec = case_spec(layout, case)
+    bounds_doc = load_layer_bounds(acc, spec.role)
+    acts, hook = candidate_layers(layout, case, spec, log)
+    cand_grads = read_tensors(layout.case(case) / step_dir(0) / "grads.safetensors")
+    with log.step(f"compare {case} with the reference layer by layer"):
+        families = {f: diagnose_family(layout, acc, spec, f, bounds_doc, acts, hook, cand_grads)
+                    for f in families_of(spec.precision)}
+    first = next(({"family": f, **d["first_departure"]} for f, d in families.items() if d["first_departure"]), None)
+    doc = {"schema": DIAGNOSIS_SCHEMA, "case": case, "engine": spec.engine, "role": spec.role,
+           "precision": spec.precision, "tp": spec.tp, "step": 0, "acceptance_digest": acc.digest,
+           "layer_outputs_hook": hook, "passed": first is None, "first_departure": first, "families": families}
+    doc = json_safe(doc)
+    write_json(diagnose_dir(layout) / f"{case}.json", doc)
+    return doc
+
+
+def json_safe(value: Any) -> Any:
+    """Non-finite floats as strings ('inf', 'nan'): JSON has none."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def load_diagnoses(run_dir: Path) -> dict[str, dict[str, Any]]:
+    """Every diagnosis written in a run directory, by case (for the report)."""
+    d = diagnose_dir(RunLayout(Path(run_dir)))
+    if not d.is_dir():
+        return {}
+    out = {}
+    for path in sorted(d.glob("*.json")):
+        doc = read_json(path)
+        if isinstance(doc, dict) and doc.get("schema") == DIAGNOSIS_SCHEMA:
+            out[doc["case"]] = doc
+    return out

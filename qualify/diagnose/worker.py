@@ -1,0 +1,54 @@
+"""One rank of a diagnose launch (torchrun, like a candidate case): the engine's per-layer activations at step 1.
+
+The engine is set up exactly as its candidate case was (the case's own spec.json) and runs one forward
+of the first optimizer step's rows through its optional layer_outputs hook; rank 0 seals the full fp32
+tensors. An engine without the hook seals an empty file and says so in the seal (gradients are still
+diagnosed from the case's evidence).
+Usage: python -m qualify.diagnose.worker SPEC.json OUT_DIR
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from qualify.candidate.spec import read_spec
+from qualify.candidate.worker import init_distributed
+from qualify.diagnose.bounds import LAYERS_FILE
+from qualify.engines.base import Batch, EngineContext
+from qualify.engines.registry import get_engine
+from qualify.ppo.objective import step_rows
+from qualify.rollout.capture import load_rollout
+from qualify.stages import complete_stage, prepare_stage
+from qualify.store import write_tensors
+
+
+def main() -> None:
+    spec, out = read_spec(Path(sys.argv[1])), Path(sys.argv[2])
+    key = sys.argv[3] if len(sys.argv) > 3 else ""
+    rank = init_distributed(spec)
+    rollout = load_rollout(Path(spec.rollout_dir), spec.rollout_digest)
+    rows = step_rows(rollout["input_ids_BT"].shape[0], spec.ppo.epochs, spec.ppo.minibatches)[0]
+    batch = Batch(input_ids_BT=rollout["input_ids_BT"][rows], response_mask_BT=rollout["response_mask_BT"][rows])
+    work = Path(str(out) + ".work")
+    work.mkdir(parents=True, exist_ok=True)
+    engine = get_engine(spec.engine)
+    engine.setup(EngineContext(role=spec.role, precision=spec.precision, tp=spec.tp, rank=rank, device=spec.device,
+                               model_dir=Path(spec.model_dir), optimizer=spec.optimizer,
+                               temperature=spec.temperature, logprob_chunk_tokens=spec.logprob_chunk_tokens,
+                               vocab_size=spec.vocab_size, work_dir=work))
+    hook = getattr(engine, "layer_outputs", None)
+    acts = {} if hook is None else {n: t.detach().float().cpu().contiguous() for n, t in hook(batch).items()}
+    engine.close()
+    if rank == 0:
+        prepare_stage(out)
+        write_tensors(out / LAYERS_FILE, acts)
+        complete_stage(out, {"case": spec.name, "engine": spec.engine, "hook": hook is not None, "key": key})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
