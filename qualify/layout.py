@@ -90,6 +90,11 @@ class RunLayout:
         return self.rounds / f"vllm-tp{tp}"
 
 
+def rounds_case(tp: int) -> str:
+    """The case name of a rounds run in its verdict rows: its directory's name under rounds/."""
+    return f"rounds-vllm-tp{tp}"
+
+
 def default_run_dir(matrix_name: str) -> Path:
     """runs/<matrix name> under the current directory."""
     return Path("runs") / matrix_name

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from qualify.acceptance import Acceptance
-from qualify.candidate.judge import Row, judge_steps
+from qualify.candidate.judge import judge_steps
 from qualify.compare import load_steps, params_before_steps
 from qualify.errors import EvidenceError
 from qualify.hardware import platform_differences
@@ -29,6 +29,7 @@ from qualify.models.family import model_dir
 from qualify.schema import from_dict
 from qualify.stages import require_complete
 from qualify.store import read_json, read_tensors
+from qualify.verdict import Row
 
 # Versions that change the numbers a reference computes (bitwise is expected only when they match).
 NUMERICS_PACKAGES = ("torch", "transformers", "safetensors")

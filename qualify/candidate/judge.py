@@ -9,39 +9,14 @@ identical across TP ranks, padded vocabulary rows untouched) have bound 0.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from qualify.compare import RunTensors, pair_metrics, replay_metrics, structure_problems
+from qualify.verdict import Row
 
-
-@dataclass(frozen=True, slots=True)
-class Row:
-    """One judged value."""
-
-    case: str
-    role: str
-    comparison: str
-    tensor: str
-    metric: str
-    value: float
-    bound: float
-    passed: bool
-    note: str = ""
-
-    @property
-    def ratio(self) -> float:
-        if self.bound > 0:
-            return self.value / self.bound
-        return 0.0 if self.value == 0 else math.inf
-
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["ratio"] = self.ratio
-        for k in ("value", "bound", "ratio"):
-            if not math.isfinite(d[k]):
-                d[k] = str(d[k])
-        return d
+STRUCTURE_RULE = "names, shapes and dtypes equal the reference's"
+EVIDENCE_RULE = "== 0"
 
 
 def judge_steps(case: str, role: str, comparison: str, candidate: list[RunTensors], reference: list[RunTensors],
@@ -57,7 +32,7 @@ def judge_steps(case: str, role: str, comparison: str, candidate: list[RunTensor
     for k in range(min(len(candidate), len(reference))):
         prefix = f"step{k}/"
         step_bounds = {key.removeprefix(prefix): b for key, b in bounds.items() if key.startswith(prefix)}
-        rows += [replace(r, tensor=prefix + r.tensor) for r in judge_pair(
+        rows += [replace(r, tensor=prefix + r.tensor, step=k) for r in judge_pair(
             case, role, comparison, candidate[k], reference[k], step_bounds, starts[k], optimizer, adam_step=k + 1)]
     return rows
 
@@ -66,7 +41,7 @@ def judge_pair(case: str, role: str, comparison: str, candidate: RunTensors, ref
                bounds: dict[str, dict[str, dict[str, Any]]], params_before: dict, optimizer: Any,
                adam_step: int = 1) -> list[Row]:
     """Every bound of a family (one step's, keys without the step) applied to candidate vs reference."""
-    rows = [Row(case, role, comparison, key, "structure", math.inf, 0.0, False, problem)
+    rows = [Row(case, role, comparison, key, "structure", math.inf, 0.0, False, problem, rule=STRUCTURE_RULE)
             for key, problem in structure_problems(candidate, reference)]
     broken = {r.tensor for r in rows}
     tau = {key.removeprefix("moments/exp_avg/"): ms["max_abs"]["bound"]
@@ -80,12 +55,23 @@ def judge_pair(case: str, role: str, comparison: str, candidate: RunTensors, ref
         for metric, b in sorted(bounds[key].items()):
             value = values.get(key, {}).get(metric)
             if value is None:
-                rows.append(Row(case, role, comparison, key, metric, math.inf, b["bound"], False, "not measured"))
+                rows.append(Row(case, role, comparison, key, metric, math.inf, b["bound"], False, "not measured",
+                                rule=bound_rule(b)))
                 continue
             ok = math.isfinite(value) and value <= b["bound"]
             rows.append(Row(case, role, comparison, key, metric, value, b["bound"], ok,
-                            "" if math.isfinite(value) else "NaN or Inf in candidate"))
+                            "" if math.isfinite(value) else "NaN or Inf in candidate", rule=bound_rule(b)))
     return rows
+
+
+def bound_rule(b: dict[str, Any]) -> str:
+    """How a frozen bound was made, from its bound-file entry: '<= 0.00415 = k x control 0.000977 + floor 1e-06 +
+    quantum 0.000244'."""
+    terms = [f"k x control {b['control_error']:.3g}" if "control_error" in b else "",
+             f"floor {b['floor']:.3g}" if "floor" in b else "",
+             f"quantum {b['quantum']:.3g}" if b.get("quantum") else ""]
+    made = " + ".join(t for t in terms if t)
+    return f"<= {b['bound']:.3g}" + (f" = {made}" if made else "")
 
 
 def evidence_rows(case: str, role: str, meta: dict[str, Any]) -> list[Row]:
@@ -106,4 +92,5 @@ def evidence_rows(case: str, role: str, meta: dict[str, Any]) -> list[Row]:
         ("evidence/padded_vocab_rows", "changed_max_abs", padded, ""),
         ("evidence/params", "num_extra", float(len(meta["extra_params"])), ", ".join(meta["extra_params"][:3])),
     ]
-    return [Row(case, role, "evidence", t, m, v, 0.0, math.isfinite(v) and v == 0.0, note) for t, m, v, note in checks]
+    return [Row(case, role, "evidence", t, m, v, 0.0, math.isfinite(v) and v == 0.0, note, rule=EVIDENCE_RULE)
+            for t, m, v, note in checks]

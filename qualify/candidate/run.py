@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from qualify.acceptance import Acceptance
-from qualify.candidate.judge import Row, evidence_rows, judge_steps
+from qualify.candidate.formula import declared_formula, explain_formula, formula_bounds, formula_steps
+from qualify.candidate.judge import evidence_rows, judge_steps
 from qualify.candidate.spec import make_spec
 from qualify.compare import load_steps, params_before_steps
 from qualify.engines.registry import require_engine
@@ -29,6 +30,7 @@ from qualify.models.family import model_dirs
 from qualify.stagelog import StageLog
 from qualify.stages import stage_info, stage_is_complete
 from qualify.store import read_json, write_json
+from qualify.verdict import VERDICT_SCHEMA, Row, Verdict, make_verdict
 
 
 def require_frozen_matrix(matrix: Matrix, layout: RunLayout) -> None:
@@ -130,27 +132,31 @@ def judge_case(layout: RunLayout, case: Case, bounds: dict, before: dict, optimi
     names cases whose seal this process has checked since they were last written: not hashed again)."""
     cand = load_steps(layout.case(case.name))
     starts = params_before_steps(cand, before)
+    formula, truncates = declared_formula(cand[0].meta)  # its logprobs are judged against the reference's formula
     rows = []
     families = [(f"{case.precision}-repeat", f"{case.precision}-r0")]
     if case.precision == "bf16":
         families.append(("fp32-vs-bf16", "fp32-r0"))
     for family, ref_run in families:
         precision, control = ref_run.split("-", 1)
-        ref = load_steps(layout.scores(precision, control, case.role))
-        rows += judge_steps(case.name, case.role, f"vs ref {ref_run} [{family}]", cand, ref,
-                            bounds[(case.role, family)], starts, optimizer)
+        ref, fam = load_steps(layout.scores(precision, control, case.role)), bounds[(case.role, family)]
+        judged = judge_steps(case.name, case.role, f"vs ref {ref_run} [{family}]", cand,
+                             formula_steps(ref, formula, truncates), formula_bounds(fam, formula, truncates),
+                             starts, optimizer)
+        rows += explain_formula(judged, cand, ref, fam, formula)
     rows += evidence_rows(case.name, case.role, cand[0].meta)
     if case.tp > 1:
         base = Case(engine=case.engine, precision=case.precision, tp=1, role=case.role)
         if base.name in verified or stage_is_complete(layout.case(base.name)):
             rows += judge_steps(case.name, case.role, f"vs tp1 [{case.precision}-repeat]", cand,
-                                load_steps(layout.case(base.name)), bounds[(case.role, f"{case.precision}-repeat")],
+                                load_steps(layout.case(base.name)),
+                                formula_bounds(bounds[(case.role, f"{case.precision}-repeat")], formula, truncates),
                                 starts, optimizer)
     return rows
 
 
 def run_candidates(matrix: Matrix, run_dir: Path, *, acceptance: Path | None = None,
-                   only: str | None = None) -> dict[str, Any]:
+                   only: str | None = None) -> Verdict:
     """Run and judge the (selected) cases; returns the verdict document."""
     layout = RunLayout(Path(run_dir))
     check_engines(matrix)
@@ -171,12 +177,14 @@ def run_candidates(matrix: Matrix, run_dir: Path, *, acceptance: Path | None = N
     verified = frozenset(c.name for c in cases if c.name not in errors)  # run_group checked each seal
     for case in cases:
         if case.name in errors:
-            rows.append(Row(case.name, case.role, "run", "case", "exit", 1.0, 0.0, False, errors[case.name]))
+            rows.append(Row(case.name, case.role, "run", "case", "exit", 1.0, 0.0, False, errors[case.name],
+                            rule="the case runs to completion and seals its evidence"))
         else:
             rows += judge_case(layout, case, bounds, befores[case.role], matrix.optimizer, verified)
     verdict = verdict_document(matrix, doc, cases, rows, complete=only is None,
                                platforms=case_platforms(layout, cases, doc.get("platform")))
-    write_json(layout.verdict if only is None else layout.candidates / f"verdict-{selection_name(only)}.json", verdict)
+    write_json(layout.verdict if only is None else layout.candidates / f"verdict-{selection_name(only)}.json",
+               verdict.to_json())
     return verdict
 
 
@@ -203,19 +211,10 @@ def case_platforms(layout: RunLayout, cases: list[Case], reference_platform: dic
 
 
 def verdict_document(matrix: Matrix, doc: dict[str, Any], cases: list[Case], rows: list[Row],
-                     complete: bool, platforms: dict[str, Any] | None = None) -> dict[str, Any]:
+                     complete: bool, platforms: dict[str, Any] | None = None) -> Verdict:
     """The verdict: per case, every row, and the platforms (a case run elsewhere than its reference says so)."""
     from qualify.hardware import describe
 
-    per_case = {}
-    for case in cases:
-        mine = [r for r in rows if r.case == case.name]
-        worst = max((r for r in mine if r.bound > 0 or not r.passed), key=lambda r: r.ratio, default=None)
-        per_case[case.name] = {"passed": all(r.passed for r in mine) and bool(mine), "num_checks": len(mine),
-                               "num_failed": sum(not r.passed for r in mine),
-                               "worst": worst.to_json() if worst else None} | (platforms or {}).get(case.name, {})
-    return {"schema": "qualify.verdict/1", "matrix": matrix.name, "acceptance_digest": doc["digest"],
-            "rollout_digest": doc["rollout_digest"], "complete": complete,
-            "reference_platform": describe(doc.get("platform")),
-            "passed": all(c["passed"] for c in per_case.values()), "cases": per_case,
-            "rows": [r.to_json() for r in rows]}
+    return make_verdict(VERDICT_SCHEMA, matrix.name, rows, [c.name for c in cases], extra=platforms, details={
+        "acceptance_digest": doc["digest"], "rollout_digest": doc["rollout_digest"], "complete": complete,
+        "reference_platform": describe(doc.get("platform"))})

@@ -43,10 +43,10 @@ def main(
         from qualify.junit import to_junit
         from qualify.store import atomic_write_bytes
 
-        atomic_write_bytes(junit, to_junit(verdict, name=m.name))
+        atomic_write_bytes(junit, to_junit(verdict.to_json(), name=m.name))
     if format is Format.json:
-        echo_json(verdict)
+        echo_json(verdict.to_json())
     else:
-        render_verdict(verdict)
-    if not verdict["passed"]:
+        render_verdict(verdict.to_json())
+    if not verdict.passed:
         raise typer.Exit(EXIT_FAILED)

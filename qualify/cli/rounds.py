@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -29,6 +29,7 @@ def main(
     format: FormatOpt = Format.text,
 ) -> None:
     from qualify.cli.render import echo_json
+    from qualify.cli.verdict_view import render_verdict
     from qualify.layout import default_run_dir
     from qualify.matrix import load_matrix
     from qualify.rounds.probes import PROBES
@@ -39,44 +40,8 @@ def main(
     opts = RoundsOptions(engine=engine, rounds=rounds, vllm_tp=vllm_tp, train_tp=train_tp, probes=probes)
     verdict = run_rounds(m, run or default_run_dir(m.name), opts)
     if format is Format.json:
-        echo_json(verdict)
+        echo_json(verdict.to_json())
     else:
-        render(verdict)
-    if not verdict["passed"]:
+        render_verdict(verdict.to_json())
+    if not verdict.passed:
         raise typer.Exit(EXIT_FAILED)
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.3g}"
-    text = str(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def render(verdict: dict[str, Any]) -> None:
-    """One table row per check, then the versions, the bound and the overall result."""
-    import sys
-
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(width=None if sys.stdout.isatty() else 200, highlight=False)
-    table = Table(title=f"qualify rounds: {verdict['matrix']} (vLLM TP{verdict['vllm_tp']}, "
-                        f"trainer {verdict['engine']} TP{verdict['train_tp']})")
-    for column in ("round", "check", "observed", "required", ""):
-        table.add_column(column, overflow="fold")
-    for r in verdict["rows"]:
-        mark = "[green]ok[/green]" if r["passed"] else "[bold red]FAIL[/bold red]"
-        table.add_row("" if r["round"] is None else str(r["round"]), r["check"], _fmt(r["observed"]),
-                      _fmt(r["required"]), mark)
-    console.print(table)
-    for v in verdict["actor_versions"]:
-        console.print(f"v{v['version']}: {v['digest']}")
-    b = verdict["bound"]
-    console.print(f"logprob bound {_fmt(b['logprob_max_abs'])} = {b['k']} x {_fmt(b['control'])} + {b['floor']} "
-                  f"({b['source']})")
-    if verdict["failure"]:
-        console.print(f"[bold red]{verdict['failure']}[/bold red]")
-    status = "PASSED" if verdict["passed"] else "FAILED"
-    console.print(f"[bold]{status}[/bold]: {verdict['num_checks'] - verdict['num_failed']}/{verdict['num_checks']} "
-                  f"checks pass, {verdict['seconds']} s; evidence in the run's rounds/")

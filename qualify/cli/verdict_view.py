@@ -1,4 +1,8 @@
-"""Rich rendering of a verdict: per case, its worst row per comparison and every failing row."""
+"""The one rendering of a verdict (candidate or rounds): a table of rows, then each case and the result.
+
+A candidate verdict shows, per case, its worst row per comparison and every failing row (capped); a rounds
+verdict, which holds a few dozen facts, shows every row, then its actor versions and its logprob bound.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +12,24 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from qualify.verdict import ROUNDS_SCHEMA
+
 MAX_FAILING_ROWS = 40
 
 
 def _fmt(v: Any) -> str:
-    return v if isinstance(v, str) else f"{v:.3g}"
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    if v is None:
+        return ""
+    text = str(v)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def pick_rows(verdict: dict[str, Any]) -> list[dict[str, Any]]:
     """Worst row of each (case, comparison) plus failing rows (capped), in case order."""
+    if verdict.get("schema") == ROUNDS_SCHEMA:
+        return list(verdict["rows"])
     worst: dict[tuple[str, str], dict[str, Any]] = {}
     failing = []
     for row in verdict["rows"]:
@@ -31,19 +44,49 @@ def pick_rows(verdict: dict[str, Any]) -> list[dict[str, Any]]:
     return sorted(chosen.values(), key=lambda r: (order.index(r["case"]), r["comparison"], r["passed"]))
 
 
-def render_verdict(verdict: dict[str, Any], console: Console | None = None) -> None:
-    console = console or Console(width=None if sys.stdout.isatty() else 200)
-    table = Table(title=f"qualify verdict: {verdict['matrix']}", show_lines=False)
-    for column in ("case", "role", "comparison", "tensor", "metric", "value", "bound", "value/bound", ""):
-        table.add_column(column, overflow="fold")
-    for r in pick_rows(verdict):
-        mark = "[green]ok[/green]" if r["passed"] else "[bold red]FAIL[/bold red]"
-        table.add_row(r["case"], r["role"], r["comparison"], r["tensor"], r["metric"], _fmt(r["value"]),
-                      _fmt(r["bound"]), _fmt(r["ratio"]), mark)
-    console.print(table)
+def _title(verdict: dict[str, Any]) -> str:
+    if verdict.get("schema") == ROUNDS_SCHEMA:
+        return (f"qualify rounds: {verdict['matrix']} (vLLM TP{verdict['vllm_tp']}, trainer {verdict['engine']} "
+                f"TP{verdict['train_tp']})")
+    return f"qualify verdict: {verdict['matrix']}"
+
+
+def _rounds_footer(verdict: dict[str, Any], console: Console) -> None:
+    for v in verdict["actor_versions"]:
+        console.print(f"v{v['version']}: {v['digest']}")
+    b = verdict["bound"]
+    console.print(f"logprob bound {_fmt(b['logprob_max_abs'])} = {b['k']} x {_fmt(b['control'])} + {b['floor']} "
+                  f"({b['source']})")
+    if verdict.get("failure"):
+        console.print(f"[bold red]{verdict['failure']}[/bold red]")
+    status = "PASSED" if verdict["passed"] else "FAILED"
+    console.print(f"[bold]{status}[/bold]: {verdict['num_checks'] - verdict['num_failed']}/{verdict['num_checks']} "
+                  f"checks pass, {verdict['seconds']} s; evidence in the run's rounds/")
+
+
+def _cases_footer(verdict: dict[str, Any], console: Console) -> None:
     for name, c in verdict["cases"].items():
         status = "[green]PASS[/green]" if c["passed"] else "[bold red]FAIL[/bold red]"
         console.print(f"{status} {name}: {c['num_checks']} checks, {c['num_failed']} failed")
     total = len(verdict["cases"])
     failed = sum(not c["passed"] for c in verdict["cases"].values())
     console.print(f"[bold]{'PASSED' if verdict['passed'] else 'FAILED'}[/bold]: {total - failed}/{total} cases pass")
+
+
+def render_verdict(verdict: dict[str, Any], console: Console | None = None) -> None:
+    """Print a verdict document (its JSON form, as written to disk)."""
+    console = console or Console(width=None if sys.stdout.isatty() else 200, highlight=False)
+    table = Table(title=_title(verdict), show_lines=False)
+    for column in ("case", "step", "comparison", "tensor / check", "metric", "value", "bound", "rule",
+                   "value/bound", ""):
+        table.add_column(column, overflow="fold")
+    for r in pick_rows(verdict):
+        mark = "[green]ok[/green]" if r["passed"] else "[bold red]FAIL[/bold red]"
+        table.add_row(r["case"], _fmt(r.get("step")), r["comparison"], r["tensor"], r["metric"], _fmt(r["value"]),
+                      _fmt(r["bound"]), r.get("rule", ""), _fmt(r.get("ratio")) if r.get("bound") is not None else "",
+                      mark)
+    console.print(table)
+    if verdict.get("schema") == ROUNDS_SCHEMA:
+        _rounds_footer(verdict, console)
+    else:
+        _cases_footer(verdict, console)

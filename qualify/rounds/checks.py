@@ -1,32 +1,18 @@
-"""The checks of a rounds run as small functions, and the row every check leaves in the verdict.
+"""The checks of a rounds run as small functions, each leaving one verdict row (qualify.verdict.fact).
 
-A row passes only when its rule holds; a row explains itself (check, round, observed value,
-what was required, detail). Logprob agreement compares vLLM's sampled-token logprobs with an HF
+A row passes only when its rule holds; a row explains itself (check as its tensor, round as its step,
+the observed value, what was required as its rule, detail as its note). Logprob agreement compares vLLM's sampled-token logprobs with an HF
 teacher-forced fp32 forward of the version the engine claims to serve, on response tokens only.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-
-@dataclass(frozen=True, slots=True)
-class Row:
-    """One judged fact of a rounds run."""
-
-    check: str
-    round: int | None
-    observed: Any
-    required: str
-    passed: bool
-    detail: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+from qualify.verdict import Row, fact
 
 
 def logprob_agreement(vllm_BT: torch.Tensor, hf_BT: torch.Tensor, mask_BT: torch.Tensor) -> dict[str, Any]:
@@ -40,32 +26,32 @@ def logprob_agreement(vllm_BT: torch.Tensor, hf_BT: torch.Tensor, mask_BT: torch
 
 def agreement_row(check: str, rnd: int, stats: dict[str, Any], bound: float, version: int) -> Row:
     ok = stats["num_tokens"] > 0 and math.isfinite(stats["max_abs"]) and stats["max_abs"] <= bound
-    return Row(check, rnd, stats["max_abs"], f"<= {bound:.3g}", ok,
-               f"vLLM vs HF fp32 forward of v{version}: {stats['num_tokens']} tokens, "
-               f"{stats['num_not_bitwise']} not bitwise equal, mean |delta| {stats['mean_abs']:.3g}")
+    return fact(check, rnd, stats["max_abs"], f"<= {bound:.3g}", ok,
+                f"vLLM vs HF fp32 forward of v{version}: {stats['num_tokens']} tokens, "
+                f"{stats['num_not_bitwise']} not bitwise equal, mean |delta| {stats['mean_abs']:.3g}", bound=bound)
 
 
 def sensitivity_row(rnd: int, stats: dict[str, Any], bound: float, served: int, other: int) -> Row:
     """The agreement check must be able to fail: vLLM at v(served) against HF of v(other) exceeds the bound."""
     ok = stats["max_abs"] > bound
-    return Row("agreement discriminates versions", rnd, stats["max_abs"], f"> {bound:.3g}", ok,
-               f"vLLM serving v{served} vs HF of v{other}: an engine still serving v{other} would fail the bound")
+    return fact("agreement discriminates versions", rnd, stats["max_abs"], f"> {bound:.3g}", ok,
+                f"vLLM serving v{served} vs HF of v{other}: an engine still serving v{other} would fail the bound")
 
 
 def cold_row(check: str, rnd: int, cached: list[int], detail: str) -> Row:
-    return Row(check, rnd, cached, "every request 0 cached tokens", all(c == 0 for c in cached), detail)
+    return fact(check, rnd, cached, "every request 0 cached tokens", all(c == 0 for c in cached), detail)
 
 
 def warm_row(check: str, rnd: int, cached: list[int], block_size: int, detail: str) -> Row:
-    return Row(check, rnd, cached, f"every request >= {block_size} cached tokens",
-               bool(cached) and all(c >= block_size for c in cached), detail)
+    return fact(check, rnd, cached, f"every request >= {block_size} cached tokens",
+                bool(cached) and all(c >= block_size for c in cached), detail)
 
 
 def same_tokens_row(check: str, rnd: int, first: list[dict[str, Any]], again: list[dict[str, Any]]) -> Row:
     same = [a["tokens"] == b["tokens"] for a, b in zip(first, again)]
-    return Row(check, rnd, sum(same), f"== {len(first)} identical responses", len(first) == len(again) and all(same),
-               "same prompts and seeds replayed at the same version")
+    return fact(check, rnd, sum(same), f"== {len(first)} identical responses",
+                len(first) == len(again) and all(same), "same prompts and seeds replayed at the same version")
 
 
 def equal_row(check: str, rnd: int | None, observed: Any, expected: Any, detail: str = "") -> Row:
-    return Row(check, rnd, observed, f"== {expected}", observed == expected, detail)
+    return fact(check, rnd, observed, f"== {expected}", observed == expected, detail)

@@ -19,11 +19,11 @@ from __future__ import annotations
 from typing import Any
 
 from qualify.rounds import checks
-from qualify.rounds.checks import Row
 from qualify.rounds.client import Refused
 from qualify.rounds.session import InstallRejected, Session
 from qualify.rounds.weights import Version
 from qualify.store import write_json
+from qualify.verdict import fact
 
 PROBES = ("stale", "wrong-shard", "missing-ack", "duplicate-ack", "warm-cache")
 
@@ -37,8 +37,8 @@ def corrupt_target(version: Version) -> str:
 def record(s: Session, name: str, outcome: dict[str, Any]) -> dict[str, Any]:
     write_json(s.out / "probes" / f"{name}.json", outcome)
     s.probes[name] = {k: outcome[k] for k in ("observed", "required", "passed", "error")}
-    s.add(Row(f"probe {name} rejected", None, outcome["observed"], outcome["required"], outcome["passed"],
-              outcome.get("error", "")))
+    s.add(fact(f"probe {name} rejected", None, outcome["observed"], outcome["required"], outcome["passed"],
+               outcome.get("error", "")))
     return outcome
 
 
@@ -118,7 +118,7 @@ def warm_cache_probe(s: Session, v0: Version, v1: Version) -> dict[str, Any]:
                                     "first_cached_tokens": cached, "cold_check": cold.to_json(),
                                     "agreement_check": agree.to_json(), "after": after,
                                     "observed": {"guard": guard and guard["kind"], "cached_tokens": cached,
-                                                 "logprob_max_abs": agree.observed},
+                                                 "logprob_max_abs": agree.value},
                                     "required": "ack refused (warm_cache); forced: cached > 0 and logprobs beyond "
                                                 "the bound, engine failed", "passed": ok,
                                     "error": (guard or {}).get("error", "")})

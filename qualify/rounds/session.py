@@ -8,24 +8,27 @@ acks exactly the acknowledgments it verified).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from qualify.errors import QualifyError, RoundsError
+from qualify.layout import rounds_case
 from qualify.matrix import Matrix
 from qualify.models.precision import DTYPE_NAMES, torch_dtype
 from qualify.rollout.capture import make_prompts, rollout_tensors
 from qualify.rounds.acks import ack_problems
 from qualify.rounds.base import Base
-from qualify.rounds.checks import Row, logprob_agreement
+from qualify.rounds.checks import logprob_agreement
 from qualify.rounds.client import Refused, RolloutEngine
 from qualify.rounds.digests import version_digest
 from qualify.rounds.shards import expected_shard_digests
 from qualify.rounds.weights import Version
 from qualify.stagelog import StageLog
 from qualify.store import write_tensors
+from qualify.verdict import Row
 
 NUM_CACHE_PROMPTS = 2
 CACHE_SEED_OFFSET = 7919  # cache-probe prompts and seeds are drawn apart from the rollout's
@@ -162,6 +165,8 @@ class Session:
         return logprob_agreement(tensors["sampler_logprobs_BT"], hf_BT, tensors["response_mask_BT"])
 
     def add(self, row: Row) -> Row:
+        """Record a row under this run's case name (rounds-vllm-tp<N>)."""
+        row = replace(row, case=rounds_case(self.tp))
         self.rows.append(row)
         return row
 

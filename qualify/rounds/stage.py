@@ -21,13 +21,12 @@ from typing import Any
 from qualify.engines.registry import ENGINES
 from qualify.errors import EngineError, QualifyError
 from qualify.hashing import file_digest
-from qualify.layout import RunLayout
+from qualify.layout import RunLayout, rounds_case
 from qualify.matrix import Matrix
 from qualify.models.checkpoint import checkpoint_tensors
 from qualify.rollout.capture import ROLLOUT_FILE, load_rollout, rollout_tensors
 from qualify.rounds import checks
 from qualify.rounds.base import Base, resolve_base
-from qualify.rounds.checks import Row
 from qualify.rounds.client import EngineCrash, Refused
 from qualify.rounds.digests import digests_of, version_digest
 from qualify.rounds.probes import PROBES, failure_probes, stale_probes
@@ -37,9 +36,9 @@ from qualify.rounds.weights import Version, load_version, write_version
 from qualify.stagelog import StageLog
 from qualify.stages import complete_stage, prepare_stage, stage_is_complete, write_tensor_stage
 from qualify.store import read_json, write_json
+from qualify.verdict import ROUNDS_SCHEMA, Verdict, fact, make_verdict
 from qualify.versions import provenance
 
-SCHEMA = "qualify.rounds/1"
 FROZEN_ROLES = ("reference", "reward", "critic")
 
 
@@ -66,11 +65,6 @@ class RoundsOptions:
         unknown = sorted(set(self.probes) - set(PROBES))
         if unknown:
             raise QualifyError(f"unknown probes {unknown} (known: {', '.join(PROBES)})")
-
-
-def rounds_dir(layout: RunLayout, vllm_tp: int) -> Path:
-    """RUN_DIR/rounds/vllm-tp<N>: one sealed rounds run per vLLM TP degree."""
-    return layout.rounds / f"vllm-tp{vllm_tp}"
 
 
 def frozen_digests(base: Base, targets_file: Path | None, captured: Path | None = None) -> dict[str, str]:
@@ -197,17 +191,17 @@ def run_all_rounds(s: Session, opts: RoundsOptions, v0: Version) -> list[Version
     return versions
 
 
-def run_rounds(matrix: Matrix, run_dir: Path, options: RoundsOptions | None = None) -> dict[str, Any]:
+def run_rounds(matrix: Matrix, run_dir: Path, options: RoundsOptions | None = None) -> Verdict:
     """The whole rounds stage; returns the verdict (an existing complete one is returned as it is)."""
     opts = options or RoundsOptions()
     if opts.engine not in ENGINES and ":" not in opts.engine:
         raise EngineError(f"unknown engine '{opts.engine}' (known: {', '.join(sorted(ENGINES))}; or 'module:factory')")
     layout, log = RunLayout(Path(run_dir)), StageLog("rounds")
     tp = opts.vllm_tp or matrix.rollout.vllm_tp[0]
-    out = rounds_dir(layout, tp)
+    out = layout.rounds_dir(tp)
     if stage_is_complete(out):
         log.skip(f"rounds at vLLM TP{tp}")
-        return read_json(out / "verdict.json")
+        return Verdict.from_json(read_json(out / "verdict.json"))
     base = resolve_base(matrix, layout)
     prepare_stage(out)
     started = time.monotonic()
@@ -220,7 +214,7 @@ def run_rounds(matrix: Matrix, run_dir: Path, options: RoundsOptions | None = No
         failure_probes(s, versions, opts.probes)
     except (Refused, EngineCrash, InstallRejected, TrainFailed) as exc:
         failure = f"{type(exc).__name__}: {exc}"
-        s.add(Row("rounds completed", None, failure, "no refusal, crash or rejection", False))
+        s.add(fact("rounds completed", None, failure, "no refusal, crash or rejection", False))
     finally:
         leftover = s.close()
     s.add(checks.equal_row("no /dev/shm segment left behind", None, leftover, []))
@@ -232,17 +226,13 @@ def run_rounds(matrix: Matrix, run_dir: Path, options: RoundsOptions | None = No
 
 
 def finish(s: Session, opts: RoundsOptions, matrix: Matrix, versions: list[Version], frozen: dict[str, str],
-           failure: str | None, seconds: float) -> dict[str, Any]:
-    verdict = {"schema": SCHEMA, "matrix": matrix.name, "passed": all(r.passed for r in s.rows) and failure is None,
-               "failure": failure, "engine": opts.engine, "rounds": opts.rounds, "vllm_tp": s.tp,
-               "train_tp": opts.train_tp, "bound": {"logprob_max_abs": s.base.bound if s.base.control is not None
-                                                    else None, "k": s.base.k, "floor": s.base.floor,
-                                                    "control": s.base.control, "source": s.base.source,
-                                                    **s.base.extra},
-               "actor_versions": [{"version": v.number, "digest": v.digest, "path": str(v.path)} for v in versions],
-               "frozen": frozen, "probes": s.probes, "num_checks": len(s.rows),
-               "num_failed": sum(not r.passed for r in s.rows), "rows": [r.to_json() for r in s.rows],
-               "seconds": round(seconds, 1), **provenance()}
-    write_json(s.out / "verdict.json", verdict)
-    complete_stage(s.out, {"passed": verdict["passed"]})
+           failure: str | None, seconds: float) -> Verdict:
+    verdict = make_verdict(ROUNDS_SCHEMA, matrix.name, s.rows, [rounds_case(s.tp)], failure=failure, details={
+        "engine": opts.engine, "rounds": opts.rounds, "vllm_tp": s.tp, "train_tp": opts.train_tp,
+        "bound": {"logprob_max_abs": s.base.bound if s.base.control is not None else None, "k": s.base.k,
+                  "floor": s.base.floor, "control": s.base.control, "source": s.base.source, **s.base.extra},
+        "actor_versions": [{"version": v.number, "digest": v.digest, "path": str(v.path)} for v in versions],
+        "frozen": frozen, "probes": s.probes, "seconds": round(seconds, 1), **provenance()})
+    write_json(s.out / "verdict.json", verdict.to_json())
+    complete_stage(s.out, {"passed": verdict.passed})
     return verdict

@@ -20,9 +20,9 @@ def plugins_importable(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
 
 
-def matrix_with(tmp_path: Path, **candidates):
-    """The embedded default's matrix with its candidates section changed, written under tmp_path."""
-    data = yaml.safe_load((REPO / "matrices" / "tiny-qwen3.yaml").read_text())
+def matrix_with(tmp_path: Path, base: Path = REPO / "matrices" / "tiny-qwen3.yaml", **candidates):
+    """The embedded default's matrix (or base) with its candidates section changed, written under tmp_path."""
+    data = yaml.safe_load(Path(base).read_text())
     data["candidates"].update(candidates)
     path = tmp_path / "matrix.yaml"
     path.write_text(yaml.safe_dump(data))

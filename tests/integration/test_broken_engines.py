@@ -15,7 +15,7 @@ PLUGINS = "tests.integration.plugins"
 def test_nan_gradient_and_skipped_step_fail_with_named_rows(run_copy):
     m = matrix_with(run_copy.parent, engines=[f"{PLUGINS}:nan_gradient", f"{PLUGINS}:skips_non_finite_step"],
                     precisions=["fp32"], tp=[1], roles=["actor"])
-    verdict = run_candidates(m, run_copy)
+    verdict = run_candidates(m, run_copy).to_json()
     assert not verdict["passed"] and verdict["complete"]
     nan_case, skip_case = (c.name for c in m.cases())
     for case in (nan_case, skip_case):

@@ -68,19 +68,19 @@ def test_candidate_refuses_modified_reference(run_copy, tiny_matrix):
     targets = RunLayout(run_copy).targets / "targets.json"
     targets.write_text(targets.read_text().replace('"gamma"', '"gamma" '))
     with pytest.raises(EvidenceError, match="does not match"):
-        run_candidates(tiny_matrix, run_copy, only="torch-tp-fp32-tp1-actor")
+        run_candidates(tiny_matrix, run_copy, only="torch-tp-fp32-tp1-actor").to_json()
 
 
 def test_candidate_refuses_widened_bound(run_copy, tiny_matrix):
     bound_file = RunLayout(run_copy).bounds / "critic-bf16-repeat.json"
     bound_file.write_text(bound_file.read_text().replace('"k": 4.0', '"k": 40.0'))
     with pytest.raises(EvidenceError, match="bound file"):
-        run_candidates(tiny_matrix, run_copy, only="torch-tp-fp32-tp1-critic")
+        run_candidates(tiny_matrix, run_copy, only="torch-tp-fp32-tp1-critic").to_json()
 
 
 def test_torch_tp_passes_every_case(run_copy, tiny_matrix):
     m = matrix_with(run_copy.parent, engines=["torch-tp"])
-    verdict = run_candidates(m, run_copy)
+    verdict = run_candidates(m, run_copy).to_json()
     assert verdict["passed"], [failing_rows(verdict, c)[:3] for c in verdict["cases"]]
     assert len(verdict["cases"]) == 8
     tp_rows = [r for r in verdict["rows"] if r["comparison"].startswith("vs tp1")]
@@ -90,7 +90,7 @@ def test_torch_tp_passes_every_case(run_copy, tiny_matrix):
 def test_deepspeed_passes_every_case(run_copy):
     require_module("deepspeed")
     m = matrix_with(run_copy.parent, engines=["deepspeed"])
-    verdict = run_candidates(m, run_copy)
+    verdict = run_candidates(m, run_copy).to_json()
     assert verdict["passed"], [failing_rows(verdict, c)[:3] for c in verdict["cases"]]
     assert len(verdict["cases"]) == 8
 
@@ -100,7 +100,7 @@ def test_correct_engine_passes_three_repeated_runs(run_copy, tiny_matrix):
     layout = RunLayout(run_copy)
     evidence = []
     for attempt in range(3):
-        verdict = run_candidates(m, run_copy)
+        verdict = run_candidates(m, run_copy).to_json()
         assert verdict["passed"], failing_rows(verdict, "torch-tp-fp32-tp2-actor")[:3]
         evidence.append(b"".join((layout.case("torch-tp-fp32-tp2-actor") / f"step{k}" / "grads.safetensors").read_bytes()
                                  for k in range(m.ppo.epochs * m.ppo.minibatches)))
@@ -111,7 +111,7 @@ def test_correct_engine_passes_three_repeated_runs(run_copy, tiny_matrix):
 def test_skipping_norm_allreduce_fails_under_tp2(run_copy):
     m = matrix_with(run_copy.parent, engines=["tests.integration.plugins:skip_norm_allreduce"],
                     precisions=["fp32"], tp=[2], roles=["actor"])
-    verdict = run_candidates(m, run_copy)
+    verdict = run_candidates(m, run_copy).to_json()
     assert not verdict["passed"]
     failed = {r["tensor"] for r in failing_rows(verdict, m.cases()[0].name)}
     assert any("q_norm" in t or "k_norm" in t for t in failed)
@@ -122,7 +122,7 @@ def test_bf16_temperature_fails(run_copy, tiny_matrix):
     assert tiny_matrix.rollout.temperature != 1.0
     m = matrix_with(run_copy.parent, engines=["tests.integration.plugins:bf16_temperature"],
                     precisions=["fp32", "bf16"], tp=[1], roles=["actor"])
-    verdict = run_candidates(m, run_copy)
+    verdict = run_candidates(m, run_copy).to_json()
     assert not verdict["passed"]
     assert bf16_temperature_problems(verdict) == []
 

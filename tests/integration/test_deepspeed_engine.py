@@ -87,7 +87,7 @@ def test_default_clipping_fails_where_deepspeed_passes(run_copy, tiny_matrix):
     assert 0 < tiny_matrix.optimizer.max_grad_norm != 1.0  # else DeepSpeed's default would be right by chance
     m = matrix_with(run_copy.parent, engines=["deepspeed", f"{PLUGINS}:default_clipping_engine"],
                     precisions=["fp32"], tp=[1], roles=["actor"])
-    verdict = run_candidates(m, run_copy)
+    verdict = run_candidates(m, run_copy).to_json()
     real, control = (c.name for c in m.cases())
     assert verdict["cases"][real]["passed"], sorted(failed_tensors(verdict, real))[:5]
     assert not verdict["cases"][control]["passed"]
@@ -100,14 +100,14 @@ def test_zero0_bf16_traps_fail_where_deepspeed_passes(run_copy):
     m = matrix_with(run_copy.parent, engines=["deepspeed", f"{PLUGINS}:masters_from_bf16_engine",
                                               f"{PLUGINS}:zero_grad_step_engine"],
                     precisions=["bf16"], tp=[1], roles=["actor"])
-    verdict = run_candidates(m, run_copy)
+    verdict = run_candidates(m, run_copy).to_json()
     real, masters, zero_step = (c.name for c in m.cases())
     assert verdict["cases"][real]["passed"], sorted(failed_tensors(verdict, real))[:5]
     for control in (masters, zero_step):  # bf16-rounded start, or the bias correction of step 2
         assert any(t.startswith("updates/") for t in failed_tensors(verdict, control, step=0)), control
     m = matrix_with(run_copy.parent, engines=[f"{PLUGINS}:unmarked_sharded_grads_engine"],
                     precisions=["bf16"], tp=[2], roles=["actor"])
-    verdict = run_candidates(m, run_copy)
+    verdict = run_candidates(m, run_copy).to_json()
     unmarked = failed_tensors(verdict, m.cases()[0].name)
     assert "outputs/grad_norm" in unmarked and any(t.startswith("moments/") for t in unmarked)
     assert "outputs/grad_norm" in failed_tensors(verdict, m.cases()[0].name, step=0)

@@ -69,5 +69,5 @@ def test_candidate_refuses_a_matrix_whose_frozen_fields_changed(run_copy, tmp_pa
     m = matrix_with(tmp_path, engines=["torch-tp"])
     changed = dataclasses.replace(m, optimizer=dataclasses.replace(m.optimizer, lr=2 * m.optimizer.lr))
     with pytest.raises(QualifyError, match=r"optimizer\.lr: 0\.0001 \(frozen\) != 0\.0002"):
-        run_candidates(changed, run_copy, only="torch-tp-fp32-tp1-actor")
+        run_candidates(changed, run_copy, only="torch-tp-fp32-tp1-actor").to_json()
     assert not RunLayout(run_copy).case("torch-tp-fp32-tp1-actor").exists()

@@ -36,7 +36,7 @@ def case_of(matrix, engine):
 def test_own_objective_passes_and_actor_loss_bugs_fail_on_named_tensors(run_copy):
     bugs = [f"{PLUGINS}:wrong_clip_range", f"{PLUGINS}:per_sequence_normalizer", f"{PLUGINS}:padding_in_denominator"]
     m = matrix_with(run_copy.parent, engines=[OWN, *bugs], precisions=["fp32"], tp=[1], roles=["actor"])
-    verdict = run_candidates(m, run_copy)
+    verdict = run_candidates(m, run_copy).to_json()
     own = case_of(m, OWN)
     assert verdict["cases"][own]["passed"], sorted(failing(verdict, own))[:5]
     assert read_json(run_copy / "candidates" / own / "meta.json")["own_objective"] is True
@@ -53,7 +53,7 @@ def test_own_objective_passes_and_actor_loss_bugs_fail_on_named_tensors(run_copy
 def test_own_objective_critic_passes_and_a_missing_value_clip_fails(run_copy):
     bug = f"{PLUGINS}:no_value_clip"
     m = matrix_with(run_copy.parent, engines=[OWN, bug], precisions=["fp32"], tp=[1], roles=["critic"])
-    verdict = run_candidates(m, run_copy)
+    verdict = run_candidates(m, run_copy).to_json()
     own = case_of(m, OWN)
     assert verdict["cases"][own]["passed"], sorted(failing(verdict, own))[:5]
     bad = failing(verdict, case_of(m, bug))

@@ -23,11 +23,11 @@ def test_changed_plugin_code_redoes_the_case(run_copy, tmp_path, monkeypatch, ca
     monkeypatch.syspath_prepend(str(plugin_dir))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(plugin_dir), os.environ["PYTHONPATH"]]))
     m = matrix_with(run_copy.parent, engines=["team_engine:engine"], precisions=["fp32"], tp=[1], roles=["actor"])
-    assert run_candidates(m, run_copy)["passed"]
-    assert run_candidates(m, run_copy)["passed"]  # unchanged: reused
+    assert run_candidates(m, run_copy).to_json()["passed"]
+    assert run_candidates(m, run_copy).to_json()["passed"]  # unchanged: reused
     assert "complete, skipped" in capsys.readouterr().err
     (plugin_dir / "team_engine.py").write_text(BROKEN)
     sys.modules.pop("team_engine", None)
-    verdict = run_candidates(m, run_copy)
+    verdict = run_candidates(m, run_copy).to_json()
     assert "engine code changed since it was sealed" in capsys.readouterr().err
     assert not verdict["passed"]

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from qualify.rounds.stage import RoundsOptions, rounds_dir, run_rounds
+from qualify.rounds.stage import RoundsOptions, run_rounds
 from qualify.store import read_json
 from tests.integration._support import probe_problems
 
@@ -32,7 +32,7 @@ def copy_run(frozen_run, dst):
 def tp1(frozen_run, tiny_matrix, tmp_path_factory):
     run = copy_run(frozen_run, tmp_path_factory.mktemp("rounds") / "run")
     started = time.monotonic()
-    verdict = run_rounds(tiny_matrix, run, RoundsOptions(vllm_tp=1))
+    verdict = run_rounds(tiny_matrix, run, RoundsOptions(vllm_tp=1)).to_json()
     print(f"rounds at vLLM TP1 with probes: {time.monotonic() - started:.1f} s")
     return run, verdict, rounds_dir_of(run, 1)
 
@@ -40,11 +40,11 @@ def tp1(frozen_run, tiny_matrix, tmp_path_factory):
 def rounds_dir_of(run, tp):
     from qualify.layout import RunLayout
 
-    return rounds_dir(RunLayout(run), tp)
+    return RunLayout(run).rounds_dir(tp)
 
 
 def rows(verdict, check):
-    found = [r for r in verdict["rows"] if r["check"] == check]
+    found = [r for r in verdict["rows"] if r["tensor"] == check]
     assert found, f"no row {check!r}"
     return found
 
@@ -90,9 +90,9 @@ def test_negative_controls_fail_where_they_must(tp1):
     warm = read_json(out / "probes" / "warm-cache.json")
     assert warm["guard"]["kind"] == "warm_cache"
     assert min(warm["first_cached_tokens"]) >= 32 and not warm["cold_check"]["passed"]
-    assert warm["agreement_check"]["observed"] > bound and not warm["agreement_check"]["passed"]
+    assert warm["agreement_check"]["value"] > bound and not warm["agreement_check"]["passed"]
     [sensitivity] = rows(verdict, "agreement discriminates versions")
-    assert sensitivity["passed"] and sensitivity["observed"] > bound
+    assert sensitivity["passed"] and sensitivity["value"] > bound
     assert warm["after"]["generate"] == "unusable" and warm["after"]["state"]["state"] == "failed"
     assert verdict["probes"]["warm-cache"]["passed"]
 
@@ -124,7 +124,7 @@ def test_tp2_install_is_verified_on_both_ranks_after_a_deepspeed_step(frozen_run
     each would rebuild a TP2 engine, about 70 s apiece on 2 cores)."""
     run = copy_run(frozen_run, tmp_path / "run")
     started = time.monotonic()
-    verdict = run_rounds(tiny_matrix, run, RoundsOptions(engine="deepspeed", vllm_tp=2, probes=()))
+    verdict = run_rounds(tiny_matrix, run, RoundsOptions(engine="deepspeed", vllm_tp=2, probes=())).to_json()
     print(f"rounds at vLLM TP2 (deepspeed step) without probes: {time.monotonic() - started:.1f} s")
     assert verdict["passed"], [r for r in verdict["rows"] if not r["passed"]]
     out = rounds_dir_of(run, 2)

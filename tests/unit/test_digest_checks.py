@@ -105,7 +105,7 @@ def test_candidate_stage_refuses_an_acceptance_that_froze_another_rollout(frozen
     assert load_manifest(other)["rollout_digest"] == OTHER  # its own digest holds
     assert verify_manifest(other, layout.reference, progress=False).ok  # and every file matches
     with pytest.raises(EvidenceError, match=f"is not the one the acceptance froze \\({OTHER}\\)"):
-        run_candidates(matrix, layout.root, acceptance=other, only="no-such-case")
+        run_candidates(matrix, layout.root, acceptance=other, only="no-such-case").to_json()
 
 
 def test_candidate_stage_refuses_a_bound_file_other_than_the_frozen_one(frozen_run):
@@ -116,4 +116,4 @@ def test_candidate_stage_refuses_a_bound_file_other_than_the_frozen_one(frozen_r
     write_json(bound, doc)
     assert verify_manifest(layout.acceptance, layout.reference, progress=False).ok  # bounds lie outside the evidence
     with pytest.raises(EvidenceError, match="critic-bf16-repeat.json is missing or does not match"):
-        run_candidates(matrix, layout.root, only="no-such-case")
+        run_candidates(matrix, layout.root, only="no-such-case").to_json()

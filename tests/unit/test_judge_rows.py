@@ -11,9 +11,10 @@ import math
 import pytest
 import torch
 
-from qualify.candidate.judge import Row, evidence_rows, judge_pair
+from qualify.candidate.judge import evidence_rows, judge_pair
 from qualify.compare import RunTensors
 from qualify.freeze import bound_entry
+from qualify.verdict import Row
 from tests.unit._runs import OPT, adamw_run, params, role_run
 
 FLOORS = {"logprob": 2.0 ** -20, "grad": 2.0 ** -22, "update": 2.0 ** -20, "moment": 2.0 ** -26,
@@ -67,7 +68,7 @@ def test_row_ratio_and_json():
     assert Row("c", "actor", "x", "t", "m", 1e-9, 0.0, False).ratio == math.inf
     assert Row("c", "actor", "cmp", "t", "m", math.inf, 2.0, False, "why").to_json() == {
         "case": "c", "role": "actor", "comparison": "cmp", "tensor": "t", "metric": "m", "value": "inf",
-        "bound": 2.0, "passed": False, "note": "why", "ratio": "inf"}
+        "bound": 2.0, "passed": False, "note": "why", "ratio": "inf", "step": None, "rule": ""}
     assert Row("c", "actor", "x", "t", "m", 3.0, 0.0, False).to_json()["ratio"] == "inf"
     assert Row("c", "actor", "x", "t", "m", 1.0, 2.0, True).to_json()["ratio"] == 0.5
 
@@ -154,8 +155,10 @@ def test_a_bound_without_a_value_is_a_failing_row(ref):
                                                   "rel_l2": bound_entry("relative", 0.0, 4.0, FLOORS)}}
     rows = judge_pair("c", "actor", "x", ref, ref, bounds, params(), OPT)
     ghost = [r for r in rows if r.tensor == "grads/ghost"]
-    assert ghost == [Row("c", "actor", "x", "grads/ghost", "max_abs", math.inf, FLOORS["grad"], False, "not measured"),
-                     Row("c", "actor", "x", "grads/ghost", "rel_l2", math.inf, FLOORS["relative"], False, "not measured")]
+    assert ghost == [Row("c", "actor", "x", "grads/ghost", "max_abs", math.inf, FLOORS["grad"], False, "not measured",
+                         rule=f"<= {FLOORS['grad']:.3g} = k x control 0 + floor {FLOORS['grad']:.3g}"),
+                     Row("c", "actor", "x", "grads/ghost", "rel_l2", math.inf, FLOORS["relative"], False, "not measured",
+                         rule=f"<= {FLOORS['relative']:.3g} = k x control 0 + floor {FLOORS['relative']:.3g}")]
     assert len(rows) == sum(len(v) for v in bounds.values())
     assert failed(rows) == {("grads/ghost", "max_abs"), ("grads/ghost", "rel_l2")}
 
@@ -164,7 +167,8 @@ def test_a_structure_problem_is_one_failing_row_in_place_of_the_metrics(ref):
     cand = with_(ref, grads={"w": torch.zeros(3, 4)})
     all_rows = judge_pair("case", "critic", "cmp", cand, ref, tight_bounds(ref), params(), OPT)
     rows = [r for r in all_rows if r.tensor == "grads/w"]
-    assert rows == [Row("case", "critic", "cmp", "grads/w", "structure", math.inf, 0.0, False, "shape (3, 4) != (4, 3)")]
+    assert rows == [Row("case", "critic", "cmp", "grads/w", "structure", math.inf, 0.0, False, "shape (3, 4) != (4, 3)",
+                        rule="names, shapes and dtypes equal the reference's")]
     others = {k: v for k, v in tight_bounds(ref).items() if k != "grads/w"}
     assert len(all_rows) == 1 + sum(len(v) for v in others.values())  # every other tensor is still judged
 

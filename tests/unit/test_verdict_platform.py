@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import copy
 
-from qualify.candidate.judge import Row
 from qualify.candidate.run import case_platforms, verdict_document
 from qualify.hardware import platform_fingerprint
 from qualify.layout import RunLayout
 from qualify.matrix import Case, load_matrix
 from qualify.store import write_json
+from qualify.verdict import Row
 from tests.conftest import TINY
 
 
@@ -31,7 +31,7 @@ def test_other_platform_is_information_not_failure(tmp_path):
     assert [d.split(":")[0] for d in diffs] == ["cpu_model", "gpus"]
     rows = [Row(c.name, c.role, "vs ref", "outputs/loss", "max_abs", 0.0, 1.0, True) for c in (same, other)]
     doc = {"digest": "sha256:" + "0" * 64, "rollout_digest": "sha256:" + "1" * 64, "platform": here}
-    verdict = verdict_document(matrix, doc, [same, other], rows, complete=False, platforms=platforms)
+    verdict = verdict_document(matrix, doc, [same, other], rows, complete=False, platforms=platforms).to_json()
     assert verdict["passed"] and verdict["cases"][other.name]["passed"]
     assert verdict["cases"][other.name]["differs_from_reference"] == diffs
     assert "Another CPU" in verdict["cases"][other.name]["platform"]
