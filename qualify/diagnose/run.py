@@ -35,13 +35,19 @@ def diagnose_dir(layout: RunLayout) -> Path:
     return layout.root / "diagnose"
 
 
-def load_layer_bounds(acc: Acceptance, role: str) -> dict[str, Any]:
-    """The role's layer bounds named by the acceptance, checked against its digest."""
+def require_layer_bounds(acc: Acceptance) -> dict[str, str]:
+    """The acceptance's layer bound files and their digests; an acceptance frozen without them is refused clearly."""
     named = acc.document.get("layer_bounds")
     if not named:
-        raise EvidenceError(f"the acceptance {acc.path} has no layer bounds: it was frozen from a reference scored "
-                            "without per-layer activations. Re-run 'qualify reference' into a new run directory and "
-                            "'qualify freeze' it to diagnose layer by layer")
+        raise EvidenceError(f"the acceptance {acc.path} has no layer bounds (it was frozen from a reference scored "
+                            "without per-layer activations): re-freeze is needed; run 'qualify reference' into a new "
+                            "run directory and 'qualify freeze' it to diagnose layer by layer")
+    return named
+
+
+def load_layer_bounds(acc: Acceptance, role: str) -> dict[str, Any]:
+    """The role's layer bounds named by the acceptance, checked against its digest."""
+    named = require_layer_bounds(acc)
     file = acc.path.parent / LAYER_BOUNDS_DIR / f"{role}.json"
     if f"{role}.json" not in named or not file.is_file() or file_digest(file) != named[f"{role}.json"]:
         raise EvidenceError(f"layer bound file {file} is missing or does not match the acceptance's digest")
@@ -156,6 +162,7 @@ def diagnose(run_dir: Path, case: str, *, log: StageLog | None = None) -> dict[s
     log = log or StageLog("diagnose")
     with log.step("verify the acceptance against the reference evidence"):
         acc = Acceptance.load(layout.acceptance, layout.reference)
+    require_layer_bounds(acc)
     spec = case_spec(layout, case)
     bounds_doc = load_layer_bounds(acc, spec.role)
     acts, hook = candidate_layers(layout, case, spec, log)
