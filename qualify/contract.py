@@ -66,22 +66,22 @@ class Contract:
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm {self.algorithm!r} is unknown; allowed: {', '.join(ALGORITHMS)}")
+            raise QualifyError(f"algorithm {self.algorithm!r} is unknown; allowed: {', '.join(ALGORITHMS)}")
         if self.rank_order not in RANK_ORDERS:
-            raise ValueError(f"rank_order {self.rank_order!r} is unknown; allowed: {', '.join(RANK_ORDERS)}")
+            raise QualifyError(f"rank_order {self.rank_order!r} is unknown; allowed: {', '.join(RANK_ORDERS)}")
         if self.tp < 1 or self.dp < 1:
-            raise ValueError(f"tp and dp must be >= 1, got tp={self.tp}, dp={self.dp}")
+            raise QualifyError(f"tp and dp must be >= 1, got tp={self.tp}, dp={self.dp}")
         if not 0 < self.vocab_size <= self.padded_vocab_size:
-            raise ValueError(f"need 0 < vocab_size <= padded_vocab_size, got {self.vocab_size}, "
+            raise QualifyError(f"need 0 < vocab_size <= padded_vocab_size, got {self.vocab_size}, "
                              f"{self.padded_vocab_size}")
         if self.padded_vocab_size % self.tp:
-            raise ValueError(f"padded_vocab_size {self.padded_vocab_size} is not divisible by tp={self.tp}")
+            raise QualifyError(f"padded_vocab_size {self.padded_vocab_size} is not divisible by tp={self.tp}")
         if self.normalizer_constant is not None and not self.normalizer_constant > 0:
-            raise ValueError(f"normalizer_constant must be > 0 or None, got {self.normalizer_constant}")
+            raise QualifyError(f"normalizer_constant must be > 0 or None, got {self.normalizer_constant}")
         if self.logprob_chunk_tokens < 1 or self.group_size < 1:
-            raise ValueError("logprob_chunk_tokens and group_size must be >= 1")
+            raise QualifyError("logprob_chunk_tokens and group_size must be >= 1")
         if self.vocab_tile_size is not None and (self.padded_vocab_size // self.tp) % self.vocab_tile_size:
-            raise ValueError(f"vocab_tile_size {self.vocab_tile_size} does not divide the TP shard width "
+            raise QualifyError(f"vocab_tile_size {self.vocab_tile_size} does not divide the TP shard width "
                              f"{self.padded_vocab_size // self.tp}")
 
     @property

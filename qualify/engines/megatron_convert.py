@@ -53,7 +53,7 @@ class Qwen3Layout:
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+            raise EngineError(f"role must be one of {ROLES}, got {self.role!r}")
 
     @classmethod
     def from_hf_config(cls, config: Any, role: str, vocab_divisible_by: int = 128) -> Qwen3Layout:

@@ -79,7 +79,7 @@ def test_every_field_changes_the_fingerprint():
     ({"rank_order": "dp_major"}, "rank_order 'dp_major' is unknown"),
 ])
 def test_invalid_contracts_are_refused(overrides, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+    with pytest.raises(QualifyError, match=message.replace("(", r"\(")):
         make(**overrides)
 
 
