@@ -13,6 +13,7 @@ from typing import Any
 
 from qualify.report import RunDocs
 from qualify.report_html import data, page
+from qualify.report_html.diagnosis import diagnosis_sections
 from qualify.report_html.plots import delta_histogram, family_bars, heatmap
 from qualify.report_html.steps import step_cells
 from qualify.report_verify import readable
@@ -45,6 +46,7 @@ def to_html(docs: RunDocs, summary: dict[str, Any]) -> str:
         parts.append(page.cases_overview(cases, verified))
     parts += [page.case_section(name, c, [data.row_view(r, bounds) for r in rows if r["case"] == name], verified)
               for name, c in cases.items()]
+    parts += diagnosis_sections(docs.layout.root, (docs.acceptance or {}).get("digest"), verified)  # qualify diagnose
     parts.append(page.mapping_section("Provenance", "provenance", summary["provenance"]))
     return page.document(f"qualify report: {summary['matrix']}", parts)
 
