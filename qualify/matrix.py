@@ -23,6 +23,7 @@ Role = Literal["actor", "critic"]
 Perturbation = Literal["microbatch_split", "batch_order", "attn_impl"]
 TokenNormalizer = Literal["global", "per_sequence", "constant"]
 Topology = Literal["dedicated", "shared"]
+LogprobFormula = Literal["full", "processed"]
 PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16")
 METRIC_KINDS = ("logprob", "value", "loss", "grad", "grad_norm", "update", "moment", "target", "relative")
 MAX_SEED = 2**63 - 1
@@ -99,6 +100,9 @@ class TinyModel:
     """Longest sequence the model accepts."""
     rope_theta: float = 10000.0
     """RoPE base."""
+    tie_word_embeddings: bool | None = None
+    """true: actor and reference policy share the embedding with the LM head (as Qwen3-0.6B does); unset: untied
+    (None rather than false, so that snapshots frozen before this key existed still compare equal)."""
 
     def __post_init__(self) -> None:
         _finite(self)
@@ -279,7 +283,10 @@ class Reference:
     gradient_checkpointing: bool = False
     """Checkpoint activations in the reference backward."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Where the reference runs."""
+    """Where the reference's forward and backward run."""
+    offload: Literal["host"] | None = None
+    """host: the FP32 master, its gradients and the AdamW state stay in host memory, only the compute copy is on the
+    device (fits a model whose optimizer state one GPU cannot hold); unset: everything on the device."""
 
     def __post_init__(self) -> None:
         _distinct("precisions", self.precisions)
@@ -342,6 +349,11 @@ class Candidates:
     topologies: tuple[Topology, ...] = ("dedicated",)
     """GPU topologies of the rounds job (the one that runs vLLM and a trainer together): dedicated = vLLM TP + trainer
     TP GPUs, shared = the larger of the two. Candidate jobs always ask for their case's tp x dp GPUs."""
+    logprob_formula: LogprobFormula = "full"
+    """The formula of the logprobs the engines report (outputs/logprobs_BT), judged against the reference's formula of
+    that name: 'full' (log_softmax over the whole vocabulary: what trainers compute) or 'processed' (vLLM's, renormalized
+    over the tokens rollout.top_k/top_p/min_p keep). The loss, ratio and KL are built from the full formula either
+    way, against the rollout's processed logprobs as old logprobs."""
 
     def __post_init__(self) -> None:
         from qualify.engines.registry import ENGINES  # a plain dict; no engine is imported
@@ -354,6 +366,41 @@ class Candidates:
                                  "or 'package.module:factory' for a plugin)")
         if any(tp < 1 for tp in self.tp):
             raise ValueError(f"tp must list degrees >= 1, got {list(self.tp)}")
+
+
+ROUNDS_PROBES = ("stale", "wrong-shard", "missing-ack", "duplicate-ack", "warm-cache")
+"""The rejection probes of a rounds run (qualify.rounds.probes implements each)."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Rounds:
+    """The rounds run (`qualify rounds`): live actor-weight installation into vLLM, and its rejection probes."""
+
+    engine: str = "torch-tp"
+    """Candidate engine that trains the actor between rounds (a registry name or 'package.module:factory')."""
+    rounds: int = 2
+    """Rounds (round 0 trains with the reference rollout; the last round only rolls out); >= 2."""
+    vllm_tp: int | None = None
+    """vLLM TP degree of the rollout engine (default: the first of rollout.vllm_tp)."""
+    train_tp: int = 1
+    """TP degree of the training step."""
+    probes: tuple[str, ...] = ROUNDS_PROBES
+    """Rejection probes to run (empty: none)."""
+
+    def __post_init__(self) -> None:
+        from qualify.engines.registry import ENGINES  # a plain dict; no engine is imported
+
+        if self.engine not in ENGINES and not _PLUGIN.fullmatch(self.engine):
+            raise ValueError(f"engine: unknown engine {self.engine!r} (known: {', '.join(sorted(ENGINES))}; "
+                             "or 'package.module:factory' for a plugin)")
+        if self.rounds < 2:
+            raise ValueError(f"rounds must be >= 2 (an install needs a round after it), got {self.rounds}")
+        if self.train_tp < 1 or (self.vllm_tp is not None and self.vllm_tp < 1):
+            raise ValueError("vllm_tp and train_tp must be >= 1")
+        _distinct("probes", self.probes)
+        unknown = sorted(set(self.probes) - set(ROUNDS_PROBES))
+        if unknown:
+            raise ValueError(f"probes: unknown {unknown} (known: {', '.join(ROUNDS_PROBES)})")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -393,6 +440,8 @@ class Matrix:
     """Bound rule."""
     candidates: Candidates
     """Candidate matrix."""
+    rounds: Rounds = field(default_factory=Rounds)
+    """The rounds run."""
     source: str = ""
     """Path of the YAML file (set by the loader)."""
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from qualify.matrix import ROUNDS_PROBES
 from qualify.rounds import checks
 from qualify.rounds.client import Refused
 from qualify.rounds.session import InstallRejected, Session
@@ -25,7 +26,7 @@ from qualify.rounds.weights import Version
 from qualify.store import write_json
 from qualify.verdict import fact
 
-PROBES = ("stale", "wrong-shard", "missing-ack", "duplicate-ack", "warm-cache")
+PROBES = ROUNDS_PROBES
 
 
 def corrupt_target(version: Version) -> str:

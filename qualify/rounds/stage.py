@@ -67,6 +67,17 @@ class RoundsOptions:
             raise QualifyError(f"unknown probes {unknown} (known: {', '.join(PROBES)})")
 
 
+def rounds_options(matrix: Matrix, *, engine: str | None = None, rounds: int | None = None,
+                   vllm_tp: int | None = None, train_tp: int | None = None,
+                   probes: tuple[str, ...] | None = None) -> RoundsOptions:
+    """The matrix's rounds settings, each overridden where given (the command line, or a Slurm topology)."""
+    r = matrix.rounds
+    return RoundsOptions(engine=r.engine if engine is None else engine, rounds=r.rounds if rounds is None else rounds,
+                         vllm_tp=r.vllm_tp if vllm_tp is None else vllm_tp,
+                         train_tp=r.train_tp if train_tp is None else train_tp,
+                         probes=r.probes if probes is None else probes)
+
+
 def frozen_digests(base: Base, targets_file: Path | None, captured: Path | None = None) -> dict[str, str]:
     """Digest of every model that must stay frozen, and of the round-0 targets and rollout."""
     out = {role: version_digest(digests_of(checkpoint_tensors(base.models[role]))) for role in FROZEN_ROLES}
@@ -193,7 +204,7 @@ def run_all_rounds(s: Session, opts: RoundsOptions, v0: Version) -> list[Version
 
 def run_rounds(matrix: Matrix, run_dir: Path, options: RoundsOptions | None = None) -> Verdict:
     """The whole rounds stage; returns the verdict (an existing complete one is returned as it is)."""
-    opts = options or RoundsOptions()
+    opts = options or rounds_options(matrix)
     if opts.engine not in ENGINES and ":" not in opts.engine:
         raise EngineError(f"unknown engine '{opts.engine}' (known: {', '.join(sorted(ENGINES))}; or 'module:factory')")
     layout, log = RunLayout(Path(run_dir)), StageLog("rounds")

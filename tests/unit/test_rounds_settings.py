@@ -1,0 +1,26 @@
+"""The rounds settings live in the matrix (rounds:); each command-line flag overrides one of them."""
+
+from __future__ import annotations
+
+from qualify.matrix import ROUNDS_PROBES, load_matrix
+from qualify.rounds.stage import RoundsOptions, rounds_options
+from tests.unit.test_matrix import edited, setter, write
+
+
+def test_the_matrix_section_sets_every_option(tmp_path):
+    m = load_matrix(write(tmp_path, edited(setter("rounds", {"engine": "deepspeed", "rounds": 3, "vllm_tp": 2,
+                                                              "train_tp": 2, "probes": ["stale"]}))))
+    assert rounds_options(m) == RoundsOptions(engine="deepspeed", rounds=3, vllm_tp=2, train_tp=2, probes=("stale",))
+
+
+def test_flags_override_one_setting_each_and_keep_the_rest(tmp_path):
+    m = load_matrix(write(tmp_path, edited(setter("rounds", {"engine": "deepspeed", "rounds": 3}))))
+    assert rounds_options(m, vllm_tp=1, probes=()) == RoundsOptions(engine="deepspeed", rounds=3, vllm_tp=1,
+                                                                    train_tp=1, probes=())
+    assert rounds_options(m, engine="torch-tp").engine == "torch-tp"
+
+
+def test_a_matrix_without_the_section_gets_the_defaults(tmp_path):
+    m = load_matrix(write(tmp_path, edited(lambda d: d.pop("rounds", None))))
+    assert rounds_options(m) == RoundsOptions(engine="torch-tp", rounds=2, vllm_tp=None, train_tp=1,
+                                              probes=ROUNDS_PROBES)
