@@ -40,3 +40,13 @@ class SlurmError(QualifyError):
 class RoundsError(QualifyError):
     """A rounds run could not go on: the live vLLM engine crashed or refused a request, an installed version's
     acknowledgments did not verify, or the trainer's step failed (probes expect some of these: they are caught)."""
+
+
+class Refused(RoundsError):
+    """The rollout engine refused a request in its current state: kind names the rule (stale_version,
+    install_failed, unusable, warm_cache, ...), details what the engine said besides (acks, problems).
+    Raised in the engine process, and again in the rounds stage from the engine's reply."""
+
+    def __init__(self, kind: str, message: str, details: dict | None = None) -> None:
+        super().__init__(message)
+        self.kind, self.details = kind, dict(details or {})

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Self
 
-from qualify.errors import RoundsError
+from qualify.errors import Refused, RoundsError
 from qualify.rollout.capture import vllm_env
 from qualify.rollout.shm import ShmWatch
 
@@ -25,14 +25,6 @@ TAIL_LINES = 25
 
 class EngineCrash(RoundsError):
     """The engine process died or did not answer in time."""
-
-
-class Refused(RoundsError):
-    """The engine refused a request; kind names the rule (stale_version, install_failed, unusable, ...)."""
-
-    def __init__(self, kind: str, message: str, reply: dict[str, Any]) -> None:
-        super().__init__(message)
-        self.kind, self.reply = kind, reply
 
 
 class RolloutEngine:

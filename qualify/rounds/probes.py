@@ -81,7 +81,7 @@ def install_fault_probe(s: Session, name: str, v0: Version, v1: Version, fault: 
         s.install(v1, fault=fault)
         kind, error, problems = None, "installed and acked", []
     except Refused as exc:
-        kind, error, problems = exc.kind, str(exc), exc.reply.get("problems", [])
+        kind, error, problems = exc.kind, str(exc), exc.details.get("problems", [])
     except InstallRejected as exc:
         kind, error, problems = "harness_rejected", str(exc), [str(exc)]
     after = unusable_after(s, v1)

@@ -27,19 +27,11 @@ import sys
 import time
 from typing import IO, Any
 
-from qualify.errors import RoundsError
+from qualify.errors import Refused
 from qualify.rounds.acks import ack_problems
 from qualify.store import dumps_json
 
 EXTENSION = "qualify.rounds.vllm_ext.RoundsWorkerExtension"
-
-
-class Refused(RoundsError):
-    """A request the engine refuses in its current state (reply kind and message)."""
-
-    def __init__(self, kind: str, message: str, **extra: Any) -> None:
-        super().__init__(message)
-        self.kind, self.extra = kind, extra
 
 
 def acks_digest(acks: list[dict[str, Any]]) -> str:
@@ -73,7 +65,7 @@ class Engine:
         problems = ack_problems(acks, version, expected)
         if problems:
             self.fail(f"version {version} as loaded at start is not what every rank must hold: {problems[:5]}")
-            raise Refused("install_failed", self.failure, acks=acks, problems=problems)
+            raise Refused("install_failed", self.failure, {"acks": acks, "problems": problems})
         self.state, self.version, self.pending, self.cache_reset = "ready", version, None, True
         return {"version": version, "acks": acks, "load_s": round(loaded - started, 3),
                 "report_s": round(time.monotonic() - loaded, 3)}
@@ -135,7 +127,7 @@ class Engine:
         problems = ack_problems(acks, version, req["expected"])
         if problems:
             self.fail(f"install of version {version} rejected: {len(problems)} problem(s): " + "; ".join(problems[:3]))
-            raise Refused("install_failed", self.failure, acks=acks, problems=problems)
+            raise Refused("install_failed", self.failure, {"acks": acks, "problems": problems})
         digest = acks_digest(acks)
         self.state, self.cache_reset = "pending", False
         self.pending = {"version": version, "acks_digest": digest}
@@ -200,7 +192,7 @@ def serve(inp: IO[str], out: IO[str]) -> None:
         try:
             reply(out, {"ok": True, **engine.build(start["model_dir"], start["version"], start["expected"])})
         except Refused as exc:
-            reply(out, {"ok": False, "kind": exc.kind, "error": str(exc), **exc.extra})
+            reply(out, {"ok": False, "kind": exc.kind, "error": str(exc), **exc.details})
         for line in inp:
             req = json.loads(line)
             if req["cmd"] == "shutdown":
@@ -210,7 +202,7 @@ def serve(inp: IO[str], out: IO[str]) -> None:
                     raise Refused("bad_request", f"unknown command {req.get('cmd')!r} (known: {sorted(COMMANDS)})")
                 reply(out, {"ok": True, **COMMANDS[req["cmd"]](engine, req)})
             except Refused as exc:
-                reply(out, {"ok": False, "kind": exc.kind, "error": str(exc), **exc.extra})
+                reply(out, {"ok": False, "kind": exc.kind, "error": str(exc), **exc.details})
     finally:
         engine.shutdown()
     reply(out, {"ok": True, "shutdown": True})
