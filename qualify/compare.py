@@ -20,7 +20,8 @@ from qualify import metrics
 from qualify.store import read_json, read_tensors
 
 OUTPUT_KINDS = {"logprobs_BT": "logprob", "ratio_BT": "logprob", "kl_BT": "logprob", "values_BT": "value",
-                "loss": "loss", "clip_frac": "loss", "kl_mean": "loss", "grad_norm": "grad_norm"}
+                "loss": "loss", "clip_frac": "loss", "kl_mean": "loss", "grad_norm": "grad_norm",
+                "logprobs_processed_BT": "logprob"}
 GROUPS = ("outputs", "grads", "updates", "moments")
 
 

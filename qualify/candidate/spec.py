@@ -32,6 +32,11 @@ class CaseSpec:
     ppo: PPO
     optimizer: Optimizer
     device: str = "cpu"
+    logprob_formula: str = "full"
+    """candidates.logprob_formula: the formula the engine reports its logprobs in (qualify.ppo.formula)."""
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
     resume_key: dict[str, str] | None = None
     """What the case's evidence depends on (spec, engine code, versions, acceptance), recorded in its seal."""
 
@@ -45,7 +50,9 @@ def make_spec(matrix: Matrix, case: Case, *, model_dir: Path, rollout_dir: Path,
                     model_dir=str(model_dir), rollout_dir=str(rollout_dir), targets_dir=str(targets_dir),
                     rollout_digest=rollout_digest, targets_digest=targets_digest, case_dir=str(case_dir),
                     temperature=matrix.rollout.temperature, logprob_chunk_tokens=matrix.reference.logprob_chunk_tokens,
-                    vocab_size=vocab_size, ppo=matrix.ppo, optimizer=matrix.optimizer, device=device)
+                    vocab_size=vocab_size, ppo=matrix.ppo, optimizer=matrix.optimizer, device=device,
+                    logprob_formula=matrix.candidates.logprob_formula, top_k=matrix.rollout.top_k,
+                    top_p=matrix.rollout.top_p, min_p=matrix.rollout.min_p)
 
 
 def read_spec(path: Path) -> CaseSpec:

@@ -66,6 +66,16 @@ def objective(engine: Any, spec: CaseSpec, scores_BT: torch.Tensor, batch: Batch
     return own(spec.role, spec.ppo, scores_BT, batch.response_mask_BT, targets)
 
 
+def report_logprobs(engine: Any, outputs: dict[str, torch.Tensor], batch: Batch) -> None:
+    """The judged logprobs are the engine's in its declared formula when its logprobs() hook gives them (the
+    loss was built from score()'s full formula either way); response positions only, 0 elsewhere."""
+    hook = getattr(engine, "logprobs", None)
+    declared_BT = hook() if hook is not None and "logprobs_BT" in outputs else None
+    if declared_BT is not None:
+        mask_BT = batch.response_mask_BT
+        outputs["logprobs_BT"] = torch.where(mask_BT, declared_BT.float().cpu(), torch.zeros((), dtype=torch.float32))
+
+
 def json_safe(value: Any) -> Any:
     """Non-finite floats as the strings 'nan', 'inf', '-inf' (JSON has no NaN): the judge reads them back as floats,
     so a NaN in a replica or a padded row becomes a failing row naming it, not a crash writing meta.json."""
@@ -110,7 +120,8 @@ def run_case(spec: CaseSpec, rank: int) -> None:
     work.mkdir(parents=True, exist_ok=True)
     ctx = EngineContext(role=spec.role, precision=spec.precision, tp=spec.tp, rank=rank, device=spec.device,
                         model_dir=Path(spec.model_dir), optimizer=spec.optimizer, temperature=spec.temperature,
-                        logprob_chunk_tokens=spec.logprob_chunk_tokens, vocab_size=spec.vocab_size, work_dir=work)
+                        logprob_chunk_tokens=spec.logprob_chunk_tokens, vocab_size=spec.vocab_size, work_dir=work,
+                        logprob_formula=spec.logprob_formula, top_k=spec.top_k, top_p=spec.top_p, min_p=spec.min_p)
     engine.setup(ctx)
     before = checkpoint_tensors(Path(spec.model_dir))
     padded_before = {k: v.detach().clone() for k, v in engine.padded_rows().items()}
@@ -118,6 +129,7 @@ def run_case(spec: CaseSpec, rank: int) -> None:
     for rows in step_rows(rollout["input_ids_BT"].shape[0], spec.ppo.epochs, spec.ppo.minibatches):
         batch = Batch(input_ids_BT=rollout["input_ids_BT"][rows], response_mask_BT=rollout["response_mask_BT"][rows])
         loss, outputs = objective(engine, spec, engine.score(batch), batch, rows_of(targets, rows))
+        report_logprobs(engine, outputs, batch)
         engine.backward(loss)
         grads, grad_dtypes = engine.grads(), engine.grad_dtypes()
         outputs["loss"] = loss.detach().float()

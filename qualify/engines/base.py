@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from qualify.matrix import Optimizer
+    from qualify.ppo.formula import Sampling
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +59,21 @@ class EngineContext:
     """Real vocabulary size; rows beyond it are padding."""
     work_dir: Path
     """Scratch directory for this case (engine configs, logs)."""
+    logprob_formula: str = "full"
+    """candidates.logprob_formula: the formula of the logprobs the engine reports through its logprobs() hook
+    ('full' or 'processed', qualify.ppo.formula); score() stays the full formula, which the loss is built from."""
+    top_k: int = -1
+    """The rollout's top-k (-1: off), for the processed formula."""
+    top_p: float = 1.0
+    """The rollout's top-p (1.0: off), for the processed formula."""
+    min_p: float = 0.0
+    """The rollout's min-p (0.0: off), for the processed formula."""
+
+    def sampling(self) -> Sampling:
+        """The rollout's sampling settings (temperature, top-k, top-p, min-p)."""
+        from qualify.ppo.formula import Sampling
+
+        return Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
 
 
 class TrainEngine(Protocol):
@@ -101,6 +117,11 @@ class TrainEngine(Protocol):
     def close(self) -> None:
         """Release process groups and engine resources."""
 
+    # Optional: an engine whose reported logprobs are not score()'s own values implements
+    #   logprobs() -> Tensor | None
+    # the (B, T) fp32 logprobs of the last score()'s tokens in ctx.logprob_formula (qualify.models.hf.declared_logprobs
+    # makes them from full outputs), None where score()'s values are them; the harness judges them as
+    # outputs/logprobs_BT. Without the hook score()'s values are judged: the full formula.
     # Optional: an engine that brings its own loss code implements
     #   objective(role, ppo, scores_BT, response_mask_BT, targets) -> (loss, outputs)
     # returning the outputs qualify.ppo.objective.role_objective returns (actor: logprobs_BT, ratio_BT, kl_BT,

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from qualify.engines.base import Batch, EngineContext
 from qualify.errors import EngineError
-from qualify.models.hf import dtype_name, load_model, scores_from_outputs
+from qualify.models.hf import declared_logprobs, dtype_name, load_model, scores_from_outputs
 
 # Relative difference between DeepSpeed's global norm and the exported gradients' norm above which
 # the log says so (summation order alone gives ~1e-7).
@@ -200,8 +200,13 @@ class DeepSpeedEngine:
         device = next(self.engine.module.parameters()).device
         ids_BT = batch.input_ids_BT.to(device)
         out_BTX = self.engine(input_ids=ids_BT, use_cache=False).logits
+        self.declared_BT = declared_logprobs(self.ctx, out_BTX.detach(), ids_BT)
         return scores_from_outputs(self.ctx.role, out_BTX, ids_BT, self.ctx.temperature,
                                  self.ctx.logprob_chunk_tokens, self.ctx.vocab_size).cpu()
+
+    def logprobs(self) -> torch.Tensor | None:
+        """The last score()'s logprobs in the declared formula (None: score()'s own, the full formula)."""
+        return self.declared_BT
 
     def layer_outputs(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Full fp32 outputs of every decoder layer's modules and the final norm (qualify diagnose): AutoTP keeps

@@ -31,7 +31,7 @@ from qualify.engines.megatron_convert import (
     padded_rows,
 )
 from qualify.errors import EngineError
-from qualify.models.hf import scores_from_outputs
+from qualify.models.hf import declared_logprobs, scores_from_outputs
 
 VOCAB_DIVISIBLE_BY = 128  # Megatron-LM's default make_vocab_size_divisible_by
 
@@ -175,8 +175,13 @@ class MegatronEngine:
         pos_BT = torch.arange(ids_BT.shape[1], device=ids_BT.device).expand_as(ids_BT)
         out_BTX = self.model(input_ids=ids_BT, position_ids=pos_BT, attention_mask=None,
                              runtime_gather_output=True)
+        self.declared_BT = declared_logprobs(self.ctx, out_BTX.detach(), ids_BT)
         return scores_from_outputs(self.ctx.role, out_BTX, ids_BT, self.ctx.temperature,
                                  self.ctx.logprob_chunk_tokens, self.ctx.vocab_size).cpu()
+
+    def logprobs(self) -> torch.Tensor | None:
+        """The last score()'s logprobs in the declared formula (None: score()'s own, the full formula)."""
+        return self.declared_BT
 
     def backward(self, loss: torch.Tensor) -> None:
         from megatron.core.distributed import finalize_model_grads

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from qualify.engines.base import Batch, EngineContext
-from qualify.models.hf import dtype_name, load_model, scores_from_outputs
+from qualify.models.hf import declared_logprobs, dtype_name, load_model, scores_from_outputs
 from qualify.models.precision import torch_dtype
 
 GRAD_ALLREDUCE_SUFFIXES = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
@@ -75,8 +75,13 @@ class TorchTPEngine:
     def score(self, batch: Batch) -> torch.Tensor:
         ids_BT = batch.input_ids_BT.to(self.ctx.device)
         out_BTX = self.compute(input_ids=ids_BT, use_cache=False).logits
+        self.declared_BT = declared_logprobs(self.ctx, local(out_BTX).detach(), ids_BT)
         return scores_from_outputs(self.ctx.role, local(out_BTX), ids_BT, self.ctx.temperature,
                                  self.ctx.logprob_chunk_tokens, self.ctx.vocab_size).cpu()
+
+    def logprobs(self) -> torch.Tensor | None:
+        """The last score()'s logprobs in the declared formula (None: score()'s own, the full formula)."""
+        return self.declared_BT
 
     def layer_outputs(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Full fp32 outputs of every decoder layer's modules and the final norm (qualify diagnose)."""

@@ -9,14 +9,19 @@ head at t-1 (the state in which token t is emitted); the reward model is pooled 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from qualify.errors import EngineError
 from qualify.models.checkpoint import quiet_transformers
 from qualify.models.precision import torch_dtype
+from qualify.ppo.formula import Sampling, formula_logprobs
 from qualify.ppo.logprob import sampler_logprobs
 from qualify.ppo.math import last_active_index
+
+if TYPE_CHECKING:
+    from qualify.engines.base import EngineContext
 
 LM_ROLES = ("actor", "reference")
 """Roles whose checkpoint is a causal LM; the others (critic, reward) have a one-label scalar head."""
@@ -70,11 +75,40 @@ def scores_from_outputs(role: str, out_BTX: torch.Tensor, input_ids_BT: torch.Te
     return torch.nn.functional.pad(out_BTX[:, :-1, 0].float(), (1, 0))
 
 
+def logprobs_from_outputs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor, formula: str, sampling: Sampling,
+                          chunk_tokens: int, vocab_size: int) -> torch.Tensor:
+    """(B, T) fp32 logprobs of input_ids in the named formula (qualify.ppo.formula), no gradient; position 0 is 0."""
+    logp_BT1 = formula_logprobs(logits_BTV[:, :-1], input_ids_BT[:, 1:], formula, sampling, chunk_tokens, vocab_size)
+    return torch.nn.functional.pad(logp_BT1, (1, 0))
+
+
+def declared_logprobs(ctx: EngineContext, out_BTX: torch.Tensor, input_ids_BT: torch.Tensor) -> torch.Tensor | None:
+    """An engine's logprobs in its declared formula (ctx.logprob_formula) from full model outputs, for its
+    logprobs() hook; None where score()'s own values are them (the critic, or the full formula)."""
+    if ctx.role not in LM_ROLES or ctx.logprob_formula == "full":
+        return None
+    return logprobs_from_outputs(out_BTX, input_ids_BT, ctx.logprob_formula, ctx.sampling(), ctx.logprob_chunk_tokens,
+                                 ctx.vocab_size).cpu()
+
+
 def actor_logprobs(model: torch.nn.Module, input_ids_BT: torch.Tensor, temperature: float, chunk_tokens: int,
                    vocab_size: int) -> torch.Tensor:
     """(B, T) fp32 sampler-formula logprobs of input_ids under an HF causal LM."""
     logits_BTV = model(input_ids=input_ids_BT, use_cache=False).logits
     return scores_from_outputs("actor", logits_BTV, input_ids_BT, temperature, chunk_tokens, vocab_size)
+
+
+def actor_scores(model: torch.nn.Module, input_ids_BT: torch.Tensor, sampling: Sampling, chunk_tokens: int,
+                 vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One forward: (B, T) fp32 full-formula logprobs (differentiable, what the loss is built from) and the
+    processed formula's (no gradient) when the sampling truncates; None when it does not (then they are bitwise
+    the full ones)."""
+    logits_BTV = model(input_ids=input_ids_BT, use_cache=False).logits
+    scores_BT = scores_from_outputs("actor", logits_BTV, input_ids_BT, sampling.temperature, chunk_tokens, vocab_size)
+    if not sampling.truncates(vocab_size):
+        return scores_BT, None
+    return scores_BT, logprobs_from_outputs(logits_BTV.detach(), input_ids_BT, "processed", sampling, chunk_tokens,
+                                            vocab_size)
 
 
 def head_outputs(model: torch.nn.Module, input_ids_BT: torch.Tensor) -> torch.Tensor:

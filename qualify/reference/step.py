@@ -17,7 +17,8 @@ import torch
 
 from qualify.diagnose.hooks import capture_layer_outputs
 from qualify.matrix import Matrix
-from qualify.models.hf import actor_logprobs, compute_copy, critic_values, enable_checkpointing
+from qualify.models.hf import actor_scores, compute_copy, critic_values, enable_checkpointing
+from qualify.ppo.formula import PROCESSED_KEY, rollout_sampling
 from qualify.ppo.math import kl_terms, masked_mean
 from qualify.ppo.objective import role_objective, rows_of, step_rows
 
@@ -138,8 +139,10 @@ def _forward_backward(matrix: Matrix, role: str, control: Control, model: torch.
             normalizer, constant, weight = _loss_scale(mask_BT, rows, p.token_normalizer, p.normalizer_constant)
         m_BT = mask_BT[rows]
         if role == "actor":
-            scores_BT = actor_logprobs(model, ids_BT[rows], matrix.rollout.temperature,
-                                       matrix.reference.logprob_chunk_tokens, vocab_size)
+            scores_BT, processed_BT = actor_scores(model, ids_BT[rows], rollout_sampling(matrix.rollout),
+                                                   matrix.reference.logprob_chunk_tokens, vocab_size)
+            if processed_BT is not None:  # the processed formula a candidate may declare; bitwise full when untruncated
+                parts.setdefault(PROCESSED_KEY, []).append(torch.where(m_BT, processed_BT, 0.0))
         else:
             scores_BT = critic_values(model, ids_BT[rows])
         loss, out = role_objective(role, p, scores_BT, m_BT, rows_of(tgt, rows), normalizer, constant)
