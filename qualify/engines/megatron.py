@@ -183,6 +183,17 @@ class MegatronEngine:
         """The last score()'s logprobs in the declared formula (None: score()'s own, the full formula)."""
         return self.declared_BT
 
+    def layer_outputs(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """Full fp32 (B, T, H) outputs of every decoder layer's modules and the final norm under HF names (qualify
+        diagnose): megatron-core's layers are hooked (qualify.diagnose.hooks.megatron_modules), seq-first outputs
+        transposed; without sequence parallelism the row-parallel outputs are already whole on every rank."""
+        from qualify.diagnose.hooks import capture_outputs, megatron_modules
+
+        ids_BT = batch.input_ids_BT.to(self.ctx.device)
+        pos_BT = torch.arange(ids_BT.shape[1], device=ids_BT.device).expand_as(ids_BT)
+        return capture_outputs(megatron_modules(self.gpt), lambda: self.model(
+            input_ids=ids_BT, position_ids=pos_BT, attention_mask=None, runtime_gather_output=True), seq_first=True)
+
     def backward(self, loss: torch.Tensor) -> None:
         from megatron.core.distributed import finalize_model_grads
 

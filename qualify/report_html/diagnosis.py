@@ -56,8 +56,7 @@ def diagnosis_sections(run_dir: Path, acceptance_digest: str | None, verified: b
     if not diagnoses:
         return []
     if not verified:
-        return ['<section id="diagnosis"><h2>Layer diagnosis</h2><p>not shown: the evidence does not verify</p>'
-                "</section>"]
+        return ['<section id="diagnosis"><h2>Layer diagnosis</h2><p>not shown: the evidence does not verify</p></section>']
     parts, stale = [], []
     for case, doc in diagnoses.items():
         if doc.get("acceptance_digest") != acceptance_digest:
