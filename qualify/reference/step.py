@@ -5,6 +5,12 @@ into the FP32 master parameters, which are clipped and stepped by torch.optim.Ad
 master-weight scheme that Megatron and DeepSpeed use). FP32 runs everything on the master.
 A micro-batch control splits the rows in two and accumulates gradients, scaling each micro-batch
 loss so that the sum equals the full-batch loss for every token normalizer.
+
+Forward and backward run on reference.device (auto: CUDA when present). With reference.offload: host
+the FP32 master, its gradients and the AdamW state stay in host memory and only the compute copy (an
+fp32 one under fp32) is on the device: the GPU then holds the compute weights, their gradients and the
+activations, which is what lets one GPU score a model whose optimizer state it could not hold. The
+evidence of every step is copied to the host as soon as it exists.
 """
 
 from __future__ import annotations
@@ -65,6 +71,35 @@ def _row_slices(B: int, n: int) -> list[slice]:
     return [slice(i, min(i + step, B)) for i in range(0, B, step)]
 
 
+def reference_device(matrix: Matrix) -> torch.device:
+    """Where the reference's forward and backward run: reference.device, auto = CUDA when present."""
+    want = matrix.reference.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(want)
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of t (a copy even when t is already on the host: the step goes on changing it)."""
+    return t.detach().to("cpu", copy=True)
+
+
+def _compute_model(master: torch.nn.Module, precision: str, model_dir: Path, role: str, attn_impl: str,
+                   device: torch.device, offload: bool) -> torch.nn.Module:
+    """The module forward and backward run in, on device: the master itself in fp32 unless the master is offloaded
+    (then a separate fp32 copy holding the master's values), the bf16 copy otherwise."""
+    if offload and precision == "fp32":
+        from qualify.models.hf import load_model
+
+        model = load_model(model_dir, role, attn_impl)
+        with torch.no_grad():
+            for mp, cp in zip(master.parameters(), model.parameters()):
+                cp.copy_(mp)
+    else:
+        model = compute_copy(master, precision, model_dir, role, attn_impl)
+    return model.to(device)
+
+
 def run_role(matrix: Matrix, role: str, precision: str, control: Control, master: torch.nn.Module,
              batch: dict[str, torch.Tensor], targets: dict[str, torch.Tensor], vocab_size: int,
              model_dir: Path) -> dict[str, Any]:
@@ -76,12 +111,19 @@ def run_role(matrix: Matrix, role: str, precision: str, control: Control, master
     """
     from qualify.ppo.coverage import step_coverage
 
-    model = compute_copy(master, precision, model_dir, role, control.attn_impl)
+    device, offload = reference_device(matrix), matrix.reference.offload == "host"
+    if not offload:
+        master.to(device)
+    model = _compute_model(master, precision, model_dir, role, control.attn_impl, device, offload)
+    batch_host, targets_host = batch, targets
+    batch = {k: v.to(device) for k, v in batch.items()}
+    targets = {k: v.to(device) for k, v in targets.items()}
     if matrix.reference.gradient_checkpointing:
         enable_checkpointing(model)
     # per-layer activations of step 1's forward, split and ordered as this control runs it (qualify diagnose)
     rows0 = step_rows(batch["input_ids_BT"].shape[0], matrix.ppo.epochs, matrix.ppo.minibatches)[0]
-    layers = capture_layer_outputs(model, batch["input_ids_BT"][rows0], control.microbatches, control.reverse_rows)
+    layers = {k: v.cpu() for k, v in capture_layer_outputs(model, batch["input_ids_BT"][rows0], control.microbatches,
+                                                            control.reverse_rows).items()}
     o, p = matrix.optimizer, matrix.ppo
     names = [n for n, _ in master.named_parameters()]
     params = list(master.parameters())
@@ -91,7 +133,7 @@ def run_role(matrix: Matrix, role: str, precision: str, control: Control, master
         mb = {key: v[rows] for key, v in batch.items()}
         outputs = _forward_backward(matrix, role, control, model, mb, rows_of(targets, rows), vocab_size)
         grad_dtypes = _master_grads(master, model)
-        grads = {n: (q.grad.detach().clone() if q.grad is not None else torch.zeros_like(q))
+        grads = {n: (_host(q.grad) if q.grad is not None else torch.zeros(q.shape, dtype=q.dtype))
                  for n, q in zip(names, params)}
         master_grad_dtypes = {n: str(q.grad.dtype).removeprefix("torch.") for n, q in zip(names, params)
                               if q.grad is not None}
@@ -100,13 +142,16 @@ def run_role(matrix: Matrix, role: str, precision: str, control: Control, master
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
         opt.step()
         outputs["grad_norm"] = grad_norm.detach().to(torch.float32)
+        outputs = {k: _host(v) for k, v in outputs.items()}
         state = {n: opt.state[q] for n, q in zip(names, params)}
         steps.append({"outputs": outputs, "grads": grads,
-                      "updates": {n: q.detach() - before[n] for n, q in zip(names, params)},
-                      "moments": {f"{key}/{n}": st[key].clone() for n, st in state.items()
+                      "updates": {n: _host(q.detach() - before[n]) for n, q in zip(names, params)},
+                      "moments": {f"{key}/{n}": _host(st[key]) for n, st in state.items()
                                   for key in ("exp_avg", "exp_avg_sq")}})
-        coverage.append(step_coverage(role, p, o.max_grad_norm, outputs, rows_of(targets, rows),
-                                      mb["response_mask_BT"], float(grad_norm), int(state[names[0]]["step"])))
+        del before
+        coverage.append(step_coverage(role, p, o.max_grad_norm, outputs, rows_of(targets_host, rows),
+                                      batch_host["response_mask_BT"][rows], float(grad_norm),
+                                      int(state[names[0]]["step"])))
         opt.zero_grad(set_to_none=True)
         if model is not master:
             model.zero_grad(set_to_none=True)
@@ -124,7 +169,7 @@ def _forward_backward(matrix: Matrix, role: str, control: Control, model: torch.
                       batch: dict[str, torch.Tensor], targets: dict[str, torch.Tensor],
                       vocab_size: int) -> dict[str, torch.Tensor]:
     """Forward, objective and backward of one optimizer step's rows (split into the control's micro-batches)."""
-    order = torch.arange(batch["input_ids_BT"].shape[0])
+    order = torch.arange(batch["input_ids_BT"].shape[0], device=batch["input_ids_BT"].device)
     if control.reverse_rows:
         order = order.flip(0)
     ids_BT = batch["input_ids_BT"][order]
@@ -132,7 +177,7 @@ def _forward_backward(matrix: Matrix, role: str, control: Control, model: torch.
     tgt = {k: v[order] for k, v in targets.items()}
     p = matrix.ppo
     parts: dict[str, list[torch.Tensor]] = {}
-    totals = {"loss": torch.zeros((), dtype=torch.float32), "clip_frac": torch.zeros((), dtype=torch.float32)}
+    totals = {key: torch.zeros((), dtype=torch.float32, device=mask_BT.device) for key in ("loss", "clip_frac")}
     for rows in _row_slices(ids_BT.shape[0], control.microbatches):
         normalizer, constant, weight = (p.token_normalizer, p.normalizer_constant, 1.0)
         if control.microbatches > 1:
@@ -168,5 +213,5 @@ def _master_grads(master: torch.nn.Module, model: torch.nn.Module) -> dict[str, 
     for (name, mp), (_, cp) in zip(master.named_parameters(), model.named_parameters()):
         grad_dtypes[name] = str(cp.grad.dtype).removeprefix("torch.") if cp.grad is not None else "none"
         if cp is not mp:
-            mp.grad = None if cp.grad is None else cp.grad.detach().to(torch.float32)
+            mp.grad = None if cp.grad is None else cp.grad.detach().to(device=mp.device, dtype=torch.float32)
     return grad_dtypes
