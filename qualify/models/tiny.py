@@ -33,7 +33,7 @@ def tiny_config(spec: TinyModel, role: str):
         max_position_embeddings=spec.max_position_embeddings,
         initializer_range=spec.initializer_range,
         rope_theta=spec.rope_theta,
-        tie_word_embeddings=False,
+        tie_word_embeddings=bool(spec.tie_word_embeddings) and role in ("actor", "reference"),
         attention_dropout=0.0,
         bos_token_id=None,
         eos_token_id=spec.vocab_size - 1,
