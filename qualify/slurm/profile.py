@@ -105,6 +105,9 @@ class Profile:
     """CPUs on one node; a GPU job gets cpus_per_node x gpus / gpus_per_node."""
     mem: str | None = None
     """Memory of one node (e.g. 1800G); jobs get the same share as of the CPUs or GPUs (None: no --mem)."""
+    gpu_mem: str | None = None
+    """Memory of one GPU (e.g. 81559M for an H100 80GB, as nvidia-smi gives it); qualify sbatch refuses a stage
+    whose estimated need (qualify.memory) does not fit (None: not checked)."""
     time: StageTimes = field(default_factory=StageTimes)
     """Time limit per stage."""
     environment: Environment = field(default_factory=Environment)
@@ -139,8 +142,12 @@ class Profile:
             raise ValueError(f"sbatch_args {bad_args} must be sbatch options (each starts with '-')")
         if self.gpus_per_node < 0 or self.cpus_per_node < 1:
             raise ValueError("gpus_per_node must be >= 0 and cpus_per_node >= 1")
-        if self.mem is not None and not _MEM.fullmatch(self.mem):
-            raise ValueError(f"mem {self.mem!r} is not a size like 512000M, 1800G or 2T")
+        for key in ("mem", "gpu_mem"):
+            value = getattr(self, key)
+            if value is not None and not _MEM.fullmatch(value):
+                raise ValueError(f"{key} {value!r} is not a size like 512000M, 1800G or 2T")
+        if self.gpu_mem is not None and not self.gpus_per_node:
+            raise ValueError("gpu_mem is set but gpus_per_node is 0")
         bad = sorted(k for k in self.exports if not _ENV_NAME.fullmatch(k))
         if bad:
             raise ValueError(f"exports: {bad} are not environment variable names")
@@ -159,6 +166,14 @@ class Profile:
             return None
         number, unit = _MEM.fullmatch(self.mem).groups()
         return int(number) * _MEM_MB[unit]
+
+    @property
+    def gpu_mem_bytes(self) -> int | None:
+        """Memory of one GPU in bytes (None: not set)."""
+        if self.gpu_mem is None:
+            return None
+        number, unit = _MEM.fullmatch(self.gpu_mem).groups()
+        return int(number) * _MEM_MB[unit] << 20
 
     def resolve(self, path: str) -> Path:
         """A path from the profile, relative to the profile file's directory."""

@@ -99,6 +99,27 @@ def rounds_gpus(matrix: Matrix, topology: str) -> tuple[int, int, int]:
     return vllm, train, vllm + train if topology == "dedicated" else max(vllm, train)
 
 
+def check_memory(matrix: Matrix, profile: Profile, cases: list[Case]) -> None:
+    """Refuse, with what each needs, a stage or case whose estimated memory (qualify.memory) does not fit one of the
+    profile's GPUs or the host memory its job gets. Nothing is checked without gpu_mem in the profile, or when the
+    checkpoints' config.json is not where the matrix says (rendering away from the cluster's file system)."""
+    from qualify.memory import misfits
+
+    if profile.gpu_mem_bytes is None or not profile.gpus_per_node:
+        return
+    host: dict[str, int | None] = {}
+    if profile.mem_mb is not None:
+        vllm = max(matrix.rollout.vllm_tp)
+        host["reference"] = share(profile, gpus=vllm, procs=vllm, what="reference").mem_mb << 20
+        for case in cases:
+            host[case.name] = share(profile, gpus=case_gpus(case), procs=case_gpus(case), what=f"case {case.name}").mem_mb << 20
+    lines, _ = misfits(matrix, cases, profile.gpu_mem_bytes, host)
+    if lines:
+        raise SlurmError(f"{len(lines)} stage(s) of {matrix.source} cannot fit {profile.source} "
+                         f"(gpu_mem {profile.gpu_mem}): " + "; ".join(lines)
+                         + " (choose cases with --cases, a larger TP, reference.offload: host, or another profile)")
+
+
 def select_cases(matrix: Matrix, pattern: str | None) -> list[Case]:
     """The matrix's cases, or those whose name matches the glob pattern."""
     cases = matrix.cases()
@@ -132,6 +153,7 @@ def render_chain(matrix_path: Path, profile_path: Path, *, run: Path, out: Path,
         units = case_gpus(case)
         need = share(profile, gpus=units, procs=units, what=f"case {case.name}")
         groups.setdefault(need, []).append(case.name)
+    check_memory(matrix, profile, selected)
     for need in sorted(groups, key=lambda s: (s.gpus, s.cpus)):
         key = f"candidate-{need.gpus}gpu" if profile.gpus_per_node else f"candidate-{need.cpus}cpu"
         jobs.append(ctx.job(key, "candidate", ("freeze",), tuple(groups[need]), need))
