@@ -1,14 +1,21 @@
-"""Launching candidate cases: the spec in the case's work directory, torchrun over the worker, the log and its tail.
+"""Launching candidate cases: the spec in the case's work directory, the worker's TP ranks, the log and its tail.
 
 Used by the candidate stage (a group of cases sharing engine and TP per launch) and by rounds (the
 trainer's step is a candidate case), so both launch a case the same way.
+
+The ranks are started directly (RANK, WORLD_SIZE, MASTER_ADDR/PORT in their environment, as torchrun would
+set them): torchrun's agent is one more Python process that imports torch before any rank starts and tears
+down after the last, seconds a launch on the GPU host (BENCHMARKS.md, issue 21). QUALIFY_LAUNCHER=torchrun
+restores it. As with torchrun, the first rank to fail stops the others.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from qualify.candidate.spec import CaseSpec
@@ -38,10 +45,46 @@ def launch(spec_paths: Path | list[Path], tp: int, device: str, log_path: Path) 
         cpus = int(os.environ.get("SLURM_CPUS_PER_TASK") or len(os.sched_getaffinity(0)))  # the allocation, not the node
         env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // tp)))
         env.setdefault("DS_ACCELERATOR", "cpu")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}",
-           "-m", "qualify.candidate.worker", *map(str, paths)]
+    worker = ["-m", "qualify.candidate.worker", *map(str, paths)]
     with open(log_path, "w") as log:
-        return subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+        if os.environ.get("QUALIFY_LAUNCHER") == "torchrun":
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}", *worker]
+            return subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+        return run_ranks([sys.executable, *worker], tp, env, log)
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback now, for rank 0's rendezvous store."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(cmd: list[str], tp: int, env: dict[str, str], log) -> int:
+    """Start tp ranks of cmd with torchrun's rank variables; wait for all. The first rank to fail stops the others
+    (a rank waiting in a collective for a dead peer would hang); returns 0 or that rank's exit code."""
+    port = str(free_port())
+    procs = [subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r), GROUP_RANK="0", WORLD_SIZE=str(tp),
+                                       LOCAL_WORLD_SIZE=str(tp), MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for r in range(tp)]
+    failed = 0
+    while True:
+        codes = [p.poll() for p in procs]  # every rank polled (any() would stop at the first running one)
+        failed = next((c for c in codes if c), 0)
+        if failed or all(c is not None for c in codes):
+            break
+        time.sleep(0.05)
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    return failed or next((p.returncode for p in procs if p.returncode), 0)
 
 
 def log_tail(log_path: Path, code: int) -> str:
