@@ -29,6 +29,12 @@ timed() {  # timed LABEL COMMAND...: wall time and exit code, with epoch marks i
   awk -v s="$start" -v e="$EPOCHREALTIME" -v n="$label" -v rc=$rc 'BEGIN{printf "== %s: exit %s in %.1f s\n", n, rc, e - s}'
   return $rc
 }
+budget() {  # budget SECONDS LABEL COMMAND...: timed, under a timeout that ends before the call's DEADLINE_S (560)
+  local want=$1 left=$(( ${DEADLINE_S:-560} - SECONDS - 25 )); shift
+  [ $left -lt 20 ] && { echo "== $1: skipped, ${left} s left of the call"; return 124; }
+  local label=$1; shift
+  timed "$label" timeout $(( want < left ? want : left )) "$@"
+}
 if [ -f /tmp/q06.path ]; then run=$(cat /tmp/q06.path); else
   shm=$(df -B1 --output=avail /dev/shm 2>/dev/null | tail -n 1 || echo 0)
   run=/tmp/q06-run; [ "${shm:-0}" -gt 140000000000 ] && run=/dev/shm/q06-run
@@ -48,17 +54,17 @@ PY
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   (  # GPU 1, beside the reference on GPU 0
     export CUDA_VISIBLE_DEVICES=1
-    timed "probe (GPU 1)" timeout 330 python3 benchmarks/scale_probe.py $matrix "$run" "$out/probe.json" \
+    timed "probe (GPU 1)" timeout 240 python3 benchmarks/scale_probe.py $matrix "$run" "$out/probe.json" \
       > "$out/probe.log" 2>&1
     for engine in megatron torch-tp; do
-      timed "launch probe $engine TP1 (GPU 1)" timeout 150 python3 benchmarks/launch_probe.py ab $engine 1 \
+      timed "launch probe $engine TP1 (GPU 1)" timeout 100 python3 benchmarks/launch_probe.py ab $engine 1 \
         "$run/reference/models/actor" "$out/launch_ab.jsonl" --repeats 2 > /dev/null 2>&1
     done
   ) &
   side=$!
-  CUDA_VISIBLE_DEVICES=0 timed "qualify reference (GPU 0)" timeout 420 qualify reference $matrix --out "$run" \
+  CUDA_VISIBLE_DEVICES=0 timed "qualify reference (GPU 0)" timeout 380 qualify reference $matrix --out "$run" \
     --rollout .gpu/q06-rollout
-  timed "qualify freeze" timeout 200 qualify freeze "$run"
+  budget 200 "qualify freeze" qualify freeze "$run"
   wait $side
   python3 - "$run" <<'PY' > "$out/reference_seconds.txt" 2>&1 || true
 import json, pathlib, sys
@@ -69,8 +75,9 @@ for meta in sorted(pathlib.Path(sys.argv[1], "reference").rglob("meta.json")):
 PY
   cat "$out/reference_seconds.txt"; cat "$out/probe.log" | grep -v "^\[" | tail -n 12
 else
+  [ -f "$run/acceptance/acceptance.json" ] || budget 300 "qualify freeze (resumed)" qualify freeze "$run"
   for sel in 'megatron-*-tp1-*' 'megatron-*-tp2-*' 'torch-tp-*-tp1-*' 'torch-tp-*-tp2-*'; do
-    timed "qualify candidate --only $sel" timeout 240 qualify candidate $matrix --run "$run" --only "$sel" \
+    budget 200 "qualify candidate --only $sel" qualify candidate $matrix --run "$run" --only "$sel" \
       > "$out/candidate-${sel//\*/x}.txt" 2>&1
     tail -n 5 "$out/candidate-${sel//\*/x}.txt"
     for case in "$run"/candidates/${sel}; do
@@ -82,9 +89,9 @@ else
     done
   done
   tar -C "$run" -czf "$out/verdicts.tgz" $(cd "$run" && ls candidates/verdict*.json 2>/dev/null) 2>/dev/null || true
-  timed "launch probe megatron TP2" timeout 120 python3 benchmarks/launch_probe.py ab megatron 2 \
+  budget 120 "launch probe megatron TP2" python3 benchmarks/launch_probe.py ab megatron 2 \
     "$run/reference/models/actor" "$out/launch_ab.jsonl" --repeats 2 > /dev/null 2>&1
-  timed "launch probe torch-tp TP2" timeout 90 python3 benchmarks/launch_probe.py ab torch-tp 2 \
+  budget 90 "launch probe torch-tp TP2" python3 benchmarks/launch_probe.py ab torch-tp 2 \
     "$run/reference/models/actor" "$out/launch_ab.jsonl" --repeats 1 > /dev/null 2>&1
 fi
 kill $smi 2>/dev/null
