@@ -164,6 +164,10 @@ def diagnose(run_dir: Path, case: str, *, log: StageLog | None = None) -> dict[s
         acc = Acceptance.load(layout.acceptance, layout.reference)
     require_layer_bounds(acc)
     spec = case_spec(layout, case)
+    judged_by = (stage_info(layout.case(case)).get("key") or {}).get("acceptance")
+    if judged_by != acc.digest:
+        raise EvidenceError(f"case {case} was run against acceptance {judged_by}, not {acc.digest}: run 'qualify "
+                            "candidate' for it again")
     bounds_doc = load_layer_bounds(acc, spec.role)
     acts, hook = candidate_layers(layout, case, spec, log)
     cand_grads = read_tensors(layout.case(case) / step_dir(0) / "grads.safetensors")

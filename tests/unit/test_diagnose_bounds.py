@@ -144,3 +144,22 @@ def test_diagnose_of_an_unknown_case_names_the_known_ones(tmp_path):
     freeze(layout.root)
     result = CliRunner().invoke(app, ["diagnose", str(layout.root), "--case", "nope"])
     assert result.exit_code == 2 and "no case 'nope'" in result.output and "run 'qualify candidate' first" in result.output
+
+
+def test_a_case_run_against_another_acceptance_is_refused(tmp_path):
+    from qualify.candidate.spec import make_spec
+    from qualify.launch import write_spec_file
+    from qualify.stages import prepare_stage
+
+    matrix = synthetic_matrix(tmp_path)
+    layout = synthetic_reference(tmp_path / "run", matrix)
+    add_layers(layout)
+    freeze(layout.root)
+    case = matrix.cases()[0]
+    write_spec_file(make_spec(matrix, case, model_dir=layout.model(case.role), rollout_dir=layout.rollout(1),
+                              targets_dir=layout.targets, rollout_digest="r", targets_digest="t",
+                              case_dir=layout.case(case.name), vocab_size=64, device="cpu"))
+    prepare_stage(layout.case(case.name))
+    complete_stage(layout.case(case.name), {"key": {"acceptance": "sha256:old"}})
+    with pytest.raises(EvidenceError, match=f"case {case.name} was run against acceptance sha256:old"):
+        diagnose(layout.root, case.name)
