@@ -79,7 +79,7 @@ else
   for sel in 'megatron-*-tp1-*' 'megatron-*-tp2-*' 'torch-tp-*-tp1-*' 'torch-tp-*-tp2-*'; do
     budget 200 "qualify candidate --only $sel" qualify candidate $matrix --run "$run" --only "$sel" \
       > "$out/candidate-${sel//\*/x}.txt" 2>&1
-    tail -n 5 "$out/candidate-${sel//\*/x}.txt"
+    grep -E "done in|PASS|FAIL|rror|worst" "$out/candidate-${sel//\*/x}.txt" | cut -c1-300 | tail -n 8
     for case in "$run"/candidates/${sel}; do
       [ -d "$case" ] && [ "${case%.work}" = "$case" ] || continue
       python3 -c 'import json,sys; d=json.load(open(sys.argv[1]+"/meta.json")); print(sys.argv[1].split("/")[-1], "case seconds", d["seconds"])' "$case" || true
@@ -100,3 +100,5 @@ du -sb "$run"/reference/models "$run"/reference/rollout "$run"/reference/targets
 df -h "$run" | cat
 python3 benchmarks/gpu_scale_peaks.py "$out/stages.log" "$out/smi-$mode.csv" || true
 cat "$out/launch_ab.jsonl" 2>/dev/null | cut -c1-400
+# the device tool returns at most 8 files: everything in one archive
+tar -C "$out" -czf "/tmp/results-$mode.tgz" . && find "$out" -mindepth 1 -delete && mv "/tmp/results-$mode.tgz" "$out/"
