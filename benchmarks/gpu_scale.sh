@@ -20,7 +20,8 @@ export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
 [ -f /tmp/site/.q06 ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl && touch /tmp/site/.q06; }
-qualify() { python3 -c 'import sys; from qualify.cli.app import main; sys.argv[0] = "qualify"; main()' "$@"; }
+mkdir -p /tmp/q06-bin && printf '#!/bin/sh\nexec python3 -c "import sys; from qualify.cli.app import main; sys.argv[0] = \\"qualify\\"; main()" "$@"\n' \
+  > /tmp/q06-bin/qualify && chmod +x /tmp/q06-bin/qualify && export PATH=/tmp/q06-bin:$PATH  # timeout runs it
 timed() {  # timed LABEL COMMAND...: wall time and exit code, with epoch marks in stages.log for the memory peaks
   local label=$1 start=$EPOCHREALTIME rc=0; shift
   echo "START $start $label" >> "$out/stages.log"
@@ -54,7 +55,7 @@ PY
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   (  # GPU 1, beside the reference on GPU 0
     export CUDA_VISIBLE_DEVICES=1
-    timed "probe (GPU 1)" timeout 240 python3 benchmarks/scale_probe.py $matrix "$run" "$out/probe.json" \
+    timed "probe (GPU 1)" timeout 240 python3 benchmarks/scale_probe.py $matrix "$run" "$out/probe.json" --rollout .gpu/q06-rollout \
       > "$out/probe.log" 2>&1
     for engine in megatron torch-tp; do
       timed "launch probe $engine TP1 (GPU 1)" timeout 100 python3 benchmarks/launch_probe.py ab $engine 1 \

@@ -6,7 +6,7 @@ with the run's rollout rows and synthetic PPO targets (timing and memory do not 
 times forward+backward alone (three repeats after a warm-up) for tokens/s and MFU = 6 x params x tokens / s
 against BF16_PEAK. Prints one JSON document (and writes it to OUT_JSON).
 
-Usage: python benchmarks/scale_probe.py MATRIX RUN_DIR OUT_JSON [--configs fp32,bf16,fp32-host,bf16-host,bf16-ckpt]
+Usage: python benchmarks/scale_probe.py MATRIX RUN_DIR OUT_JSON [--rollout DIR] [--configs fp32,bf16,fp32-host,bf16-host,bf16-ckpt]
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ def main() -> None:
     ap.add_argument("run")
     ap.add_argument("out")
     ap.add_argument("--configs", default="fp32,fp32-host,bf16,bf16-host,bf16-ckpt")
+    ap.add_argument("--rollout", help="a sealed rollouts directory (DIR/tp<N>) instead of RUN_DIR/reference/rollout")
     ap.add_argument("--device", default="cuda", help="cpu: try the probe itself without a GPU")
     args = ap.parse_args()
     global DEVICE
@@ -99,7 +100,8 @@ def main() -> None:
         if (model_dir / "_complete.json").is_file():
             break
         time.sleep(1)
-    rollout = load_rollout(Path(args.run) / "reference" / "rollout" / f"tp{base.rollout.vllm_tp[0]}")
+    rollouts = Path(args.rollout) if args.rollout else Path(args.run) / "reference" / "rollout"
+    rollout = load_rollout(rollouts / f"tp{base.rollout.vllm_tp[0]}")
     batch = {"input_ids_BT": rollout["input_ids_BT"], "response_mask_BT": rollout["response_mask_BT"]}
     targets = synthetic_targets(batch["response_mask_BT"])
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
