@@ -142,6 +142,15 @@ FROZEN_SECTIONS = ("models", "rollout", "ppo", "optimizer", "reference", "freeze
 """Matrix sections a reference and its acceptance are made from; `candidates` may change afterwards."""
 
 
+def read_snapshot(path: Path) -> dict[str, Any]:
+    """A sealed matrix snapshot read through the matrix schema: a field added to the schema after it was sealed
+    holds its default (what the sealed matrix meant by leaving it out), not None."""
+    from qualify.matrix import Matrix
+    from qualify.schema import from_dict, to_dict
+
+    return to_dict(from_dict(Matrix, read_json(path), str(path)))
+
+
 def frozen_field_differences(snapshot: dict[str, Any], matrix: dict[str, Any]) -> list[str]:
     """Dotted fields of the frozen sections whose value differs: 'optimizer.lr: 0.001 (frozen) != 0.002'."""
     out: list[str] = []

@@ -23,6 +23,8 @@ OUTPUT_KINDS = {"logprobs_BT": "logprob", "ratio_BT": "logprob", "kl_BT": "logpr
                 "loss": "loss", "clip_frac": "loss", "kl_mean": "loss", "grad_norm": "grad_norm",
                 "logprobs_processed_BT": "logprob"}
 GROUPS = ("outputs", "grads", "updates", "moments")
+DISTRIBUTION_GROUPS = ("outputs", "grads")
+"""Groups whose multi-element tensors are also judged by mean |delta| and p99 |delta|."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +140,10 @@ def pair_metrics(candidate: RunTensors, reference: RunTensors,
             out[key] = {"max_abs": metrics.max_abs(c[name], r[name])}
             if group in ("grads", "moments"):
                 out[key]["rel_l2"] = metrics.rel_l2(c[name], r[name])
+            if group in DISTRIBUTION_GROUPS and c[name].numel() > 1:
+                # the error's distribution: a shift of every element under one noisy outlier's max_abs still fails
+                out[key]["mean_abs"] = metrics.mean_abs(c[name], r[name])
+                out[key]["p99_abs"] = metrics.p99_abs(c[name], r[name])
     return out
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,10 @@ from qualify.stages import require_complete, stage_info
 from qualify.store import atomic_write_bytes, dumps_json, read_json, read_json_object
 
 RULE = ("bound = k * control_error + floor + quantum (per role, tensor, metric; control_error = max over the "
-        "family's controls; quantum = one rounding step of the family's precision at the reference magnitude)")
+        "family's controls; floor = max(floors[kind], floor_ulps fp32 ulps of the reference tensor's largest "
+        "magnitude); quantum = one rounding step of the compute precision at that magnitude, for what the contract "
+        "computes in it: bf16 gradients, moments and values, and one fp32 step of every update)")
+MANTISSA_BITS = {"bf16": 7, "fp32": 23}
 
 
 def family_pairs(family: str, controls: list[str]) -> tuple[str, list[str]]:
@@ -50,24 +54,48 @@ def family_pairs(family: str, controls: list[str]) -> tuple[str, list[str]]:
     return "fp32-r0", [f"bf16-{c}" for c in controls]
 
 
+def ulp(precision: str, magnitude: float) -> float:
+    """The spacing of the precision's values at magnitude (0 for 0 or a non-finite magnitude)."""
+    if magnitude <= 0 or not math.isfinite(magnitude):
+        return 0.0
+    return 2.0 ** (math.floor(math.log2(magnitude)) - MANTISSA_BITS[precision])
+
+
 def quantum(precision: str, metric: str, magnitude: float) -> float:
     """One rounding step of the compute precision: a value rounded to it can land one step away without error.
 
-    max_abs: the ulp at the reference tensor's largest magnitude; rel_l2: the precision's relative
+    Absolute metrics: the ulp at the reference tensor's largest magnitude; rel_l2: the precision's relative
     spacing. Controls rarely sample this for quantized scalars (a bf16 bias gradient can sit in the
     same rounding bucket in every control), so the rule adds it explicitly.
     """
-    mantissa_bits = {"bf16": 7, "fp32": 23}[precision]
     if metric == "rel_l2":
-        return 2.0 ** -mantissa_bits
-    if magnitude <= 0 or not math.isfinite(magnitude):
-        return 0.0
-    return 2.0 ** (math.floor(math.log2(magnitude)) - mantissa_bits)
+        return 2.0 ** -MANTISSA_BITS[precision]
+    return ulp(precision, magnitude)
 
 
-def bound_entry(kind: str, error: float, k: float, floors: dict[str, float], q: float = 0.0) -> dict[str, Any]:
-    return {"kind": kind, "control_error": error, "floor": floors[kind], "quantum": q,
-            "bound": k * error + floors[kind] + q}
+def in_compute_precision(key: str) -> bool:
+    """Whether the contract computes a tensor in the compute precision (bf16 under bf16): the gradients of the compute
+    copy (cast to the FP32 master), the moments made from them, and the critic's head output. Logprobs, ratio, KL, the
+    loss and the grad norm are fp32 computations, so no rounding step of bf16 is theirs to spend."""
+    group = key.partition("/")[0]
+    return group in ("grads", "moments") or key == "outputs/values_BT"
+
+
+def tensor_floor(kind: str, metric: str, magnitude: float, floors: dict[str, float], floor_ulps: float) -> float:
+    """The floor of one bound: the matrix's absolute floor of the kind, or floor_ulps fp32 ulps of the tensor's own
+    magnitude (of 1 for a relative metric), whichever is larger."""
+    scaled = floor_ulps * (2.0 ** -MANTISSA_BITS["fp32"] if metric == "rel_l2" else ulp("fp32", magnitude))
+    return max(floors[kind], scaled)
+
+
+def bound_entry(kind: str, error: float, k: float, floors: dict[str, float], q: float = 0.0,
+                floor: float | None = None, magnitude: float | None = None) -> dict[str, Any]:
+    """One frozen bound: k x control error + floor + quantum, with its parts (floor: the kind's unless given)."""
+    floor = floors[kind] if floor is None else floor
+    entry = {"kind": kind, "control_error": error, "floor": floor, "quantum": q, "bound": k * error + floor + q}
+    if magnitude is not None:
+        entry["magnitude"] = magnitude
+    return entry
 
 
 def magnitudes(run: Any) -> dict[str, float]:
@@ -80,7 +108,8 @@ def magnitudes(run: Any) -> dict[str, float]:
 
 
 def family_bounds(layout: RunLayout, role: str, family: str, controls: list[str], k: float,
-                  floors: dict[str, float], params_before: dict, optimizer: Any, use_quantum: bool) -> dict[str, Any]:
+                  floors: dict[str, float], params_before: dict, optimizer: Any, use_quantum: bool,
+                  floor_ulps: float = 0.0) -> dict[str, Any]:
     """Bounds of one family for one role: every step's tensors, keyed 'step<k>/<group>/<name>'."""
     base_name, others = family_pairs(family, controls)
     base_steps = load_steps(layout.scores(*base_name.split("-", 1), role))
@@ -90,28 +119,45 @@ def family_bounds(layout: RunLayout, role: str, family: str, controls: list[str]
     starts = {name: params_before_steps(steps, params_before) for name, steps in [(base_name, base_steps),
                                                                                  *runs.items()]}
     bounds: dict[str, dict[str, Any]] = {}
+    rule = BoundRule(k, floors, floor_ulps, "fp32" if family == "fp32-repeat" else "bf16", use_quantum)
     for step, base in enumerate(base_steps):
         others_at = {name: steps[step] for name, steps in runs.items()}
-        step_bounds = step_family_bounds(base, others_at, family, k, floors, use_quantum,
-                                         {name: starts[name][step] for name in starts}, base_name, optimizer, step + 1)
+        step_bounds = step_family_bounds(base, others_at, rule, {name: starts[name][step] for name in starts},
+                                         base_name, optimizer, step + 1)
         bounds.update(with_step(step, step_bounds))
     return {"schema": BOUNDS_SCHEMA, "role": role, "family": family, "reference_run": base_name,
-            "control_runs": others, "num_steps": len(base_steps), "k": k, "floors": floors, "rule": RULE,
-            "bounds": bounds}
+            "control_runs": others, "num_steps": len(base_steps), "k": k, "floors": floors, "floor_ulps": floor_ulps,
+            "rule": RULE, "bounds": bounds}
 
 
-def step_family_bounds(base: Any, runs: dict[str, Any], family: str, k: float, floors: dict[str, float],
-                       use_quantum: bool, starts: dict[str, dict], base_name: str, optimizer: Any,
-                       adam_step: int) -> dict[str, dict[str, Any]]:
+@dataclass(frozen=True, slots=True)
+class BoundRule:
+    """The rule of one family: k, the floors, and the compute precision whose rounding step may be spent."""
+
+    k: float
+    floors: dict[str, float]
+    floor_ulps: float
+    precision: str
+    use_quantum: bool
+
+    def entry(self, key: str, metric: str, error: float, magnitude: float, kind: str | None = None,
+              q: float | None = None) -> dict[str, Any]:
+        kind = kind or ("relative" if metric == "rel_l2" else metric_kind(key))
+        if q is None:
+            low = self.precision != "fp32" and in_compute_precision(key)
+            q = quantum(self.precision, metric, magnitude) if self.use_quantum and low else 0.0
+        return bound_entry(kind, error, self.k, self.floors, q,
+                           tensor_floor(kind, metric, magnitude, self.floors, self.floor_ulps), magnitude)
+
+
+def step_family_bounds(base: Any, runs: dict[str, Any], rule: BoundRule, starts: dict[str, dict], base_name: str,
+                       optimizer: Any, adam_step: int) -> dict[str, dict[str, Any]]:
     """Bounds of one family at one step (keys without the step prefix)."""
     errors: dict[str, dict[str, float]] = {}
     for run in runs.values():
         merge_max(errors, pair_metrics(run, base))
-    precision = "fp32" if family == "fp32-repeat" else "bf16"
     mags = magnitudes(base)
-    bounds = {key: {m: bound_entry("relative" if m == "rel_l2" else metric_kind(key), v, k, floors,
-                                   quantum(precision, m, mags[key]) if use_quantum else 0.0)
-                    for m, v in ms.items()} for key, ms in errors.items()}
+    bounds = {key: {m: rule.entry(key, m, v, mags[key]) for m, v in ms.items()} for key, ms in errors.items()}
     tau = {key.removeprefix("moments/exp_avg/"): b["max_abs"]["bound"]
            for key, b in bounds.items() if key.startswith("moments/exp_avg/")}
     resolved: dict[str, dict[str, float]] = {}
@@ -124,8 +170,9 @@ def step_family_bounds(base: Any, runs: dict[str, Any], family: str, k: float, f
         for key, ms in source.items():
             # updates are fp32 master arithmetic: new - old carries one fp32 rounding step of the parameter
             p = starts[base_name].get(key.removeprefix("updates/"))
-            q = quantum("fp32", "max_abs", float(p.abs().max())) if use_quantum and p is not None else 0.0
-            bounds.setdefault(key, {}).update({m: bound_entry("update", v, k, floors, q) for m, v in ms.items()})
+            q = quantum("fp32", "max_abs", float(p.abs().max())) if rule.use_quantum and p is not None else 0.0
+            bounds.setdefault(key, {}).update({m: rule.entry(key, m, v, mags.get(key, 0.0), "update", q)
+                                               for m, v in ms.items()})
     return bounds
 
 
@@ -137,6 +184,7 @@ def acceptance_document(layout: RunLayout, name: str, bound_files: dict[str, byt
         "name": name,
         "matrix": matrix.name,
         "rule": {"text": RULE, "k": matrix.freeze.k, "floors": dict(matrix.freeze.floors),
+                 "floor_ulps": matrix.freeze.floor_ulps,
                  "quantum": matrix.freeze.quantum, "families": list(FAMILIES)},
         "matrix_digest": summary["matrix_digest"],
         "rollout_digest": summary["rollout_digest"],
@@ -212,7 +260,7 @@ def freeze(run_dir: Path, name: str | None = None) -> dict[str, Any]:
         before = checkpoint_tensors(model_dir(matrix, layout.models, role))
         for family in FAMILIES:
             doc = family_bounds(layout, role, family, controls, matrix.freeze.k, dict(matrix.freeze.floors), before,
-                                matrix.optimizer, matrix.freeze.quantum)
+                                matrix.optimizer, matrix.freeze.quantum, matrix.freeze.floor_ulps)
             files[f"{role}-{family}.json"] = dumps_json(doc).encode("ascii")
     layers = layer_bound_files(layout, matrix, controls)  # {} for a reference scored without layer activations
     document = acceptance_document(layout, name or matrix.name, files, summary | {"coverage": coverage}, matrix, layers)

@@ -20,7 +20,7 @@ from qualify.schema import load_yaml_file
 
 Precision = Literal["fp32", "bf16"]
 Role = Literal["actor", "critic"]
-Perturbation = Literal["microbatch_split", "batch_order", "attn_impl"]
+Perturbation = Literal["microbatch_split", "batch_order", "attn_impl", "tp_split"]
 TokenNormalizer = Literal["global", "per_sequence", "constant"]
 Topology = Literal["dedicated", "shared"]
 LogprobFormula = Literal["full", "processed"]
@@ -277,7 +277,10 @@ class Reference:
     repeats: int = 2
     """Independent repeats per precision (at least two)."""
     perturbations: tuple[Perturbation, ...] = ()
-    """Extra numerically legitimate controls per precision."""
+    """Extra numerically legitimate controls per precision: microbatch_split (two micro-batches, gradients
+    accumulated), batch_order (rows reversed), attn_impl (eager attention), tp_split (one control per
+    candidates.tp degree n > 1, named tp<n>_split: the reference computed with TP n's reduction orders,
+    qualify.reference.tp_numerics)."""
     logprob_chunk_tokens: int = 64
     """Tokens per chunk of the fp32 log_softmax (never a [tokens, vocab] fp32 tensor)."""
     gradient_checkpointing: bool = False
@@ -304,10 +307,17 @@ class Freeze:
     k: float = 4.0
     """Multiplier on the control error."""
     floors: dict[str, float] = field(default_factory=dict)
-    """Floor per metric kind: absolute floors for max_abs of logprob, value, loss, grad, grad_norm, update, moment,
-    target tensors; 'relative' is the floor of every relative metric (rel_l2)."""
+    """Absolute floor per metric kind, the least any bound of that kind gets: logprob, value, loss, grad, grad_norm,
+    update, moment, target tensors; 'relative' for every relative metric (rel_l2). Each bound's floor is the larger
+    of this and floor_ulps fp32 rounding steps of the tensor's own magnitude, so keep these small: the control
+    error, not a floor, should set a bound."""
+    floor_ulps: float = 4.0
+    """Per-tensor floor in fp32 rounding steps (ulps) at the reference tensor's largest magnitude (rel_l2: of 1)."""
     quantum: bool = True
-    """Add one rounding step of the family's precision (ulp at the reference magnitude) to each bound."""
+    """Add one rounding step of the compute precision (its ulp at the reference magnitude) to the bounds of what the
+    contract computes in that precision: in the bf16 families gradients, their moments and the critic's values;
+    every update carries one fp32 step of its parameter. Quantities computed in fp32 (logprobs, ratio, KL, loss,
+    grad norm) get none."""
     require: tuple[str, ...] = ()
     """Branches the reference must exercise before freeze accepts it (qualify.ppo.coverage.BRANCHES): policy_clip_high,
     policy_clip_low, value_clip, grad_clip, kl, padded_rows, adam_past_first_step."""
@@ -329,6 +339,8 @@ class Freeze:
             raise ValueError(f"floors missing for {missing}")
         if self.k < 1:
             raise ValueError(f"k must be >= 1, got {self.k}")
+        if self.floor_ulps < 0:
+            raise ValueError(f"floor_ulps must be >= 0, got {self.floor_ulps}")
         negative = sorted(kind for kind, floor in self.floors.items() if floor < 0)
         if negative:
             raise ValueError(f"floors must be >= 0: {', '.join(f'{k} {self.floors[k]}' for k in negative)}")
@@ -451,6 +463,9 @@ class Matrix:
                              "with a letter or digit (it names the run directory and the Slurm jobs)")
         if not self.description.isprintable():
             raise ValueError("description must be one line of printable text")
+        if "tp_split" in self.reference.perturbations and max(self.candidates.tp) < 2:
+            raise ValueError("reference.perturbations: tp_split makes one control per candidates.tp degree > 1, and "
+                             "candidates.tp has none")
         if set(self.reference.precisions) != set(PRECISIONS):
             raise ValueError("reference.precisions must be [fp32, bf16]: the bound families need both")
         if self.rollout.num_prompts % self.ppo.minibatches:

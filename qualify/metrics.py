@@ -10,6 +10,7 @@ update is what AdamW makes of the run's own gradient (replay), which no gradient
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -37,6 +38,47 @@ def rel_l2(candidate: torch.Tensor, reference: torch.Tensor) -> float:
     diff = float(torch.linalg.vector_norm(candidate.double() - reference.double()))
     norm = float(torch.linalg.vector_norm(reference.double()))
     return diff / norm if norm > 0 else diff
+
+
+def mean_abs(candidate: torch.Tensor, reference: torch.Tensor) -> float:
+    """mean |c - r| in float64 (0 for an empty tensor); +inf if c is not finite. A systematic shift of every element
+    moves it as much as the largest error does, where one noisy outlier barely moves it."""
+    if not _finite(candidate):
+        return INF
+    if candidate.numel() == 0:
+        return 0.0
+    return float((candidate.double() - reference.double()).abs().mean())
+
+
+P99 = 0.99
+
+
+def quantile_abs(candidate: torch.Tensor, reference: torch.Tensor, q: float = P99) -> float:
+    """The q-quantile of |c - r| by nearest rank (the ceil(q * n)-th smallest; exact, any size); +inf if c is not
+    finite."""
+    if not _finite(candidate):
+        return INF
+    n = candidate.numel()
+    if n == 0:
+        return 0.0
+    diff = (candidate.double() - reference.double()).abs().flatten()
+    rank = min(n, max(1, math.ceil(q * n)))
+    return float(diff.kthvalue(rank).values)
+
+
+def p99_abs(candidate: torch.Tensor, reference: torch.Tensor) -> float:
+    """99th percentile of |c - r| (nearest rank)."""
+    return quantile_abs(candidate, reference, P99)
+
+
+def bf16_exact_fraction(t: torch.Tensor) -> float:
+    """Fraction of the non-zero finite elements that bf16 represents exactly (0 for a tensor without any): near 0 for a
+    value computed in fp32, 1 for one computed in bf16 and widened. NaN counts as not finite (judged elsewhere)."""
+    x = t.detach().float().flatten()
+    x = x[torch.isfinite(x) & (x != 0)]
+    if x.numel() == 0:
+        return 0.0
+    return float((x.to(torch.bfloat16).float() == x).double().mean())
 
 
 def resolved_mask(reference_grad: torch.Tensor, tau: float) -> torch.Tensor:

@@ -35,13 +35,13 @@ from qualify.verdict import VERDICT_SCHEMA, Row, Verdict, make_verdict
 
 def require_frozen_matrix(matrix: Matrix, layout: RunLayout) -> None:
     """Refuse a matrix whose frozen sections differ from the snapshot the reference (and so the acceptance) sealed."""
-    from qualify.acceptance import frozen_field_differences
+    from qualify.acceptance import frozen_field_differences, read_snapshot
     from qualify.schema import to_dict
 
     snapshot = layout.matrix_snapshot / "matrix.json"
     if not snapshot.is_file():
         raise EvidenceError(f"no matrix snapshot at {snapshot}: the reference predates it; rerun 'qualify reference'")
-    changed = frozen_field_differences(read_json(snapshot), to_dict(matrix))
+    changed = frozen_field_differences(read_snapshot(snapshot), to_dict(matrix))
     if changed:
         raise QualifyError(f"the matrix differs from the one frozen in the acceptance: {'; '.join(changed[:3])}"
                            f"{' ...' if len(changed) > 3 else ''} (only 'candidates' may change after a freeze)")

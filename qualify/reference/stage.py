@@ -58,11 +58,11 @@ def snapshot_matrix(matrix: Matrix, layout: RunLayout) -> str:
     freeze takes its rule (k, floors) from this snapshot, and the candidate stage compares the live
     matrix with it, so nothing read later from an unprotected file can widen a bound.
     """
-    from qualify.acceptance import frozen_field_differences
+    from qualify.acceptance import frozen_field_differences, read_snapshot
 
     out, data = layout.matrix_snapshot, to_dict(matrix)
     if stage_is_complete(out):
-        changed = frozen_field_differences(read_json(out / "matrix.json"), data)
+        changed = frozen_field_differences(read_snapshot(out / "matrix.json"), data)
         if changed:
             raise FrozenError(f"the matrix changed since the reference in {layout.reference} started: "
                               f"{'; '.join(changed[:3])} (use another --out directory)")
@@ -166,7 +166,7 @@ def score_all(matrix: Matrix, layout: RunLayout, models: dict[str, Path], digest
                                           models[role])
                     write_role(out, result, {"precision": precision, "control": control.name, "role": role,
                                              "attn_impl": control.attn_impl, "microbatches": control.microbatches,
-                                             "reverse_rows": control.reverse_rows,
+                                             "reverse_rows": control.reverse_rows, "tp_split": control.tp,
                                              "seconds": round(time.monotonic() - started, 3),
                                              "rollout_digest": digest, "targets_digest": tdigest,
                                              "settings": scoring_settings(matrix, digest)})

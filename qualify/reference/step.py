@@ -27,6 +27,7 @@ from qualify.models.hf import actor_scores, compute_copy, critic_values, enable_
 from qualify.ppo.formula import PROCESSED_KEY, rollout_sampling
 from qualify.ppo.math import kl_terms, masked_mean
 from qualify.ppo.objective import role_objective, rows_of, step_rows
+from qualify.reference.tp_numerics import split_like_tp
 
 CONTROL_ATTN = {"attn_impl": "eager"}
 BASE_ATTN = "sdpa"
@@ -41,6 +42,8 @@ class Control:
     microbatches: int = 1
     reverse_rows: bool = False
     attn_impl: str = BASE_ATTN
+    tp: int = 1
+    """> 1: linears computed with this TP degree's reduction orders (qualify.reference.tp_numerics)."""
 
 
 def controls_of(matrix: Matrix) -> list[Control]:
@@ -48,6 +51,9 @@ def controls_of(matrix: Matrix) -> list[Control]:
     ref = matrix.reference
     out = [Control(name=f"r{i}") for i in range(ref.repeats)]
     for p in ref.perturbations:
+        if p == "tp_split":
+            out += [Control(name=f"tp{n}_split", tp=n) for n in sorted(matrix.candidates.tp) if n > 1]
+            continue
         out.append({"microbatch_split": Control(name=p, microbatches=2),
                     "batch_order": Control(name=p, reverse_rows=True),
                     "attn_impl": Control(name=p, attn_impl=CONTROL_ATTN["attn_impl"])}[p])
@@ -115,6 +121,7 @@ def run_role(matrix: Matrix, role: str, precision: str, control: Control, master
     if not offload:
         master.to(device)
     model = _compute_model(master, precision, model_dir, role, control.attn_impl, device, offload)
+    split_like_tp(model, control.tp)
     batch_host, targets_host = batch, targets
     batch = {k: v.to(device) for k, v in batch.items()}
     targets = {k: v.to(device) for k, v in targets.items()}

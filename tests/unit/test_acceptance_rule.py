@@ -207,3 +207,23 @@ def test_every_bound_file_is_checked_after_a_missing_one(acc):
     assert check_acceptance(acc) == [f"missing bound file {acc.parent / 'bounds' / 'actor-bf16-repeat.json'}",
                                      f"bound file {stale} does not match the acceptance's digest",
                                      f"bound file {edited} does not match the acceptance's digest"]
+
+
+def test_a_snapshot_sealed_before_a_field_existed_holds_its_default(tmp_path):
+    """A field added to the schema after a reference was sealed (freeze.floor_ulps here) reads as its default, so the
+    unchanged matrix still matches; setting it to anything else is still a change of a frozen field."""
+    import dataclasses
+
+    from qualify.acceptance import read_snapshot
+    from qualify.matrix import load_matrix
+    from qualify.schema import to_dict
+    from qualify.store import write_json
+
+    matrix = load_matrix("matrices/tiny-qwen3.yaml")
+    old = to_dict(matrix)
+    del old["freeze"]["floor_ulps"]
+    write_json(tmp_path / "matrix.json", old)
+    assert frozen_field_differences(read_snapshot(tmp_path / "matrix.json"), to_dict(matrix)) == []
+    changed = dataclasses.replace(matrix, freeze=dataclasses.replace(matrix.freeze, floor_ulps=8.0))
+    assert frozen_field_differences(read_snapshot(tmp_path / "matrix.json"), to_dict(changed)) == [
+        "freeze.floor_ulps: 4.0 (frozen) != 8.0"]

@@ -133,8 +133,26 @@ def _ulp(precision, magnitude):
     return 2.0 ** (math.floor(math.log2(magnitude)) - {"fp32": 23, "bf16": 7}[precision])
 
 
+FLOOR_ULPS = 4.0  # the Freeze default the synthetic matrix keeps
+
+
+def _mean_abs(a, b):
+    return float((a.double() - b.double()).abs().mean())
+
+
+def _p99_abs(a, b):
+    """Nearest rank, written out: the ceil(0.99 n)-th smallest |a - b|."""
+    diffs = sorted((a.double() - b.double()).abs().flatten().tolist())
+    return diffs[math.ceil(0.99 * len(diffs)) - 1]
+
+
+def _floor(kind, metric, magnitude):
+    scaled = FLOOR_ULPS * (2.0 ** -23 if metric == "rel_l2" else (_ulp("fp32", magnitude) if magnitude > 0 else 0.0))
+    return max(FLOORS[kind], scaled)
+
+
 def expected_bounds(role, family):
-    """The family's bound file contents, from the tensors."""
+    """The family's bound file contents, from the tensors: {key: {metric: (error, kind, quantum, floor)}}."""
     base_id, others_ids = FAMILY_RUNS[family]
     base, others = role_run(role, COEF[base_id]), [role_run(role, COEF[i]) for i in others_ids]
     precision = "fp32" if family == "fp32-repeat" else "bf16"
@@ -142,24 +160,34 @@ def expected_bounds(role, family):
     for group in ("outputs", "grads", "moments"):
         for name, ref in getattr(base, group).items():
             kind = OUTPUT_KINDS[name] if group == "outputs" else group.rstrip("s")
-            metrics = {"max_abs": (max(_max_abs(getattr(r, group)[name], ref) for r in others), kind,
-                                   _ulp(precision, float(ref.abs().max())))}
+            mag = float(ref.abs().max())
+            # only what the contract computes in bf16 (gradients, moments, values) may spend one bf16 rounding step
+            low = precision == "bf16" and (group != "outputs" or name == "values_BT")
+            q = _ulp("bf16", mag) if low else 0.0
+            metrics = {"max_abs": (max(_max_abs(getattr(r, group)[name], ref) for r in others), kind, q,
+                                   _floor(kind, "max_abs", mag))}
             if group != "outputs":
                 metrics["rel_l2"] = (max(_rel_l2(getattr(r, group)[name], ref) for r in others), "relative",
-                                     2.0 ** -{"fp32": 23, "bf16": 7}[precision])
+                                     2.0 ** -7 if low else 0.0, _floor("relative", "rel_l2", mag))
+            if group != "moments" and ref.numel() > 1:
+                metrics["mean_abs"] = (max(_mean_abs(getattr(r, group)[name], ref) for r in others), kind, q,
+                                       _floor(kind, "mean_abs", mag))
+                metrics["p99_abs"] = (max(_p99_abs(getattr(r, group)[name], ref) for r in others), kind, q,
+                                      _floor(kind, "p99_abs", mag))
             out[f"{group}/{name}"] = metrics
     for name, p in params().items():
-        tau = K * out[f"moments/exp_avg/{name}"]["max_abs"][0] + FLOORS["moment"] + \
-            out[f"moments/exp_avg/{name}"]["max_abs"][2]
+        m = out[f"moments/exp_avg/{name}"]["max_abs"]
+        tau = K * m[0] + m[3] + m[2]
         resolved = base.moments[f"exp_avg/{name}"].abs() > tau
         assert resolved.any() and (base_id != ("fp32", "r0") or not resolved.all()), "resolved and unresolved"
         q = _ulp("fp32", float(p.abs().max()))
+        floor = _floor("update", "max_abs", float(base.updates[name].abs().max()))
         out[f"updates/{name}"] = {
             "resolved_max_abs": (max(float((r.updates[name].double() - base.updates[name].double()).abs()[resolved]
-                                           .max()) for r in others), "update", q),
+                                           .max()) for r in others), "update", q, floor),
             "replay_max_abs": (max(_replay_error(r.updates[name], p, r.moments[f"exp_avg/{name}"],
                                                  r.moments[f"exp_avg_sq/{name}"]) for r in [base, *others]),
-                               "update", q)}
+                               "update", q, floor)}
     return out
 
 
@@ -174,13 +202,15 @@ def test_every_bound_is_k_times_the_largest_control_error_plus_floor_and_quantum
         BOUNDS_SCHEMA, role, family, K, FLOORS, RULE)
     expected, bounds = expected_bounds(role, family), unstep(doc["bounds"])
     assert {k: sorted(v) for k, v in bounds.items()} == {k: sorted(v) for k, v in expected.items()}
+    assert doc["floor_ulps"] == FLOOR_ULPS
     for key, metrics in expected.items():
-        for metric, (error, kind, q) in metrics.items():
+        for metric, (error, kind, q, floor) in metrics.items():
             b = bounds[key][metric]
             where = f"{role}-{family} {key} {metric}"
             assert b["control_error"] == pytest.approx(error, rel=1e-9, abs=0), where
-            assert (b["kind"], b["floor"], b["quantum"]) == (kind, FLOORS[kind], q), where
-            assert b["bound"] == pytest.approx(K * error + FLOORS[kind] + q, rel=1e-12, abs=0), where
+            assert (b["kind"], b["quantum"]) == (kind, q), where
+            assert b["floor"] == pytest.approx(floor, rel=1e-12, abs=0), where
+            assert b["bound"] == pytest.approx(K * error + floor + q, rel=1e-12, abs=0), where
     worst_key = f"outputs/{OUTPUT_NAMES[role]}"
     worst = _max_abs(role_run(role, COEF[WORST[family]]).outputs[OUTPUT_NAMES[role]],
                      role_run(role, COEF[base_id]).outputs[OUTPUT_NAMES[role]])
@@ -201,7 +231,8 @@ def test_acceptance_names_the_rule_digests_and_evidence(frozen):
     assert read_json(layout.acceptance) == doc == load_manifest(layout.acceptance)
     assert doc["schema_version"] == ACCEPTANCE_SCHEMA and doc["name"] == doc["matrix"] == "tiny-qwen3"
     assert (doc["platform"], doc["rollout_platform"]) == ({"cpu": "unit"}, {"cpu": "capture"})
-    assert doc["rule"] == {"text": RULE, "k": K, "floors": FLOORS, "quantum": True, "families": list(FAMILIES)}
+    assert doc["rule"] == {"text": RULE, "k": K, "floors": FLOORS, "floor_ulps": FLOOR_ULPS, "quantum": True,
+                           "families": list(FAMILIES)}
     summary = read_json(layout.reference_summary)
     for key in ("rollout_digest", "targets_digest", "matrix_digest", "versions", "host", "git"):
         assert doc[key] == summary[key], key
@@ -382,8 +413,8 @@ def test_without_the_quantum_every_bound_is_k_times_error_plus_floor(tmp_path):
         write_steps(layout.scores("bf16", control, "critic"), role_steps("critic", COEF[("bf16", control)], 1))
     doc = family_bounds(layout, "critic", "bf16-repeat", ["r0", "r1"], K, FLOORS, params(), OPT, False)
     entries = [b for ms in doc["bounds"].values() for b in ms.values()]
-    assert {m for ms in doc["bounds"].values() for m in ms} == {"max_abs", "rel_l2", "resolved_max_abs",
-                                                               "replay_max_abs"}
+    assert {m for ms in doc["bounds"].values() for m in ms} == {"max_abs", "rel_l2", "mean_abs", "p99_abs",
+                                                               "resolved_max_abs", "replay_max_abs"}
     assert all(b["quantum"] == 0.0 and b["bound"] == K * b["control_error"] + b["floor"] for b in entries)
 
 

@@ -120,7 +120,8 @@ def test_pair_metrics_measure_each_group_with_its_metrics():
                  moments={"exp_avg/w": T([0.3, 0.0])})
     cand = run_of(outputs={"loss": T(0.75)}, grads={"w": T([3.0, 4.0])}, updates={"w": T([-1.0, -1.0])},
                   moments={"exp_avg/w": T([0.3, 0.5])})
-    assert pair_metrics(cand, ref) == {"outputs/loss": {"max_abs": 0.25}, "grads/w": {"max_abs": 4.0, "rel_l2": 4 / 3},
+    assert pair_metrics(cand, ref) == {"outputs/loss": {"max_abs": 0.25},
+                                       "grads/w": {"max_abs": 4.0, "rel_l2": 4 / 3, "mean_abs": 2.0, "p99_abs": 4.0},
                                        "moments/exp_avg/w": {"max_abs": 0.5, "rel_l2": pytest.approx(0.5 / 0.3)}}
     # the update is judged only where the reference resolves the sign: |exp_avg_ref| > tau
     assert pair_metrics(cand, ref, {"w": 0.1})["updates/w"] == {"resolved_max_abs": 0.0}

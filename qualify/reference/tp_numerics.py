@@ -1,0 +1,82 @@
+"""A single-process control with the reduction orders a tensor-parallel engine legitimately has.
+
+A TP engine computes the same model, but some sums are split across ranks and added in another order:
+a row-parallel linear (attention o_proj, MLP down_proj) multiplies each rank's slice of the input features
+by its slice of the weight and all-reduces the partial outputs, each already rounded to the compute
+precision; a column-parallel linear (q/k/v, gate/up, and the vocabulary projection) is exact per output in
+the forward, but its input gradient is the sum of the ranks' partial products. The repeats, micro-batch
+split and attention-implementation controls never sample these orders, so a correct TP engine's bf16
+error could sit outside what bounds calibrated on them allow.
+
+`split_like_tp(model, tp)` makes the reference model compute exactly that way, in one process: the same
+weights (no copy), every row-parallel linear as tp partial matmuls in the module's dtype added in rank
+order, every column-parallel linear as tp slices concatenated (autograd then sums the input gradient's tp
+partial products). Nothing else changes, so the control differs from r0 only by reduction order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from qualify.errors import EngineError
+
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+COLUMN_PARALLEL = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+VOCAB_PARALLEL = ("lm_head",)
+
+
+def shard_bounds(size: int, tp: int, padded: bool = False) -> list[tuple[int, int]]:
+    """[start, end) of each rank's contiguous slice of a dimension of size `size`: tp must divide it, unless padded
+    (a vocabulary a TP engine pads to a multiple of tp: each rank holds ceil(size / tp) rows, the last fewer real
+    ones)."""
+    if tp < 1 or (size % tp and not padded):
+        raise ValueError(f"tp={tp} does not divide a dimension of size {size}")
+    width = -(-size // tp)
+    return [(min(r * width, size), min((r + 1) * width, size)) for r in range(tp)]
+
+
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: int) -> torch.Tensor:
+    """y = sum over ranks r of x[..., in_r] @ W[:, in_r]^T, each partial in x's dtype, added in rank order."""
+    y = None
+    for a, b in shard_bounds(weight.shape[1], tp):
+        part = F.linear(x[..., a:b], weight[:, a:b])
+        y = part if y is None else y + part
+    return y if bias is None else y + bias
+
+
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: int) -> torch.Tensor:
+    """y = concat over ranks r of x @ W[out_r]^T (+ b[out_r]): exact per output; the input gradient is the sum
+    of the tp partial products (autograd adds the slices' contributions)."""
+    parts = [F.linear(x, weight[a:b], None if bias is None else bias[a:b])
+             for a, b in shard_bounds(weight.shape[0], tp, padded=True) if b > a]
+    return torch.cat(parts, dim=-1)
+
+
+def _split(linear: torch.nn.Linear, fn, tp: int) -> None:
+    # the instance's forward is replaced; the parameters stay the module's own (optimizer and hooks unchanged)
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return fn(x, linear.weight, linear.bias, tp)
+
+    linear.forward = forward
+
+
+def split_like_tp(model: torch.nn.Module, tp: int) -> int:
+    """Make model's linears compute with TP degree tp's reduction orders (see the module docstring); returns how
+    many linears were split. tp = 1 leaves the model as it is."""
+    if tp == 1:
+        return 0
+    count = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        if name.endswith(ROW_PARALLEL):
+            _split(module, row_parallel_linear, tp)
+        elif name.endswith(COLUMN_PARALLEL) or name in VOCAB_PARALLEL:
+            _split(module, column_parallel_linear, tp)
+        else:
+            continue
+        count += 1
+    if count == 0:
+        raise EngineError("tp_split: no tensor-parallel linear found (the model is not a Qwen3-style decoder)")
+    return count

@@ -1,0 +1,86 @@
+"""The TP reduction-order control computes what a TP engine's ranks compute, summed in rank order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qualify.errors import EngineError
+from qualify.reference.tp_numerics import (
+    column_parallel_linear,
+    row_parallel_linear,
+    shard_bounds,
+    split_like_tp,
+)
+
+
+def test_shard_bounds_even_and_padded():
+    assert shard_bounds(8, 2) == [(0, 4), (4, 8)]
+    assert shard_bounds(10, 4, padded=True) == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    with pytest.raises(ValueError, match="does not divide"):
+        shard_bounds(10, 4)
+
+
+def _obvious_row_parallel(x, w, tp):
+    """Each rank's partial product, rounded to x's dtype, added one after another."""
+    width = w.shape[1] // tp
+    total = None
+    for r in range(tp):
+        part = (x[..., r * width:(r + 1) * width].double() @ w[:, r * width:(r + 1) * width].double().T).to(x.dtype)
+        total = part if total is None else (total + part)
+    return total
+
+
+def test_row_parallel_rounds_each_partial_before_adding():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 256, generator=g).to(torch.bfloat16)
+    w = torch.randn(32, 256, generator=g).to(torch.bfloat16)
+    split = row_parallel_linear(x, w, None, 2)
+    whole = F.linear(x, w)
+    # bf16 partial sums rounded before the add: not the unsplit result everywhere, but within a few bf16 steps of it
+    assert not torch.equal(split, whole)
+    assert torch.allclose(split.float(), whole.float(), rtol=0.05, atol=0.5)
+    obvious = _obvious_row_parallel(x, w, 2)
+    assert (split.float() - obvious.float()).abs().max() <= 2 * (obvious.float().abs().max() * 2 ** -7)
+
+
+def test_column_parallel_is_exact_per_output_and_sums_the_input_gradient():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 64, generator=g, requires_grad=True)
+    w = torch.randn(48, 64, generator=g)
+    b = torch.randn(48, generator=g)
+    y = column_parallel_linear(x, w, b, 3)
+    assert torch.equal(y, torch.cat([F.linear(x, w[i * 16:(i + 1) * 16], b[i * 16:(i + 1) * 16]) for i in range(3)], -1))
+    dy = torch.randn(16, 48, generator=g)
+    (y * dy).sum().backward()
+    expected = sum(dy[:, i * 16:(i + 1) * 16] @ w[i * 16:(i + 1) * 16] for i in range(3))
+    assert torch.allclose(x.grad, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_split_model_keeps_its_parameters_and_stays_close_in_fp32(tmp_path):
+    from qualify.matrix import TinyModel
+    from qualify.models.tiny import build_tiny_model
+
+    spec = TinyModel(vocab_size=128, hidden_size=64, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                     head_dim=32, max_position_embeddings=64, seed=3)
+    plain = build_tiny_model(spec, "actor")
+    split = build_tiny_model(spec, "actor")
+    params_before = [id(p) for p in split.parameters()]
+    assert split_like_tp(split, 2) == 7 * 2 + 1  # q, k, v, o, gate, up, down per layer, and lm_head
+    assert [id(p) for p in split.parameters()] == params_before
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(4))
+    a, b = plain(input_ids=ids).logits, split(input_ids=ids).logits
+    assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    a.sum().backward()
+    b.sum().backward()
+    for (name, p), q in zip(plain.named_parameters(), split.parameters()):
+        # fp32 reduction-order noise: a few ulps of the gradient's own magnitude, never more
+        assert (p.grad - q.grad).abs().max() <= 1e-5 * p.grad.abs().max(), name
+
+
+def test_tp_one_changes_nothing_and_a_non_decoder_is_refused():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    assert split_like_tp(model, 1) == 0
+    with pytest.raises(EngineError, match="no tensor-parallel linear"):
+        split_like_tp(model, 2)
