@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from qualify.compare import RunTensors, pair_metrics, replay_metrics, structure_problems
+from qualify.metrics import bf16_exact_fraction
 from qualify.verdict import Row
 
 STRUCTURE_RULE = "names, shapes and dtypes equal the reference's"
@@ -94,3 +95,30 @@ def evidence_rows(case: str, role: str, meta: dict[str, Any]) -> list[Row]:
     ]
     return [Row(case, role, "evidence", t, m, v, 0.0, math.isfinite(v) and v == 0.0, note, rule=EVIDENCE_RULE)
             for t, m, v, note in checks]
+
+
+PRECISION_MARGIN = 0.05
+"""How much larger than the reference's the fraction of bf16-exact elements of an fp32 quantity may be."""
+
+
+def precision_rows(case: str, role: str, candidate: list[RunTensors], reference: list[RunTensors]) -> list[Row]:
+    """The contract's fp32 quantities (every multi-element output, the master gradients) must not be values of the
+    compute precision widened to fp32: per step and tensor, the fraction of elements bf16 holds exactly may exceed the
+    reference's (same precision, r0) by at most PRECISION_MARGIN. Where the reference itself is bf16-valued (bf16
+    gradients, a bf16 head's values) nothing is claimed; an fp32 quantity is bf16-exact about once in 2^16."""
+    rows = []
+    for k, (cand, ref) in enumerate(zip(candidate, reference)):
+        for group in ("outputs", "grads"):
+            c, r = getattr(cand, group), getattr(ref, group)
+            for name in sorted(set(c) & set(r)):
+                if c[name].numel() < 2 or c[name].shape != r[name].shape:
+                    continue
+                cf, rf = bf16_exact_fraction(c[name]), bf16_exact_fraction(r[name])
+                excess = max(0.0, cf - rf)
+                rows.append(Row(case, role, "evidence", f"step{k}/{group}/{name}", "bf16_exact_excess", excess,
+                                PRECISION_MARGIN, excess <= PRECISION_MARGIN,
+                                "" if excess <= PRECISION_MARGIN else
+                                f"{cf:.0%} of its elements are bf16 values (reference {rf:.0%}): computed or stored "
+                                "in bf16, where the contract says fp32", step=k,
+                                rule=f"bf16-exact fraction <= the reference's + {PRECISION_MARGIN}"))
+    return rows

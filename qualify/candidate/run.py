@@ -17,7 +17,7 @@ from typing import Any
 
 from qualify.acceptance import Acceptance
 from qualify.candidate.formula import declared_formula, explain_formula, formula_bounds, formula_steps
-from qualify.candidate.judge import evidence_rows, judge_steps
+from qualify.candidate.judge import evidence_rows, judge_steps, precision_rows
 from qualify.candidate.spec import make_spec
 from qualify.compare import load_steps, params_before_steps
 from qualify.engines.registry import require_engine
@@ -133,18 +133,20 @@ def judge_case(layout: RunLayout, case: Case, bounds: dict, before: dict, optimi
     cand = load_steps(layout.case(case.name))
     starts = params_before_steps(cand, before)
     formula, truncates = declared_formula(cand[0].meta)  # its logprobs are judged against the reference's formula
-    rows = []
+    rows, own_ref = [], None
     families = [(f"{case.precision}-repeat", f"{case.precision}-r0")]
     if case.precision == "bf16":
         families.append(("fp32-vs-bf16", "fp32-r0"))
     for family, ref_run in families:
         precision, control = ref_run.split("-", 1)
         ref, fam = load_steps(layout.scores(precision, control, case.role)), bounds[(case.role, family)]
+        own_ref = ref if own_ref is None else own_ref  # the case's own precision's r0 comes first
         judged = judge_steps(case.name, case.role, f"vs ref {ref_run} [{family}]", cand,
                              formula_steps(ref, formula, truncates), formula_bounds(fam, formula, truncates),
                              starts, optimizer)
         rows += explain_formula(judged, cand, ref, fam, formula)
     rows += evidence_rows(case.name, case.role, cand[0].meta)
+    rows += precision_rows(case.name, case.role, cand, own_ref)
     if case.tp > 1:
         base = Case(engine=case.engine, precision=case.precision, tp=1, role=case.role)
         if base.name in verified or stage_is_complete(layout.case(base.name)):
