@@ -76,11 +76,25 @@ def _case_summary(name: str, c: dict[str, Any]) -> dict[str, Any]:
             "worst": {k: worst.get(k) for k in WORST_KEYS} if isinstance(worst, dict) else None}
 
 
+def closest_passing(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The passing row nearest its bound (largest value/bound among rows with a positive bound): the false-alarm
+    margin of a verdict, what a correct engine leaves between itself and a FAIL."""
+    best = None
+    for r in rows:
+        bound, ratio = r.get("bound"), r.get("ratio")
+        if not r.get("passed") or not isinstance(bound, int | float) or bound <= 0 or not isinstance(ratio, int | float):
+            continue
+        if best is None or ratio > best["ratio"]:
+            best = {k: r.get(k) for k in ("case", "tensor", "metric", "value", "bound", "ratio")}
+    return best
+
+
 def candidates_summary(verdict: Any) -> dict[str, Any] | None:
     """Per-case results of a readable verdict (an unreadable one is named by the verification's problems)."""
     if not readable(verdict):
         return None
     return {"passed": verdict["passed"], "complete": verdict.get("complete"),
+            "closest_passing": closest_passing(verdict["rows"]),
             "cases": {name: _case_summary(name, c) for name, c in verdict["cases"].items()}}
 
 
@@ -196,6 +210,11 @@ def to_markdown(summary: dict[str, Any]) -> str:
             outcome = ("PASS" if c["passed"] else "FAIL") if verified else "unverified"
             lines.append(f"| {name} | {outcome} | {c['num_checks']} | {c['num_failed']} | "
                          f"{w.get('tensor', '')} | {w.get('metric', '')} | {_ratio(w.get('ratio'))} |")
+        close = cand.get("closest_passing")
+        if close:
+            lines += ["", (f"- false-alarm margin: the closest passing value/bound is {_ratio(close['ratio'])} "
+                           f"({close['case']}, {close['tensor']} {close['metric']}: {_ratio(close['value'])} <= "
+                           f"{_ratio(close['bound'])})")]
         if summary["steps"]:
             lines += ["", "| step | checks | failed |", "| --- | --- | --- |"]
             lines += [f"| {k.removeprefix('step')} | {v['checks']} | {v['failed']} |" for k, v in summary["steps"].items()]

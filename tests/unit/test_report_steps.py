@@ -34,3 +34,16 @@ def test_report_of_a_reference_summary_without_its_keys_is_one_line(tmp_path):
         write_json(RunLayout(tmp_path).reference_summary, summary)
         result = CliRunner().invoke(app, ["report", str(tmp_path)])
         assert result.exit_code == 2 and says in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_the_false_alarm_margin_is_the_passing_row_closest_to_its_bound():
+    from qualify.report import closest_passing
+
+    rows = [{"case": "a", "tensor": "t1", "metric": "max_abs", "value": 3.0, "bound": 4.0, "ratio": 0.75, "passed": True},
+            {"case": "b", "tensor": "t2", "metric": "p99_abs", "value": 5.0, "bound": 4.0, "ratio": 1.25, "passed": False},
+            {"case": "b", "tensor": "t3", "metric": "mean_abs", "value": 0.0, "bound": 0.0, "ratio": 0.0, "passed": True},
+            {"case": "c", "tensor": "t4", "metric": "check", "value": [1], "bound": None, "ratio": 0.0, "passed": True},
+            {"case": "c", "tensor": "t5", "metric": "rel_l2", "value": 1.0, "bound": 2.0, "ratio": 0.5, "passed": True}]
+    assert closest_passing(rows) == {"case": "a", "tensor": "t1", "metric": "max_abs", "value": 3.0, "bound": 4.0,
+                                     "ratio": 0.75}
+    assert closest_passing(rows[1:3]) is None  # a failing row and a zero bound are no margin
