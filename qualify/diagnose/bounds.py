@@ -1,13 +1,14 @@
 """Per-layer evidence and its frozen bounds: what `qualify diagnose` compares, measured the same way at freeze time.
 
 Two kinds of per-layer tensors at step 1 (step0/ in the evidence), keyed like the per-tensor bounds:
-- 'act/<module>': the forward output of every hooked module (qualify.diagnose.hooks), max_abs and rel_l2;
+- 'act/<module>': the forward output of every hooked module (qualify.diagnose.hooks);
 - 'grads/<group>': the FP32 gradients of one decoder layer ('model.layers.<i>': every 'model.layers.<i>.*'
   parameter together), of the embedding ('model.embed_tokens') or of the head ('head': final norm, LM or
-  value head), max_abs (the largest element error of the group) and rel_l2 (of the group as one vector).
-Bounds follow freeze's rule (qualify.freeze.bound_entry and quantum): k x the largest control error of
-the family + floor (+ one rounding step), per (key, metric), one file per role under acceptance/layers/,
-named by digest in the acceptance ('layer_bounds'). A reference scored before layer capture existed has
+  value head), the group taken as one vector;
+each with freeze's metrics of multi-element tensors: max_abs, rel_l2, mean_abs and p99_abs.
+Bounds follow freeze's rule (qualify.freeze.BoundRule): k x the largest control error of the family + the
+floor (the kind's, or floor_ulps fp32 ulps of the tensor's magnitude) + under bf16 one rounding step, per
+(key, metric), one file per role under acceptance/layers/, named by digest in the acceptance ('layer_bounds'). A reference scored before layer capture existed has
 no layers.safetensors: freeze then writes no layer bounds and the acceptance is the same as before.
 """
 
@@ -57,20 +58,19 @@ def group_members(names: list[str]) -> dict[str, list[str]]:
     return out
 
 
+def tensor_metrics(candidate: torch.Tensor, reference: torch.Tensor) -> dict[str, float]:
+    """The per-tensor metrics of freeze's multi-element outputs and gradients (qualify.compare.pair_metrics):
+    max_abs, rel_l2 and the error's distribution (mean_abs, p99_abs); +inf when the candidate is not finite."""
+    return {"max_abs": metrics.max_abs(candidate, reference), "rel_l2": metrics.rel_l2(candidate, reference),
+            "mean_abs": metrics.mean_abs(candidate, reference), "p99_abs": metrics.p99_abs(candidate, reference)}
+
+
 def group_metrics(candidate: dict[str, torch.Tensor], reference: dict[str, torch.Tensor],
                   names: list[str]) -> dict[str, float]:
-    """max_abs and rel_l2 of a group of tensors taken as one vector, float64; +inf when the candidate is not finite."""
-    diff2 = norm2 = 0.0
-    worst = 0.0
-    for n in names:
-        c, r = candidate[n], reference[n]
-        if not bool(torch.isfinite(c).all()):
-            return {"max_abs": metrics.INF, "rel_l2": metrics.INF}
-        worst = max(worst, metrics.max_abs(c, r))
-        diff2 += float((c.double() - r.double()).square().sum())
-        norm2 += float(r.double().square().sum())
-    rel = diff2 ** 0.5 / norm2 ** 0.5 if norm2 > 0 else diff2 ** 0.5
-    return {"max_abs": worst, "rel_l2": rel}
+    """tensor_metrics of a group of tensors taken as one vector (their flattened concatenation)."""
+    flat_c = torch.cat([candidate[n].flatten() for n in names])
+    flat_r = torch.cat([reference[n].flatten() for n in names])
+    return tensor_metrics(flat_c, flat_r)
 
 
 def layer_metrics(cand_acts: dict[str, torch.Tensor] | None, ref_acts: dict[str, torch.Tensor],
@@ -83,7 +83,7 @@ def layer_metrics(cand_acts: dict[str, torch.Tensor] | None, ref_acts: dict[str,
     for name in sorted(set(cand_acts or {}) & set(ref_acts)):
         c, r = cand_acts[name], ref_acts[name]
         if c.shape == r.shape:
-            out[f"act/{name}"] = {"max_abs": metrics.max_abs(c, r), "rel_l2": metrics.rel_l2(c, r)}
+            out[f"act/{name}"] = tensor_metrics(c, r)
     common = [n for n in set(cand_grads) & set(ref_grads) if cand_grads[n].shape == ref_grads[n].shape]
     for group, names in group_members(common).items():
         if len(names) == len(group_members(list(ref_grads)).get(group, [])):  # a group is judged whole or not at all
@@ -115,9 +115,9 @@ def run_layers(role_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch
 
 
 def family_layer_bounds(layout: Any, role: str, family: str, controls: list[str], k: float, floors: dict[str, float],
-                        use_quantum: bool) -> dict[str, Any]:
+                        use_quantum: bool, floor_ulps: float = 0.0) -> dict[str, Any]:
     """Layer bounds of one family for one role: the family's control runs against its reference run."""
-    from qualify.freeze import bound_entry, family_pairs, quantum
+    from qualify.freeze import BoundRule, family_pairs, quantum
 
     base_name, others = family_pairs(family, controls)
     base_acts, base_grads = run_layers(layout.scores(*base_name.split("-", 1), role))
@@ -128,10 +128,13 @@ def family_layer_bounds(layout: Any, role: str, family: str, controls: list[str]
             slot = errors.setdefault(key, {})
             for metric, value in ms.items():
                 slot[metric] = max(slot.get(metric, 0.0), value)
-    precision = "fp32" if family == "fp32-repeat" else "bf16"
+    rule = BoundRule(k, floors, floor_ulps, "fp32" if family == "fp32-repeat" else "bf16", use_quantum)
     mags = magnitudes(base_acts, base_grads)
-    bounds = {key: {m: bound_entry(kind_of(key, m), v, k, floors,
-                                   quantum(precision, m, mags[key]) if use_quantum else 0.0)
+    # hidden states and gradients are both computed in the compute precision: under bf16 one rounding step of it
+    # at the tensor's magnitude is theirs to spend, as freeze grants the per-tensor gradients
+    bf16 = rule.precision != "fp32" and use_quantum
+    bounds = {key: {m: rule.entry(key, m, v, mags[key], kind_of(key, m),
+                                  quantum(rule.precision, m, mags[key]) if bf16 else 0.0)
                     for m, v in ms.items()} for key, ms in errors.items()}
     return {"reference_run": base_name, "control_runs": others, "bounds": bounds}
 
@@ -150,10 +153,11 @@ def layer_bound_files(layout: Any, matrix: Any, controls: list[str]) -> dict[str
     if not has_layers(layout, controls, list(matrix.reference.precisions)):
         return {}
     files = {}
-    k, floors = matrix.freeze.k, dict(matrix.freeze.floors)
+    k, floors, floor_ulps = matrix.freeze.k, dict(matrix.freeze.floors), matrix.freeze.floor_ulps
     for role in ("actor", "critic"):
-        doc = {"schema": LAYER_BOUNDS_SCHEMA, "role": role, "step": 0, "k": k, "floors": floors, "rule": RULE,
-               "families": {f: family_layer_bounds(layout, role, f, controls, k, floors, matrix.freeze.quantum)
-                            for f in FAMILIES}}
+        doc = {"schema": LAYER_BOUNDS_SCHEMA, "role": role, "step": 0, "k": k, "floors": floors,
+               "floor_ulps": floor_ulps, "rule": RULE,
+               "families": {f: family_layer_bounds(layout, role, f, controls, k, floors, matrix.freeze.quantum,
+                                                   floor_ulps) for f in FAMILIES}}
         files[f"{role}.json"] = dumps_json(doc).encode("ascii")
     return files

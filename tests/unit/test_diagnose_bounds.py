@@ -22,7 +22,7 @@ from qualify.diagnose.bounds import (
 )
 from qualify.diagnose.run import diagnose, load_layer_bounds
 from qualify.errors import EvidenceError
-from qualify.freeze import freeze, quantum
+from qualify.freeze import freeze, quantum, tensor_floor
 from qualify.stages import complete_stage, stage_info
 from qualify.store import read_json, write_tensors
 from tests.unit._runs import COEF, FLOORS, K, synthetic_matrix, synthetic_reference
@@ -62,10 +62,13 @@ def test_group_metrics_are_those_of_the_concatenated_group():
     r = {"a": g(3, 3, 4), "b": g(4, 5)}
     flat_c, flat_r = torch.cat([c["a"].flatten(), c["b"]]).double(), torch.cat([r["a"].flatten(), r["b"]]).double()
     got = group_metrics(c, r, ["a", "b"])
-    assert got["max_abs"] == pytest.approx(float((flat_c - flat_r).abs().max()), rel=1e-12)
+    diffs = sorted(abs(float(x) - float(y)) for x, y in zip(flat_c, flat_r))
+    assert got["max_abs"] == pytest.approx(diffs[-1], rel=1e-12)
     assert got["rel_l2"] == pytest.approx(float((flat_c - flat_r).norm() / flat_r.norm()), rel=1e-12)
+    assert got["mean_abs"] == pytest.approx(sum(diffs) / len(diffs), rel=1e-12)
+    assert got["p99_abs"] == pytest.approx(diffs[math.ceil(0.99 * len(diffs)) - 1], rel=1e-12)
     c["b"][0] = math.nan
-    assert group_metrics(c, r, ["a", "b"]) == {"max_abs": math.inf, "rel_l2": math.inf}
+    assert group_metrics(c, r, ["a", "b"]) == dict.fromkeys(("max_abs", "rel_l2", "mean_abs", "p99_abs"), math.inf)
 
 
 def test_layer_metrics_judge_a_gradient_group_whole_or_not_at_all():
@@ -103,11 +106,14 @@ def test_freeze_writes_layer_bounds_by_the_rule_and_the_acceptance_names_them(tm
                 worst = max(worst, max(abs(float(x) - float(y)) for x, y in zip(other[name].flatten(),
                                                                                   base[name].flatten())))
             entry = fam["bounds"][f"act/{name}"]["max_abs"]
-            q = quantum(precision, "max_abs", float(base[name].abs().max()))
+            magnitude = float(base[name].abs().max())
+            q = quantum(precision, "max_abs", magnitude) if precision == "bf16" else 0.0  # bf16 activations only
+            floor = tensor_floor("value", "max_abs", magnitude, FLOORS, bounds["floor_ulps"])
             assert entry["control_error"] == pytest.approx(worst, rel=1e-6)
-            assert entry["bound"] == pytest.approx(K * worst + FLOORS["value"] + q, rel=1e-9)
-            assert fam["bounds"][f"act/{name}"]["rel_l2"]["floor"] == FLOORS["relative"]
-        assert fam["bounds"]["grads/head"]["max_abs"]["floor"] == FLOORS["grad"]
+            assert entry["bound"] == pytest.approx(K * worst + floor + q, rel=1e-9)
+            assert fam["bounds"][f"act/{name}"]["rel_l2"]["floor"] >= FLOORS["relative"]
+            assert set(fam["bounds"][f"act/{name}"]) == {"max_abs", "rel_l2", "mean_abs", "p99_abs"}
+        assert fam["bounds"]["grads/head"]["max_abs"]["floor"] >= FLOORS["grad"]
 
 
 def test_a_layer_bound_file_that_changed_is_refused(tmp_path):
