@@ -27,12 +27,16 @@ lint: $(VENV)/.installed
 # It works on a fresh copy of the working tree in $(MUTATION_DIR)/tree (mutmut writes mutants/ beside the sources
 # and re-copies only the mutated modules, so a copy is never reused), with one worker and one thread.
 # MUTANTS narrows it: make mutation MUTANTS='qualify.freeze*'. Not run in CI (one to two hours on 2 cores).
+# MUTATION_TIMEOUT is mutmut's timeout_constant (seconds added to a mutant's estimated test time before its x15
+# wall limit), set in the copy's pyproject: mutmut's 1 s reported unchanged mutants as timeouts on shared cores.
 MUTATION_DIR ?= /tmp/qualify-mutation
 MUTANTS ?=
+MUTATION_TIMEOUT ?= 10
 mutation: $(VENV)/.installed
 	rm -rf $(MUTATION_DIR)/tree && mkdir -p $(MUTATION_DIR)/tree
 	git ls-files -z --cached --others --exclude-standard | tar --null --ignore-failed-read -T - -c \
 	  | tar -x -C $(MUTATION_DIR)/tree
+	sed -i 's/^\[tool\.mutmut\]$$/&\ntimeout_constant = $(MUTATION_TIMEOUT)/' $(MUTATION_DIR)/tree/pyproject.toml
 	cd $(MUTATION_DIR)/tree && OMP_NUM_THREADS=1 $(abspath $(BIN))/mutmut run --max-children 1 $(MUTANTS) \
 	  >../mutmut-run.log 2>&1 || { tail -c 2000 ../mutmut-run.log; exit 1; }
 	cd $(MUTATION_DIR)/tree && $(abspath $(BIN))/mutmut results --all true | awk -F'[ :]+' '{ \
