@@ -45,6 +45,21 @@ df -h /tmp /dev/shm | cat; free -g | head -n 2; echo "run directory: $run"
 nvidia-smi --query-gpu=timestamp,index,memory.used --format=csv,noheader,nounits -lms 250 > "$out/smi-$mode.csv" &
 smi=$!
 
+cases() {  # the candidate stage, one engine and TP at a time; each case's tensors deleted once judged
+  [ -f "$run/acceptance/acceptance.json" ] || budget 300 "qualify freeze (resumed)" qualify freeze "$run"
+  for sel in ${CASES:-'megatron-*-tp1-*' 'megatron-*-tp2-*' 'torch-tp-*-tp1-*' 'torch-tp-*-tp2-*'}; do
+    budget 200 "qualify candidate --only $sel" qualify candidate $matrix --run "$run" --only "$sel" \
+      > "$out/candidate-${sel//\*/x}.txt" 2>&1
+    grep -E "done in|PASS|FAIL|rror|worst" "$out/candidate-${sel//\*/x}.txt" | cut -c1-300 | tail -n 8
+    for case in "$run"/candidates/${sel}; do
+      [ -d "$case" ] && [ "${case%.work}" = "$case" ] || continue
+      python3 -c 'import json,sys; d=json.load(open(sys.argv[1]+"/meta.json")); print(sys.argv[1].split("/")[-1], "case seconds", d["seconds"])' "$case" || true
+      du -sb "$case" | awk '{printf "evidence bytes %s\n", $1}'
+      cp "$case.work/launch.log" "$out/launch-$(basename "$case").log" 2>/dev/null || cp "$(dirname "$case")"/*.work/launch.log "$out/" 2>/dev/null || true
+      find "$case" -name '*.safetensors' ! -name 'outputs.safetensors' -delete  # disk: judged already
+    done
+  done
+}
 if [ "$mode" = reference ]; then
   python3 - <<'PY'
 import importlib.metadata as md, torch
@@ -59,7 +74,7 @@ PY
       > "$out/probe.log" 2>&1
     for engine in megatron torch-tp; do
       timed "launch probe $engine TP1 (GPU 1)" timeout 100 python3 benchmarks/launch_probe.py ab $engine 1 \
-        "$run/reference/models/actor" "$out/launch_ab.jsonl" --repeats 2 > /dev/null 2>&1
+        "$run/reference/models/actor" "$out/launch_ab.jsonl" --repeats ${AB_REPEATS:-2} > /dev/null 2>&1
     done
   ) &
   side=$!
@@ -67,6 +82,7 @@ PY
     --rollout .gpu/q06-rollout
   budget 200 "qualify freeze" qualify freeze "$run"
   wait $side
+  [ -z "${CASES:-}" ] || cases  # what time is left: the cases CASES names (CUDA_VISIBLE_DEVICES as the caller set it)
   python3 - "$run" <<'PY' > "$out/reference_seconds.txt" 2>&1 || true
 import json, pathlib, sys
 for meta in sorted(pathlib.Path(sys.argv[1], "reference").rglob("meta.json")):
@@ -76,19 +92,7 @@ for meta in sorted(pathlib.Path(sys.argv[1], "reference").rglob("meta.json")):
 PY
   cat "$out/reference_seconds.txt"; cat "$out/probe.log" | grep -v "^\[" | tail -n 12
 else
-  [ -f "$run/acceptance/acceptance.json" ] || budget 300 "qualify freeze (resumed)" qualify freeze "$run"
-  for sel in 'megatron-*-tp1-*' 'megatron-*-tp2-*' 'torch-tp-*-tp1-*' 'torch-tp-*-tp2-*'; do
-    budget 200 "qualify candidate --only $sel" qualify candidate $matrix --run "$run" --only "$sel" \
-      > "$out/candidate-${sel//\*/x}.txt" 2>&1
-    grep -E "done in|PASS|FAIL|rror|worst" "$out/candidate-${sel//\*/x}.txt" | cut -c1-300 | tail -n 8
-    for case in "$run"/candidates/${sel}; do
-      [ -d "$case" ] && [ "${case%.work}" = "$case" ] || continue
-      python3 -c 'import json,sys; d=json.load(open(sys.argv[1]+"/meta.json")); print(sys.argv[1].split("/")[-1], "case seconds", d["seconds"])' "$case" || true
-      du -sb "$case" | awk '{printf "evidence bytes %s\n", $1}'
-      cp "$case.work/launch.log" "$out/launch-$(basename "$case").log" 2>/dev/null || cp "$(dirname "$case")"/*.work/launch.log "$out/" 2>/dev/null || true
-      find "$case" -name '*.safetensors' ! -name 'outputs.safetensors' -delete  # disk: judged already
-    done
-  done
+  cases
   tar -C "$run" -czf "$out/verdicts.tgz" $(cd "$run" && ls candidates/verdict*.json 2>/dev/null) 2>/dev/null || true
   budget 120 "launch probe megatron TP2" python3 benchmarks/launch_probe.py ab megatron 2 \
     "$run/reference/models/actor" "$out/launch_ab.jsonl" --repeats 2 > /dev/null 2>&1
