@@ -18,6 +18,7 @@ from typing import Any
 from qualify.errors import EvidenceError, ManifestError
 from qualify.hashing import file_digest
 from qualify.manifest import load_manifest, verify_manifest
+from qualify.rule import tensor_floor
 from qualify.store import read_json
 
 ACCEPTANCE_SCHEMA = "qualify.acceptance/1"
@@ -119,8 +120,9 @@ def check_bounds(doc: dict[str, Any], rule: dict[str, Any], name: str) -> list[s
     problems = []
     if doc.get("schema") != BOUNDS_SCHEMA:
         problems.append(f"{name}: schema {doc.get('schema')!r}")
-    if doc.get("k") != rule.get("k") or doc.get("floors") != rule.get("floors"):
-        problems.append(f"{name}: k or floors differ from the acceptance's rule")
+    if (doc.get("k"), doc.get("floors"), doc.get("floor_ulps", 0.0)) != (
+            rule.get("k"), rule.get("floors"), rule.get("floor_ulps", 0.0)):
+        problems.append(f"{name}: k, floors or floor_ulps differ from the acceptance's rule")
     if not isinstance(rule.get("k"), int | float) or not isinstance(rule.get("floors"), dict):
         return [*problems, f"{name}: the acceptance has no rule (k and floors) to check its bounds against"]
     for key, metrics in doc.get("bounds", {}).items():
@@ -128,8 +130,11 @@ def check_bounds(doc: dict[str, Any], rule: dict[str, Any], name: str) -> list[s
             if b.get("kind") not in rule["floors"]:
                 problems.append(f"{name}: {key} {metric}: kind {b.get('kind')!r} has no floor in the rule")
                 continue
-            if b["floor"] != rule["floors"][b["kind"]]:
-                problems.append(f"{name}: {key} {metric}: floor {b['floor']} is not the {b['kind']} floor")
+            floor = rule["floors"][b["kind"]]
+            if "magnitude" in b:  # a per-tensor floor: floor_ulps fp32 steps of the tensor's magnitude, at least the kind's
+                floor = tensor_floor(b["kind"], metric, b["magnitude"], rule["floors"], rule.get("floor_ulps", 0.0))
+            if b["floor"] != floor:
+                problems.append(f"{name}: {key} {metric}: floor {b['floor']} is not the rule's {b['kind']} floor {floor}")
             if b["quantum"] < 0 or (b["quantum"] > 0 and not rule.get("quantum", False)):
                 problems.append(f"{name}: {key} {metric}: quantum {b['quantum']} not allowed by the rule")
             expect = rule["k"] * b["control_error"] + b["floor"] + b["quantum"]

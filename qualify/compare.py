@@ -23,6 +23,10 @@ OUTPUT_KINDS = {"logprobs_BT": "logprob", "ratio_BT": "logprob", "kl_BT": "logpr
                 "loss": "loss", "clip_frac": "loss", "kl_mean": "loss", "grad_norm": "grad_norm",
                 "logprobs_processed_BT": "logprob"}
 GROUPS = ("outputs", "grads", "updates", "moments")
+RESOLVE_MARGIN = 2.0
+"""An update element is judged where the reference's first moment is at least this many times its frozen error bound
+away from zero: there its sign, and so Adam's step, is determined (an element just past one bound can still see its
+first moment off by as much as itself)."""
 DISTRIBUTION_GROUPS = ("outputs", "grads")
 """Groups whose multi-element tensors are also judged by mean |delta| and p99 |delta|."""
 
@@ -135,7 +139,7 @@ def pair_metrics(candidate: RunTensors, reference: RunTensors,
                 if resolve_tau is not None and name in resolve_tau:
                     ref_moment = reference.moments[f"exp_avg/{name}"]
                     out[key] = {"resolved_max_abs": metrics.resolved_max_abs(c[name], r[name], ref_moment,
-                                                                             resolve_tau[name])}
+                                                                             RESOLVE_MARGIN * resolve_tau[name])}
                 continue
             out[key] = {"max_abs": metrics.max_abs(c[name], r[name])}
             if group in ("grads", "moments"):

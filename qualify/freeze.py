@@ -12,7 +12,6 @@ so a frozen bound can never be widened.
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from qualify.manifest import build_manifest
 from qualify.models.checkpoint import checkpoint_tensors
 from qualify.models.family import model_dir
 from qualify.ppo.coverage import inert
+from qualify.rule import quantum, tensor_floor, ulp  # noqa: F401  (ulp: part of the rule as freeze states it)
 from qualify.schema import from_dict
 from qualify.stages import require_complete, stage_info
 from qualify.store import atomic_write_bytes, dumps_json, read_json, read_json_object
@@ -42,7 +42,6 @@ RULE = ("bound = k * control_error + floor + quantum (per role, tensor, metric; 
         "family's controls; floor = max(floors[kind], floor_ulps fp32 ulps of the reference tensor's largest "
         "magnitude); quantum = one rounding step of the compute precision at that magnitude, for what the contract "
         "computes in it: bf16 gradients, moments and values, and one fp32 step of every update)")
-MANTISSA_BITS = {"bf16": 7, "fp32": 23}
 
 
 def family_pairs(family: str, controls: list[str]) -> tuple[str, list[str]]:
@@ -54,38 +53,12 @@ def family_pairs(family: str, controls: list[str]) -> tuple[str, list[str]]:
     return "fp32-r0", [f"bf16-{c}" for c in controls]
 
 
-def ulp(precision: str, magnitude: float) -> float:
-    """The spacing of the precision's values at magnitude (0 for 0 or a non-finite magnitude)."""
-    if magnitude <= 0 or not math.isfinite(magnitude):
-        return 0.0
-    return 2.0 ** (math.floor(math.log2(magnitude)) - MANTISSA_BITS[precision])
-
-
-def quantum(precision: str, metric: str, magnitude: float) -> float:
-    """One rounding step of the compute precision: a value rounded to it can land one step away without error.
-
-    Absolute metrics: the ulp at the reference tensor's largest magnitude; rel_l2: the precision's relative
-    spacing. Controls rarely sample this for quantized scalars (a bf16 bias gradient can sit in the
-    same rounding bucket in every control), so the rule adds it explicitly.
-    """
-    if metric == "rel_l2":
-        return 2.0 ** -MANTISSA_BITS[precision]
-    return ulp(precision, magnitude)
-
-
 def in_compute_precision(key: str) -> bool:
     """Whether the contract computes a tensor in the compute precision (bf16 under bf16): the gradients of the compute
     copy (cast to the FP32 master), the moments made from them, and the critic's head output. Logprobs, ratio, KL, the
     loss and the grad norm are fp32 computations, so no rounding step of bf16 is theirs to spend."""
     group = key.partition("/")[0]
     return group in ("grads", "moments") or key == "outputs/values_BT"
-
-
-def tensor_floor(kind: str, metric: str, magnitude: float, floors: dict[str, float], floor_ulps: float) -> float:
-    """The floor of one bound: the matrix's absolute floor of the kind, or floor_ulps fp32 ulps of the tensor's own
-    magnitude (of 1 for a relative metric), whichever is larger."""
-    scaled = floor_ulps * (2.0 ** -MANTISSA_BITS["fp32"] if metric == "rel_l2" else ulp("fp32", magnitude))
-    return max(floors[kind], scaled)
 
 
 def bound_entry(kind: str, error: float, k: float, floors: dict[str, float], q: float = 0.0,

@@ -72,10 +72,12 @@ def p99_abs(candidate: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def bf16_exact_fraction(t: torch.Tensor) -> float:
-    """Fraction of the non-zero finite elements that bf16 represents exactly (0 for a tensor without any): near 0 for a
-    value computed in fp32, 1 for one computed in bf16 and widened. NaN counts as not finite (judged elsewhere)."""
+    """Fraction of the finite elements other than 0 and powers of two that bf16 represents exactly (0 for a tensor
+    without any): near 0 for a value computed in fp32, 1 for one computed in bf16 and widened. NaN counts as not
+    finite (judged elsewhere)."""
     x = t.detach().float().flatten()
-    x = x[torch.isfinite(x) & (x != 0)]
+    # zeros and powers of two (a ratio of exactly 1, a clip fraction of 0.5) are bf16 values for exact reasons
+    x = x[torch.isfinite(x) & (x != 0) & (torch.frexp(x).mantissa.abs() != 0.5)]
     if x.numel() == 0:
         return 0.0
     return float((x.to(torch.bfloat16).float() == x).double().mean())

@@ -75,6 +75,19 @@ def bound_rule(b: dict[str, Any]) -> str:
     return f"<= {b['bound']:.3g}" + (f" = {made}" if made else "")
 
 
+def unexposed_padding(per_rank: list[dict[str, Any]]) -> tuple[int, str]:
+    """(padding rows the harness found that the engine's padded_rows() did not report, where), over every rank."""
+    missing, where = 0, []
+    for rank, p in enumerate(per_rank):
+        found = sum(p.get("found", {}).values())
+        if found > p.get("exposed", 0):
+            missing += found - p.get("exposed", 0)
+            where.append(f"rank {rank}: {', '.join(f'{n} ({k} rows)' for n, k in sorted(p['found'].items()))}")
+    note = ("the engine holds vocabulary rows beyond the real vocabulary that padded_rows() does not report: "
+            + "; ".join(where)) if where else ""
+    return missing, note
+
+
 def evidence_rows(case: str, role: str, meta: dict[str, Any]) -> list[Row]:
     """Structural evidence of the candidate run itself."""
     not_fp32_grads = sorted(n for n, d in meta["grad_dtypes"].items() if d != "float32")
@@ -83,6 +96,7 @@ def evidence_rows(case: str, role: str, meta: dict[str, Any]) -> list[Row]:
     replica = max(replicas.values(), key=lambda v: math.inf if math.isnan(v) else v, default=0.0)
     padded = max((float(r["changed_max_abs"]) for r in meta["padded_rows"].values()),
                  key=lambda v: math.inf if math.isnan(v) else v, default=0.0)
+    unexposed, hidden = unexposed_padding(meta.get("padding", []))
     checks = [
         ("evidence/grad_buffers", "num_not_fp32", float(len(not_fp32_grads)), ", ".join(not_fp32_grads[:3])),
         ("evidence/optimizer_state", "num_not_fp32", float(len(not_fp32_state)), ", ".join(not_fp32_state[:3])),
@@ -91,6 +105,7 @@ def evidence_rows(case: str, role: str, meta: dict[str, Any]) -> list[Row]:
         ("evidence/replicas", "max_abs_across_ranks", replica,
          max(replicas, key=lambda n: math.inf if math.isnan(replicas[n]) else replicas[n], default="")),
         ("evidence/padded_vocab_rows", "changed_max_abs", padded, ""),
+        ("evidence/padded_vocab_rows", "num_unexposed", float(unexposed), hidden),
         ("evidence/params", "num_extra", float(len(meta["extra_params"])), ", ".join(meta["extra_params"][:3])),
     ]
     return [Row(case, role, "evidence", t, m, v, 0.0, math.isfinite(v) and v == 0.0, note, rule=EVIDENCE_RULE)

@@ -21,11 +21,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from qualify.candidate.padding import exposed_rows, padding_found
 from qualify.candidate.spec import CaseSpec, read_spec
 from qualify.compare import step_dir, write_step
 from qualify.engines.base import Batch, EngineContext
 from qualify.engines.registry import get_engine
-from qualify.errors import EvidenceError
+from qualify.errors import EngineError, EvidenceError
 from qualify.hashing import file_digest
 from qualify.launch import work_dir
 from qualify.models.checkpoint import checkpoint_tensors
@@ -43,7 +44,7 @@ def init_distributed(spec: CaseSpec) -> int:
                           LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != spec.tp:
-        raise SystemExit(f"case {spec.name} needs {spec.tp} ranks, launched with {world}")
+        raise EngineError(f"case {spec.name} needs {spec.tp} ranks, launched with {world}")
     if not dist.is_initialized():
         backend = "nccl" if spec.device == "cuda" else "gloo"
         if spec.device == "cuda":
@@ -100,6 +101,18 @@ def gather_replicas(local: dict[str, torch.Tensor]) -> dict[str, float]:
     return worst
 
 
+def gather_all(local: Any) -> list[Any]:
+    """Every rank's value, in rank order (padding rows live on the last ranks, the evidence is written by rank 0)."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    return gathered
+
+
+def gather_by_rank(local: dict[str, Any]) -> dict[str, Any]:
+    """Every rank's dict in one, keys suffixed '@rank<r>'."""
+    return {f"{name}@rank{r}": v for r, d in enumerate(gather_all(local)) for name, v in d.items()}
+
+
 def padded_rows_report(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Rows beyond the real vocabulary must be untouched by the step (bitwise)."""
     return {name: {"rows": int(before[name].shape[0]), "changed_max_abs":
@@ -125,6 +138,8 @@ def run_case(spec: CaseSpec, rank: int) -> None:
     engine.setup(ctx)
     before = checkpoint_tensors(Path(spec.model_dir))
     padded_before = {k: v.detach().clone() for k, v in engine.padded_rows().items()}
+    padding = {"found": padding_found(engine, before, spec.vocab_size, spec.tp, rank),
+               "exposed": exposed_rows(padded_before)}
     steps, grad_dtypes, params = [], {}, {}
     for rows in step_rows(rollout["input_ids_BT"].shape[0], spec.ppo.epochs, spec.ppo.minibatches):
         batch = Batch(input_ids_BT=rollout["input_ids_BT"][rows], response_mask_BT=rollout["response_mask_BT"][rows])
@@ -140,7 +155,8 @@ def run_case(spec: CaseSpec, rank: int) -> None:
                       "updates": {n: p.float() - start[n].float() for n, p in params.items() if n in start},
                       "moments": {f"{k}/{n}": t for k, ts in state.items() for n, t in ts.items()}})
     replicas = gather_replicas(engine.replicated())
-    padded = padded_rows_report(padded_before, engine.padded_rows())
+    padded = gather_by_rank(padded_rows_report(padded_before, engine.padded_rows()))
+    padding_by_rank = gather_all(padding)
     engine.close()
     if rank == 0:
         out = Path(spec.case_dir)
@@ -149,7 +165,7 @@ def run_case(spec: CaseSpec, rank: int) -> None:
             write_step(out / step_dir(k), step)
         meta = {"grad_dtypes": grad_dtypes, "state_dtypes": {n: str(t.dtype).removeprefix("torch.")
                                                              for n, t in state.get("exp_avg", {}).items()},
-                "replica_max_abs": replicas, "padded_rows": padded, "extra_params": sorted(set(params) - set(before)),
+                "replica_max_abs": replicas, "padded_rows": padded, "padding": padding_by_rank, "extra_params": sorted(set(params) - set(before)),
                 "num_steps": len(steps), "own_objective": hasattr(engine, "objective"),
                 "case": spec.to_json(), "seconds": round(time.monotonic() - started, 3), **provenance()}
         write_json(out / "meta.json", json_safe(meta))
@@ -161,7 +177,7 @@ def main() -> None:
     """Run every case named on the command line, in order, in one launch (they share engine and TP)."""
     specs = [read_spec(Path(arg)) for arg in sys.argv[1:]]
     if len({(s.tp, s.device) for s in specs}) != 1:
-        raise SystemExit("all cases of one launch must share TP degree and device")
+        raise EngineError("all cases of one launch must share TP degree and device")
     rank = init_distributed(specs[0])
     for spec in specs:
         run_case(spec, rank)

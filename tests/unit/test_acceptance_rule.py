@@ -38,15 +38,15 @@ def test_a_sound_bound_file_has_no_problem():
 
 @pytest.mark.parametrize("change, problem", [
     ({"schema": "qualify.bounds/0"}, "f.json: schema 'qualify.bounds/0'"),
-    ({"k": 4.0}, "f.json: k or floors differ from the acceptance's rule"),
-    ({"floors": {"grad": 0.25, "relative": 0.75}}, "f.json: k or floors differ from the acceptance's rule"),
+    ({"k": 4.0}, "f.json: k, floors or floor_ulps differ from the acceptance's rule"),
+    ({"floors": {"grad": 0.25, "relative": 0.75}}, "f.json: k, floors or floor_ulps differ from the acceptance's rule"),
 ])
 def test_a_bound_file_with_another_schema_or_rule(change, problem):
     assert check_bounds(doc() | change, RULE, "f.json") == [problem]
 
 
 @pytest.mark.parametrize("bad, problem", [
-    (entry(floor=0.5, bound=3 * 0.125 + 0.5 + 2.0 ** -10), "f.json: grads/x max_abs: floor 0.5 is not the grad floor"),
+    (entry(floor=0.5, bound=3 * 0.125 + 0.5 + 2.0 ** -10), "f.json: grads/x max_abs: floor 0.5 is not the rule's grad floor 0.25"),
     (entry(quantum=-1.0, bound=3 * 0.125 + 0.25 - 1.0), "f.json: grads/x max_abs: quantum -1.0 not allowed by the rule"),
     (entry(bound=2 * (3 * 0.125 + 0.25 + 2.0 ** -10)),
      (f"f.json: grads/x max_abs: bound {2 * (3 * 0.125 + 0.25 + 2.0 ** -10)} != k*error+floor+quantum = "
@@ -147,7 +147,7 @@ def test_a_rule_changed_in_the_acceptance_is_caught_in_every_bound_file(acc):
     rule = read_json(acc)["rule"]
     rewrite(acc, rule=rule | {"k": rule["k"] * 2})
     problems = check_acceptance(acc)
-    assert sum("k or floors differ" in p for p in problems) == 6
+    assert sum("k, floors or floor_ulps differ" in p for p in problems) == 6
 
 
 def break_schemas(acc, count: int) -> list[str]:

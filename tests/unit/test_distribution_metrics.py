@@ -63,8 +63,11 @@ def test_bf16_exact_fraction_counts_what_bf16_holds_exactly():
     fp32 = torch.randn(1000, generator=g)
     widened = fp32.to(torch.bfloat16).float()
     mixed = torch.cat([fp32[:300], widened[300:], torch.zeros(50), torch.tensor([math.nan])])
-    expected = sum(_bf16_exact(x) for x in mixed.tolist() if x != 0 and math.isfinite(x)) / 1000
+    counted = [x for x in mixed.tolist() if x != 0 and math.isfinite(x) and math.frexp(x)[0] not in (0.5, -0.5)]
+    expected = sum(_bf16_exact(x) for x in counted) / len(counted)
     assert bf16_exact_fraction(mixed) == pytest.approx(expected, abs=1e-12)
     assert bf16_exact_fraction(widened) == 1.0
     assert bf16_exact_fraction(fp32) < 0.01  # an fp32 value lands on a bf16 one about once in 2^16
     assert bf16_exact_fraction(torch.zeros(5)) == 0.0
+    # powers of two are bf16 values for exact reasons (a ratio of 1, a fraction of 0.5): not counted
+    assert bf16_exact_fraction(torch.tensor([1.0, 0.5, -2.0, 1.0 + 2 ** -20])) == 0.0

@@ -180,7 +180,8 @@ GOOD = {"grad_dtypes": {"w": "float32", "b": "float32"}, "state_dtypes": {"w": "
         "padded_rows": {"lm_head.weight": {"rows": 24, "changed_max_abs": 0.0}}, "extra_params": []}
 CHECKS = [("evidence/grad_buffers", "num_not_fp32"), ("evidence/optimizer_state", "num_not_fp32"),
           ("evidence/optimizer_state", "num_params"), ("evidence/replicas", "max_abs_across_ranks"),
-          ("evidence/padded_vocab_rows", "changed_max_abs"), ("evidence/params", "num_extra")]
+          ("evidence/padded_vocab_rows", "changed_max_abs"), ("evidence/padded_vocab_rows", "num_unexposed"),
+          ("evidence/params", "num_extra")]
 
 
 def evidence(meta: dict) -> dict[tuple[str, str], Row]:
@@ -337,3 +338,20 @@ def test_fp32_logprobs_pass_with_margin():
     fp32 = -torch.rand(4, 32, generator=torch.Generator().manual_seed(3)) * 8
     cand, ref = _precision_runs(fp32 + 1e-6, fp32, grads_bf16=False)
     assert all(r.passed and r.ratio < 0.1 for r in precision_rows("c", "actor", cand, ref))
+
+
+def test_an_update_is_judged_only_where_its_first_moment_is_twice_its_bound_from_zero():
+    """w[0] has |exp_avg| 1.5 x tau (sign not settled: its update may differ freely), w[1] 2.5 x tau (settled: a
+    changed update fails)."""
+    tau = 1e-3
+    ref = RunTensors({}, {}, {"w": torch.tensor([-1e-4, -1e-4])},
+                     {"exp_avg/w": torch.tensor([1.5 * tau, 2.5 * tau]), "exp_avg_sq/w": torch.tensor([1e-6, 1e-6])}, {})
+    bounds = {"moments/exp_avg/w": {"max_abs": {"bound": tau}},
+              "updates/w": {"resolved_max_abs": {"bound": 1e-6}}}
+    for changed, fails in ((0, False), (1, True)):
+        update = ref.updates["w"].clone()
+        update[changed] = 1e-4
+        cand = RunTensors({}, {}, {"w": update}, dict(ref.moments), {})
+        [row] = [r for r in judge_pair("c", "actor", "x", cand, ref, bounds, {"w": torch.zeros(2)}, OPT)
+                 if (r.tensor, r.metric) == ("updates/w", "resolved_max_abs")]
+        assert row.passed is not fails, (changed, row)

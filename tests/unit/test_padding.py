@@ -1,0 +1,72 @@
+"""The harness finds vocabulary padding itself, and an engine that pads without reporting it fails."""
+
+from __future__ import annotations
+
+import torch
+
+from qualify.candidate.judge import evidence_rows, unexposed_padding
+from qualify.candidate.padding import exposed_rows, padding_found
+
+VOCAB, HIDDEN, TP = 10, 4, 2
+
+
+def checkpoint():
+    g = torch.Generator().manual_seed(0)
+    return {"lm_head.weight": torch.randn(VOCAB, HIDDEN, generator=g),
+            "model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=g),
+            "model.layers.0.mlp.up_proj.weight": torch.randn(12, HIDDEN, generator=g)}
+
+
+class Engine:
+    """What an engine holds on one rank: a dict of master shards and a module."""
+
+    def __init__(self, shards: dict[str, torch.Tensor]):
+        self.master = shards
+        self.module = torch.nn.Linear(HIDDEN, 3)
+
+
+def shard(full: torch.Tensor, rank: int, rows: int) -> torch.Tensor:
+    """Rows [rank * rows, (rank + 1) * rows) of full, zero rows beyond it (padding)."""
+    out = torch.zeros(rows, full.shape[1])
+    part = full[rank * rows:(rank + 1) * rows]
+    out[:part.shape[0]] = part
+    return out
+
+
+def test_padded_shards_are_found_by_their_values_on_the_rank_that_holds_the_padding():
+    ck = checkpoint()
+    rows = 8  # padded vocabulary 16 = 8 x 2: rank 0 holds rows 0-7, rank 1 rows 8-9 and 6 padding rows
+    for rank, expected in ((0, {}), (1, {"master.lm": 6, "master.emb": 6})):
+        engine = Engine({"lm": shard(ck["lm_head.weight"], rank, rows),
+                         "emb": shard(ck["model.embed_tokens.weight"], rank, rows),
+                         "up": shard(ck["model.layers.0.mlp.up_proj.weight"], rank, 6)})
+        assert padding_found(engine, ck, VOCAB, TP, rank) == expected
+
+
+def test_even_shards_and_other_tensors_are_no_padding():
+    ck = checkpoint()
+    engine = Engine({"lm": ck["lm_head.weight"][5:], "noise": torch.randn(8, HIDDEN)})
+    assert padding_found(engine, ck, VOCAB, TP, 1) == {}
+
+
+def test_a_dtensor_like_local_shard_is_read_through_to_local():
+    ck = checkpoint()
+
+    local = shard(ck["lm_head.weight"], 1, 8)
+    wrapper = torch.zeros(1)
+    wrapper.to_local = lambda: local  # what a DTensor offers
+    engine = Engine({"lm": wrapper})
+    assert padding_found(engine, ck, VOCAB, TP, 1) == {"master.lm": 6}
+
+
+def test_padding_not_reported_is_a_failing_evidence_row_naming_it():
+    per_rank = [{"found": {}, "exposed": 0}, {"found": {"master.lm": 6, "master.emb": 6}, "exposed": 0}]
+    assert unexposed_padding(per_rank)[0] == 12
+    meta = {"grad_dtypes": {}, "state_dtypes": {}, "replica_max_abs": {}, "padded_rows": {}, "extra_params": [],
+            "padding": per_rank}
+    [row] = [r for r in evidence_rows("c", "actor", meta) if r.metric == "num_unexposed"]
+    assert not row.passed and row.value == 12.0 and "rank 1: master.emb (6 rows), master.lm (6 rows)" in row.note
+    reported = [per_rank[0], {"found": {"master.lm": 6, "master.emb": 6}, "exposed": exposed_rows(
+        {"lm_head.weight": torch.zeros(6, HIDDEN), "model.embed_tokens.weight": torch.zeros(6, HIDDEN)})}]
+    [row] = [r for r in evidence_rows("c", "actor", meta | {"padding": reported}) if r.metric == "num_unexposed"]
+    assert row.passed and row.value == 0.0
