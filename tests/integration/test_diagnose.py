@@ -1,5 +1,5 @@
-"""qualify diagnose on real engines: a fault injected in one layer is localized to that layer and module, for
-two different layers and two kinds of fault; a correct engine (torch-tp at TP2) has every layer within bound.
+"""qualify diagnose on real engines at TP2: a fault injected in one layer is localized to that layer and module, for
+two different layers and two kinds of fault; a correct engine (torch-tp) has every layer within bound.
 
 The reference (with its per-layer activations) and its acceptance (with layer bounds) come from the session's
 frozen run; the cases are real torchrun launches of the plugin engines in tests/integration/plugins.py.
@@ -29,12 +29,12 @@ CORRECT = "torch-tp-fp32-tp2-actor"
 
 
 def case_of(plugin: str) -> str:
-    return f"tests-integration-plugins-{plugin}-fp32-tp1-actor"
+    return f"tests-integration-plugins-{plugin}-fp32-tp2-actor"
 
 
 @pytest.fixture(scope="module")
 def diagnosed(frozen_run, tmp_path_factory):
-    """A copy of the frozen run with the faulty cases (TP1) and the correct one (TP2) run, each diagnosed."""
+    """A copy of the frozen run with the faulty cases and the correct one run at TP2, each diagnosed."""
     import os
 
     from tests.integration._support import REPO
@@ -45,10 +45,9 @@ def diagnosed(frozen_run, tmp_path_factory):
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), old]))  # module scope: no monkeypatch
     try:
-        faults = matrix_with(run.parent, engines=[f"{P}:{p}" for p in FAULTS], precisions=["fp32"], tp=[1],
-                             roles=["actor"])
-        run_candidates(faults, run)
-        run_candidates(matrix_with(run.parent, engines=["torch-tp"], precisions=["fp32"], tp=[2], roles=["actor"]), run)
+        # TP2 only: the frozen reference's tp_split control needs a candidate TP degree above 1
+        run_candidates(matrix_with(run.parent, engines=["torch-tp", *(f"{P}:{p}" for p in FAULTS)],
+                                   precisions=["fp32"], tp=[2], roles=["actor"]), run)
         docs = {case: diagnose(run, case) for case in [*map(case_of, FAULTS), CORRECT]}
     finally:
         os.environ.pop("PYTHONPATH") if old is None else os.environ.update(PYTHONPATH=old)
