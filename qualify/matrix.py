@@ -279,8 +279,8 @@ class Reference:
     perturbations: tuple[Perturbation, ...] = ()
     """Extra numerically legitimate controls per precision: microbatch_split (two micro-batches, gradients
     accumulated), batch_order (rows reversed), attn_impl (eager attention), tp_split (one control per
-    candidates.tp degree n > 1, named tp<n>_split: the reference computed with TP n's reduction orders,
-    qualify.reference.tp_numerics)."""
+    candidates.tp degree n > 1 at reference time, named tp<n>_split: the reference computed with TP n's reduction
+    orders, qualify.reference.tp_numerics; none when candidates.tp has no degree above 1)."""
     logprob_chunk_tokens: int = 64
     """Tokens per chunk of the fp32 log_softmax (never a [tokens, vocab] fp32 tensor)."""
     gradient_checkpointing: bool = False
@@ -463,9 +463,6 @@ class Matrix:
                              "with a letter or digit (it names the run directory and the Slurm jobs)")
         if not self.description.isprintable():
             raise ValueError("description must be one line of printable text")
-        if "tp_split" in self.reference.perturbations and max(self.candidates.tp) < 2:
-            raise ValueError("reference.perturbations: tp_split makes one control per candidates.tp degree > 1, and "
-                             "candidates.tp has none")
         if set(self.reference.precisions) != set(PRECISIONS):
             raise ValueError("reference.precisions must be [fp32, bf16]: the bound families need both")
         if self.rollout.num_prompts % self.ppo.minibatches:
