@@ -1,10 +1,10 @@
 """One rank of a diagnose launch (torchrun, like a candidate case): the engine's per-layer activations at step 1.
 
-The engine is set up exactly as its candidate case was (the case's own spec.json) and runs one forward
-of the first optimizer step's rows through its optional layer_outputs hook; rank 0 seals the full fp32
-tensors. An engine without the hook seals an empty file and says so in the seal (gradients are still
-diagnosed from the case's evidence).
-Usage: python -m qualify.diagnose.worker SPEC.json OUT_DIR
+The engine is set up exactly as its candidate case was (the case's own spec.json, the context
+qualify.candidate.worker.run_case gives it) and runs one forward of the first optimizer step's rows
+through its optional layer_outputs hook; rank 0 seals the full fp32 tensors. An engine without the hook
+seals an empty file and says so in the seal (gradients are still diagnosed from the case's evidence).
+Usage: python -m qualify.diagnose.worker SPEC.json OUT_DIR KEY   (KEY: the case seal's fingerprint)
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def main() -> None:
     engine.setup(EngineContext(role=spec.role, precision=spec.precision, tp=spec.tp, rank=rank, device=spec.device,
                                model_dir=Path(spec.model_dir), optimizer=spec.optimizer,
                                temperature=spec.temperature, logprob_chunk_tokens=spec.logprob_chunk_tokens,
-                               vocab_size=spec.vocab_size, work_dir=work))
+                               vocab_size=spec.vocab_size, work_dir=work, logprob_formula=spec.logprob_formula,
+                               top_k=spec.top_k, top_p=spec.top_p, min_p=spec.min_p))
     hook = getattr(engine, "layer_outputs", None)
     acts = {} if hook is None else {n: t.detach().float().cpu().contiguous() for n, t in hook(batch).items()}
     engine.close()
