@@ -24,6 +24,10 @@ Perturbation = Literal["microbatch_split", "batch_order", "attn_impl", "tp_split
 TokenNormalizer = Literal["global", "per_sequence", "constant"]
 Topology = Literal["dedicated", "shared"]
 LogprobFormula = Literal["full", "processed"]
+Algorithm = Literal["ppo", "grpo"]
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+KLEstimator = Literal["k1", "k2", "k3"]
+StdEstimator = Literal["population", "unbiased"]
 PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16")
 METRIC_KINDS = ("logprob", "value", "loss", "grad", "grad_norm", "update", "moment", "target", "relative")
 MAX_SEED = 2**63 - 1
@@ -245,6 +249,45 @@ class PPO:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class GRPO:
+    """GRPO settings (algorithm: grpo): group-relative advantages, KL to the reference policy in the loss, and the
+    loss aggregation. The ppo section's clip_eps, epochs and minibatches apply to GRPO too; nothing else of it does."""
+
+    group_size: int
+    """Responses per prompt: vLLM samples each prompt group_size times (each response with its own seed); a group
+    is group_size contiguous rows, and the batch holds rollout.num_prompts x group_size rows."""
+    scale_std: bool = True
+    """true: advantages (r - group mean) / (group std + eps) (GRPO); false: r - group mean (Dr. GRPO)."""
+    std_estimator: StdEstimator = "unbiased"
+    """Group std: 'unbiased' (divides by n - 1, as TRL and verl) or 'population' (by n)."""
+    eps: float = 1.0e-6
+    """Added to the group std before dividing."""
+    kl_estimator: KLEstimator = "k3"
+    """Per-token KL(policy || reference) estimator in the loss: k1 (log ratio), k2 (half its square), k3 (Schulman's)."""
+    kl_coef: float = 0.04
+    """Coefficient of the KL term in the loss (0: no KL term)."""
+    aggregation: Aggregation = "token_mean"
+    """How per-token losses become the loss: 'token_mean' (over the global active tokens), 'seq_mean_token_mean'
+    (mean over sequences of each sequence's token mean), 'seq_mean_token_sum_norm' (Dr. GRPO: each sequence's token
+    sum over a fixed constant, then the mean over sequences)."""
+    constant: float | None = None
+    """The Dr. GRPO constant (for example the longest response): required with seq_mean_token_sum_norm, only then."""
+
+    def __post_init__(self) -> None:
+        _finite(self)
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be >= 2 (a group of one has no relative advantage), got "
+                             f"{self.group_size}")
+        _positive(self, "eps")
+        _at_least(self, 0, "kl_coef")
+        if (self.aggregation == "seq_mean_token_sum_norm") != (self.constant is not None):
+            raise ValueError("constant is required with aggregation 'seq_mean_token_sum_norm' and only then "
+                             f"(aggregation is {self.aggregation!r}, constant {self.constant})")
+        if self.constant is not None and not self.constant > 0:
+            raise ValueError(f"constant must be > 0, got {self.constant}")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class Optimizer:
     """AdamW settings of the single optimizer step."""
 
@@ -356,6 +399,9 @@ class Candidates:
     """Precisions."""
     tp: tuple[int, ...] = (1,)
     """Tensor-parallel degrees."""
+    dp: tuple[int, ...] = (1,)
+    """Data-parallel degrees: a case runs on tp x dp ranks, each DP rank holding a contiguous slice of every
+    optimizer step's rows (which dp must divide); normalizers and group statistics are global, gradients summed."""
     roles: tuple[Role, ...] = ("actor", "critic")
     """Roles."""
     topologies: tuple[Topology, ...] = ("dedicated",)
@@ -370,7 +416,7 @@ class Candidates:
     def __post_init__(self) -> None:
         from qualify.engines.registry import ENGINES  # a plain dict; no engine is imported
 
-        for name in ("engines", "precisions", "tp", "roles", "topologies"):
+        for name in ("engines", "precisions", "tp", "dp", "roles", "topologies"):
             _distinct(name, getattr(self, name))
         for engine in self.engines:
             if engine not in ENGINES and not _PLUGIN.fullmatch(engine):
@@ -378,6 +424,8 @@ class Candidates:
                                  "or 'package.module:factory' for a plugin)")
         if any(tp < 1 for tp in self.tp):
             raise ValueError(f"tp must list degrees >= 1, got {list(self.tp)}")
+        if any(dp < 1 for dp in self.dp):
+            raise ValueError(f"dp must list degrees >= 1, got {list(self.dp)}")
 
 
 ROUNDS_PROBES = ("stale", "wrong-shard", "missing-ack", "duplicate-ack", "warm-cache")
@@ -409,7 +457,7 @@ class Rounds:
             raise ValueError(f"rounds must be >= 2 (an install needs a round after it), got {self.rounds}")
         if self.train_tp < 1 or (self.vllm_tp is not None and self.vllm_tp < 1):
             raise ValueError("vllm_tp and train_tp must be >= 1")
-        _distinct("probes", self.probes)
+        _distinct("probes", self.probes, nonempty=False)
         unknown = sorted(set(self.probes) - set(ROUNDS_PROBES))
         if unknown:
             raise ValueError(f"probes: unknown {unknown} (known: {', '.join(ROUNDS_PROBES)})")
@@ -423,11 +471,19 @@ class Case:
     precision: Precision
     tp: int
     role: Role
+    dp: int = 1
 
     @property
     def name(self) -> str:
+        """engine-precision-tp<N>[-dp<M>]-role: the DP degree appears only above 1, so DP1 names stay as they were."""
         safe = self.engine.replace(":", "-").replace(".", "-")
-        return f"{safe}-{self.precision}-tp{self.tp}-{self.role}"
+        dp = f"-dp{self.dp}" if self.dp > 1 else ""
+        return f"{safe}-{self.precision}-tp{self.tp}{dp}-{self.role}"
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the case's launch: tp x dp."""
+        return self.tp * self.dp
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -442,8 +498,12 @@ class Matrix:
     """The model family."""
     rollout: Rollout
     """Rollout capture."""
+    algorithm: Algorithm = "ppo"
+    """ppo (actor and critic, GAE advantages) or grpo (group-relative advantages, no critic; needs the grpo section)."""
     ppo: PPO = field(default_factory=PPO)
-    """PPO settings."""
+    """PPO settings (under grpo only clip_eps, epochs and minibatches are used)."""
+    grpo: GRPO | None = None
+    """GRPO settings: required with algorithm grpo, refused otherwise."""
     optimizer: Optimizer = field(default_factory=Optimizer)
     """AdamW settings."""
     reference: Reference = field(default_factory=Reference)
@@ -465,9 +525,19 @@ class Matrix:
             raise ValueError("description must be one line of printable text")
         if set(self.reference.precisions) != set(PRECISIONS):
             raise ValueError("reference.precisions must be [fp32, bf16]: the bound families need both")
-        if self.rollout.num_prompts % self.ppo.minibatches:
+        self._check_algorithm()
+        if self.algorithm == "ppo" and self.rollout.num_prompts % self.ppo.minibatches:
             raise ValueError(f"ppo.minibatches {self.ppo.minibatches} does not divide rollout.num_prompts "
                              f"{self.rollout.num_prompts} (every minibatch has the same rows; none is dropped)")
+        if self.algorithm == "ppo" and max(self.candidates.dp) > 1:
+            raise ValueError(f"candidates.dp {list(self.candidates.dp)}: DP above 1 is built for algorithm grpo only "
+                             "(PPO's normalizers are not made global across DP ranks yet)")
+        step_rows = self.num_rows // self.ppo.minibatches
+        for dp in self.candidates.dp:
+            if step_rows % dp:
+                raise ValueError(f"candidates.dp {dp} does not divide the {step_rows} rows of an optimizer step "
+                                 f"({self.num_rows} rows / ppo.minibatches {self.ppo.minibatches}): each DP rank "
+                                 "holds an equal, contiguous slice and no row is dropped")
         if self.models.tiny is not None:
             t = self.models.tiny
             check_family(t.num_heads, t.num_kv_heads, t.intermediate_size, t.vocab_size, self, "models.tiny")
@@ -475,11 +545,40 @@ class Matrix:
                 raise ValueError(f"rollout.max_model_len {self.rollout.max_model_len} exceeds "
                                  f"models.tiny.max_position_embeddings {t.max_position_embeddings}")
 
+    def _check_algorithm(self) -> None:
+        """GRPO: its section, no critic, whole groups in every minibatch, one seed per response."""
+        if (self.algorithm == "grpo") != (self.grpo is not None):
+            raise ValueError("the grpo section is required with algorithm: grpo and refused otherwise "
+                             f"(algorithm is {self.algorithm!r})")
+        if self.algorithm != "grpo":
+            return
+        if "critic" in self.candidates.roles:
+            raise ValueError("candidates.roles lists critic, but GRPO has no critic: write roles: [actor]")
+        if "value_clip" in self.freeze.require:
+            raise ValueError("freeze.require lists value_clip, but GRPO has no critic (no value loss to clip)")
+        rows, g = self.num_rows, self.grpo.group_size
+        if rows % self.ppo.minibatches or (rows // self.ppo.minibatches) % g:
+            raise ValueError(f"ppo.minibatches {self.ppo.minibatches} must split the {rows} rows (rollout.num_prompts "
+                             f"{self.rollout.num_prompts} x grpo.group_size {g}) into equal minibatches of whole "
+                             "groups")
+        if self.rollout.seed + rows - 1 > MAX_SEED:
+            raise ValueError("rollout.seed + rows - 1 must be <= 2^63 - 1 (response i samples with seed + i)")
+
+    @property
+    def num_rows(self) -> int:
+        """Sequences in the batch: one per prompt under ppo, grpo.group_size per prompt under grpo."""
+        return self.rollout.num_prompts * (self.grpo.group_size if self.grpo is not None else 1)
+
+    @property
+    def roles(self) -> tuple[Role, ...]:
+        """The trained roles the reference scores: actor and critic under ppo, the actor alone under grpo."""
+        return ("actor",) if self.algorithm == "grpo" else ("actor", "critic")
+
     def cases(self) -> list[Case]:
-        """Every case of the candidate matrix, in a stable order."""
+        """Every case of the candidate matrix, in a stable order (DP degrees after TP's, DP1 first)."""
         c = self.candidates
-        return [Case(engine=e, precision=p, tp=t, role=r)
-                for e, p, t, r in itertools.product(c.engines, c.precisions, c.tp, c.roles)]
+        return [Case(engine=e, precision=p, tp=t, role=r, dp=d)
+                for e, p, t, d, r in itertools.product(c.engines, c.precisions, c.tp, c.dp, c.roles)]
 
     def resolve(self, path: str) -> Path:
         """A path from the matrix, relative to the matrix file's directory."""

@@ -9,6 +9,7 @@ write the system refuses (disk full, no permission) is an OutputError naming the
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
@@ -75,6 +76,18 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 def dumps_json(obj: Any) -> str:
     """Canonical JSON text: sorted keys, 2-space indent, ASCII, trailing newline."""
     return json.dumps(obj, sort_keys=True, indent=2, ensure_ascii=True, allow_nan=False) + "\n"
+
+
+def json_safe(value: Any) -> Any:
+    """value with every non-finite float as the string 'nan', 'inf' or '-inf' (JSON has no NaN; readers turn them
+    back into floats with float()), so a NaN in evidence becomes a failing row naming it, not a crash writing it."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def write_json(path: Path, obj: Any) -> None:

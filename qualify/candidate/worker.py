@@ -11,7 +11,6 @@ Usage: python -m qualify.candidate.worker SPEC.json [SPEC.json ...]
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from qualify.candidate.dp import dp_group, gather_outputs, rank_rows
 from qualify.candidate.padding import exposed_rows, padding_found
 from qualify.candidate.spec import CaseSpec, read_spec
 from qualify.compare import step_dir, write_step
@@ -30,10 +30,10 @@ from qualify.errors import EngineError, EvidenceError
 from qualify.hashing import file_digest
 from qualify.launch import work_dir
 from qualify.models.checkpoint import checkpoint_tensors
-from qualify.ppo.objective import role_objective, rows_of, step_rows
+from qualify.ppo.objective import grpo_dp_share, grpo_share, role_objective, rows_of, step_rows
 from qualify.rollout.capture import load_rollout
 from qualify.stages import complete_stage, prepare_stage
-from qualify.store import read_tensors, write_json
+from qualify.store import json_safe, read_tensors, write_json
 from qualify.versions import provenance
 
 
@@ -43,8 +43,9 @@ def init_distributed(spec: CaseSpec) -> int:
         os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
                           LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != spec.tp:
-        raise EngineError(f"case {spec.name} needs {spec.tp} ranks, launched with {world}")
+    if world != spec.world_size:
+        raise EngineError(f"case {spec.name} needs {spec.world_size} ranks (tp {spec.tp} x dp {spec.dp}), "
+                          f"launched with {world}")
     if not dist.is_initialized():
         backend = "nccl" if spec.device == "cuda" else "gloo"
         if spec.device == "cuda":
@@ -54,17 +55,29 @@ def init_distributed(spec: CaseSpec) -> int:
 
 
 def objective(engine: Any, spec: CaseSpec, scores_BT: torch.Tensor, batch: Batch,
-              targets: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              targets: dict[str, torch.Tensor], share: Any = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The role's loss and judged outputs: the engine's own objective when it brings one, else the harness's.
 
     An engine qualifies its own loss code (normalizer, masking, clipping, KL placement) by implementing
     objective(role, ppo, scores_BT, response_mask_BT, targets) -> (loss, outputs) with the same output
-    names as qualify.ppo.objective.role_objective.
+    names as qualify.ppo.objective.role_objective; under GRPO it is also given grpo= (the matrix's section)
+    and share= (qualify.ppo.objective.GRPOShare: the rank's advantages and the step's global normalizers).
     """
     own = getattr(engine, "objective", None)
+    grpo = {} if spec.grpo is None else {"grpo": spec.grpo, "share": share}
     if own is None:
-        return role_objective(spec.role, spec.ppo, scores_BT, batch.response_mask_BT, targets)
-    return own(spec.role, spec.ppo, scores_BT, batch.response_mask_BT, targets)
+        return role_objective(spec.role, spec.ppo, scores_BT, batch.response_mask_BT, targets, **grpo)
+    return own(spec.role, spec.ppo, scores_BT, batch.response_mask_BT, targets, **grpo)
+
+
+def step_share(spec: CaseSpec, targets: dict[str, torch.Tensor], mask_BT: torch.Tensor, offset: int,
+               group: Any) -> Any:
+    """GRPO: this rank's advantages and the step's normalizers (from every DP rank at DP > 1); None under PPO."""
+    if spec.grpo is None:
+        return None
+    if group is None:
+        return grpo_share(spec.grpo, targets["score_B"], mask_BT)
+    return grpo_dp_share(spec.grpo, targets["score_B"], mask_BT, offset, group)
 
 
 def report_logprobs(engine: Any, outputs: dict[str, torch.Tensor], batch: Batch) -> None:
@@ -75,18 +88,6 @@ def report_logprobs(engine: Any, outputs: dict[str, torch.Tensor], batch: Batch)
     if declared_BT is not None:
         mask_BT = batch.response_mask_BT
         outputs["logprobs_BT"] = torch.where(mask_BT, declared_BT.float().cpu(), torch.zeros((), dtype=torch.float32))
-
-
-def json_safe(value: Any) -> Any:
-    """Non-finite floats as the strings 'nan', 'inf', '-inf' (JSON has no NaN): the judge reads them back as floats,
-    so a NaN in a replica or a padded row becomes a failing row naming it, not a crash writing meta.json."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [json_safe(v) for v in value]
-    return value
 
 
 def gather_replicas(local: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -134,20 +135,25 @@ def run_case(spec: CaseSpec, rank: int) -> None:
     ctx = EngineContext(role=spec.role, precision=spec.precision, tp=spec.tp, rank=rank, device=spec.device,
                         model_dir=Path(spec.model_dir), optimizer=spec.optimizer, temperature=spec.temperature,
                         logprob_chunk_tokens=spec.logprob_chunk_tokens, vocab_size=spec.vocab_size, work_dir=work,
-                        logprob_formula=spec.logprob_formula, top_k=spec.top_k, top_p=spec.top_p, min_p=spec.min_p)
+                        logprob_formula=spec.logprob_formula, top_k=spec.top_k, top_p=spec.top_p, min_p=spec.min_p,
+                        dp=spec.dp)
+    group = dp_group(spec.tp, spec.dp, rank)
     engine.setup(ctx)
     before = checkpoint_tensors(Path(spec.model_dir))
     padded_before = {k: v.detach().clone() for k, v in engine.padded_rows().items()}
-    padding = {"found": padding_found(engine, before, spec.vocab_size, spec.tp, rank),
+    padding = {"found": padding_found(engine, before, spec.vocab_size, spec.tp, ctx.tp_rank),
                "exposed": exposed_rows(padded_before)}
     steps, grad_dtypes, params = [], {}, {}
-    for rows in step_rows(rollout["input_ids_BT"].shape[0], spec.ppo.epochs, spec.ppo.minibatches):
+    for step in step_rows(rollout["input_ids_BT"].shape[0], spec.ppo.epochs, spec.ppo.minibatches):
+        rows, offset = rank_rows(step, spec.dp, ctx.dp_rank)
         batch = Batch(input_ids_BT=rollout["input_ids_BT"][rows], response_mask_BT=rollout["response_mask_BT"][rows])
-        loss, outputs = objective(engine, spec, engine.score(batch), batch, rows_of(targets, rows))
+        share = step_share(spec, rows_of(targets, rows), batch.response_mask_BT, offset, group)
+        loss, outputs = objective(engine, spec, engine.score(batch), batch, rows_of(targets, rows), share)
         report_logprobs(engine, outputs, batch)
         engine.backward(loss)
         grads, grad_dtypes = engine.grads(), engine.grad_dtypes()
         outputs["loss"] = loss.detach().float()
+        outputs = gather_outputs(outputs, group)
         outputs["grad_norm"] = engine.step().detach().float().cpu()
         start = params or before
         params, state = engine.params(), engine.optimizer_state()
@@ -176,8 +182,8 @@ def run_case(spec: CaseSpec, rank: int) -> None:
 def main() -> None:
     """Run every case named on the command line, in order, in one launch (they share engine and TP)."""
     specs = [read_spec(Path(arg)) for arg in sys.argv[1:]]
-    if len({(s.tp, s.device) for s in specs}) != 1:
-        raise EngineError("all cases of one launch must share TP degree and device")
+    if len({(s.tp, s.dp, s.device) for s in specs}) != 1:
+        raise EngineError("all cases of one launch must share TP degree, DP degree and device")
     rank = init_distributed(specs[0])
     for spec in specs:
         run_case(spec, rank)

@@ -10,7 +10,6 @@ with that family's reference run; the diagnosis names the first layer and tensor
 
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from qualify.hashing import file_digest
 from qualify.layout import RunLayout
 from qualify.stagelog import StageLog
 from qualify.stages import fingerprint, require_complete, stage_info, stage_is_complete
-from qualify.store import read_json, read_tensors, write_json
+from qualify.store import json_safe, read_json, read_tensors, write_json
 
 DIAGNOSIS_SCHEMA = "qualify.diagnosis/1"
 
@@ -181,17 +180,6 @@ def diagnose(run_dir: Path, case: str, *, log: StageLog | None = None) -> dict[s
     doc = json_safe(doc)
     write_json(diagnose_dir(layout) / f"{case}.json", doc)
     return doc
-
-
-def json_safe(value: Any) -> Any:
-    """Non-finite floats as strings ('inf', 'nan'): JSON has none."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [json_safe(v) for v in value]
-    return value
 
 
 def load_diagnoses(run_dir: Path) -> dict[str, dict[str, Any]]:

@@ -13,8 +13,8 @@ bitwise unchanged at the end. Evidence: RUN_DIR/rounds/vllm-tp<N>/ (sealed), wit
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +22,14 @@ from qualify.engines.registry import ENGINES
 from qualify.errors import EngineError, QualifyError
 from qualify.hashing import file_digest
 from qualify.layout import RunLayout, rounds_case
-from qualify.matrix import Matrix
+from qualify.matrix import Matrix, Rounds
 from qualify.models.checkpoint import checkpoint_tensors
 from qualify.rollout.capture import ROLLOUT_FILE, load_rollout, rollout_tensors
 from qualify.rounds import checks
 from qualify.rounds.base import Base, resolve_base
 from qualify.rounds.client import EngineCrash, Refused
 from qualify.rounds.digests import digests_of, version_digest
-from qualify.rounds.probes import PROBES, failure_probes, stale_probes
+from qualify.rounds.probes import failure_probes, stale_probes
 from qualify.rounds.session import InstallRejected, Session
 from qualify.rounds.train import TrainFailed, train_step
 from qualify.rounds.weights import Version, load_version, write_version
@@ -42,40 +42,19 @@ from qualify.versions import provenance
 FROZEN_ROLES = ("reference", "reward", "critic")
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RoundsOptions:
-    """How a rounds run is made."""
-
-    engine: str = "torch-tp"
-    """Candidate engine that trains the actor step."""
-    rounds: int = 2
-    """Rounds (round 0 trains with the reference rollout; the last round only rolls out)."""
-    vllm_tp: int | None = None
-    """vLLM TP degree of the rollout engine (default: the matrix's first vllm_tp)."""
-    train_tp: int = 1
-    """TP degree of the training step."""
-    probes: tuple[str, ...] = PROBES
-    """Rejection probes to run (qualify.rounds.probes.PROBES; empty: none)."""
-
-    def __post_init__(self) -> None:
-        if self.rounds < 2:
-            raise QualifyError(f"rounds must be >= 2 (an install needs a round after it), got {self.rounds}")
-        if self.train_tp < 1 or (self.vllm_tp is not None and self.vllm_tp < 1):
-            raise QualifyError("TP degrees must be >= 1")
-        unknown = sorted(set(self.probes) - set(PROBES))
-        if unknown:
-            raise QualifyError(f"unknown probes {unknown} (known: {', '.join(PROBES)})")
+RoundsOptions = Rounds
+"""How a rounds run is made: the matrix's rounds section (qualify.matrix.Rounds), with overrides."""
 
 
 def rounds_options(matrix: Matrix, *, engine: str | None = None, rounds: int | None = None,
                    vllm_tp: int | None = None, train_tp: int | None = None,
                    probes: tuple[str, ...] | None = None) -> RoundsOptions:
     """The matrix's rounds settings, each overridden where given (the command line, or a Slurm topology)."""
-    r = matrix.rounds
-    return RoundsOptions(engine=r.engine if engine is None else engine, rounds=r.rounds if rounds is None else rounds,
-                         vllm_tp=r.vllm_tp if vllm_tp is None else vllm_tp,
-                         train_tp=r.train_tp if train_tp is None else train_tp,
-                         probes=r.probes if probes is None else probes)
+    given = {"engine": engine, "rounds": rounds, "vllm_tp": vllm_tp, "train_tp": train_tp, "probes": probes}
+    try:
+        return dataclasses.replace(matrix.rounds, **{k: v for k, v in given.items() if v is not None})
+    except ValueError as exc:  # the section's own validation, for a value the command line gave
+        raise QualifyError(f"rounds: {exc}") from exc
 
 
 def frozen_digests(base: Base, targets_file: Path | None, captured: Path | None = None) -> dict[str, str]:

@@ -24,3 +24,15 @@ def test_a_matrix_without_the_section_gets_the_defaults(tmp_path):
     m = load_matrix(write(tmp_path, edited(lambda d: d.pop("rounds", None))))
     assert rounds_options(m) == RoundsOptions(engine="torch-tp", rounds=2, vllm_tp=None, train_tp=1,
                                               probes=ROUNDS_PROBES)
+
+
+def test_a_bad_override_is_a_one_line_input_error(tmp_path):
+    import pytest
+
+    from qualify.errors import QualifyError
+
+    m = load_matrix(write(tmp_path, edited(lambda d: None)))
+    with pytest.raises(QualifyError, match="rounds: rounds must be >= 2"):
+        rounds_options(m, rounds=1)
+    with pytest.raises(QualifyError, match=r"rounds: probes: unknown \['nosuch'\]"):
+        rounds_options(m, probes=("nosuch",))
