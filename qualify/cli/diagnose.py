@@ -75,4 +75,9 @@ def render_text(doc: dict[str, Any]) -> None:
                           "ok" if row["passed"] else f"[red]OUT[/red] {row['note']}".rstrip())
         console.print(table)
         first = fam["first_departure"]
-        console.print(f"first departure: {departure_line(first)}" if first else "every layer within bound")
+        if first:
+            console.print(f"first departure: {departure_line(first)}")
+        else:
+            near = fam.get("closest")
+            console.print("every layer within bound" + (f" (nearest: {near['key']} {near['metric']} at "
+                                                         f"{float(near['ratio']):.3g} of its bound)" if near else ""))

@@ -149,8 +149,11 @@ def diagnose_family(layout: RunLayout, acc: Acceptance, spec: Any, family: str, 
         departure = first.to_json()
         if first.phase == "backward":
             departure["detail"] = grads_detail(first.key, cand_grads, ref_grads, acc, spec.role, family)
+    # the row nearest its bound: where to look when every layer is within bound but the case failed elsewhere
+    closest = max(rows, key=lambda r: r.ratio, default=None)
     return {"reference_run": fam["reference_run"], "passed": first is None, "first_departure": departure,
-            "layers": by_layer(rows), "rows": [r.to_json() for r in rows]}
+            "closest": closest.to_json() if closest else None, "layers": by_layer(rows),
+            "rows": [r.to_json() for r in rows]}
 
 
 def diagnose(run_dir: Path, case: str, *, log: StageLog | None = None) -> dict[str, Any]:

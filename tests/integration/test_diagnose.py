@@ -85,6 +85,7 @@ def test_correct_engine_has_every_layer_within_bound(diagnosed):
     assert {"act/model.layers.0", "act/model.layers.1", "act/model.norm", "grads/model.layers.0",
             "grads/model.layers.1"} <= keys
     assert all(r["passed"] and float(r["ratio"]) < 1 for r in fam["rows"])
+    assert float(fam["closest"]["ratio"]) == max(float(r["ratio"]) for r in fam["rows"])
 
 
 @vllm
