@@ -44,6 +44,8 @@ def to_html(docs: RunDocs, summary: dict[str, Any]) -> str:
     bounds = data.bound_docs(docs)
     if cases:
         parts.append(page.cases_overview(cases, verified))
+        if verified:
+            parts.append(page.margin_line((summary["candidates"] or {}).get("closest_passing")))
     parts += [page.case_section(name, c, [data.row_view(r, bounds) for r in rows if r["case"] == name], verified)
               for name, c in cases.items()]
     parts += diagnosis_sections(docs.layout.root, (docs.acceptance or {}).get("digest"), verified)  # qualify diagnose

@@ -139,3 +139,12 @@ def coverage_section(coverage: dict[str, Any]) -> str:
     rows = [[role, i, *[s.get(k, "") for k in keys]] for role, per_role in steps.items() for i, s in enumerate(per_role)]
     header = ["role", "step", *[f"{k} (required)" if k in required else k for k in keys]]
     return '<section id="coverage"><h2>Coverage</h2>' + table(header, rows) + "</section>"
+
+
+def margin_line(closest: dict[str, Any] | None) -> str:
+    """The false-alarm margin: the passing row nearest its bound."""
+    if not closest:
+        return ""
+    return (f'<p id="margin">False-alarm margin: the closest passing value/bound is <b>{closest["ratio"]:.3g}</b> '
+            f'({escape(str(closest["case"]))}, {escape(str(closest["tensor"]))} {escape(str(closest["metric"]))}: '
+            f'{closest["value"]:.3g} &lt;= {closest["bound"]:.3g}).</p>')
