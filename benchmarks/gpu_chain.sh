@@ -23,7 +23,7 @@ PY
 qualify() { python3 -c 'import sys; from qualify.cli.app import main; sys.argv[0] = "qualify"; main()' "$@"; }
 mkdir -p "$out"
 rc=0
-for step in "reference $matrix --out $run" "freeze $run" "candidate $matrix --run $run"; do
+for step in "reference $matrix --run $run" "freeze $run" "candidate $matrix --run $run"; do
   start=$EPOCHREALTIME
   rc=0; qualify $step || rc=$?
   awk -v s="$start" -v e="$EPOCHREALTIME" -v n="${step%% *}" -v rc=$rc 'BEGIN{printf "== qualify %s: exit %s in %.1f s\n", n, rc, e - s}'

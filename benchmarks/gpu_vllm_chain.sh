@@ -6,6 +6,7 @@
 # tool, whose calls carry at most 64 MiB, back to back so the machine stays warm (/tmp survives between calls):
 #   stash .gpu/carry-N    (one call per part, carry .gpu/carry-N): copy that part to /tmp/carry
 #   run OUT [MATRIX] [RUN]  (after the last stash): join the parts, install, then the chain, probe and rounds
+#   chain OUT [MATRIX] [RUN]: as run, without the probe and rounds (capture, reference, freeze, every case, report)
 #   slurm OUT [MATRIX] [RUN] [CASES]: scripts/slurm-gpu.sh, then `qualify sbatch --submit --wait` with one
 #                         candidate task requeued while it runs
 # Run it from a clean copy of a commit (git archive HEAD | tar -x -C .gpu/src; carry .gpu/src) so the figures
@@ -115,9 +116,24 @@ slurm() {
   return $rc
 }
 
+chain() {  # the product path without the probe and rounds: GPU vLLM capture, reference, freeze, every case, report
+  local out=${1:?} matrix=${2:-benchmarks/gpu-tiny-tp2.yaml} run=${3:-runs/gpu-tiny-tp2}
+  install
+  [ -e .whl ] || ln -s /tmp/bundle/.whl .whl
+  versions
+  mkdir -p "$out"
+  timed "qualify reference --stage capture (vLLM TP1 and TP2)" qualify reference "$matrix" --run "$run" --stage capture
+  local rc=0
+  bash benchmarks/gpu_chain.sh "$out" "$matrix" "$run" || rc=$?
+  qualify report "$run" --format json > "$out/report.json" 2>/dev/null || true
+  return $rc
+}
+
 case ${1:-} in
+  chain) shift; chain "$@" ;;
   stash) mkdir -p /tmp/carry && cp "$here/${2:?}"/* /tmp/carry/ && ls -l /tmp/carry && df -h /tmp | tail -n 1 ;;
   run) shift; run "$@" ;;
   slurm) shift; slurm "$@" ;;
-  *) echo "usage: gpu_vllm_chain.sh stash DIR | run OUT [MATRIX] [RUN] | slurm OUT [MATRIX] [RUN] [CASES]" >&2; exit 2 ;;
+  *) echo "usage: gpu_vllm_chain.sh stash DIR | run OUT [MATRIX] [RUN] | chain OUT [MATRIX] [RUN] | slurm OUT [MATRIX] [RUN] [CASES]" >&2
+     exit 2 ;;
 esac
