@@ -11,7 +11,6 @@ with that family's reference run; the diagnosis names the first layer and tensor
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -75,17 +74,17 @@ def case_spec(layout: RunLayout, case: str) -> Any:
 
 
 def launch_worker(spec_path: Path, out: Path, key: str, tp: int, device: str, log_path: Path) -> int:
-    """torchrun qualify.diagnose.worker with tp ranks (the environment the candidate stage gives a case)."""
+    """qualify.diagnose.worker's tp ranks, started the way the candidate stage starts a case's (qualify.launch)."""
+    from qualify.launch import run_ranks
+
     env = dict(os.environ)
     if device == "cpu":
         cpus = int(os.environ.get("SLURM_CPUS_PER_TASK") or len(os.sched_getaffinity(0)))
         env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // tp)))
         env.setdefault("DS_ACCELERATOR", "cpu")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}",
-           "-m", "qualify.diagnose.worker", str(spec_path), str(out), key]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
-        return subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+        return run_ranks([sys.executable, "-m", "qualify.diagnose.worker", str(spec_path), str(out), key], tp, env, log)
 
 
 def candidate_layers(layout: RunLayout, case: str, spec: Any, log: StageLog) -> tuple[dict[str, Any], bool]:
