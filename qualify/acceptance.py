@@ -100,7 +100,8 @@ def check_acceptance(path: Path) -> list[str]:
     if doc.get("schema_version") != ACCEPTANCE_SCHEMA:
         problems.append(f"schema_version {doc.get('schema_version')!r} != {ACCEPTANCE_SCHEMA!r}")
     rule = doc.get("rule", {})
-    expected = {f"{role}-{family}.json" for role in ("actor", "critic") for family in FAMILIES}
+    roles = ("actor",) if doc.get("algorithm") == "grpo" else ("actor", "critic")  # GRPO has no critic
+    expected = {f"{role}-{family}.json" for role in roles for family in FAMILIES}
     if set(doc.get("bounds", {})) != expected:
         problems.append(f"bound files {sorted(doc.get('bounds', {}))} != {sorted(expected)}")
     for name, digest in sorted(doc.get("bounds", {}).items()):
@@ -143,7 +144,7 @@ def check_bounds(doc: dict[str, Any], rule: dict[str, Any], name: str) -> list[s
     return problems
 
 
-FROZEN_SECTIONS = ("models", "rollout", "ppo", "optimizer", "reference", "freeze")
+FROZEN_SECTIONS = ("models", "rollout", "algorithm", "ppo", "grpo", "optimizer", "reference", "freeze")
 """Matrix sections a reference and its acceptance are made from; `candidates` may change afterwards."""
 
 

@@ -21,7 +21,9 @@ from qualify.store import read_json, read_tensors
 
 OUTPUT_KINDS = {"logprobs_BT": "logprob", "ratio_BT": "logprob", "kl_BT": "logprob", "values_BT": "value",
                 "loss": "loss", "clip_frac": "loss", "kl_mean": "loss", "grad_norm": "grad_norm",
-                "logprobs_processed_BT": "logprob"}
+                "logprobs_processed_BT": "logprob",
+                # GRPO (qualify.ppo.objective.grpo_objective): per-row advantages and loss shares, the policy term
+                "advantages_B": "target", "seq_loss_B": "loss", "policy_loss": "loss"}
 GROUPS = ("outputs", "grads", "updates", "moments")
 RESOLVE_MARGIN = 2.0
 """An update element is judged where the reference's first moment is at least this many times its frozen error bound

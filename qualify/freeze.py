@@ -171,6 +171,8 @@ def acceptance_document(layout: RunLayout, name: str, bound_files: dict[str, byt
         "git": summary["git"],
         "evidence": "../reference",
     }
+    if matrix.algorithm == "grpo":  # the actor's bound files alone (qualify.acceptance.check_acceptance)
+        extra["algorithm"] = "grpo"
     if layer_files:  # qualify diagnose's per-layer bounds (qualify.diagnose.bounds); absent when none were frozen
         extra["layer_bounds"] = {f: "sha256:" + hashlib.sha256(d).hexdigest() for f, d in sorted(layer_files.items())}
     return build_manifest(layout.reference, progress=False, extra=extra)
@@ -213,7 +215,7 @@ def verified_reference(layout: RunLayout) -> tuple[dict[str, Any], Any]:
             raise EvidenceError(f"{layout.reference_summary} names {what} {recorded}, the sealed one is {sealed}")
     for precision in matrix.reference.precisions:
         for control in summary["controls"]:
-            for role in ("actor", "critic"):
+            for role in matrix.roles:
                 require_complete(layout.scores(precision, control, role), f"reference {precision} {control} {role}")
     return summary, matrix
 
@@ -223,13 +225,13 @@ def freeze(run_dir: Path, name: str | None = None) -> dict[str, Any]:
     layout = RunLayout(run_dir_of(run_dir))
     summary, matrix = verified_reference(layout)
     controls = summary["controls"]
-    coverage = reference_coverage(layout, controls[0])
+    coverage = reference_coverage(layout, controls[0], matrix.roles)
     missing = inert(matrix.freeze.require, coverage)
     if missing:
         raise FrozenError(f"the reference left {len(missing)} required branch(es) inert (freeze.require): "
                           + "; ".join(missing))
     files: dict[str, bytes] = {}
-    for role in ("actor", "critic"):
+    for role in matrix.roles:
         before = checkpoint_tensors(model_dir(matrix, layout.models, role))
         for family in FAMILIES:
             doc = family_bounds(layout, role, family, controls, matrix.freeze.k, dict(matrix.freeze.floors), before,
@@ -241,10 +243,11 @@ def freeze(run_dir: Path, name: str | None = None) -> dict[str, Any]:
     return document
 
 
-def reference_coverage(layout: RunLayout, control: str) -> dict[str, list[dict[str, Any]]]:
+def reference_coverage(layout: RunLayout, control: str,
+                       roles: tuple[str, ...] = ("actor", "critic")) -> dict[str, list[dict[str, Any]]]:
     """Per role, the branches each step of the fp32 reference run took (recorded by the reference)."""
     return {role: read_json(layout.scores("fp32", control, role) / "meta.json").get("coverage", [])
-            for role in ("actor", "critic")}
+            for role in roles}
 
 
 def _write_once(layout: RunLayout, files: dict[str, bytes], document: dict[str, Any],

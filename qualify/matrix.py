@@ -402,6 +402,9 @@ class Candidates:
     dp: tuple[int, ...] = (1,)
     """Data-parallel degrees: a case runs on tp x dp ranks, each DP rank holding a contiguous slice of every
     optimizer step's rows (which dp must divide); normalizers and group statistics are global, gradients summed."""
+    max_ranks: int | None = None
+    """Leave out the cases whose tp x dp exceeds this (2 on a 2-core machine keeps TP1xDP2 and TP2xDP1 and drops
+    TP2xDP2); unset: every combination runs."""
     roles: tuple[Role, ...] = ("actor", "critic")
     """Roles."""
     topologies: tuple[Topology, ...] = ("dedicated",)
@@ -426,6 +429,9 @@ class Candidates:
             raise ValueError(f"tp must list degrees >= 1, got {list(self.tp)}")
         if any(dp < 1 for dp in self.dp):
             raise ValueError(f"dp must list degrees >= 1, got {list(self.dp)}")
+        if self.max_ranks is not None and self.max_ranks < min(self.tp) * min(self.dp):
+            raise ValueError(f"max_ranks {self.max_ranks} leaves no case (the smallest is tp {min(self.tp)} x dp "
+                             f"{min(self.dp)})")
 
 
 ROUNDS_PROBES = ("stale", "wrong-shard", "missing-ack", "duplicate-ack", "warm-cache")
@@ -578,7 +584,8 @@ class Matrix:
         """Every case of the candidate matrix, in a stable order (DP degrees after TP's, DP1 first)."""
         c = self.candidates
         return [Case(engine=e, precision=p, tp=t, role=r, dp=d)
-                for e, p, t, d, r in itertools.product(c.engines, c.precisions, c.tp, c.dp, c.roles)]
+                for e, p, t, d, r in itertools.product(c.engines, c.precisions, c.tp, c.dp, c.roles)
+                if c.max_ranks is None or t * d <= c.max_ranks]
 
     def resolve(self, path: str) -> Path:
         """A path from the matrix, relative to the matrix file's directory."""

@@ -21,7 +21,8 @@ from qualify.errors import QualifyError
 from qualify.layout import RunLayout
 from qualify.stages import stage_info, stage_is_complete
 
-CASE_NAME = re.compile(r"^(?P<engine>.+)-(?P<precision>fp32|bf16)-tp(?P<tp>[1-9][0-9]*)-(?P<role>actor|critic)$")
+CASE_NAME = re.compile(r"^(?P<engine>.+)-(?P<precision>fp32|bf16)-tp(?P<tp>[1-9][0-9]*)(?:-dp(?P<dp>[2-9]|[1-9][0-9]+))?"
+                       r"-(?P<role>actor|critic)$")
 VERDICT_SCHEMA = "qualify.verdict/1"
 ROW_KEYS = ("case", "role", "comparison", "tensor", "metric", "value", "bound", "passed")
 REL_TOL = 1e-9  # judged again in the same float64 arithmetic; only the JSON round trip may differ
@@ -97,7 +98,7 @@ def row_problems(row: Any, index: int, cases: dict[str, Any]) -> list[str]:
 def case_problems(name: str, summary: Any, rows: list[dict[str, Any]]) -> list[str]:
     """A case's summary agrees with its rows."""
     if not CASE_NAME.match(name):
-        return [f"verdict case {name!r} is not an <engine>-<precision>-tp<N>-<role> name"]
+        return [f"verdict case {name!r} is not an <engine>-<precision>-tp<N>[-dp<M>]-<role> name"]
     num_failed = sum(not r["passed"] for r in rows)
     if (summary["passed"] is not (bool(rows) and num_failed == 0) or summary["num_checks"] != len(rows)
             or summary["num_failed"] != num_failed):
@@ -209,7 +210,8 @@ def rejudge_problems(layout: RunLayout, reference: dict[str, Any], acceptance: d
     for name in names:
         parts = CASE_NAME.match(name)
         assert parts is not None  # checked by case_problems
-        case = Case(engine=parts["engine"], precision=parts["precision"], tp=int(parts["tp"]), role=parts["role"])
+        case = Case(engine=parts["engine"], precision=parts["precision"], tp=int(parts["tp"]), role=parts["role"],
+                    dp=int(parts["dp"] or 1))
         if case.role not in befores:
             befores[case.role] = checkpoint_tensors(models[case.role])
         judged = [r.to_json() for r in judge_case(layout, case, bounds, befores[case.role], matrix.optimizer,

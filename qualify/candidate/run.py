@@ -113,14 +113,14 @@ def run_group(matrix: Matrix, layout: RunLayout, cases: list[Case], models: dict
     specs = [specs_by_case[c] for c in pending]
     group_log = specs[0].parent / "launch.log"
     with log.step(f"cases {', '.join(c.name for c in pending)}"):
-        code = launch(specs, pending[0].tp, device, group_log)
+        code = launch(specs, pending[0].world_size, device, group_log)
     errors = {}
     for case, spec in zip(pending, specs):
         if stage_is_complete(layout.case(case.name)):
             continue
         if len(pending) > 1:
             with log.step(f"case {case.name} (alone, after a failed group launch)"):
-                code = launch(spec, case.tp, device, spec.parent / "launch.log")
+                code = launch(spec, case.world_size, device, spec.parent / "launch.log")
         if not stage_is_complete(layout.case(case.name)):
             errors[case.name] = log_tail(spec.parent / "launch.log" if len(pending) > 1 else group_log, code)
     return errors
@@ -147,13 +147,14 @@ def judge_case(layout: RunLayout, case: Case, bounds: dict, before: dict, optimi
         rows += explain_formula(judged, cand, ref, fam, formula)
     rows += evidence_rows(case.name, case.role, cand[0].meta)
     rows += precision_rows(case.name, case.role, cand, own_ref)
-    if case.tp > 1:
-        base = Case(engine=case.engine, precision=case.precision, tp=1, role=case.role)
-        if base.name in verified or stage_is_complete(layout.case(base.name)):
-            rows += judge_steps(case.name, case.role, f"vs tp1 [{case.precision}-repeat]", cand,
-                                load_steps(layout.case(base.name)),
-                                formula_bounds(bounds[(case.role, f"{case.precision}-repeat")], formula, truncates),
-                                starts, optimizer)
+    # TPn against TP1 and DPn against DP1 (the same case at the lower degree), when that case ran
+    for axis, base in (("tp1", replace(case, tp=1)), ("dp1", replace(case, dp=1))):
+        if base == case or not (base.name in verified or stage_is_complete(layout.case(base.name))):
+            continue
+        rows += judge_steps(case.name, case.role, f"vs {axis} [{case.precision}-repeat]", cand,
+                            load_steps(layout.case(base.name)),
+                            formula_bounds(bounds[(case.role, f"{case.precision}-repeat")], formula, truncates),
+                            starts, optimizer)
     return rows
 
 
@@ -171,8 +172,8 @@ def run_candidates(matrix: Matrix, run_dir: Path, *, acceptance: Path | None = N
         raise QualifyError(f"no case matches {only!r} (cases: {', '.join(c.name for c in matrix.cases())})")
     models, device, log = model_dirs(matrix, layout.models), device_of(matrix), StageLog("candidate")
     errors: dict[str, str] = {}
-    for (engine, tp), group in itertools.groupby(sorted(cases, key=lambda c: (c.tp, c.engine)),
-                                                 key=lambda c: (c.engine, c.tp)):
+    for _, group in itertools.groupby(sorted(cases, key=lambda c: (c.tp, c.dp, c.engine)),
+                                      key=lambda c: (c.engine, c.tp, c.dp)):
         errors |= run_group(matrix, layout, list(group), models, doc, device, log)
     befores = {role: checkpoint_tensors(path) for role, path in models.items()}
     rows: list[Row] = []

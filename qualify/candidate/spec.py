@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qualify.matrix import PPO, Case, Matrix, Optimizer
+from qualify.matrix import GRPO, PPO, Case, Matrix, Optimizer
 from qualify.schema import from_dict, to_dict
 from qualify.store import read_json
 
@@ -39,9 +39,22 @@ class CaseSpec:
     min_p: float = 0.0
     resume_key: dict[str, str] | None = None
     """What the case's evidence depends on (spec, engine code, versions, acceptance), recorded in its seal."""
+    grpo: GRPO | None = None
+    """The matrix's GRPO section (algorithm grpo: the actor's objective is GRPO's); None under PPO."""
+    dp: int = 1
+    """Data-parallel degree: the launch has tp x dp ranks, rank = dp_rank x tp + tp_rank."""
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.dp
 
     def to_json(self) -> dict[str, Any]:
-        return to_dict(self)
+        """The spec as JSON; grpo and dp only when set, so a PPO DP1 spec (and its resume key) reads as before."""
+        data = to_dict(self)
+        for key, default in (("grpo", None), ("dp", 1)):
+            if data[key] == default:
+                del data[key]
+        return data
 
 
 def make_spec(matrix: Matrix, case: Case, *, model_dir: Path, rollout_dir: Path, targets_dir: Path,
@@ -52,7 +65,7 @@ def make_spec(matrix: Matrix, case: Case, *, model_dir: Path, rollout_dir: Path,
                     temperature=matrix.rollout.temperature, logprob_chunk_tokens=matrix.reference.logprob_chunk_tokens,
                     vocab_size=vocab_size, ppo=matrix.ppo, optimizer=matrix.optimizer, device=device,
                     logprob_formula=matrix.candidates.logprob_formula, top_k=matrix.rollout.top_k,
-                    top_p=matrix.rollout.top_p, min_p=matrix.rollout.min_p)
+                    top_p=matrix.rollout.top_p, min_p=matrix.rollout.min_p, grpo=matrix.grpo, dp=case.dp)
 
 
 def read_spec(path: Path) -> CaseSpec:

@@ -42,9 +42,9 @@ class EngineContext:
     precision: str
     """'fp32' or 'bf16' (bf16 compute with FP32 master weights and FP32 gradients)."""
     tp: int
-    """Tensor-parallel degree (= world size of the launch; DP is 1)."""
+    """Tensor-parallel degree (the launch has tp x dp ranks)."""
     rank: int
-    """This process's rank."""
+    """This process's rank in the launch: dp_rank x tp + tp_rank (TP ranks are contiguous)."""
     device: str
     """'cpu' or 'cuda:N'."""
     model_dir: Path
@@ -68,6 +68,17 @@ class EngineContext:
     """The rollout's top-p (1.0: off), for the processed formula."""
     min_p: float = 0.0
     """The rollout's min-p (0.0: off), for the processed formula."""
+    dp: int = 1
+    """Data-parallel degree: each DP rank scores its own rows, and the engine sums gradients over the DP ranks (each
+    rank's loss is already its share of the step's loss: normalizers are global)."""
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp
 
     def sampling(self) -> Sampling:
         """The rollout's sampling settings (temperature, top-k, top-p, min-p)."""

@@ -5,6 +5,7 @@ replicated output (full logits on every rank). q_norm and k_norm act on each ran
 so their gradients are partial sums: they are all-reduced across TP before clipping (the trap
 transformers' own tp plan calls replicated_with_grad_allreduce). BF16 runs a bf16 copy of the
 sharded model and keeps FP32 master parameters, FP32 gradients and FP32 AdamW state.
+With DP (ctx.dp > 1) the ranks form a (dp, tp) mesh and gradients are summed over the DP ranks after backward.
 """
 
 from __future__ import annotations
@@ -58,7 +59,11 @@ class TorchTPEngine:
 
         self.ctx = ctx
         device_type = "cuda" if ctx.device.startswith("cuda") else "cpu"
-        self.mesh = init_device_mesh(device_type, (ctx.tp,))
+        if ctx.dp > 1:  # ranks dp_rank x tp + tp_rank: TP within a row of the mesh, DP across its rows
+            mesh = init_device_mesh(device_type, (ctx.dp, ctx.tp), mesh_dim_names=("dp", "tp"))
+            self.mesh, self.dp_group = mesh["tp"], mesh["dp"].get_group()
+        else:
+            self.mesh, self.dp_group = init_device_mesh(device_type, (ctx.tp,)), None
         self.master = load_model(ctx.model_dir, ctx.role, "sdpa").to(ctx.device)
         parallelize_module(self.master, self.mesh, tp_plan(ctx.role))
         self.compute = self.master
@@ -93,9 +98,12 @@ class TorchTPEngine:
         loss.backward()
         for (name, mp), cp in zip(self.master.named_parameters(), self.compute.parameters()):
             if self.ctx.tp > 1 and name.endswith(self.grad_allreduce_suffixes):
-                dist.all_reduce(local(cp.grad), op=dist.ReduceOp.SUM)
+                tp_group = None if self.dp_group is None else self.mesh.get_group()
+                dist.all_reduce(local(cp.grad), op=dist.ReduceOp.SUM, group=tp_group)
             if cp is not mp:
                 mp.grad = cp.grad.to(torch.float32)
+            if self.dp_group is not None:  # each DP rank's loss is its share of the step's: FP32 gradients sum
+                dist.all_reduce(local(mp.grad), op=dist.ReduceOp.SUM, group=self.dp_group)
         if self.compute is not self.master:
             self.compute.zero_grad(set_to_none=True)
 

@@ -1,17 +1,33 @@
-"""The PPO objective per role and the optimizer-step schedule, shared by the reference and the candidates.
+"""The PPO and GRPO objectives per role and the optimizer-step schedule, shared by the reference and the candidates.
 
 A case is K = epochs x minibatches optimizer steps over the fixed rollout: epoch e, minibatch m
 is step k = e * minibatches + m and trains on a contiguous slice of the rows. Old logprobs stay
 the rollout's and advantages, returns and old values stay the frozen targets', so from step 1 on
 the policy is off the rollout's and the ratio, the clips and Adam's later steps are exercised.
+
+GRPO (qualify.ppo.grpo) has the actor alone: advantages are group-relative, computed per step from the frozen
+rewards (score_B) of the step's rows (whole groups), and the loss is aggregated with the step's normalizers. A
+slice of the step (a micro-batch, a DP rank's rows) gets both from the whole step (GRPOShare), so its loss is
+its exact share of the step's loss.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from qualify.ppo.grpo import (
+    Normalizers,
+    all_gather_rewards,
+    all_reduce_normalizers,
+    count_normalizers,
+    group_advantages,
+    group_stats,
+    grpo_loss,
+    kl_estimate,
+    token_advantages,
+)
 from qualify.ppo.math import clipped_policy_loss, clipped_value_loss, kl_terms, masked_mean
 
 
@@ -25,12 +41,19 @@ def step_rows(num_rows: int, epochs: int, minibatches: int) -> list[slice]:
 
 def role_objective(role: str, ppo: Any, scores_BT: torch.Tensor, mask_BT: torch.Tensor,
                    targets: dict[str, torch.Tensor], normalizer: str | None = None,
-                   constant: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                   constant: float | None = None, *, grpo: Any = None,
+                   share: GRPOShare | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss, judged outputs) of one role on one (mini)batch; targets are already sliced to its rows.
 
     scores_BT are the actor's sampler-formula logprobs or the critic's values; the normalizer (and
-    its constant) default to the matrix's, and a micro-batch control passes its own.
+    its constant) default to the matrix's, and a micro-batch control passes its own. With grpo (the
+    matrix's GRPO section) the objective is GRPO's (grpo_objective; share: from the whole step).
     """
+    if grpo is not None:
+        if role != "actor":
+            raise ValueError(f"GRPO trains the actor alone, not the {role}")
+        return grpo_objective(ppo, grpo, scores_BT, mask_BT, targets,
+                              share if share is not None else grpo_share(grpo, targets["score_B"], mask_BT))
     if normalizer is None:
         normalizer, constant = ppo.token_normalizer, ppo.normalizer_constant
     scores_BT = scores_BT * mask_BT
@@ -48,3 +71,49 @@ def role_objective(role: str, ppo: Any, scores_BT: torch.Tensor, mask_BT: torch.
 
 def rows_of(targets: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
     return {k: v[rows] for k, v in targets.items()}
+
+
+class GRPOShare(NamedTuple):
+    """What a slice of one step's rows needs from the whole step: its rows' advantages and the step's normalizers."""
+
+    advantages_B: torch.Tensor
+    """(b,) group-relative advantages of the slice's rows, from the whole step's group statistics."""
+    normalizers: Normalizers
+    """The whole step's numbers of active tokens and active sequences."""
+
+
+def grpo_share(grpo: Any, rewards_B: torch.Tensor, mask_BT: torch.Tensor) -> GRPOShare:
+    """The share of a whole step (single process): group statistics and normalizers of these rows themselves."""
+    stats = group_stats(rewards_B, grpo.group_size, grpo.std_estimator)
+    advantages_B = group_advantages(rewards_B, stats, grpo.group_size, scale_std=grpo.scale_std, eps=grpo.eps)
+    return GRPOShare(advantages_B, count_normalizers(mask_BT))
+
+
+def grpo_dp_share(grpo: Any, rewards_b: torch.Tensor, mask_bT: torch.Tensor, row_start: int,
+                  group: Any = None) -> GRPOShare:
+    """A DP rank's share of a step whose rows [row_start, row_start + b) it holds: the step's rewards gathered from
+    every rank (a group may straddle ranks), the normalizers summed over ranks (exact integer sums)."""
+    rewards_B = all_gather_rewards(rewards_b, group)
+    stats = group_stats(rewards_B, grpo.group_size, grpo.std_estimator)
+    advantages_b = group_advantages(rewards_b, stats, grpo.group_size, row_start=row_start,
+                                    scale_std=grpo.scale_std, eps=grpo.eps)
+    return GRPOShare(advantages_b, all_reduce_normalizers(count_normalizers(mask_bT), group))
+
+
+def grpo_objective(ppo: Any, grpo: Any, logp_BT: torch.Tensor, mask_BT: torch.Tensor,
+                   targets: dict[str, torch.Tensor], share: GRPOShare) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(loss, judged outputs) of GRPO on a slice of a step: qualify.ppo.grpo.grpo_loss with the rollout's logprobs as
+    old logprobs, the reference policy's for the KL term, and the share's advantages and normalizers.
+
+    Scalars (loss, policy_loss, kl_mean, clip_frac) are the slice's share: the shares of a step sum to its value.
+    """
+    logp_BT = torch.where(mask_BT, logp_BT, 0.0)
+    ref_BT = targets["ref_logprobs_BT"]
+    out = grpo_loss(logp_BT, targets["old_logprobs_BT"], ref_BT, token_advantages(share.advantages_B, mask_BT),
+                    mask_BT, clip_eps=ppo.clip_eps, kl_coef=grpo.kl_coef, kl_estimator=grpo.kl_estimator,
+                    aggregation=grpo.aggregation, normalizers=share.normalizers, constant=grpo.constant)
+    kl_BT = kl_estimate(logp_BT.detach(), ref_BT, mask_BT, grpo.kl_estimator)
+    return out.loss, {"logprobs_BT": logp_BT.detach(), "ratio_BT": torch.where(mask_BT, out.ratio_BT, 0.0).detach(),
+                      "kl_BT": kl_BT, "kl_mean": out.kl.detach(), "policy_loss": out.policy_loss.detach(),
+                      "clip_frac": out.clip_frac.detach(), "advantages_B": share.advantages_B.detach(),
+                      "seq_loss_B": out.per_sequence_B.detach()}

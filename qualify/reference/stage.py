@@ -112,7 +112,9 @@ def tp_agreement(matrix: Matrix, layout: RunLayout) -> dict[str, Any]:
 def scoring_settings(matrix: Matrix, rollout_digest: str) -> str:
     """Fingerprint of what targets and scores depend on: the rollout and the numerics sections of the matrix."""
     m = to_dict(matrix)
-    return fingerprint({"rollout": rollout_digest, **{k: m[k] for k in ("models", "ppo", "optimizer", "reference")}})
+    grpo = ("algorithm", "grpo") if matrix.algorithm == "grpo" else ()  # a PPO matrix's fingerprint is unchanged
+    return fingerprint({"rollout": rollout_digest,
+                        **{k: m[k] for k in ("models", "ppo", "optimizer", "reference", *grpo)}})
 
 
 def make_targets(matrix: Matrix, layout: RunLayout, models: dict[str, Path], digest: str, log: StageLog) -> str:
@@ -153,7 +155,7 @@ def score_all(matrix: Matrix, layout: RunLayout, models: dict[str, Path], digest
     controls = controls_of(matrix)
     for precision in matrix.reference.precisions:
         for control in controls:
-            for role in ROLES:
+            for role in matrix.roles:
                 out = layout.scores(precision, control.name, role)
                 if reuse_complete(out, scoring_settings(matrix, digest), f"reference {precision} {control.name} {role}"):
                     log.skip(f"score {precision} {control.name} {role}")

@@ -26,7 +26,7 @@ from qualify.matrix import Matrix
 from qualify.models.hf import actor_scores, compute_copy, critic_values, enable_checkpointing
 from qualify.ppo.formula import PROCESSED_KEY, rollout_sampling
 from qualify.ppo.math import kl_terms, masked_mean
-from qualify.ppo.objective import role_objective, rows_of, step_rows
+from qualify.ppo.objective import GRPOShare, grpo_share, role_objective, rows_of, step_rows
 from qualify.reference.tp_numerics import split_like_tp
 
 CONTROL_ATTN = {"attn_impl": "eager"}
@@ -184,11 +184,15 @@ def _forward_backward(matrix: Matrix, role: str, control: Control, model: torch.
     tgt = {k: v[order] for k, v in targets.items()}
     p = matrix.ppo
     parts: dict[str, list[torch.Tensor]] = {}
-    totals = {key: torch.zeros((), dtype=torch.float32, device=mask_BT.device) for key in ("loss", "clip_frac")}
+    totals = {key: torch.zeros((), dtype=torch.float32, device=mask_BT.device)
+              for key in ("loss", "clip_frac") + (("kl_mean", "policy_loss") if matrix.grpo else ())}
+    # GRPO: advantages and normalizers of the whole step (rows in their own order), each micro-batch takes its share
+    share = grpo_share(matrix.grpo, targets["score_B"], batch["response_mask_BT"]) if matrix.grpo else None
     for rows in _row_slices(ids_BT.shape[0], control.microbatches):
         normalizer, constant, weight = (p.token_normalizer, p.normalizer_constant, 1.0)
-        if control.microbatches > 1:
+        if control.microbatches > 1 and share is None:
             normalizer, constant, weight = _loss_scale(mask_BT, rows, p.token_normalizer, p.normalizer_constant)
+        part = None if share is None else GRPOShare(share.advantages_B[order][rows], share.normalizers)
         m_BT = mask_BT[rows]
         if role == "actor":
             scores_BT, processed_BT = actor_scores(model, ids_BT[rows], rollout_sampling(matrix.rollout),
@@ -197,17 +201,19 @@ def _forward_backward(matrix: Matrix, role: str, control: Control, model: torch.
                 parts.setdefault(PROCESSED_KEY, []).append(torch.where(m_BT, processed_BT, 0.0))
         else:
             scores_BT = critic_values(model, ids_BT[rows])
-        loss, out = role_objective(role, p, scores_BT, m_BT, rows_of(tgt, rows), normalizer, constant)
-        for key in ("logprobs_BT", "ratio_BT", "values_BT"):
+        loss, out = role_objective(role, p, scores_BT, m_BT, rows_of(tgt, rows), normalizer, constant,
+                                   grpo=matrix.grpo, share=part)
+        for key in ("logprobs_BT", "ratio_BT", "values_BT", "kl_BT", "advantages_B", "seq_loss_B"):
             if key in out:
                 parts.setdefault(key, []).append(out[key])
         (loss * weight).backward()
         totals["loss"] += (loss * weight).detach()
-        totals["clip_frac"] += (out["clip_frac"] * weight).detach()
+        for key in totals.keys() - {"loss"}:
+            totals[key] += (out[key] * weight).detach()
     undo = torch.argsort(order)
     outputs = {k: torch.cat(v)[undo] for k, v in parts.items()}
     outputs.update(totals)
-    if role == "actor":
+    if role == "actor" and share is None:  # PPO's KL is judged as a masked mean (GRPO's is its aggregated term)
         kl_BT = kl_terms(outputs["logprobs_BT"], targets["ref_logprobs_BT"]) * batch["response_mask_BT"]
         outputs["kl_BT"] = kl_BT
         outputs["kl_mean"] = masked_mean(kl_BT, batch["response_mask_BT"], "global")

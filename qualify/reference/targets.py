@@ -1,4 +1,4 @@
-"""PPO targets of the fixed rollout, computed once in fp32 and then frozen.
+"""PPO targets of the fixed rollout, computed once in fp32 and then frozen (GRPO: logprobs and rewards only).
 
 Behaviour logprobs are the sampler's own (vLLM's processed logprobs), so the ratio measures the
 train-vs-rollout policy. Reference-policy logprobs, old values and rewards come from the frozen
@@ -40,6 +40,9 @@ def compute_targets(matrix: Matrix, models: dict[str, Path], rollout: dict[str, 
     ref_logp_BT = actor_logprobs(ref, ids_BT, matrix.rollout.temperature, matrix.reference.logprob_chunk_tokens,
                                  vocab_size) * mask_BT
     score_B = reward_scores(load_model(models["reward"], "reward"), ids_BT, mask_BT)
+    if matrix.algorithm == "grpo":  # no critic, no GAE: the objective makes group-relative advantages of score_B
+        return {"old_logprobs_BT": old_logp_BT, "ref_logprobs_BT": ref_logp_BT, "score_B": score_B} \
+            | sampler_evidence(matrix, models["actor"], rollout, vocab_size)
     old_values_BT = critic_values(load_model(models["critic"], "critic"), ids_BT) * mask_BT
     rewards_BT = token_rewards(score_B, old_logp_BT, ref_logp_BT, mask_BT, matrix.ppo.kl_coef)
     advantages_BT, returns_BT = masked_gae(rewards_BT, old_values_BT, mask_BT, matrix.ppo.gamma, matrix.ppo.lam)
@@ -73,7 +76,9 @@ def sampler_evidence(matrix: Matrix, actor_dir: Path, rollout: dict[str, torch.T
 def targets_meta(matrix: Matrix, rollout_digest: str) -> dict[str, Any]:
     """What the targets were computed from."""
     p, r = matrix.ppo, matrix.rollout
-    return {"rollout_digest": rollout_digest, "kl_coef": p.kl_coef, "gamma": p.gamma, "lam": p.lam,
+    grpo = {} if matrix.grpo is None else {"algorithm": "grpo", "group_size": matrix.grpo.group_size,
+                                           "rewards": "score_B: the reward model's score of each row (fp32)"}
+    return grpo | {"rollout_digest": rollout_digest, "kl_coef": p.kl_coef, "gamma": p.gamma, "lam": p.lam,
             "behaviour_logprobs": "vLLM processed_logprobs", "precision": "fp32",
             "sampling": {"temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p, "min_p": r.min_p},
             "processed_formula": "qualify.ppo.logprob.processed_logprobs: vLLM's CPU sampler order (temperature, "

@@ -1,5 +1,7 @@
 """Capture the fixed rollout: prompts as token ids, per-request seeds, real vLLM at a TP degree.
 
+Under GRPO every prompt is requested group_size times in a row (a group), each request with its own seed.
+
 The rollout directory holds rollout.safetensors (tokens, masks, the sampler's processed
 logprobs) and rollout.json (sampling params, seeds, vLLM TP, versions, host, digest). It is
 written once; its digest (sha256 of rollout.safetensors) names it, and every later stage checks
@@ -152,6 +154,8 @@ def capture_request(matrix: Matrix, model_dir: Path, tp: int, *, vocab_size: int
     r = matrix.rollout
     eos = r.eos_token_id if r.eos_token_id is not None else eos_token_id
     prompts = make_prompts(matrix, vocab_size, eos)
+    if matrix.grpo is not None:  # GRPO: group_size responses per prompt, contiguous rows, each row its own seed
+        prompts = [p for p in prompts for _ in range(matrix.grpo.group_size)]
     # min_p only when set: a request without it is the same request as before min_p existed, so sealed
     # rollouts (the committed ones among them) keep their settings fingerprint.
     min_p = {"min_p": r.min_p} if r.min_p else {}

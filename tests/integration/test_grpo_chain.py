@@ -1,0 +1,71 @@
+"""The GRPO chain on matrices/tiny-qwen3-grpo.yaml with real vLLM and torch-tp over gloo: capture (group_size
+responses per prompt, each with its own seed), the actor-only reference, freeze (three actor bound files, no
+critic), candidates at TP1xDP1, TP1xDP2 and TP2xDP1, each judged against the reference and DP2 against DP1, TP2
+against TP1."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from qualify.candidate.run import run_candidates
+from qualify.freeze import freeze
+from qualify.layout import RunLayout
+from qualify.matrix import load_matrix
+from qualify.rollout.capture import load_rollout
+from qualify.store import read_json
+from tests.integration._support import plugins_importable  # noqa: F401  (autouse fixture)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.engines]
+GRPO_MATRIX = Path(__file__).resolve().parents[2] / "matrices" / "tiny-qwen3-grpo.yaml"
+
+
+@pytest.fixture(scope="module")
+def grpo_matrix():
+    return load_matrix(GRPO_MATRIX)
+
+
+@pytest.fixture(scope="module")
+def grpo_run(tmp_path_factory, grpo_matrix):
+    """The GRPO matrix's reference (real vLLM capture) and acceptance (treat as read-only)."""
+    from qualify.reference.stage import run_reference
+
+    run_dir = tmp_path_factory.mktemp("grpo") / "tiny-qwen3-grpo"
+    run_reference(grpo_matrix, run_dir)
+    freeze(run_dir)
+    return run_dir
+
+
+def test_rollout_has_groups_of_distinct_responses(grpo_run, grpo_matrix):
+    layout, g = RunLayout(grpo_run), grpo_matrix.grpo.group_size
+    rollout = load_rollout(layout.rollout(1))
+    meta = read_json(layout.rollout(1) / "rollout.json")
+    assert meta["sampling"]["seeds"] == [grpo_matrix.rollout.seed + i for i in range(grpo_matrix.num_rows)]
+    prompt_mask, ids = rollout["prompt_mask_BT"], rollout["input_ids_BT"]
+    for start in range(0, grpo_matrix.num_rows, g):
+        prompts = {tuple(ids[b][prompt_mask[b]].tolist()) for b in range(start, start + g)}
+        responses = {tuple(ids[b][rollout["response_mask_BT"][b]].tolist()) for b in range(start, start + g)}
+        assert len(prompts) == 1 and len(responses) > 1  # one prompt, responses of their own seeds
+
+
+def test_freeze_makes_actor_bounds_only(grpo_run):
+    doc = read_json(RunLayout(grpo_run).acceptance)
+    assert doc["algorithm"] == "grpo"
+    assert sorted(doc["bounds"]) == ["actor-bf16-repeat.json", "actor-fp32-repeat.json", "actor-fp32-vs-bf16.json"]
+    assert not (RunLayout(grpo_run).reference / "scores" / "fp32-r0" / "critic").exists()
+    assert {"policy_clip_high", "policy_clip_low", "kl", "grad_clip"} <= {
+        k for step in doc["coverage"]["steps"]["actor"] for k, v in step.items() if v}
+
+
+def test_torch_tp_passes_at_tp1_dp2_and_tp2(grpo_run, grpo_matrix):
+    verdict = run_candidates(grpo_matrix, grpo_run, only="torch-tp-fp32-*").to_json()
+    cases = verdict["cases"]
+    assert set(cases) == {"torch-tp-fp32-tp1-actor", "torch-tp-fp32-tp1-dp2-actor", "torch-tp-fp32-tp2-actor"}
+    failed = [r for r in verdict["rows"] if not r["passed"]]
+    assert verdict["passed"] and not failed, failed[:5]
+    comparisons = {(r["case"], r["comparison"].split(" [")[0]) for r in verdict["rows"]}
+    assert ("torch-tp-fp32-tp1-dp2-actor", "vs dp1") in comparisons
+    assert ("torch-tp-fp32-tp2-actor", "vs tp1") in comparisons
+    judged = {r["tensor"].split("/", 1)[1] for r in verdict["rows"] if r["case"] == "torch-tp-fp32-tp1-dp2-actor"}
+    assert {"outputs/advantages_B", "outputs/seq_loss_B", "outputs/loss", "outputs/kl_mean"} <= judged
