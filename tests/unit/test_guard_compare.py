@@ -1,0 +1,65 @@
+"""qualify.compare: what mutation testing found unpinned (issue 20).
+
+Every tensor after a skipped one is still measured (a skip is a continue, not the end of the group), and
+the update resolution margin: an update element is judged only where |exp_avg_ref| exceeds RESOLVE_MARGIN x
+its bound, so an element between one and RESOLVE_MARGIN bounds is not judged. Values are exact (small
+tensors of representable numbers).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from qualify.compare import RESOLVE_MARGIN, RunTensors, pair_metrics, replay_metrics
+from tests.unit._runs import OPT, params, role_run
+
+T = torch.tensor
+
+
+def run_of(**groups) -> RunTensors:
+    return RunTensors(*(groups.get(g, {}) for g in ("outputs", "grads", "updates", "moments")), {})
+
+
+def test_a_tensor_with_a_structure_problem_does_not_stop_the_ones_after_it():
+    ref = run_of(grads={"a": torch.zeros(2), "b": torch.zeros(1), "c": torch.zeros(1)})
+    cand = run_of(grads={"a": torch.zeros(3), "b": T([0.5]), "c": T([-0.25])})  # 'a' (first) has the wrong shape
+    assert pair_metrics(cand, ref) == {"grads/b": {"max_abs": 0.5, "rel_l2": 0.5},
+                                       "grads/c": {"max_abs": 0.25, "rel_l2": 0.25}}
+
+
+def test_every_update_is_measured_not_only_the_first():
+    ref = run_of(updates={"a": T([1.0]), "b": T([1.0])}, moments={"exp_avg/a": T([1.0]), "exp_avg/b": T([1.0])})
+    cand = run_of(updates={"a": T([0.5]), "b": T([-1.0])}, moments={"exp_avg/a": T([1.0]), "exp_avg/b": T([1.0])})
+    out = pair_metrics(cand, ref, {"a": 0.1, "b": 0.1})
+    assert out["updates/a"] == {"resolved_max_abs": 0.5} and out["updates/b"] == {"resolved_max_abs": 2.0}
+    assert out["moments/exp_avg/a"] == {"max_abs": 0.0, "rel_l2": 0.0}  # and the groups after updates too
+
+
+def test_an_update_element_is_judged_only_beyond_the_resolve_margin():
+    assert RESOLVE_MARGIN == 2.0
+    tau = 0.25
+    # exp_avg_ref: 0.375 lies between tau and 2 tau (not judged), 0.75 beyond 2 tau (judged), 0.5 exactly 2 tau (not)
+    ref = run_of(updates={"w": T([1.0, 1.0, 1.0])}, moments={"exp_avg/w": T([0.375, -0.75, 0.5])})
+    cand = run_of(updates={"w": T([-3.0, 0.5, -7.0])}, moments={"exp_avg/w": T([0.375, -0.75, 0.5])})
+    assert pair_metrics(cand, ref, {"w": tau})["updates/w"] == {"resolved_max_abs": 0.5}
+    assert pair_metrics(cand, ref, {"w": 0.1})["updates/w"] == {"resolved_max_abs": 8.0}  # 0.5 > 2 x 0.1: all judged
+    assert pair_metrics(cand, ref, {"w": 0.5})["updates/w"] == {"resolved_max_abs": 0.0}  # none beyond 1.0
+
+
+def test_a_scalar_output_has_no_distribution_metrics_and_a_two_element_one_has():
+    ref = run_of(outputs={"loss": T(0.5), "values_BT": T([[0.0, 1.0]])})
+    cand = run_of(outputs={"loss": T(0.25), "values_BT": T([[0.5, 1.0]])})
+    assert pair_metrics(cand, ref) == {"outputs/loss": {"max_abs": 0.25},
+                                       "outputs/values_BT": {"max_abs": 0.5, "mean_abs": 0.25, "p99_abs": 0.5}}
+
+
+def test_replay_metrics_go_on_after_a_broken_update():
+    run, p = role_run("actor", 0.0), params()
+    assert list(run.updates) == ["w", "b"]
+    no_m = RunTensors(run.outputs, run.grads, run.updates,
+                      {k: v for k, v in run.moments.items() if k != "exp_avg/w"}, {})
+    out = replay_metrics(no_m, p, OPT)
+    assert set(out) == {"updates/w", "updates/b"}
+    assert out["updates/w"] == {"replay_max_abs": math.inf} and out["updates/b"]["replay_max_abs"] < 2.0 ** -21
