@@ -130,3 +130,42 @@ def test_report_json_says_whether_it_was_partial(tmp_path):
     assert part.to_json() == {"manifest": str(tmp_path / "m.json"), "evidence": str(evidence.resolve()),
                               "num_files": 2, "ok": True, "partial": True, "missing": ["y"], "extra": [],
                               "modified": [], "renamed": []}
+
+
+def test_a_duplicate_is_named_where_it_repeats(tmp_path):
+    entries = [{"path": p, "bytes": 1, "sha256": GOOD_SHA} for p in ("a", "b", "a")]
+    document = {"schema": "qualify.manifest/1", "files": entries}
+    document["digest"] = digest_of(document)
+    path = tmp_path / "m.json"
+    write_json(path, document)
+    assert refusal(path) == f"{path}: files[2]: duplicate path 'a'"
+
+
+def test_the_fast_path_and_the_full_check_disagreeing_is_an_assertion_naming_the_entry(tmp_path, monkeypatch):
+    from qualify import manifest
+
+    entry = {"bytes": 1, "path": "a", "sha256": GOOD_SHA}  # as read back: the manifest's keys are sorted
+    path = manifest_with_entry(tmp_path, entry)
+    monkeypatch.setattr(manifest, "_entry_ok", lambda e: False)  # a fast path that wrongly rejects a good entry
+    with pytest.raises(AssertionError) as caught:
+        load_manifest(path)
+    assert str(caught.value) == f"_entry_ok and _check_entry disagree on {entry!r}"
+
+
+def test_verify_manifest_draws_a_bar_by_default_and_passes_jobs(tmp_path, monkeypatch):
+    from qualify import manifest
+
+    calls = []
+    real = manifest.start_hashing
+
+    def recording(root, paths, sizes, *, jobs=None, progress=True):
+        calls.append((jobs, progress))
+        return real(root, paths, sizes, jobs=jobs, progress=False)
+
+    (tmp_path / "ev").mkdir()
+    (tmp_path / "ev" / "x").write_bytes(b"x")
+    create_manifest(tmp_path / "ev", tmp_path / "m.json", progress=False)
+    monkeypatch.setattr(manifest, "start_hashing", recording)
+    assert verify_manifest(tmp_path / "m.json").ok
+    assert verify_manifest(tmp_path / "m.json", jobs=2, progress=False).ok
+    assert calls == [(None, True), (2, False)]
