@@ -71,16 +71,20 @@ def p99_abs(candidate: torch.Tensor, reference: torch.Tensor) -> float:
     return quantile_abs(candidate, reference, P99)
 
 
-def bf16_exact_fraction(t: torch.Tensor) -> float:
-    """Fraction of the finite elements other than 0 and powers of two that bf16 represents exactly (0 for a tensor
-    without any): near 0 for a value computed in fp32, 1 for one computed in bf16 and widened. NaN counts as not
-    finite (judged elsewhere)."""
+def bf16_exact_counts(t: torch.Tensor) -> tuple[int, int]:
+    """(elements bf16 represents exactly, elements counted): the finite elements other than 0 and powers of two (a
+    ratio of exactly 1, a clip fraction of 0.5 are bf16 values for exact reasons). NaN counts as not finite (judged
+    elsewhere)."""
     x = t.detach().float().flatten()
-    # zeros and powers of two (a ratio of exactly 1, a clip fraction of 0.5) are bf16 values for exact reasons
     x = x[torch.isfinite(x) & (x != 0) & (torch.frexp(x).mantissa.abs() != 0.5)]
-    if x.numel() == 0:
-        return 0.0
-    return float((x.to(torch.bfloat16).float() == x).double().mean())
+    return int((x.to(torch.bfloat16).float() == x).sum()), int(x.numel())
+
+
+def bf16_exact_fraction(t: torch.Tensor) -> float:
+    """Fraction of the counted elements (bf16_exact_counts) that bf16 represents exactly (0 for a tensor without
+    any): near 0 for a value computed in fp32, 1 for one computed in bf16 and widened."""
+    exact, counted = bf16_exact_counts(t)
+    return exact / counted if counted else 0.0
 
 
 def resolved_mask(reference_grad: torch.Tensor, tau: float) -> torch.Tensor:

@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from qualify.compare import RunTensors, pair_metrics, replay_metrics, structure_problems
-from qualify.metrics import bf16_exact_fraction
+from qualify.metrics import bf16_exact_counts, bf16_exact_fraction
 from qualify.verdict import Row
 
 STRUCTURE_RULE = "names, shapes and dtypes equal the reference's"
@@ -114,6 +114,8 @@ def evidence_rows(case: str, role: str, meta: dict[str, Any]) -> list[Row]:
 
 PRECISION_MARGIN = 0.05
 """How much larger than the reference's the fraction of bf16-exact elements of an fp32 quantity may be."""
+CHANCE_ELEMENTS = 4
+"""...or this many elements' worth of it, in a tensor small enough that a few coincidences are a large fraction."""
 
 
 def precision_rows(case: str, role: str, candidate: list[RunTensors], reference: list[RunTensors]) -> list[Row]:
@@ -128,12 +130,16 @@ def precision_rows(case: str, role: str, candidate: list[RunTensors], reference:
             for name in sorted(set(c) & set(r)):
                 if c[name].numel() < 2 or c[name].shape != r[name].shape:
                     continue
-                cf, rf = bf16_exact_fraction(c[name]), bf16_exact_fraction(r[name])
+                exact, counted = bf16_exact_counts(c[name])
+                cf, rf = (exact / counted if counted else 0.0), bf16_exact_fraction(r[name])
                 excess = max(0.0, cf - rf)
+                # a few chance coincidences in a small tensor are no evidence: at least CHANCE_ELEMENTS elements' worth
+                margin = max(PRECISION_MARGIN, CHANCE_ELEMENTS / counted) if counted else PRECISION_MARGIN
                 rows.append(Row(case, role, "evidence", f"step{k}/{group}/{name}", "bf16_exact_excess", excess,
-                                PRECISION_MARGIN, excess <= PRECISION_MARGIN,
-                                "" if excess <= PRECISION_MARGIN else
+                                margin, excess <= margin,
+                                "" if excess <= margin else
                                 f"{cf:.0%} of its elements are bf16 values (reference {rf:.0%}): computed or stored "
                                 "in bf16, where the contract says fp32", step=k,
-                                rule=f"bf16-exact fraction <= the reference's + {PRECISION_MARGIN}"))
+                                rule=f"bf16-exact fraction <= the reference's + max({PRECISION_MARGIN}, "
+                                     f"{CHANCE_ELEMENTS} / {counted} counted elements)"))
     return rows

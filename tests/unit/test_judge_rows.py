@@ -355,3 +355,17 @@ def test_an_update_is_judged_only_where_its_first_moment_is_twice_its_bound_from
         [row] = [r for r in judge_pair("c", "actor", "x", cand, ref, bounds, {"w": torch.zeros(2)}, OPT)
                  if (r.tensor, r.metric) == ("updates/w", "resolved_max_abs")]
         assert row.passed is not fails, (changed, row)
+
+
+def test_a_small_fp32_tensor_may_hold_a_few_bf16_values_by_chance_but_not_all():
+    from qualify.candidate.judge import CHANCE_ELEMENTS, precision_rows
+
+    g = torch.Generator().manual_seed(5)
+    ref_grad = torch.randn(32, generator=g)
+    one_coincidence = ref_grad.clone()
+    one_coincidence[3] = one_coincidence[3].to(torch.bfloat16).float()  # 1 of 32: 3% more than the reference
+    widened = ref_grad.to(torch.bfloat16).float()
+    ref = [RunTensors({}, {"w": ref_grad}, {}, {}, {})]
+    for grad, passes in ((one_coincidence, True), (widened, False)):
+        [row] = precision_rows("c", "actor", [RunTensors({}, {"w": grad}, {}, {}, {})], ref)
+        assert row.bound == CHANCE_ELEMENTS / 32 and row.passed is passes, row
