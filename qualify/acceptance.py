@@ -113,6 +113,12 @@ def check_acceptance(path: Path) -> list[str]:
             problems.append(f"bound file {file} does not match the acceptance's digest")
             continue
         problems += check_bounds(read_json(file), rule, name)
+    for name, digest in sorted(doc.get("layer_bounds", {}).items()):  # qualify diagnose's, where frozen
+        file = path.parent / "layers" / name
+        if not file.is_file():
+            problems.append(f"missing layer bound file {file}")
+        elif "sha256:" + hashlib.sha256(file.read_bytes()).hexdigest() != digest:
+            problems.append(f"layer bound file {file} does not match the acceptance's digest")
     return problems
 
 

@@ -87,3 +87,16 @@ def test_extra_file_in_committed_evidence_fails_partial_verify(tmp_path):
     (acc.parent.parent / "reference" / "rollout" / "tp1" / "notes.txt").write_text("x")
     report = verify_manifest(acc, partial=True, progress=False)
     assert not report.ok and report.extra == ["rollout/tp1/notes.txt"]
+
+
+def test_an_edited_layer_bound_file_is_named(tmp_path):
+    """The committed acceptance names its layer bound files (qualify diagnose) by digest; an edited one is a problem."""
+    copy = tmp_path / "acceptance"
+    shutil.copytree(REPO / "manifests" / "tiny-qwen3" / "acceptance", copy)
+    layer_files = sorted((copy / "layers").glob("*.json"))
+    assert layer_files and check_acceptance(copy / "acceptance.json") == []
+    layer_files[0].write_text(layer_files[0].read_text().replace("1", "2", 1))
+    assert check_acceptance(copy / "acceptance.json") == [
+        f"layer bound file {layer_files[0]} does not match the acceptance's digest"]
+    layer_files[0].unlink()
+    assert check_acceptance(copy / "acceptance.json") == [f"missing layer bound file {layer_files[0]}"]
