@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from qualify.candidate.agreement import agree_case
 from qualify.candidate.dp import dp_group, gather_outputs, rank_rows
 from qualify.candidate.padding import exposed_rows, padding_found
 from qualify.candidate.spec import CaseSpec, read_spec
@@ -137,6 +138,7 @@ def run_case(spec: CaseSpec, rank: int) -> None:
                         logprob_chunk_tokens=spec.logprob_chunk_tokens, vocab_size=spec.vocab_size, work_dir=work,
                         logprob_formula=spec.logprob_formula, top_k=spec.top_k, top_p=spec.top_p, min_p=spec.min_p,
                         dp=spec.dp)
+    contract = agree_case(spec, rank)  # before the case's first collective: ranks that disagree stop here, named
     group = dp_group(spec.tp, spec.dp, rank)
     engine.setup(ctx)
     before = checkpoint_tensors(Path(spec.model_dir))
@@ -172,7 +174,7 @@ def run_case(spec: CaseSpec, rank: int) -> None:
         meta = {"grad_dtypes": grad_dtypes, "state_dtypes": {n: str(t.dtype).removeprefix("torch.")
                                                              for n, t in state.get("exp_avg", {}).items()},
                 "replica_max_abs": replicas, "padded_rows": padded, "padding": padding_by_rank, "extra_params": sorted(set(params) - set(before)),
-                "num_steps": len(steps), "own_objective": hasattr(engine, "objective"),
+                "num_steps": len(steps), "own_objective": hasattr(engine, "objective"), "contract": contract,
                 "case": spec.to_json(), "seconds": round(time.monotonic() - started, 3), **provenance()}
         write_json(out / "meta.json", json_safe(meta))
         complete_stage(out, {"case": spec.name, "rollout_digest": spec.rollout_digest, "key": spec.resume_key})

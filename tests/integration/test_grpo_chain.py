@@ -69,3 +69,38 @@ def test_torch_tp_passes_at_tp1_dp2_and_tp2(grpo_run, grpo_matrix):
     assert ("torch-tp-fp32-tp2-actor", "vs tp1") in comparisons
     judged = {r["tensor"].split("/", 1)[1] for r in verdict["rows"] if r["case"] == "torch-tp-fp32-tp1-dp2-actor"}
     assert {"outputs/advantages_B", "outputs/seq_loss_B", "outputs/loss", "outputs/kl_mean"} <= judged
+
+
+def test_a_rank_launched_with_another_normalizer_stops_the_case(grpo_run, grpo_matrix, tmp_path):
+    """Negative control of the cross-rank contract: the real worker on two ranks, rank 1 given a spec whose GRPO
+    aggregation differs; both ranks stop before any other collective, naming the field and the ranks."""
+    import json
+    import os
+    import sys
+    from dataclasses import replace
+
+    from qualify.candidate.run import write_spec
+    from qualify.launch import run_ranks
+    from qualify.models.family import model_dirs
+
+    layout = RunLayout(grpo_run)
+    case = next(c for c in grpo_matrix.cases() if c.dp == 2 and c.precision == "fp32")
+    other = replace(grpo_matrix, grpo=replace(grpo_matrix.grpo, aggregation="seq_mean_token_mean"))
+    doc = read_json(layout.acceptance)
+    specs = []
+    for r, matrix in enumerate((grpo_matrix, other)):
+        spec = json.loads(write_spec(matrix, layout, case, model_dirs(matrix, layout.models), doc, "cpu").read_text())
+        spec["case_dir"] = str(tmp_path / f"case{r}")
+        specs.append(tmp_path / f"spec{r}.json")
+        specs[-1].write_text(json.dumps(spec))
+    # each rank reads its own spec (the launcher gives every rank the same command)
+    code = ("import os, sys; from qualify.candidate import worker; "
+            f"sys.argv = ['worker', {str(tmp_path)!r} + '/spec' + os.environ['RANK'] + '.json']; worker.main()")
+    log_path = tmp_path / "launch.log"
+    with open(log_path, "w") as log:
+        exit_code = run_ranks([sys.executable, "-c", code], 2, dict(os.environ), log)
+    text = log_path.read_text()
+    assert exit_code != 0
+    assert "ContractMismatchError" in text
+    assert "normalizer: 'token_mean' on rank 0, 'seq_mean_token_mean' on rank 1" in text, text[-2000:]
+    assert not any((tmp_path / f"case{r}").exists() for r in range(2))  # no evidence from a disagreeing launch
