@@ -180,3 +180,22 @@ def test_write_tensor_stage_writes_digests_meta_and_seal(tmp_path):
     assert open_sealed(out, "targets", digest).info["digest"] == digest
     with pytest.raises(EvidenceError, match="refusing to overwrite a complete stage output"):
         write_tensor_stage(out, "t.safetensors", tensors, "meta.json", {})
+
+
+def test_stage_verification_hashes_the_scanned_files_silently_with_their_scanned_sizes(tmp_path, monkeypatch):
+    from qualify import stages
+
+    calls = []
+    real = stages.hash_files
+
+    def recording(root, paths, jobs=None, progress=True, *, sizes=None):
+        calls.append((list(paths), progress, sizes))
+        return real(root, paths, jobs, False, sizes=sizes)
+
+    out = sealed_without_info(tmp_path)
+    (out / "sub").mkdir()
+    (out / "sub" / "b.bin").write_bytes(b"bb")
+    monkeypatch.setattr(stages, "hash_files", recording)
+    assert not stage_is_complete(out)  # sub/b.bin is not in the marker
+    # no bar (a stage check is part of a larger step), and the sizes the scan found (no second stat per file)
+    assert calls == [(["a.bin", "sub/b.bin"], False, {"a.bin": 3, "sub/b.bin": 2})]
