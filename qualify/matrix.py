@@ -410,6 +410,10 @@ class Candidates:
     topologies: tuple[Topology, ...] = ("dedicated",)
     """GPU topologies of the rounds job (the one that runs vLLM and a trainer together): dedicated = vLLM TP + trainer
     TP GPUs, shared = the larger of the two. Candidate jobs always ask for their case's tp x dp GPUs."""
+    determinism: dict[str, str] = field(default_factory=dict)
+    """Per engine (a name of engines), what it declares across its TP x DP cases: 'bitwise' (every tensor of a TP > 1
+    or DP > 1 case must be bitwise its TP1/DP1 case's, or the case fails) or 'bounded' (the default: within the frozen
+    bounds; the verdict still records each tensor's tier)."""
     logprob_formula: LogprobFormula = "full"
     """The formula of the logprobs the engines report (outputs/logprobs_BT), judged against the reference's formula of
     that name: 'full' (log_softmax over the whole vocabulary: what trainers compute) or 'processed' (vLLM's, renormalized
@@ -429,6 +433,12 @@ class Candidates:
             raise ValueError(f"tp must list degrees >= 1, got {list(self.tp)}")
         if any(dp < 1 for dp in self.dp):
             raise ValueError(f"dp must list degrees >= 1, got {list(self.dp)}")
+        unknown = sorted(set(self.determinism) - set(self.engines))
+        if unknown:
+            raise ValueError(f"determinism names {unknown}, which are not among engines {list(self.engines)}")
+        bad = sorted(f"{e}: {v!r}" for e, v in self.determinism.items() if v not in ("bitwise", "bounded"))
+        if bad:
+            raise ValueError(f"determinism must be 'bitwise' or 'bounded' per engine, got {', '.join(bad)}")
         if self.max_ranks is not None and self.max_ranks < min(self.tp) * min(self.dp):
             raise ValueError(f"max_ranks {self.max_ranks} leaves no case (the smallest is tp {min(self.tp)} x dp "
                              f"{min(self.dp)})")

@@ -19,6 +19,7 @@ from qualify.acceptance import Acceptance
 from qualify.candidate.formula import declared_formula, explain_formula, formula_bounds, formula_steps
 from qualify.candidate.judge import evidence_rows, judge_steps, precision_rows
 from qualify.candidate.spec import make_spec
+from qualify.candidate.tiers import bitwise_rows, tensor_tiers, tier_summary
 from qualify.compare import load_steps, params_before_steps
 from qualify.engines.registry import require_engine
 from qualify.errors import EvidenceError, QualifyError
@@ -148,14 +149,34 @@ def judge_case(layout: RunLayout, case: Case, bounds: dict, before: dict, optimi
     rows += evidence_rows(case.name, case.role, cand[0].meta)
     rows += precision_rows(case.name, case.role, cand, own_ref)
     # TPn against TP1 and DPn against DP1 (the same case at the lower degree), when that case ran
-    for axis, base in (("tp1", replace(case, tp=1)), ("dp1", replace(case, dp=1))):
-        if base == case or not (base.name in verified or stage_is_complete(layout.case(base.name))):
+    bitwise = cand[0].meta.get("case", {}).get("determinism") == "bitwise"
+    for axis, base in invariance_bases(case):
+        if not (base.name in verified or stage_is_complete(layout.case(base.name))):
             continue
-        rows += judge_steps(case.name, case.role, f"vs {axis} [{case.precision}-repeat]", cand,
-                            load_steps(layout.case(base.name)),
+        base_steps = load_steps(layout.case(base.name))
+        rows += judge_steps(case.name, case.role, f"vs {axis} [{case.precision}-repeat]", cand, base_steps,
                             formula_bounds(bounds[(case.role, f"{case.precision}-repeat")], formula, truncates),
                             starts, optimizer)
+        if bitwise:
+            rows += bitwise_rows(case.name, case.role, axis, cand, base_steps)
     return rows
+
+
+def invariance_bases(case: Case) -> list[tuple[str, Case]]:
+    """('tp1', the case at TP1) when TP > 1 and ('dp1', the case at DP1) when DP > 1."""
+    return [(axis, base) for axis, base in (("tp1", replace(case, tp=1)), ("dp1", replace(case, dp=1)))
+            if base != case]
+
+
+def case_invariance(layout: RunLayout, case: Case, rows: list[Row]) -> dict[str, Any]:
+    """Per comparison with a TP1/DP1 case: each judged tensor's tier (qualify.candidate.tiers), counted."""
+    out = {}
+    for axis, base in invariance_bases(case):
+        mine = [r for r in rows if r.case == case.name and r.comparison == f"vs {axis} [{case.precision}-repeat]"]
+        if mine:
+            tiers = tensor_tiers(mine, load_steps(layout.case(case.name)), load_steps(layout.case(base.name)))
+            out[f"vs {axis}"] = tier_summary(tiers)
+    return out
 
 
 def run_candidates(matrix: Matrix, run_dir: Path, *, acceptance: Path | None = None,
@@ -184,8 +205,12 @@ def run_candidates(matrix: Matrix, run_dir: Path, *, acceptance: Path | None = N
                             rule="the case runs to completion and seals its evidence"))
         else:
             rows += judge_case(layout, case, bounds, befores[case.role], matrix.optimizer, verified)
-    verdict = verdict_document(matrix, doc, cases, rows, complete=only is None,
-                               platforms=case_platforms(layout, cases, doc.get("platform")))
+    extra = case_platforms(layout, cases, doc.get("platform"))
+    for case in cases:  # the invariance tier of every tensor of a TP > 1 or DP > 1 case
+        invariance = case_invariance(layout, case, rows) if case.name not in errors else {}
+        if invariance:
+            extra.setdefault(case.name, {})["invariance"] = invariance
+    verdict = verdict_document(matrix, doc, cases, rows, complete=only is None, platforms=extra)
     write_json(layout.verdict if only is None else layout.candidates / f"verdict-{selection_name(only)}.json",
                verdict.to_json())
     return verdict

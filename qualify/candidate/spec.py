@@ -43,6 +43,8 @@ class CaseSpec:
     """The matrix's GRPO section (algorithm grpo: the actor's objective is GRPO's); None under PPO."""
     dp: int = 1
     """Data-parallel degree: the launch has tp x dp ranks, rank = dp_rank x tp + tp_rank."""
+    determinism: str = "bounded"
+    """candidates.determinism of the engine: 'bitwise' holds its TP > 1 and DP > 1 cases to bitwise equality."""
 
     @property
     def world_size(self) -> int:
@@ -51,7 +53,7 @@ class CaseSpec:
     def to_json(self) -> dict[str, Any]:
         """The spec as JSON; grpo and dp only when set, so a PPO DP1 spec (and its resume key) reads as before."""
         data = to_dict(self)
-        for key, default in (("grpo", None), ("dp", 1)):
+        for key, default in (("grpo", None), ("dp", 1), ("determinism", "bounded")):
             if data[key] == default:
                 del data[key]
         return data
@@ -65,7 +67,8 @@ def make_spec(matrix: Matrix, case: Case, *, model_dir: Path, rollout_dir: Path,
                     temperature=matrix.rollout.temperature, logprob_chunk_tokens=matrix.reference.logprob_chunk_tokens,
                     vocab_size=vocab_size, ppo=matrix.ppo, optimizer=matrix.optimizer, device=device,
                     logprob_formula=matrix.candidates.logprob_formula, top_k=matrix.rollout.top_k,
-                    top_p=matrix.rollout.top_p, min_p=matrix.rollout.min_p, grpo=matrix.grpo, dp=case.dp)
+                    top_p=matrix.rollout.top_p, min_p=matrix.rollout.min_p, grpo=matrix.grpo, dp=case.dp,
+                    determinism=matrix.candidates.determinism.get(case.engine, "bounded"))
 
 
 def read_spec(path: Path) -> CaseSpec:

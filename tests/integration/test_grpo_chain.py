@@ -69,6 +69,11 @@ def test_torch_tp_passes_at_tp1_dp2_and_tp2(grpo_run, grpo_matrix):
     assert ("torch-tp-fp32-tp2-actor", "vs tp1") in comparisons
     judged = {r["tensor"].split("/", 1)[1] for r in verdict["rows"] if r["case"] == "torch-tp-fp32-tp1-dp2-actor"}
     assert {"outputs/advantages_B", "outputs/seq_loss_B", "outputs/loss", "outputs/kl_mean"} <= judged
+    # every tensor of the DP2 and TP2 cases has its invariance tier against the DP1 / TP1 case
+    dp_tiers = cases["torch-tp-fp32-tp1-dp2-actor"]["invariance"]["vs dp1"]["counts"]
+    tp_tiers = cases["torch-tp-fp32-tp2-actor"]["invariance"]["vs tp1"]["counts"]
+    assert dp_tiers["failing"] == tp_tiers["failing"] == 0 and sum(dp_tiers.values()) > 0 and sum(tp_tiers.values()) > 0
+    assert "invariance" not in cases["torch-tp-fp32-tp1-actor"]
 
 
 def test_a_rank_launched_with_another_normalizer_stops_the_case(grpo_run, grpo_matrix, tmp_path):
@@ -104,3 +109,26 @@ def test_a_rank_launched_with_another_normalizer_stops_the_case(grpo_run, grpo_m
     assert "ContractMismatchError" in text
     assert "normalizer: 'token_mean' on rank 0, 'seq_mean_token_mean' on rank 1" in text, text[-2000:]
     assert not any((tmp_path / f"case{r}").exists() for r in range(2))  # no evidence from a disagreeing launch
+
+
+@pytest.mark.parametrize(("factory", "failing", "passing"), [
+    ("local_normalizer", {"outputs/seq_loss_B", "outputs/loss"}, {"outputs/advantages_B", "outputs/logprobs_BT"}),
+    ("rank_local_groups", {"outputs/advantages_B"}, {"outputs/logprobs_BT"}),
+    ("dropped_trailing_sequence", {"outputs/seq_loss_B", "outputs/loss"}, {"outputs/advantages_B"}),
+])
+def test_dp_bugs_fail_naming_the_tensor(grpo_run, tmp_path, factory, failing, passing):
+    """Negative controls at TP1xDP2 (the matrix's group 1 straddles the two DP ranks): a per-rank normalizer, an
+    advantage group normalized per DP rank, a dropped trailing sequence."""
+    from tests.integration._support import matrix_with
+
+    engine = f"tests.integration.grpo_plugins:{factory}"
+    matrix = matrix_with(tmp_path, base=GRPO_MATRIX, engines=[engine], precisions=["fp32"], tp=[1], dp=[2])
+    case = matrix.cases()[0].name
+    verdict = run_candidates(matrix, grpo_run, only=case).to_json()
+    assert not verdict["passed"]
+    # step 0 starts from the same weights: there the bug's own tensor fails and the others it does not touch pass
+    failed = {r["tensor"].removeprefix("step0/") for r in verdict["rows"] if not r["passed"]
+              and r["tensor"].startswith("step0/")}
+    assert failing <= failed, sorted(failed)[:10]
+    assert not passing & failed, sorted(passing & failed)
+    assert all(r["passed"] for r in verdict["rows"] if r["comparison"] == "evidence"), "no crash, no NaN"

@@ -43,7 +43,7 @@ def edit(base: dict[str, Any], **sections: dict[str, Any]) -> dict[str, Any]:
 
 def test_shipped_grpo_matrix():
     m = load_matrix(MATRICES / "tiny-qwen3-grpo.yaml")
-    assert m.algorithm == "grpo" and m.roles == ("actor",) and m.num_rows == 16
+    assert m.algorithm == "grpo" and m.roles == ("actor",) and m.num_rows == 20
     names = [c.name for c in m.cases()]
     assert names == ["torch-tp-fp32-tp1-actor", "torch-tp-fp32-tp1-dp2-actor", "torch-tp-fp32-tp2-actor",
                      "torch-tp-bf16-tp1-actor", "torch-tp-bf16-tp1-dp2-actor", "torch-tp-bf16-tp2-actor"]
@@ -68,10 +68,14 @@ def test_ppo_default_is_unchanged():
     (edit(GRPO, grpo={"kl_estimator": "k4"}), "kl_estimator"),
     (edit(GRPO, grpo={"aggregation": "sum"}), "aggregation"),
     (edit(GRPO, grpo={"kl_coef": -0.1}), "kl_coef must be >= 0"),
-    (edit(GRPO, ppo={"minibatches": 3}), "ppo.minibatches 3 must split the 16 rows (rollout.num_prompts 4 x "
+    (edit(GRPO, ppo={"minibatches": 3}), "ppo.minibatches 3 must split the 20 rows (rollout.num_prompts 5 x "
                                          "grpo.group_size 4)"),
-    (edit(GRPO, ppo={"minibatches": 8}), "into equal minibatches of whole groups"),
-    (edit(GRPO, candidates={"dp": [1, 3]}), "candidates.dp 3 does not divide the 16 rows of an optimizer step"),
+    (edit(GRPO, ppo={"minibatches": 10}), "into equal minibatches of whole groups"),
+    (edit(GRPO, candidates={"dp": [1, 3]}), "candidates.dp 3 does not divide the 20 rows of an optimizer step"),
+    (edit(GRPO, candidates={"determinism": {"deepspeed": "bitwise"}}), "determinism names ['deepspeed'], which are "
+                                                                       "not among engines ['torch-tp']"),
+    (edit(GRPO, candidates={"determinism": {"torch-tp": "exact"}}), "determinism must be 'bitwise' or 'bounded' per "
+                                                                    "engine, got torch-tp: 'exact'"),
     (edit(GRPO, candidates={"dp": [0]}), "dp must list degrees >= 1"),
     (edit(GRPO, candidates={"dp": [2, 2]}), "dp lists [2] more than once"),
     (edit(GRPO, candidates={"max_ranks": 0}), "max_ranks 0 leaves no case"),
