@@ -104,16 +104,18 @@ def test_create_manifest_passes_jobs_and_progress_to_the_hashing(tmp_path, monke
     calls = []
     real = manifest.hash_files
 
-    def recording(root, paths, jobs=None, progress=True, **kw):
-        calls.append((jobs, progress))
-        return real(root, paths, jobs, False, **kw)
+    def recording(root, paths, jobs=None, progress=True, *, sizes=None):
+        calls.append((jobs, progress, sizes))
+        return real(root, paths, jobs, False, sizes=sizes)
 
     monkeypatch.setattr(manifest, "hash_files", recording)
     (tmp_path / "ev").mkdir()
     (tmp_path / "ev" / "x").write_bytes(b"x")
     create_manifest(tmp_path / "ev", tmp_path / "m.json")
     create_manifest(tmp_path / "ev", tmp_path / "m.json", jobs=3, progress=False)
-    assert calls == [(None, True), (3, False)]  # a bar by default (drawn only on a terminal, for long runs)
+    build_manifest(tmp_path / "ev")
+    # a bar by default (drawn only on a terminal, for long runs); the scanned sizes, not a second stat per file
+    assert calls == [(None, True, {"x": 1}), (3, False, {"x": 1}), (None, True, {"x": 1})]
 
 
 def test_report_json_says_whether_it_was_partial(tmp_path):
