@@ -1,4 +1,7 @@
-"""deepspeed: Hugging Face Qwen3 under DeepSpeed ZeRO-0, DP 1, TP by DeepSpeed AutoTP (gloo or NCCL).
+"""deepspeed: Hugging Face Qwen3 under DeepSpeed ZeRO-0, TP by DeepSpeed AutoTP or DP (gloo or NCCL).
+
+DP (ctx.dp > 1, TP1 only): DeepSpeed's own data parallelism over the launch's ranks; it averages gradients, so the
+adapter scales each rank's loss share by dp to make the average the sum of the shares.
 
 What DeepSpeed 0.19.8 does here, read in its source and measured on the tiny Qwen3:
 - The config alone shards the model: deepspeed.initialize with tensor_parallel.autotp_size > 1
@@ -120,6 +123,9 @@ class DeepSpeedEngine:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.utils.logger.setLevel(logging.WARNING)
         self.ctx = ctx
+        if ctx.tp > 1 and ctx.dp > 1:
+            raise EngineError(f"deepspeed: TP{ctx.tp} x DP{ctx.dp} is not built (the adapter gathers TP shards over "
+                              "the whole world); TP x DP with one of them 1 is")
         model = load_model(ctx.model_dir, ctx.role, "sdpa")
         fp32_full = {n: p.detach().clone() for n, p in model.named_parameters()}
         clip = ctx.optimizer.max_grad_norm if self.gradient_clipping_from_matrix else None
@@ -216,7 +222,9 @@ class DeepSpeedEngine:
         return capture_layer_outputs(self.engine.module, batch.input_ids_BT)
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.engine.backward(loss)
+        # DP: DeepSpeed averages gradients over its data-parallel ranks, but each rank's loss is already its share
+        # of the step's (global normalizers): scaling by dp (a power of two here, exact) makes the average a sum
+        self.engine.backward(loss * self.ctx.dp if self.ctx.dp > 1 else loss)
 
     def grads(self) -> dict[str, torch.Tensor]:
         # Under bf16 the optimizer reads grad.to(float32) of these: the cast is exact.

@@ -132,3 +132,33 @@ def test_dp_bugs_fail_naming_the_tensor(grpo_run, tmp_path, factory, failing, pa
     assert failing <= failed, sorted(failed)[:10]
     assert not passing & failed, sorted(passing & failed)
     assert all(r["passed"] for r in verdict["rows"] if r["comparison"] == "evidence"), "no crash, no NaN"
+
+
+def test_deepspeed_passes_at_tp1_dp2_and_tp2(grpo_run, tmp_path):
+    """DeepSpeed's own data parallelism (it averages gradients; the adapter scales the loss shares by dp) and AutoTP."""
+    from tests.integration._support import matrix_with, require_module
+
+    require_module("deepspeed")
+    matrix = matrix_with(tmp_path, base=GRPO_MATRIX, engines=["deepspeed"])
+    verdict = run_candidates(matrix, grpo_run, only="deepspeed-*").to_json()
+    failed = [r for r in verdict["rows"] if not r["passed"]]
+    assert set(verdict["cases"]) == {c.name for c in matrix.cases()} and len(verdict["cases"]) == 6
+    assert verdict["passed"] and not failed, failed[:5]
+    assert "vs dp1" in verdict["cases"]["deepspeed-bf16-tp1-dp2-actor"]["invariance"]
+
+
+def test_declared_bitwise_holds_dp2_to_bitwise(grpo_run, tmp_path):
+    """torch-tp declared determinism: bitwise: its DP2 case gets a bound-0 row per tensor against DP1, and fails on
+    every tensor whose bits differ (the tiers record which)."""
+    from tests.integration._support import matrix_with
+
+    matrix = matrix_with(tmp_path, base=GRPO_MATRIX, precisions=["fp32"], tp=[1],
+                         determinism={"torch-tp": "bitwise"})
+    verdict = run_candidates(matrix, grpo_run, only="torch-tp-fp32-tp1*").to_json()
+    case = "torch-tp-fp32-tp1-dp2-actor"
+    bitwise = [r for r in verdict["rows"] if r["case"] == case and r["comparison"] == "vs dp1 [bitwise]"]
+    assert bitwise and all(r["bound"] == 0.0 for r in bitwise)
+    tiers = verdict["cases"][case]["invariance"]["vs dp1"]
+    not_bitwise = {k for k, v in tiers["not_bitwise"].items()}
+    assert {r["tensor"] for r in bitwise if not r["passed"]} >= not_bitwise
+    assert verdict["cases"][case]["passed"] is (not not_bitwise)

@@ -45,8 +45,8 @@ def test_shipped_grpo_matrix():
     m = load_matrix(MATRICES / "tiny-qwen3-grpo.yaml")
     assert m.algorithm == "grpo" and m.roles == ("actor",) and m.num_rows == 20
     names = [c.name for c in m.cases()]
-    assert names == ["torch-tp-fp32-tp1-actor", "torch-tp-fp32-tp1-dp2-actor", "torch-tp-fp32-tp2-actor",
-                     "torch-tp-bf16-tp1-actor", "torch-tp-bf16-tp1-dp2-actor", "torch-tp-bf16-tp2-actor"]
+    assert names == [f"{e}-{p}-{d}-actor" for e in ("torch-tp", "deepspeed") for p in ("fp32", "bf16")
+                     for d in ("tp1", "tp1-dp2", "tp2")]
 
 
 def test_ppo_default_is_unchanged():
@@ -72,8 +72,8 @@ def test_ppo_default_is_unchanged():
                                          "grpo.group_size 4)"),
     (edit(GRPO, ppo={"minibatches": 10}), "into equal minibatches of whole groups"),
     (edit(GRPO, candidates={"dp": [1, 3]}), "candidates.dp 3 does not divide the 20 rows of an optimizer step"),
-    (edit(GRPO, candidates={"determinism": {"deepspeed": "bitwise"}}), "determinism names ['deepspeed'], which are "
-                                                                       "not among engines ['torch-tp']"),
+    (edit(GRPO, candidates={"determinism": {"megatron": "bitwise"}}), "determinism names ['megatron'], which are "
+                                                                      "not among engines ['torch-tp', 'deepspeed']"),
     (edit(GRPO, candidates={"determinism": {"torch-tp": "exact"}}), "determinism must be 'bitwise' or 'bounded' per "
                                                                     "engine, got torch-tp: 'exact'"),
     (edit(GRPO, candidates={"dp": [0]}), "dp must list degrees >= 1"),
