@@ -414,6 +414,10 @@ class Candidates:
     """Per engine (a name of engines), what it declares across its TP x DP cases: 'bitwise' (every tensor of a TP > 1
     or DP > 1 case must be bitwise its TP1/DP1 case's, or the case fails) or 'bounded' (the default: within the frozen
     bounds; the verdict still records each tensor's tier)."""
+    vocab_tile: int | None = None
+    """torch-tp's logprob path: unset, the logits are gathered whole and log_softmax'd in chunks; a tile width, the
+    deterministic vocab-parallel path (qualify.ppo.vocab_parallel: fixed-order merge of per-tile (max, sum-exp)
+    partials, bitwise the same for every TP split). Each TP degree x vocab_tile must divide the vocabulary."""
     logprob_formula: LogprobFormula = "full"
     """The formula of the logprobs the engines report (outputs/logprobs_BT), judged against the reference's formula of
     that name: 'full' (log_softmax over the whole vocabulary: what trainers compute) or 'processed' (vLLM's, renormalized
@@ -433,6 +437,11 @@ class Candidates:
             raise ValueError(f"tp must list degrees >= 1, got {list(self.tp)}")
         if any(dp < 1 for dp in self.dp):
             raise ValueError(f"dp must list degrees >= 1, got {list(self.dp)}")
+        if self.vocab_tile is not None and self.vocab_tile < 1:
+            raise ValueError(f"vocab_tile must be >= 1 or null, got {self.vocab_tile}")
+        if self.vocab_tile is not None and self.logprob_formula != "full":
+            raise ValueError("vocab_tile (the vocab-parallel logprob path) computes the full formula only: "
+                             f"logprob_formula is {self.logprob_formula!r}")
         unknown = sorted(set(self.determinism) - set(self.engines))
         if unknown:
             raise ValueError(f"determinism names {unknown}, which are not among engines {list(self.engines)}")
@@ -614,6 +623,11 @@ def check_family(num_heads: int, num_kv_heads: int, intermediate_size: int, voca
             if size % tp:
                 raise ValueError(f"{key} {tp} does not divide {where}.{name} {size} "
                                  f"(every TP degree must divide num_heads, num_kv_heads and intermediate_size)")
+    tile = matrix.candidates.vocab_tile
+    for tp in matrix.candidates.tp if tile is not None else ():
+        if vocab_size % (tp * tile):
+            raise ValueError(f"candidates.vocab_tile {tile} x candidates.tp {tp} does not divide {where} vocab_size "
+                             f"{vocab_size} (every TP rank holds whole tiles of the vocabulary)")
     eos = matrix.rollout.eos_token_id
     if eos is not None and eos >= vocab_size:
         raise ValueError(f"rollout.eos_token_id {eos} is not in the vocabulary (must be < {where} vocab_size "

@@ -22,7 +22,7 @@ def case_contract(spec: Any) -> Contract:
         normalizer_constant=ppo.normalizer_constant if grpo is None else grpo.constant,
         vocab_size=vocab, padded_vocab_size=-(-vocab // spec.tp) * spec.tp, tp=spec.tp, dp=spec.dp,
         param_dtype="float32", compute_dtype=COMPUTE_DTYPES[spec.precision],
-        logprob_chunk_tokens=spec.logprob_chunk_tokens, temperature=spec.temperature,
+        logprob_chunk_tokens=spec.logprob_chunk_tokens, vocab_tile_size=spec.vocab_tile, temperature=spec.temperature,
         kl_coef=ppo.kl_coef if grpo is None else grpo.kl_coef,
         kl_estimator="k1" if grpo is None else grpo.kl_estimator,
         group_size=1 if grpo is None else grpo.group_size)

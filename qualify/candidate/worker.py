@@ -137,7 +137,7 @@ def run_case(spec: CaseSpec, rank: int) -> None:
                         model_dir=Path(spec.model_dir), optimizer=spec.optimizer, temperature=spec.temperature,
                         logprob_chunk_tokens=spec.logprob_chunk_tokens, vocab_size=spec.vocab_size, work_dir=work,
                         logprob_formula=spec.logprob_formula, top_k=spec.top_k, top_p=spec.top_p, min_p=spec.min_p,
-                        dp=spec.dp)
+                        dp=spec.dp, vocab_tile=spec.vocab_tile)
     contract = agree_case(spec, rank)  # before the case's first collective: ranks that disagree stop here, named
     group = dp_group(spec.tp, spec.dp, rank)
     engine.setup(ctx)

@@ -72,6 +72,9 @@ class EngineContext:
     """Data-parallel degree: each DP rank scores its own rows, and the engine sums gradients over the DP ranks (each
     rank's loss is already its share of the step's loss: normalizers are global)."""
 
+    vocab_tile: int | None = None
+    """candidates.vocab_tile: the deterministic vocab-parallel logprob path with tiles of this width (torch-tp)."""
+
     @property
     def tp_rank(self) -> int:
         return self.rank % self.tp

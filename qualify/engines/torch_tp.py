@@ -20,8 +20,9 @@ from qualify.models.precision import torch_dtype
 GRAD_ALLREDUCE_SUFFIXES = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 
 
-def tp_plan(role: str) -> dict:
-    from torch.distributed.tensor import Replicate
+def tp_plan(role: str, vocab_parallel: bool = False) -> dict:
+    """The TP plan; vocab_parallel: the LM head's output stays sharded over the vocabulary (each rank its columns)."""
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     plan = {}
@@ -30,7 +31,7 @@ def tp_plan(role: str) -> dict:
     for proj in ("self_attn.o_proj", "mlp.down_proj"):
         plan[f"model.layers.*.{proj}"] = RowwiseParallel()
     if role == "actor":
-        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+        plan["lm_head"] = ColwiseParallel(output_layouts=Shard(-1) if vocab_parallel else Replicate())
     return plan
 
 
@@ -64,12 +65,13 @@ class TorchTPEngine:
             self.mesh, self.dp_group = mesh["tp"], mesh["dp"].get_group()
         else:
             self.mesh, self.dp_group = init_device_mesh(device_type, (ctx.tp,)), None
+        self.vocab_parallel = ctx.vocab_tile is not None and ctx.role == "actor"
         self.master = load_model(ctx.model_dir, ctx.role, "sdpa").to(ctx.device)
-        parallelize_module(self.master, self.mesh, tp_plan(ctx.role))
+        parallelize_module(self.master, self.mesh, tp_plan(ctx.role, self.vocab_parallel))
         self.compute = self.master
         if ctx.precision != "fp32":
             self.compute = load_model(ctx.model_dir, ctx.role, "sdpa", torch_dtype(ctx.precision)).to(ctx.device)
-            parallelize_module(self.compute, self.mesh, tp_plan(ctx.role))
+            parallelize_module(self.compute, self.mesh, tp_plan(ctx.role, self.vocab_parallel))
             with torch.no_grad():
                 for mp, cp in zip(self.master.parameters(), self.compute.parameters()):
                     local(cp).copy_(local(mp))
@@ -79,10 +81,29 @@ class TorchTPEngine:
 
     def score(self, batch: Batch) -> torch.Tensor:
         ids_BT = batch.input_ids_BT.to(self.ctx.device)
+        if self.vocab_parallel:
+            return self.vocab_parallel_scores(ids_BT)
         out_BTX = self.compute(input_ids=ids_BT, use_cache=False).logits
         self.declared_BT = declared_logprobs(self.ctx, local(out_BTX).detach(), ids_BT)
         return scores_from_outputs(self.ctx.role, local(out_BTX), ids_BT, self.ctx.temperature,
                                  self.ctx.logprob_chunk_tokens, self.ctx.vocab_size).cpu()
+
+    def vocab_parallel_scores(self, ids_BT: torch.Tensor) -> torch.Tensor:
+        """(B, T) logprobs by the deterministic vocab-parallel path (qualify.ppo.vocab_parallel) from this rank's
+        vocabulary columns of the logits; position 0 is 0. TP1 takes the single-process form (no collective)."""
+        from qualify.ppo.vocab_parallel import tp_rank_logprobs, vocab_parallel_logprobs
+
+        shard_BTW = local(self.compute(input_ids=ids_BT, use_cache=False).logits)
+        c = self.ctx
+        kw = {"vocab_size": c.vocab_size, "temperature": c.temperature, "tile_size": c.vocab_tile,
+              "chunk_tokens": c.logprob_chunk_tokens}
+        if c.tp == 1:
+            logp_BT1 = vocab_parallel_logprobs([shard_BTW[:, :-1]], ids_BT[:, 1:], **kw)
+        else:
+            logp_BT1 = tp_rank_logprobs(shard_BTW[:, :-1], ids_BT[:, 1:], vocab_start=c.tp_rank * shard_BTW.shape[-1],
+                                        group=self.mesh.get_group(), **kw)
+        self.declared_BT = None  # the full formula (the matrix refuses vocab_tile with another)
+        return torch.nn.functional.pad(logp_BT1, (1, 0)).cpu()
 
     def logprobs(self) -> torch.Tensor | None:
         """The last score()'s logprobs in the declared formula (None: score()'s own, the full formula)."""

@@ -80,6 +80,10 @@ def test_ppo_default_is_unchanged():
     (edit(GRPO, candidates={"dp": [2, 2]}), "dp lists [2] more than once"),
     (edit(GRPO, candidates={"max_ranks": 0}), "max_ranks 0 leaves no case"),
     (edit(PPO, candidates={"dp": [1, 2]}), "DP above 1 is built for algorithm grpo only"),
+    (edit(GRPO, candidates={"vocab_tile": 0}), "vocab_tile must be >= 1 or null"),
+    (edit(GRPO, candidates={"vocab_tile": 48}), "candidates.vocab_tile 48 x candidates.tp 1 does not divide "
+                                                 "models.tiny vocab_size 512"),
+    (edit(GRPO, candidates={"vocab_tile": 64, "logprob_formula": "processed"}), "computes the full formula only"),
     (edit(PPO, grpo={"group_size": 2}), "refused otherwise (algorithm is 'ppo')"),
 ])
 def test_invalid_grpo_and_dp_settings_name_the_problem(tmp_path, data, expected):
