@@ -67,7 +67,10 @@ def _rounds_footer(verdict: dict[str, Any], console: Console) -> None:
 def _cases_footer(verdict: dict[str, Any], console: Console) -> None:
     for name, c in verdict["cases"].items():
         status = "[green]PASS[/green]" if c["passed"] else "[bold red]FAIL[/bold red]"
-        console.print(f"{status} {name}: {c['num_checks']} checks, {c['num_failed']} failed")
+        invariance = "".join(f"; {axis}: " + ", ".join(f"{t['counts'].get(tier, 0)} {tier.replace('_', ' ')}"
+                                                       for tier in ("bitwise", "within_bound", "failing"))
+                             for axis, t in c.get("invariance", {}).items())  # TP > 1 or DP > 1 cases' tiers
+        console.print(f"{status} {name}: {c['num_checks']} checks, {c['num_failed']} failed{invariance}")
     total = len(verdict["cases"])
     failed = sum(not c["passed"] for c in verdict["cases"].values())
     console.print(f"[bold]{'PASSED' if verdict['passed'] else 'FAILED'}[/bold]: {total - failed}/{total} cases pass")

@@ -49,3 +49,19 @@ def test_declared_bitwise_fails_on_any_difference():
     assert rows["step0/outputs/c"].comparison == "vs dp1 [bitwise]" and "determinism: bitwise" in rows["step0/outputs/c"].rule
     missing = bitwise_rows("c", "actor", "tp1", [run(a=torch.tensor([1.0]))], [run()])
     assert [(r.value, r.passed) for r in missing] == [(math.inf, False)]
+
+
+def test_the_terminal_verdict_shows_each_cases_tiers():
+    from rich.console import Console
+
+    from qualify.cli.verdict_view import _cases_footer
+
+    tiers = {"counts": {"bitwise": 3, "failing": 1, "within_bound": 5}, "not_bitwise": {}}
+    verdict = {"passed": False, "cases": {
+        "e-fp32-tp1-actor": {"passed": True, "num_checks": 9, "num_failed": 0},
+        "e-fp32-tp1-dp2-actor": {"passed": False, "num_checks": 9, "num_failed": 1, "invariance": {"vs dp1": tiers}}}}
+    console = Console(record=True, width=200)
+    _cases_footer(verdict, console)
+    text = console.export_text()
+    assert "e-fp32-tp1-actor: 9 checks, 0 failed\n" in text
+    assert "e-fp32-tp1-dp2-actor: 9 checks, 1 failed; vs dp1: 3 bitwise, 5 within bound, 1 failing" in text
