@@ -70,7 +70,7 @@ def formula_bounds(bounds: dict[str, Any], formula: str, truncates: bool) -> dic
 
 def explain_formula(rows: list[Any], candidate: list[RunTensors], reference: list[RunTensors],
                     bounds: dict[str, Any], formula: str) -> list[Any]:
-    """Failing max_abs rows of outputs/logprobs_BT say which formula they were judged against and, where the
+    """Failing rows of outputs/logprobs_BT (every metric) say which formula they were judged against and, where the
     reference holds both formulas, how far the candidate is from the other one: within the other formula's bound,
     the engine computes the formula it did not declare."""
     other = "full" if formula == "processed" else "processed"
@@ -78,7 +78,7 @@ def explain_formula(rows: list[Any], candidate: list[RunTensors], reference: lis
     out = []
     for row in rows:
         k, rest = _step_of(row)
-        if (row.passed or row.metric != "max_abs" or rest != f"outputs/{LOGPROBS_KEY}"
+        if (row.passed or rest != f"outputs/{LOGPROBS_KEY}"
                 or not 0 <= k < min(len(candidate), len(reference)) or PROCESSED_KEY not in reference[k].outputs):
             out.append(row)
             continue

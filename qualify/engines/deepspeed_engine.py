@@ -105,6 +105,7 @@ class DeepSpeedEngine:
     """The deepspeed engine (see module docstring)."""
 
     name = "deepspeed"
+    declared_BT: torch.Tensor | None = None  # the last score()'s logprobs in the declared formula (logprobs())
     gradient_clipping_from_matrix = True
     """False leaves gradient_clipping unset: DeepSpeed's default of 1.0."""
     masters_from_checkpoint = True

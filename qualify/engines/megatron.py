@@ -78,6 +78,7 @@ class MegatronEngine:
     """The megatron engine (see module docstring)."""
 
     name = "megatron"
+    declared_BT: torch.Tensor | None = None  # the last score()'s logprobs in the declared formula (logprobs())
 
     def setup(self, ctx: EngineContext) -> None:
         if not ctx.device.startswith("cuda"):

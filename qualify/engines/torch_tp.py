@@ -52,6 +52,9 @@ class TorchTPEngine:
     """The torch-tp engine (see module docstring)."""
 
     name = "torch-tp"
+    declared_BT: torch.Tensor | None = None
+    """The last score()'s logprobs in the declared formula (None until score() runs, or for a subclass whose own
+    score() does not set it: the worker then judges score()'s values)."""
     grad_allreduce_suffixes = GRAD_ALLREDUCE_SUFFIXES
 
     def setup(self, ctx: EngineContext) -> None:
