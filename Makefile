@@ -34,11 +34,14 @@ MUTANTS ?=
 MUTATION_TIMEOUT ?= 10
 # MUTATION_REV=HEAD (any commit) copies that commit instead of the working tree: a score that names its commit.
 MUTATION_REV ?=
+# MUTATION_ALSO='qualify/hashing.py' adds modules to the copy's only_mutate (with MUTANTS='qualify.hashing*').
+MUTATION_ALSO ?=
 mutation: $(VENV)/.installed
 	rm -rf $(MUTATION_DIR)/tree && mkdir -p $(MUTATION_DIR)/tree
 	$(if $(MUTATION_REV),git archive $(MUTATION_REV),git ls-files -z --cached --others --exclude-standard \
 	  | tar --null --ignore-failed-read -T - -c) | tar -x -C $(MUTATION_DIR)/tree
 	sed -i 's/^\[tool\.mutmut\]$$/&\ntimeout_constant = $(MUTATION_TIMEOUT)/' $(MUTATION_DIR)/tree/pyproject.toml
+	$(if $(MUTATION_ALSO),sed -i 's|^only_mutate = \[|&$(foreach f,$(MUTATION_ALSO),"$(f)", )|' $(MUTATION_DIR)/tree/pyproject.toml)
 	cd $(MUTATION_DIR)/tree && OMP_NUM_THREADS=1 $(abspath $(BIN))/mutmut run --max-children 1 $(MUTANTS) \
 	  >../mutmut-run.log 2>&1 || { tail -c 2000 ../mutmut-run.log; exit 1; }
 	cd $(MUTATION_DIR)/tree && $(abspath $(BIN))/mutmut results --all true | awk -F'[ :]+' '{ \
