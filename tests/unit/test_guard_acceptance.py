@@ -13,7 +13,14 @@ import shutil
 import pytest
 
 import qualify.acceptance as acceptance_module
-from qualify.acceptance import BOUNDS_SCHEMA, Acceptance, check_acceptance, check_bounds, read_snapshot
+from qualify.acceptance import (
+    ACCEPTANCE_SCHEMA,
+    BOUNDS_SCHEMA,
+    Acceptance,
+    check_acceptance,
+    check_bounds,
+    read_snapshot,
+)
 from qualify.errors import EvidenceError, ManifestError, MatrixError
 from qualify.freeze import freeze
 from qualify.manifest import digest_of
@@ -92,13 +99,13 @@ def test_load_names_a_missing_acceptance(tmp_path):
     assert str(caught.value) == f"no acceptance at {tmp_path / 'nothing.json'} (run 'qualify freeze' first)"
 
 
-@pytest.mark.parametrize("drop, changes", [((), {"schema_version": "qualify.acceptance/0"}), (("bounds",), {}),
+@pytest.mark.parametrize("drop, changes", [((), {"schema_version": "qualify.manifest/1"}), (("bounds",), {}),
                                            ((), {"bounds": ["actor-fp32-repeat.json"]})])
 def test_load_refuses_another_schema_or_no_bounds_in_full(acc, frozen, drop, changes):
     rewrite(acc, drop, **changes)
     with pytest.raises(ManifestError) as caught:
         Acceptance.load(acc, frozen.reference)
-    assert str(caught.value) == (f"{acc}: not an acceptance manifest (no 'qualify.acceptance/1' schema or no "
+    assert str(caught.value) == (f"{acc}: not an acceptance manifest (no '{ACCEPTANCE_SCHEMA}' schema or no "
                                  "'bounds'; 'qualify freeze' writes one, 'qualify manifest create' does not)")
 
 
