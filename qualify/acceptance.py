@@ -21,8 +21,10 @@ from qualify.manifest import load_manifest, verify_manifest
 from qualify.rule import tensor_floor
 from qualify.store import read_json
 
-ACCEPTANCE_SCHEMA = "qualify.acceptance/1"
-BOUNDS_SCHEMA = "qualify.bounds/1"
+ACCEPTANCE_SCHEMA = "qualify.acceptance/2"
+BOUNDS_SCHEMA = "qualify.bounds/2"
+"""/2: the loss's control error is the sum of |per-token contribution differences| where that is larger, and updates
+are judged by the AdamW replay alone (no update-vs-reference bound). An acceptance of /1 is refused: re-freeze."""
 FAMILIES = ("fp32-repeat", "bf16-repeat", "fp32-vs-bf16")
 REL_TOL = 1e-12  # the bound is recomputed in float64 from the same numbers
 
@@ -43,6 +45,11 @@ class Acceptance:
         if not path.is_file():
             raise EvidenceError(f"no acceptance at {path} (run 'qualify freeze' first)")
         doc = load_manifest(path)
+        older = str(doc.get("schema_version", ""))
+        if older.startswith("qualify.acceptance/") and older != ACCEPTANCE_SCHEMA:
+            raise ManifestError(f"{path}: frozen under an earlier rule ({older}; this qualify reads "
+                                f"{ACCEPTANCE_SCHEMA}): move it aside and freeze the reference again ('qualify freeze' on its run directory, "
+                                "or 'qualify reference --rollout' then 'qualify freeze' for a committed one)")
         if doc.get("schema_version") != ACCEPTANCE_SCHEMA or not isinstance(doc.get("bounds"), dict):
             raise ManifestError(f"{path}: not an acceptance manifest (no '{ACCEPTANCE_SCHEMA}' schema or no "
                                 "'bounds'; 'qualify freeze' writes one, 'qualify manifest create' does not)")

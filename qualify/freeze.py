@@ -12,6 +12,8 @@ so a frozen bound can never be widened.
 from __future__ import annotations
 
 import hashlib
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,14 +35,16 @@ from qualify.manifest import build_manifest
 from qualify.models.checkpoint import checkpoint_tensors
 from qualify.models.family import model_dir
 from qualify.ppo.coverage import inert
+from qualify.reference.inputs import StepInputs
 from qualify.rule import quantum, tensor_floor, ulp  # noqa: F401  (ulp: part of the rule as freeze states it)
 from qualify.schema import from_dict
 from qualify.stages import require_complete, stage_info
 from qualify.store import atomic_write_bytes, dumps_json, read_json, read_json_object
 
 RULE = ("bound = k * control_error + floor + quantum (per role, tensor, metric; control_error = max over the "
-        "family's controls; floor = max(floors[kind], floor_ulps fp32 ulps of the reference tensor's largest "
-        "magnitude); quantum = one rounding step of the compute precision at that magnitude, for what the contract "
+        "family's controls (for the loss and the grad norm, scalars whose few control differences cancel by chance, "
+        "at least the sum of |per-token loss contribution differences| and the norm of the gradient's difference); "
+        "floor = max(floors[kind], floor_ulps fp32 ulps of the reference tensor's largest magnitude); quantum = one rounding step of the compute precision at that magnitude, for what the contract "
         "computes in it: bf16 gradients, moments and values, and one fp32 step of every update)")
 
 
@@ -82,8 +86,10 @@ def magnitudes(run: Any) -> dict[str, float]:
 
 def family_bounds(layout: RunLayout, role: str, family: str, controls: list[str], k: float,
                   floors: dict[str, float], params_before: dict, optimizer: Any, use_quantum: bool,
-                  floor_ulps: float = 0.0) -> dict[str, Any]:
-    """Bounds of one family for one role: every step's tensors, keyed 'step<k>/<group>/<name>'."""
+                  floor_ulps: float = 0.0, terms: TermsOf | None = None) -> dict[str, Any]:
+    """Bounds of one family for one role: every step's tensors, keyed 'step<k>/<group>/<name>'. terms(step, run):
+    the run's per-token loss contributions at that step (qualify.ppo.decisions.loss_terms), which set the loss's
+    control error when given."""
     base_name, others = family_pairs(family, controls)
     base_steps = load_steps(layout.scores(*base_name.split("-", 1), role))
     runs = {name: load_steps(layout.scores(*name.split("-", 1), role)) for name in others}
@@ -96,7 +102,8 @@ def family_bounds(layout: RunLayout, role: str, family: str, controls: list[str]
     for step, base in enumerate(base_steps):
         others_at = {name: steps[step] for name, steps in runs.items()}
         step_bounds = step_family_bounds(base, others_at, rule, {name: starts[name][step] for name in starts},
-                                         base_name, optimizer, step + 1)
+                                         base_name, optimizer, step + 1,
+                                         None if terms is None else (lambda run, s=step: terms(s, run)))
         bounds.update(with_step(step, step_bounds))
     return {"schema": BOUNDS_SCHEMA, "role": role, "family": family, "reference_run": base_name,
             "control_runs": others, "num_steps": len(base_steps), "k": k, "floors": floors, "floor_ulps": floor_ulps,
@@ -123,29 +130,66 @@ class BoundRule:
                            tensor_floor(kind, metric, magnitude, self.floors, self.floor_ulps), magnitude)
 
 
+LOSS_KEY = "outputs/loss"
+LOSS_TERMS_TEXT = ("the larger of |loss difference| and the sum of |per-token loss contribution differences| "
+                   "(qualify.ppo.decisions.loss_terms): a few controls' loss differences cancel by chance")
+TermsOf = Callable[[int, Any], Any]
+NORM_KEY = "outputs/grad_norm"
+NORM_TEXT = ("the larger of |grad norm difference| and the norm of the whole gradient's difference, which bounds it "
+             "(| |a| - |b| | <= |a - b|) and, summed over every element, does not cancel by chance in a few controls")
+
+
+def grad_difference_error(base: Any, runs: dict[str, Any], errors: dict[str, dict[str, float]]) -> bool:
+    """Raise the grad norm's control error to the largest norm of a control's whole-gradient difference; True when
+    every control holds the reference run's gradients (names and shapes)."""
+    shapes = {n: g.shape for n, g in base.grads.items()}
+    if not shapes or any({n: g.shape for n, g in run.grads.items()} != shapes for run in runs.values()):
+        return False
+    l2 = max((math.sqrt(sum(float((run.grads[n].double() - g.double()).square().sum()) for n, g in base.grads.items()))
+              for run in runs.values()), default=0.0)
+    errors[NORM_KEY]["max_abs"] = max(errors[NORM_KEY]["max_abs"], l2)
+    return True
+
+
+def loss_terms_error(base: Any, runs: dict[str, Any], terms: Callable[[Any], Any],
+                     errors: dict[str, dict[str, float]]) -> bool:
+    """Raise the loss's control error to the largest sum of |per-token contribution differences| of a control;
+    True when the contributions could be read for the reference run and every control."""
+    mine = terms(base)
+    theirs = [terms(run) for run in runs.values()]
+    if mine is None or any(t is None or t.shape != mine.shape for t in theirs):
+        return False
+    l1 = max((float((t - mine).abs().sum()) for t in theirs), default=0.0)
+    errors[LOSS_KEY]["max_abs"] = max(errors[LOSS_KEY]["max_abs"], l1)
+    return True
+
+
 def step_family_bounds(base: Any, runs: dict[str, Any], rule: BoundRule, starts: dict[str, dict], base_name: str,
-                       optimizer: Any, adam_step: int) -> dict[str, dict[str, Any]]:
+                       optimizer: Any, adam_step: int,
+                       terms: Callable[[Any], Any] | None = None) -> dict[str, dict[str, Any]]:
     """Bounds of one family at one step (keys without the step prefix)."""
     errors: dict[str, dict[str, float]] = {}
     for run in runs.values():
         merge_max(errors, pair_metrics(run, base))
+    by_terms = terms is not None and "max_abs" in errors.get(LOSS_KEY, {}) and loss_terms_error(base, runs, terms,
+                                                                                                 errors)
+    by_grads = "max_abs" in errors.get(NORM_KEY, {}) and grad_difference_error(base, runs, errors)
     mags = magnitudes(base)
     bounds = {key: {m: rule.entry(key, m, v, mags[key]) for m, v in ms.items()} for key, ms in errors.items()}
-    tau = {key.removeprefix("moments/exp_avg/"): b["max_abs"]["bound"]
-           for key, b in bounds.items() if key.startswith("moments/exp_avg/")}
-    resolved: dict[str, dict[str, float]] = {}
-    for run in runs.values():
-        merge_max(resolved, {k_: v for k_, v in pair_metrics(run, base, tau).items() if k_.startswith("updates/")})
+    if by_terms:
+        bounds[LOSS_KEY]["max_abs"]["control_error_of"] = LOSS_TERMS_TEXT
+    if by_grads:
+        bounds[NORM_KEY]["max_abs"]["control_error_of"] = NORM_TEXT
+    # an update is judged against what AdamW makes of the run's own moments and start (qualify.compare.pair_metrics)
     replay: dict[str, dict[str, float]] = {}
     for name, run in [(base_name, base), *runs.items()]:
         merge_max(replay, replay_metrics(run, starts[name], optimizer, adam_step))
-    for source in (resolved, replay):
-        for key, ms in source.items():
-            # updates are fp32 master arithmetic: new - old carries one fp32 rounding step of the parameter
-            p = starts[base_name].get(key.removeprefix("updates/"))
-            q = quantum("fp32", "max_abs", float(p.abs().max())) if rule.use_quantum and p is not None else 0.0
-            bounds.setdefault(key, {}).update({m: rule.entry(key, m, v, mags.get(key, 0.0), "update", q)
-                                               for m, v in ms.items()})
+    for key, ms in replay.items():
+        # updates are fp32 master arithmetic: new - old carries one fp32 rounding step of the parameter
+        p = starts[base_name].get(key.removeprefix("updates/"))
+        q = quantum("fp32", "max_abs", float(p.abs().max())) if rule.use_quantum and p is not None else 0.0
+        bounds.setdefault(key, {}).update({m: rule.entry(key, m, v, mags.get(key, 0.0), "update", q)
+                                           for m, v in ms.items()})
     return bounds
 
 
@@ -220,6 +264,17 @@ def verified_reference(layout: RunLayout) -> tuple[dict[str, Any], Any]:
     return summary, matrix
 
 
+def terms_of(matrix: Any, role: str, inputs: Any) -> TermsOf:
+    """terms(step, run) for family_bounds: the run's per-token loss contributions at that step."""
+    from qualify.ppo.decisions import loss_terms
+
+    def terms(step: int, run: Any) -> Any:
+        if step >= len(inputs.masks):
+            return None
+        return loss_terms(role, matrix.ppo, matrix.grpo, run.outputs, inputs.targets[step], inputs.masks[step])
+    return terms
+
+
 def freeze(run_dir: Path, name: str | None = None) -> dict[str, Any]:
     """Freeze the reference of run_dir; returns the acceptance document (refuses to change a frozen one)."""
     layout = RunLayout(run_dir_of(run_dir))
@@ -231,11 +286,13 @@ def freeze(run_dir: Path, name: str | None = None) -> dict[str, Any]:
         raise FrozenError(f"the reference left {len(missing)} required branch(es) inert (freeze.require): "
                           + "; ".join(missing))
     files: dict[str, bytes] = {}
+    inputs = StepInputs.load(matrix, layout)
     for role in matrix.roles:
         before = checkpoint_tensors(model_dir(matrix, layout.models, role))
         for family in FAMILIES:
             doc = family_bounds(layout, role, family, controls, matrix.freeze.k, dict(matrix.freeze.floors), before,
-                                matrix.optimizer, matrix.freeze.quantum, matrix.freeze.floor_ulps)
+                                matrix.optimizer, matrix.freeze.quantum, matrix.freeze.floor_ulps,
+                                terms_of(matrix, role, inputs))
             files[f"{role}-{family}.json"] = dumps_json(doc).encode("ascii")
     layers = layer_bound_files(layout, matrix, controls)  # {} for a reference scored without layer activations
     document = acceptance_document(layout, name or matrix.name, files, summary | {"coverage": coverage}, matrix, layers)

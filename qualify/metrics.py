@@ -87,22 +87,6 @@ def bf16_exact_fraction(t: torch.Tensor) -> float:
     return exact / counted if counted else 0.0
 
 
-def resolved_mask(reference_grad: torch.Tensor, tau: float) -> torch.Tensor:
-    """Elements whose gradient sign the reference resolves: |g_ref| > tau."""
-    return reference_grad.abs() > tau
-
-
-def resolved_max_abs(candidate: torch.Tensor, reference: torch.Tensor, reference_grad: torch.Tensor,
-                     tau: float) -> float:
-    """max |c - r| over elements with |g_ref| > tau; +inf if c is not finite."""
-    if not _finite(candidate):
-        return INF
-    mask = resolved_mask(reference_grad, tau)
-    if not bool(mask.any()):
-        return 0.0
-    return float((candidate.double() - reference.double()).abs()[mask].max())
-
-
 def flip_frac(candidate: torch.Tensor, reference: torch.Tensor) -> float:
     """Fraction of elements whose sign differs (reported, never a bound: flips near zero are legitimate)."""
     if not _finite(candidate):

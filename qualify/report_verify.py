@@ -214,7 +214,7 @@ def rejudge_problems(layout: RunLayout, reference: dict[str, Any], acceptance: d
                     dp=int(parts["dp"] or 1))
         if case.role not in befores:
             befores[case.role] = checkpoint_tensors(models[case.role])
-        judged = [r.to_json() for r in judge_case(layout, case, bounds, befores[case.role], matrix.optimizer,
+        judged = [r.to_json() for r in judge_case(layout, case, bounds, befores[case.role], matrix,
                                                   frozenset(names))]  # sealed_problems verified every named case
         problems += compare_rows(name, judged, [r for r in verdict["rows"] if r["case"] == name])
     return problems

@@ -45,9 +45,7 @@ def judge_pair(case: str, role: str, comparison: str, candidate: RunTensors, ref
     rows = [Row(case, role, comparison, key, "structure", math.inf, 0.0, False, problem, rule=STRUCTURE_RULE)
             for key, problem in structure_problems(candidate, reference)]
     broken = {r.tensor for r in rows}
-    tau = {key.removeprefix("moments/exp_avg/"): ms["max_abs"]["bound"]
-           for key, ms in bounds.items() if key.startswith("moments/exp_avg/")}
-    values = pair_metrics(candidate, reference, tau)
+    values = pair_metrics(candidate, reference)
     for key, ms in replay_metrics(candidate, params_before, optimizer, adam_step).items():
         values.setdefault(key, {}).update(ms)
     for key in sorted(bounds):

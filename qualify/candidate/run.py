@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from qualify.acceptance import Acceptance
+from qualify.candidate.decided import StepInputs, aligned_reference, comparable_steps, decision_rows, own_loss_rows
 from qualify.candidate.formula import declared_formula, explain_formula, formula_bounds, formula_steps
 from qualify.candidate.judge import evidence_rows, judge_steps, precision_rows
 from qualify.candidate.spec import make_spec
@@ -127,12 +128,16 @@ def run_group(matrix: Matrix, layout: RunLayout, cases: list[Case], models: dict
     return errors
 
 
-def judge_case(layout: RunLayout, case: Case, bounds: dict, before: dict, optimizer: Any,
-               verified: frozenset[str] = frozenset()) -> list[Row]:
+def judge_case(layout: RunLayout, case: Case, bounds: dict, before: dict, matrix: Matrix,
+               verified: frozenset[str] = frozenset(), inputs: StepInputs | None = None) -> list[Row]:
     """Every step of a case against the reference's families, its evidence checks, and TPn against TP1 (verified
-    names cases whose seal this process has checked since they were last written: not hashed again)."""
+    names cases whose seal this process has checked since they were last written: not hashed again).
+
+    Clip decisions are judged as decisions (qualify.candidate.decided): where the case decided a token otherwise
+    than the reference, its tensors are compared with the reference replayed on its decisions."""
     cand = load_steps(layout.case(case.name))
     starts = params_before_steps(cand, before)
+    inputs = inputs or StepInputs.load(matrix, layout)
     formula, truncates = declared_formula(cand[0].meta)  # its logprobs are judged against the reference's formula
     rows, own_ref = [], None
     families = [(f"{case.precision}-repeat", f"{case.precision}-r0")]
@@ -142,10 +147,13 @@ def judge_case(layout: RunLayout, case: Case, bounds: dict, before: dict, optimi
         precision, control = ref_run.split("-", 1)
         ref, fam = load_steps(layout.scores(precision, control, case.role)), bounds[(case.role, family)]
         own_ref = ref if own_ref is None else own_ref  # the case's own precision's r0 comes first
-        judged = judge_steps(case.name, case.role, f"vs ref {ref_run} [{family}]", cand,
-                             formula_steps(ref, formula, truncates), formula_bounds(fam, formula, truncates),
-                             starts, optimizer)
-        rows += explain_formula(judged, cand, ref, fam, formula)
+        comparison = f"vs ref {ref_run} [{family}]"
+        ref, decided = aligned_reference(matrix, layout, inputs, case.name, case.role, comparison, precision, cand,
+                                         ref, fam)
+        judged = judge_steps(case.name, case.role, comparison, cand, formula_steps(ref, formula, truncates),
+                             formula_bounds(fam, formula, truncates), starts, matrix.optimizer)
+        rows += explain_formula(judged, cand, ref, fam, formula) + decided
+    rows += own_loss_rows(case.name, case.role, matrix, cand, inputs)
     rows += evidence_rows(case.name, case.role, cand[0].meta)
     rows += precision_rows(case.name, case.role, cand, own_ref)
     # TPn against TP1 and DPn against DP1 (the same case at the lower degree), when that case ran
@@ -154,9 +162,16 @@ def judge_case(layout: RunLayout, case: Case, bounds: dict, before: dict, optimi
         if not (base.name in verified or stage_is_complete(layout.case(base.name))):
             continue
         base_steps = load_steps(layout.case(base.name))
-        rows += judge_steps(case.name, case.role, f"vs {axis} [{case.precision}-repeat]", cand, base_steps,
-                            formula_bounds(bounds[(case.role, f"{case.precision}-repeat")], formula, truncates),
-                            starts, optimizer)
+        comparison = f"vs {axis} [{case.precision}-repeat]"
+        fam = formula_bounds(bounds[(case.role, f"{case.precision}-repeat")], formula, truncates)
+        same, mine, theirs = comparable_steps(matrix, case.role, cand, base_steps, inputs)
+        rows += judge_steps(case.name, case.role, comparison, cand[:same], base_steps[:same], fam, starts,
+                            matrix.optimizer)
+        if same < min(len(cand), len(base_steps)):
+            rows += [replace(r, note=f"{r.note}; steps {same} to {len(cand) - 1} are not compared with {axis}: the "
+                                     f"two cases decided differently at step {same}, each is compared with the "
+                                     f"reference replayed on its own decisions")
+                     for r in decision_rows(case.name, case.role, comparison, mine, theirs, fam, steps=same + 1)[-1:]]
         if bitwise:
             rows += bitwise_rows(case.name, case.role, axis, cand, base_steps)
     return rows
@@ -199,12 +214,13 @@ def run_candidates(matrix: Matrix, run_dir: Path, *, acceptance: Path | None = N
     befores = {role: checkpoint_tensors(path) for role, path in models.items()}
     rows: list[Row] = []
     verified = frozenset(c.name for c in cases if c.name not in errors)  # run_group checked each seal
+    inputs = StepInputs.load(matrix, layout)
     for case in cases:
         if case.name in errors:
             rows.append(Row(case.name, case.role, "run", "case", "exit", 1.0, 0.0, False, errors[case.name],
                             rule="the case runs to completion and seals its evidence"))
         else:
-            rows += judge_case(layout, case, bounds, befores[case.role], matrix.optimizer, verified)
+            rows += judge_case(layout, case, bounds, befores[case.role], matrix, verified, inputs)
     extra = case_platforms(layout, cases, doc.get("platform"))
     for case in cases:  # the invariance tier of every tensor of a TP > 1 or DP > 1 case
         invariance = case_invariance(layout, case, rows) if case.name not in errors else {}

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from qualify.errors import QualifyError
+from qualify.ppo.math import choose, clipped_fraction_mask, policy_decided
 from qualify.ppo.vocab_parallel import tree_sum
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
@@ -266,6 +267,7 @@ def grpo_loss(
     aggregation: str,
     normalizers: Normalizers,
     constant: float | None = None,
+    decided_BT: torch.Tensor | None = None,
 ) -> GRPOLoss:
     """GRPO's clipped surrogate with the KL penalty inside the loss, aggregated with global normalizers.
 
@@ -275,7 +277,8 @@ def grpo_loss(
         loss    = aggregate_loss(loss_t, mask, aggregation, normalizers, constant)
 
     clip_eps_high defaults to clip_eps (DAPO's clip-higher when larger). logp_ref_BT may be None only
-    with kl_coef 0. The clip comparison is strict, as in qualify.ppo.math.clipped_policy_loss.
+    with kl_coef 0. The clip comparison is strict, as in qualify.ppo.math.clipped_policy_loss; decided_BT imposes the
+    decision as there.
     """
     if logp_ref_BT is None and kl_coef != 0:
         raise ValueError("a reference logprob is required when kl_coef is not 0")
@@ -285,7 +288,8 @@ def grpo_loss(
     ratio_BT = torch.exp(log_ratio_BT)
     unclipped_BT = -adv_BT * ratio_BT
     clipped_BT = -adv_BT * torch.clamp(ratio_BT, 1.0 - clip_eps, 1.0 + high)
-    pg_BT = torch.maximum(unclipped_BT, clipped_BT)
+    decided = policy_decided(decided_BT, ratio_BT, adv_BT, clip_eps, high)
+    pg_BT = choose(unclipped_BT, clipped_BT, decided)
     if logp_ref_BT is None:
         kl_BT = torch.zeros_like(pg_BT)
     else:
@@ -296,7 +300,7 @@ def grpo_loss(
         return per_sequence_loss(x_BT, mask_BT, aggregation, normalizers, constant)
 
     per_sequence_B = agg(loss_BT)
-    is_clipped_BT = (clipped_BT > unclipped_BT).detach().to(logp_BT.dtype)
+    is_clipped_BT = clipped_fraction_mask(unclipped_BT, clipped_BT, decided).detach().to(logp_BT.dtype)
     return GRPOLoss(
         loss=per_sequence_B.sum(),
         policy_loss=agg(pg_BT).sum(),

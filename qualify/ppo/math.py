@@ -9,6 +9,8 @@ still lets 0 * inf = NaN through the backward pass.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 NORMALIZERS = ("global", "per_sequence", "constant")
@@ -131,6 +133,45 @@ def kl_terms(logp_BT: torch.Tensor, logp_ref_BT: torch.Tensor) -> torch.Tensor:
     return logp_BT - logp_ref_BT
 
 
+def choose(unclipped_BT: torch.Tensor, clipped_BT: torch.Tensor, decided: Decided | None) -> torch.Tensor:
+    """The clipped objectives' per-token term: the larger of the two (PPO's rule), or the imposed decision.
+
+    A decision is what the token's gradient is: True, the clipped term at the clip edge (a constant: no gradient),
+    even where this run's own value sits just inside the range (a candidate whose value crossed the edge decided so);
+    False, the unclipped term. Inside the range, where nothing is imposed on the two equal terms (they may differ by
+    a rounding of old + (v - old)), the rule stays, so imposing a run's own decisions reproduces it bitwise."""
+    natural = torch.maximum(unclipped_BT, clipped_BT)
+    if decided is None:
+        return natural
+    return torch.where(decided.clipped_BT, decided.edge_term_BT, torch.where(decided.active_BT, unclipped_BT, natural))
+
+
+def clipped_fraction_mask(unclipped_BT: torch.Tensor, clipped_BT: torch.Tensor, decided: Decided | None) -> torch.Tensor:
+    """clip_frac's per-token indicator: the clipped term is the larger (or is imposed)."""
+    natural = clipped_BT > unclipped_BT
+    if decided is None:
+        return natural
+    return decided.clipped_BT | (~decided.active_BT & natural)
+
+
+class Decided(NamedTuple):
+    """An imposed decision with what it needs: the clamp's activity and the clipped term at the edge."""
+
+    clipped_BT: torch.Tensor
+    active_BT: torch.Tensor
+    edge_term_BT: torch.Tensor
+
+
+def policy_decided(decided_BT: torch.Tensor | None, ratio_BT: torch.Tensor, adv_BT: torch.Tensor, low: float,
+                   high: float) -> Decided | None:
+    """The surrogate's imposed decision: the clipped term -A x (1 + high) for A > 0, -A x (1 - low) for A < 0."""
+    if decided_BT is None:
+        return None
+    r = ratio_BT.detach()
+    edge_BT = torch.where(adv_BT > 0, torch.full_like(r, 1.0 + high), torch.full_like(r, 1.0 - low))
+    return Decided(decided_BT, (r > 1.0 + high) | (r < 1.0 - low), -adv_BT * edge_BT)
+
+
 def clipped_policy_loss(
     logp_BT: torch.Tensor,
     logp_old_BT: torch.Tensor,
@@ -139,6 +180,7 @@ def clipped_policy_loss(
     clip_eps: float,
     normalizer: str,
     constant: float | None = None,
+    decided_BT: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO clipped surrogate. Returns (loss scalar, ratio_BT, clip_frac scalar).
 
@@ -148,7 +190,8 @@ def clipped_policy_loss(
         clip_frac = masked_mean(1[clipped term > unclipped term], same normalizer)
 
     The comparison is strict: a ratio exactly at 1 +- clip_eps is not clipped. clip_frac is a
-    float tensor without gradient.
+    float tensor without gradient. decided_BT (bool, optional) imposes the decision instead of the max: the clipped
+    term where True, the unclipped one elsewhere (a reference replayed on a candidate's decisions, qualify.ppo.decisions).
     """
     # Zero the log-ratio and advantage off the mask first, so exp() of garbage there cannot turn
     # the backward into 0 * inf = NaN.
@@ -157,8 +200,9 @@ def clipped_policy_loss(
     ratio_BT = torch.exp(log_ratio_BT)
     unclipped_BT = -adv_BT * ratio_BT
     clipped_BT = -adv_BT * torch.clamp(ratio_BT, 1.0 - clip_eps, 1.0 + clip_eps)
-    loss = masked_mean(torch.maximum(unclipped_BT, clipped_BT), mask_BT, normalizer, constant)
-    is_clipped_BT = (clipped_BT > unclipped_BT).detach().to(logp_BT.dtype)
+    decided = policy_decided(decided_BT, ratio_BT, adv_BT, clip_eps, clip_eps)
+    loss = masked_mean(choose(unclipped_BT, clipped_BT, decided), mask_BT, normalizer, constant)
+    is_clipped_BT = clipped_fraction_mask(unclipped_BT, clipped_BT, decided).detach().to(logp_BT.dtype)
     clip_frac = masked_mean(is_clipped_BT, mask_BT, normalizer, constant)
     return loss, ratio_BT, clip_frac
 
@@ -171,6 +215,7 @@ def clipped_value_loss(
     clip_eps: float,
     normalizer: str,
     constant: float | None = None,
+    decided_BT: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO clipped value loss. Returns (loss scalar, clip_frac scalar).
 
@@ -179,7 +224,7 @@ def clipped_value_loss(
         loss     = masked_mean(loss_t, mask, normalizer, constant)
         clip_frac = masked_mean(1[(v_clip_t - R_t)^2 > (v_t - R_t)^2], same normalizer)
 
-    clip_frac is a float tensor without gradient.
+    clip_frac is a float tensor without gradient. decided_BT: as in clipped_policy_loss.
     """
     # Same guard as in clipped_policy_loss: nothing off the mask reaches the arithmetic.
     v_BT = torch.where(mask_BT, values_BT, 0.0)
@@ -188,7 +233,13 @@ def clipped_value_loss(
     v_clip_BT = old_BT + torch.clamp(v_BT - old_BT, -clip_eps, clip_eps)
     unclipped_BT = (v_BT - ret_BT) ** 2
     clipped_BT = (v_clip_BT - ret_BT) ** 2
-    loss = masked_mean(0.5 * torch.maximum(unclipped_BT, clipped_BT), mask_BT, normalizer, constant)
-    is_clipped_BT = (clipped_BT > unclipped_BT).detach().to(values_BT.dtype)
+    decided = None
+    if decided_BT is not None:
+        delta_BT = (v_BT - old_BT).detach()
+        eps_BT = torch.full_like(old_BT, clip_eps)  # in the values' dtype, as clamp converts clip_eps
+        edge_BT = old_BT + torch.where(delta_BT >= 0, eps_BT, -eps_BT)  # the side this run's value is on
+        decided = Decided(decided_BT, (delta_BT > clip_eps) | (delta_BT < -clip_eps), (edge_BT - ret_BT) ** 2)
+    loss = masked_mean(0.5 * choose(unclipped_BT, clipped_BT, decided), mask_BT, normalizer, constant)
+    is_clipped_BT = clipped_fraction_mask(unclipped_BT, clipped_BT, decided).detach().to(values_BT.dtype)
     clip_frac = masked_mean(is_clipped_BT, mask_BT, normalizer, constant)
     return loss, clip_frac

@@ -30,6 +30,9 @@ from qualify.ppo.grpo import (
 )
 from qualify.ppo.math import clipped_policy_loss, clipped_value_loss, kl_terms, masked_mean
 
+DECIDED_KEY = "decided_clipped_BT"
+"""A target a replayed reference carries: the clip decision imposed on every token (qualify.ppo.decisions)."""
+
 
 def step_rows(num_rows: int, epochs: int, minibatches: int) -> list[slice]:
     """Rows trained at each optimizer step, in order: epochs x minibatches contiguous, equal slices."""
@@ -47,7 +50,8 @@ def role_objective(role: str, ppo: Any, scores_BT: torch.Tensor, mask_BT: torch.
 
     scores_BT are the actor's sampler-formula logprobs or the critic's values; the normalizer (and
     its constant) default to the matrix's, and a micro-batch control passes its own. With grpo (the
-    matrix's GRPO section) the objective is GRPO's (grpo_objective; share: from the whole step).
+    matrix's GRPO section) the objective is GRPO's (grpo_objective; share: from the whole step). With
+    targets[DECIDED_KEY] the clip decision of every token is imposed instead of taken (a replayed reference).
     """
     if grpo is not None:
         if role != "actor":
@@ -60,12 +64,12 @@ def role_objective(role: str, ppo: Any, scores_BT: torch.Tensor, mask_BT: torch.
     if role == "actor":
         loss, ratio_BT, clip_frac = clipped_policy_loss(scores_BT, targets["old_logprobs_BT"],
                                                         targets["advantages_BT"], mask_BT, ppo.clip_eps,
-                                                        normalizer, constant)
+                                                        normalizer, constant, targets.get(DECIDED_KEY))
         kl_BT = kl_terms(scores_BT.detach(), targets["ref_logprobs_BT"]) * mask_BT
         return loss, {"logprobs_BT": scores_BT.detach(), "ratio_BT": (ratio_BT * mask_BT).detach(), "kl_BT": kl_BT,
                       "kl_mean": masked_mean(kl_BT, mask_BT, "global"), "clip_frac": clip_frac.detach()}
     loss, clip_frac = clipped_value_loss(scores_BT, targets["old_values_BT"], targets["returns_BT"], mask_BT,
-                                         ppo.value_clip_eps, normalizer, constant)
+                                         ppo.value_clip_eps, normalizer, constant, targets.get(DECIDED_KEY))
     return loss, {"values_BT": scores_BT.detach(), "clip_frac": clip_frac.detach()}
 
 
@@ -111,7 +115,8 @@ def grpo_objective(ppo: Any, grpo: Any, logp_BT: torch.Tensor, mask_BT: torch.Te
     ref_BT = targets["ref_logprobs_BT"]
     out = grpo_loss(logp_BT, targets["old_logprobs_BT"], ref_BT, token_advantages(share.advantages_B, mask_BT),
                     mask_BT, clip_eps=ppo.clip_eps, kl_coef=grpo.kl_coef, kl_estimator=grpo.kl_estimator,
-                    aggregation=grpo.aggregation, normalizers=share.normalizers, constant=grpo.constant)
+                    aggregation=grpo.aggregation, normalizers=share.normalizers, constant=grpo.constant,
+                    decided_BT=targets.get(DECIDED_KEY))
     kl_BT = kl_estimate(logp_BT.detach(), ref_BT, mask_BT, grpo.kl_estimator)
     return out.loss, {"logprobs_BT": logp_BT.detach(), "ratio_BT": torch.where(mask_BT, out.ratio_BT, 0.0).detach(),
                       "kl_BT": kl_BT, "kl_mean": out.kl.detach(), "policy_loss": out.policy_loss.detach(),

@@ -26,7 +26,7 @@ from qualify.matrix import Matrix
 from qualify.models.hf import actor_scores, compute_copy, critic_values, enable_checkpointing
 from qualify.ppo.formula import PROCESSED_KEY, rollout_sampling
 from qualify.ppo.math import kl_terms, masked_mean
-from qualify.ppo.objective import GRPOShare, grpo_share, role_objective, rows_of, step_rows
+from qualify.ppo.objective import DECIDED_KEY, GRPOShare, grpo_share, role_objective, rows_of, step_rows
 from qualify.reference.tp_numerics import split_like_tp
 
 CONTROL_ATTN = {"attn_impl": "eager"}
@@ -108,9 +108,10 @@ def _compute_model(master: torch.nn.Module, precision: str, model_dir: Path, rol
 
 def run_role(matrix: Matrix, role: str, precision: str, control: Control, master: torch.nn.Module,
              batch: dict[str, torch.Tensor], targets: dict[str, torch.Tensor], vocab_size: int,
-             model_dir: Path) -> dict[str, Any]:
+             model_dir: Path, decided: list[torch.Tensor] | None = None) -> dict[str, Any]:
     """K = epochs x minibatches optimizer steps on master; returns {'steps': [per-step tensors], 'meta': ...,
-    'layers': step 1's per-layer activations (qualify.diagnose.hooks)}.
+    'layers': step 1's per-layer activations (qualify.diagnose.hooks)}. decided[k] (bool, the step's rows) imposes
+    step k's clip decisions (qualify.reference.forced).
 
     One AdamW instance lives across the steps (its step count, bias correction and moments carry
     over); after each step the compute copy is refreshed from the stepped FP32 master.
@@ -138,7 +139,10 @@ def run_role(matrix: Matrix, role: str, precision: str, control: Control, master
     steps, coverage, grad_dtypes, master_grad_dtypes = [], [], {}, {}
     for k, rows in enumerate(step_rows(batch["input_ids_BT"].shape[0], p.epochs, p.minibatches)):
         mb = {key: v[rows] for key, v in batch.items()}
-        outputs = _forward_backward(matrix, role, control, model, mb, rows_of(targets, rows), vocab_size)
+        step_targets = rows_of(targets, rows)
+        if decided is not None:
+            step_targets[DECIDED_KEY] = decided[k].to(device)
+        outputs = _forward_backward(matrix, role, control, model, mb, step_targets, vocab_size)
         grad_dtypes = _master_grads(master, model)
         grads = {n: (_host(q.grad) if q.grad is not None else torch.zeros(q.shape, dtype=q.dtype))
                  for n, q in zip(names, params)}

@@ -44,6 +44,9 @@ def test_own_objective_passes_and_actor_loss_bugs_fail_on_named_tensors(run_copy
     # the ratio leaves [0.8, 1.2] from step 1 on: a clip at 1 +- 0.3 counts and weighs those tokens differently
     assert not any(t.startswith("step0/") for t, _ in clip), sorted(clip)[:5]
     assert {("step1/outputs/clip_frac", "max_abs"), ("step1/outputs/loss", "max_abs")} & clip, sorted(clip)[:5]
+    # and as decisions: tokens with a ratio in (1.2, 1.3] kept unclipped, far beyond the ratio's bound from the edge
+    assert ("step1/decisions/policy_clip", "unexplained_flips") in clip, sorted(clip)[:5]
+    assert not any(t.endswith("/decisions/policy_clip") for t, _ in failing(verdict, own))
     for bug in bugs[1:]:  # a wrong normalizer is wrong from the first, on-policy step
         bad = failing(verdict, case_of(m, bug))
         assert ("step0/outputs/loss", "max_abs") in bad, (bug, sorted(bad)[:5])
@@ -59,6 +62,9 @@ def test_own_objective_critic_passes_and_a_missing_value_clip_fails(run_copy):
     bad = failing(verdict, case_of(m, bug))
     assert not any(t.startswith("step0/") for t, _ in bad), sorted(bad)[:5]  # no value has moved at step 0
     assert ("step1/outputs/clip_frac", "max_abs") in bad and ("step1/outputs/loss", "max_abs") in bad, sorted(bad)[:5]
+    assert ("step1/decisions/value_clip", "unexplained_flips") in bad, sorted(bad)[:5]
+    rows = [r for r in verdict["rows"] if r["case"] == case_of(m, bug) and r["tensor"] == "step1/decisions/value_clip"]
+    assert rows and all("decided otherwise with the edge beyond the values_BT bound" in r["note"] for r in rows), rows
 
 
 def test_freeze_refuses_a_single_step_matrix_that_requires_coverage(tmp_path):

@@ -164,8 +164,11 @@ def expected_bounds(role, family):
             # only what the contract computes in bf16 (gradients, moments, values) may spend one bf16 rounding step
             low = precision == "bf16" and (group != "outputs" or name == "values_BT")
             q = _ulp("bf16", mag) if low else 0.0
-            metrics = {"max_abs": (max(_max_abs(getattr(r, group)[name], ref) for r in others), kind, q,
-                                   _floor(kind, "max_abs", mag))}
+            error = max(_max_abs(getattr(r, group)[name], ref) for r in others)
+            if (group, name) == ("outputs", "grad_norm"):  # at least the norm of the whole gradient's difference
+                error = max(error, max(math.sqrt(sum(float((r.grads[n].double() - g.double()).square().sum())
+                                                     for n, g in base.grads.items())) for r in others))
+            metrics = {"max_abs": (error, kind, q, _floor(kind, "max_abs", mag))}
             if group != "outputs":
                 metrics["rel_l2"] = (max(_rel_l2(getattr(r, group)[name], ref) for r in others), "relative",
                                      2.0 ** -7 if low else 0.0, _floor("relative", "rel_l2", mag))
@@ -175,16 +178,10 @@ def expected_bounds(role, family):
                 metrics["p99_abs"] = (max(_p99_abs(getattr(r, group)[name], ref) for r in others), kind, q,
                                       _floor(kind, "p99_abs", mag))
             out[f"{group}/{name}"] = metrics
-    for name, p in params().items():
-        m = out[f"moments/exp_avg/{name}"]["max_abs"]
-        tau = K * m[0] + m[3] + m[2]
-        resolved = base.moments[f"exp_avg/{name}"].abs() > 2.0 * tau  # twice the first moment's bound: sign settled
-        assert resolved.any() and (base_id != ("fp32", "r0") or not resolved.all()), "resolved and unresolved"
+    for name, p in params().items():  # updates: the replay of each run's own moments (not compared across runs)
         q = _ulp("fp32", float(p.abs().max()))
         floor = _floor("update", "max_abs", float(base.updates[name].abs().max()))
         out[f"updates/{name}"] = {
-            "resolved_max_abs": (max(float((r.updates[name].double() - base.updates[name].double()).abs()[resolved]
-                                           .max()) for r in others), "update", q, floor),
             "replay_max_abs": (max(_replay_error(r.updates[name], p, r.moments[f"exp_avg/{name}"],
                                                  r.moments[f"exp_avg_sq/{name}"]) for r in [base, *others]),
                                "update", q, floor)}
@@ -414,7 +411,7 @@ def test_without_the_quantum_every_bound_is_k_times_error_plus_floor(tmp_path):
     doc = family_bounds(layout, "critic", "bf16-repeat", ["r0", "r1"], K, FLOORS, params(), OPT, False)
     entries = [b for ms in doc["bounds"].values() for b in ms.values()]
     assert {m for ms in doc["bounds"].values() for m in ms} == {"max_abs", "rel_l2", "mean_abs", "p99_abs",
-                                                               "resolved_max_abs", "replay_max_abs"}
+                                                               "replay_max_abs"}
     assert all(b["quantum"] == 0.0 and b["bound"] == K * b["control_error"] + b["floor"] for b in entries)
 
 

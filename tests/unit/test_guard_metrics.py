@@ -21,7 +21,6 @@ def test_one_element_tensors_are_measured():
     assert metrics.mean_abs(T([3.0]), T([1.0])) == 2.0
     assert metrics.quantile_abs(T([3.0]), T([1.0]), 0.5) == 2.0
     assert metrics.flip_frac(T([-3.0]), T([1.0])) == 1.0
-    assert metrics.resolved_max_abs(T([3.0]), T([1.0]), T([1.0]), 0.5) == 2.0
     assert metrics.bf16_exact_fraction(T([1.5])) == 1.0  # 1.5: bf16-exact, not a power of two
 
 

@@ -42,17 +42,6 @@ def test_rel_l2_exact_values_and_a_zero_reference():
     assert metrics.rel_l2(T([math.inf]), T([1.0])) == math.inf
 
 
-def test_resolved_mask_is_strict():
-    assert metrics.resolved_mask(T([0.5, -0.5, 0.25, -1.0]), 0.5).tolist() == [False, False, False, True]
-
-
-def test_resolved_max_abs_only_over_resolved_elements():
-    cand, ref, grad = T([1.0, 5.0, 2.0]), T([0.0, 0.0, 0.0]), T([1.0, 0.1, -1.0])
-    assert metrics.resolved_max_abs(cand, ref, grad, 0.5) == 2.0  # element 1 (5.0) is not resolved
-    assert metrics.resolved_max_abs(cand, ref, grad, 1.0) == 0.0  # nothing resolved
-    assert metrics.resolved_max_abs(cand, ref, grad, 0.0) == 5.0
-
-
 def test_flip_frac_counts_sign_changes():
     assert metrics.flip_frac(T([1.0, -1.0, 1.0, 1.0]), T([1.0, 1.0, 1.0, 1.0])) == 0.25
     assert metrics.flip_frac(T([2.0]), T([3.0])) == 0.0
@@ -123,11 +112,8 @@ def test_pair_metrics_measure_each_group_with_its_metrics():
     assert pair_metrics(cand, ref) == {"outputs/loss": {"max_abs": 0.25},
                                        "grads/w": {"max_abs": 4.0, "rel_l2": 4 / 3, "mean_abs": 2.0, "p99_abs": 4.0},
                                        "moments/exp_avg/w": {"max_abs": 0.5, "rel_l2": pytest.approx(0.5 / 0.3)}}
-    # the update is judged only where the reference resolves the sign: |exp_avg_ref| > tau
-    assert pair_metrics(cand, ref, {"w": 0.1})["updates/w"] == {"resolved_max_abs": 0.0}
-    flipped = run_of(**{g: getattr(cand, g) for g in ("outputs", "grads", "moments")}, updates={"w": T([1.0, 1.0])})
-    assert pair_metrics(flipped, ref, {"w": 0.1})["updates/w"] == {"resolved_max_abs": 2.0}
-    assert "updates/w" not in pair_metrics(cand, ref, {"other": 0.1})
+    # updates are not compared with the reference's (their conditioning is unbounded): the replay judges them
+    assert "updates/w" not in pair_metrics(cand, ref)
 
 
 def test_pair_metrics_skip_tensors_with_structure_problems():

@@ -1,0 +1,35 @@
+"""Summarize a verdict.json too large to carry back: every failing row, each case's closest passing row, and the
+rows whose clip decisions differed from the reference's (benchmarks/gpu_vllm_chain.sh and gpu_chain.sh runs).
+
+Usage: python benchmarks/verdict_summary.py RUN/candidates/verdict.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def main(path: str) -> None:
+    v = json.load(open(path))
+    rows = v["rows"]
+    print(f"{'PASSED' if v['passed'] else 'FAILED'}: {sum(c['passed'] for c in v['cases'].values())}/{len(v['cases'])}")
+    failing = [r for r in rows if not r["passed"]]
+    print(f"failing rows: {len(failing)}")
+    for r in failing[:60]:
+        print(f"  FAIL {r['case']} | {r['comparison']} | {r['tensor']} {r['metric']} {r['value']:.4g} > {r['bound']:.4g}"
+              f" | {r['note'][:160]}")
+    print("closest passing row per case (value/bound):")
+    for case in v["cases"]:
+        mine = [r for r in rows if r["case"] == case and r["passed"] and r["bound"] > 0]
+        if mine:
+            r = max(mine, key=lambda r: r["value"] / r["bound"])
+            print(f"  {case}: {r['value'] / r['bound']:.3f} {r['comparison']} {r['tensor']} {r['metric']}")
+    flips = [r for r in rows if "/decisions/" in r["tensor"] and r["note"]]
+    print(f"decision rows with a difference: {len(flips)}")
+    for r in flips[:20]:
+        print(f"  {r['case']} | {r['comparison']} | {r['tensor']} | {r['note'][:200]}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

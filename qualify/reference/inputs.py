@@ -1,0 +1,32 @@
+"""The targets and response mask of each optimizer step's rows of a run directory: what a step's decisions and loss
+contributions are read back from (qualify.ppo.decisions), for freeze and for the judge."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qualify.layout import RunLayout
+from qualify.matrix import Matrix
+from qualify.ppo.objective import rows_of, step_rows
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """The targets and response mask of each step's rows (what decisions are recomputed from)."""
+
+    targets: list[dict[str, torch.Tensor]]
+    masks: list[torch.Tensor]
+
+    @classmethod
+    def load(cls, matrix: Matrix, layout: RunLayout) -> StepInputs:
+        from qualify.reference.stage import load_targets
+        from qualify.rollout.capture import load_rollout
+        from qualify.store import read_json
+
+        summary = read_json(layout.reference_summary)
+        targets = load_targets(layout, summary["targets_digest"])
+        mask = load_rollout(layout.rollout(matrix.rollout.vllm_tp[0]), summary["rollout_digest"])["response_mask_BT"]
+        rows = step_rows(mask.shape[0], matrix.ppo.epochs, matrix.ppo.minibatches)
+        return cls([rows_of(targets, r) for r in rows], [mask[r] for r in rows])
