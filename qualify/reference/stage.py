@@ -171,7 +171,8 @@ def score_all(matrix: Matrix, layout: RunLayout, models: dict[str, Path], digest
                                              "reverse_rows": control.reverse_rows, "tp_split": control.tp,
                                              "seconds": round(time.monotonic() - started, 3),
                                              "rollout_digest": digest, "targets_digest": tdigest,
-                                             "settings": scoring_settings(matrix, digest)})
+                                             "settings": scoring_settings(matrix, digest)}
+                              | ({"fused_projections": True} if control.fused else {}))
     return [c.name for c in controls]
 
 

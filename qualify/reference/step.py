@@ -27,7 +27,7 @@ from qualify.models.hf import actor_scores, compute_copy, critic_values, enable_
 from qualify.ppo.formula import PROCESSED_KEY, rollout_sampling
 from qualify.ppo.math import kl_terms, masked_mean
 from qualify.ppo.objective import DECIDED_KEY, GRPOShare, grpo_share, role_objective, rows_of, step_rows
-from qualify.reference.tp_numerics import split_like_tp
+from qualify.reference.tp_numerics import fuse_projections, split_like_tp
 
 CONTROL_ATTN = {"attn_impl": "eager"}
 BASE_ATTN = "sdpa"
@@ -44,6 +44,8 @@ class Control:
     attn_impl: str = BASE_ATTN
     tp: int = 1
     """> 1: linears computed with this TP degree's reduction orders (qualify.reference.tp_numerics)."""
+    fused: bool = False
+    """q/k/v and gate/up projections computed as one GEMM each (qualify.reference.tp_numerics.fuse_projections)."""
 
 
 def controls_of(matrix: Matrix) -> list[Control]:
@@ -56,7 +58,8 @@ def controls_of(matrix: Matrix) -> list[Control]:
             continue
         out.append({"microbatch_split": Control(name=p, microbatches=2),
                     "batch_order": Control(name=p, reverse_rows=True),
-                    "attn_impl": Control(name=p, attn_impl=CONTROL_ATTN["attn_impl"])}[p])
+                    "attn_impl": Control(name=p, attn_impl=CONTROL_ATTN["attn_impl"]),
+                    "fused_projections": Control(name=p, fused=True)}[p])
     return out
 
 
@@ -123,6 +126,8 @@ def run_role(matrix: Matrix, role: str, precision: str, control: Control, master
         master.to(device)
     model = _compute_model(master, precision, model_dir, role, control.attn_impl, device, offload)
     split_like_tp(model, control.tp)
+    if control.fused:
+        fuse_projections(model)
     batch_host, targets_host = batch, targets
     batch = {k: v.to(device) for k, v in batch.items()}
     targets = {k: v.to(device) for k, v in targets.items()}

@@ -80,3 +80,52 @@ def split_like_tp(model: torch.nn.Module, tp: int) -> int:
     if count == 0:
         raise EngineError("tp_split: no tensor-parallel linear found (the model is not a Qwen3-style decoder)")
     return count
+
+
+FUSED_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
+
+
+def _fuse(members: list[torch.nn.Linear]) -> None:
+    """The first member's call computes one GEMM with the members' weights concatenated and hands the others their
+    slices of it when they are called with the same input (what Megatron's fused QKV and gate/up projections do):
+    the forward is exact per output, and the input gradient is one GEMM over the summed output gradient instead of
+    the members' separately rounded partial products added by autograd."""
+    state: dict[str, object] = {}
+    widths = [m.weight.shape[0] for m in members]
+
+    def lead(x: torch.Tensor) -> torch.Tensor:
+        weight = torch.cat([m.weight for m in members], dim=0)
+        bias = None if members[0].bias is None else torch.cat([m.bias for m in members], dim=0)
+        parts = F.linear(x, weight, bias).split(widths, dim=-1)
+        state["x"], state["parts"] = x, parts
+        return parts[0]
+
+    def follower(i: int, module: torch.nn.Linear):
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if state.get("x") is not x:  # called on another input: compute alone (the fusion's premise is broken)
+                return F.linear(x, module.weight, module.bias)
+            return state["parts"][i]  # type: ignore[index]
+        return forward
+
+    members[0].forward = lead
+    for i, m in enumerate(members[1:], start=1):
+        m.forward = follower(i, m)
+
+
+def fuse_projections(model: torch.nn.Module) -> int:
+    """Make each layer's q/k/v and gate/up projections compute as one fused GEMM (see _fuse); returns how many
+    groups were fused."""
+    modules = dict(model.named_modules())
+    count = 0
+    for name in modules:
+        for group in FUSED_GROUPS:
+            if not name.endswith("." + group[0]) and name != group[0]:
+                continue
+            prefix = name[: len(name) - len(group[0])]
+            members = [modules.get(prefix + g) for g in group]
+            if all(isinstance(m, torch.nn.Linear) for m in members):
+                _fuse(members)  # type: ignore[arg-type]
+                count += 1
+    if count == 0:
+        raise EngineError("fused_projections: no q/k/v or gate/up projections found (not a Qwen3-style decoder)")
+    return count

@@ -84,3 +84,52 @@ def test_tp_one_changes_nothing_and_a_non_decoder_is_refused():
     assert split_like_tp(model, 1) == 0
     with pytest.raises(EngineError, match="no tensor-parallel linear"):
         split_like_tp(model, 2)
+
+
+def test_fused_projections_compute_one_gemm_per_group_and_sum_the_input_gradient_in_it(tmp_path, monkeypatch):
+    """Each layer's q/k/v and gate/up become one F.linear over the concatenated weights (counted), the parameters
+    stay the module's own, the forward and every gradient stay within fp32 noise of the plain model's, and the
+    input gradient is the fused GEMM's: one product over the summed output gradient (an obvious computation)."""
+    from qualify.matrix import TinyModel
+    from qualify.models.tiny import build_tiny_model
+    from qualify.reference import tp_numerics
+    from qualify.reference.tp_numerics import fuse_projections
+
+    spec = TinyModel(vocab_size=128, hidden_size=64, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                     head_dim=32, max_position_embeddings=64, seed=3)
+    plain, fused = build_tiny_model(spec, "actor"), build_tiny_model(spec, "actor")
+    params_before = [id(p) for p in fused.parameters()]
+    assert fuse_projections(fused) == 2 * 2  # attention and MLP groups of each layer
+    assert [id(p) for p in fused.parameters()] == params_before
+    widths = []
+    real_linear = F.linear
+
+    def counting(x, w, b=None):
+        widths.append(w.shape[0])
+        return real_linear(x, w, b)
+
+    monkeypatch.setattr(F, "linear", counting)  # every linear of the model goes through it
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(4))
+    a = plain(input_ids=ids).logits
+    assert len(widths) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the head
+    widths.clear()
+    b = fused(input_ids=ids).logits
+    qkv = 4 * 32 + 2 * 32 + 2 * 32
+    # per layer: the fused q/k/v, o_proj, the fused gate/up, down_proj; then the head: no member computed alone
+    assert widths == [qkv, 64, 2 * 64, 64] * 2 + [128]
+    assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    a.sum().backward()
+    b.sum().backward()
+    for (name, p), q in zip(plain.named_parameters(), fused.parameters()):
+        assert (p.grad - q.grad).abs().max() <= 1e-5 * p.grad.abs().max(), name
+    # a lone group: the input gradient is dY_fused @ W_fused, one product
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).requires_grad_(True)
+    members = [torch.nn.Linear(64, n, bias=False).to(torch.bfloat16) for n in (32, 16, 16)]
+    tp_numerics._fuse(members)
+    outs = [m(x) for m in members]
+    dys = [torch.randn(o.shape, generator=torch.Generator().manual_seed(7 + i)).to(torch.bfloat16)
+           for i, o in enumerate(outs)]
+    torch.autograd.backward(outs, dys)
+    expected = torch.cat(dys, dim=-1) @ torch.cat([m.weight for m in members], dim=0)
+    assert torch.equal(x.grad, expected)
+    assert members[1](x.detach()).shape == (5, 16)  # another input: the member computes alone
