@@ -10,6 +10,7 @@ the step: 'step<k>/<group>/<name>'.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,7 @@ def num_steps(directory: Path) -> int:
 
 
 def load_steps(directory: Path) -> list[RunTensors]:
-    """Every step of a role directory, in order."""
+    """Every step of a role directory, in order, in memory (StepFiles reads them one at a time)."""
     return [load_run(directory, k) for k in range(num_steps(directory))]
 
 
@@ -80,15 +81,73 @@ def with_step(step: int, metrics_by_key: dict[str, Any]) -> dict[str, Any]:
     return {f"{step_dir(step)}/{k}": v for k, v in metrics_by_key.items()}
 
 
-def params_before_steps(steps: list[RunTensors], initial: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-    """The parameters each step of a run started from: the initial ones plus that run's own earlier updates (fp64)."""
+def next_params(current: dict[str, torch.Tensor], run: RunTensors) -> dict[str, torch.Tensor]:
+    """The parameters after a step: current plus the run's updates of that step (fp64)."""
+    return {n: (t + run.updates[n].double()) if n in run.updates and run.updates[n].shape == t.shape else t
+            for n, t in current.items()}
+
+
+def params_before_steps(steps: Sequence[RunTensors], initial: dict[str, torch.Tensor]) -> Sequence[dict[str, torch.Tensor]]:
+    """The parameters each step of a run started from: the initial ones plus that run's own earlier updates (fp64).
+    For StepFiles, a sequence that advances step by step and holds only the latest start."""
+    if isinstance(steps, StepFiles):
+        return StepStarts(steps, initial)
     current = {n: t.double() for n, t in initial.items()}
     out = []
     for run in steps:
         out.append(current)
-        current = {n: (t + run.updates[n].double()) if n in run.updates and run.updates[n].shape == t.shape else t
-                   for n, t in current.items()}
+        current = next_params(current, run)
     return out
+
+
+class StepFiles(Sequence[RunTensors]):
+    """A role directory's steps, read when indexed (the two read last kept): freeze walks the steps in order, so a
+    run's evidence is held a step or two at a time, not K steps of gradients, updates and moments at once."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        self._n = num_steps(self.directory)
+        self._kept: dict[int, RunTensors] = {}  # the two steps read last (a step and the one its start needs)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, k):  # type: ignore[override]
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(self._n))]
+        if not -self._n <= k < self._n:
+            raise IndexError(k)
+        k %= self._n
+        if k not in self._kept:
+            if len(self._kept) >= 2:
+                del self._kept[next(iter(self._kept))]
+            self._kept[k] = load_run(self.directory, k)
+        return self._kept[k]
+
+
+class StepStarts(Sequence[dict]):
+    """params_before_steps of StepFiles: step k's start, advanced from the latest one (or from the initial
+    parameters when an earlier step is asked for)."""
+
+    def __init__(self, steps: StepFiles, initial: dict[str, torch.Tensor]) -> None:
+        self.steps, self.initial = steps, initial
+        self._at: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __getitem__(self, k):  # type: ignore[override]
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        if not 0 <= k < len(self):
+            raise IndexError(k)
+        if self._at is None or self._at[0] > k:
+            self._at = (0, {n: t.double() for n, t in self.initial.items()})
+        i, current = self._at
+        while i < k:
+            current, i = next_params(current, self.steps[i]), i + 1
+        self._at = (k, current)
+        return current
 
 
 def metric_kind(key: str) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 
 from qualify.acceptance import ACCEPTANCE_SCHEMA, BOUNDS_SCHEMA, FAMILIES
 from qualify.compare import (
-    load_steps,
+    StepFiles,
     merge_max,
     metric_kind,
     pair_metrics,
@@ -91,8 +91,8 @@ def family_bounds(layout: RunLayout, role: str, family: str, controls: list[str]
     the run's per-token loss contributions at that step (qualify.ppo.decisions.loss_terms), which set the loss's
     control error when given."""
     base_name, others = family_pairs(family, controls)
-    base_steps = load_steps(layout.scores(*base_name.split("-", 1), role))
-    runs = {name: load_steps(layout.scores(*name.split("-", 1), role)) for name in others}
+    base_steps = StepFiles(layout.scores(*base_name.split("-", 1), role))  # read step by step, not held whole
+    runs = {name: StepFiles(layout.scores(*name.split("-", 1), role)) for name in others}
     if any(len(steps) != len(base_steps) for steps in runs.values()):
         raise EvidenceError(f"{role} {family}: controls took different numbers of steps than {base_name}")
     starts = {name: params_before_steps(steps, params_before) for name, steps in [(base_name, base_steps),
