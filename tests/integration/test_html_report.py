@@ -231,7 +231,7 @@ def test_candidate_junit_parses_with_one_testcase_per_case_and_family(candidate_
 
     xml = JUnitXml.fromfile(str(candidate_run.parent / "candidate-junit.xml"))
     names = {(tc.classname, tc.name) for suite in xml for tc in suite}
-    assert names == {(c, g) for c in CASES for g in ("evidence", "grads", "moments", "outputs", "updates")}
+    assert names == {(c, g) for c in CASES for g in ("decisions", "evidence", "grads", "moments", "outputs", "updates")}
     assert all(tc.is_passed for suite in xml for tc in suite)
 
 
@@ -253,7 +253,7 @@ def test_report_junit_includes_the_verification(candidate_run, tmp_path):
     suites = {s.name: s for s in JUnitXml.fromfile(str(out))}
     (verification,) = list(suites["qualify tiny-qwen3: verification"])
     assert verification.is_passed
-    assert suites["qualify tiny-qwen3: candidates"].tests == 10
+    assert suites["qualify tiny-qwen3: candidates"].tests == 12  # 2 cases x 6 families
 
 
 # ---- false passes: evidence changed after the verdict -------------------------------------------------

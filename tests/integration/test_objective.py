@@ -44,13 +44,18 @@ def test_own_objective_passes_and_actor_loss_bugs_fail_on_named_tensors(run_copy
     # the ratio leaves [0.8, 1.2] from step 1 on: a clip at 1 +- 0.3 counts and weighs those tokens differently
     assert not any(t.startswith("step0/") for t, _ in clip), sorted(clip)[:5]
     assert {("step1/outputs/clip_frac", "max_abs"), ("step1/outputs/loss", "max_abs")} & clip, sorted(clip)[:5]
-    # and as decisions: tokens with a ratio in (1.2, 1.3] kept unclipped, far beyond the ratio's bound from the edge
-    assert ("step1/decisions/policy_clip", "unexplained_flips") in clip, sorted(clip)[:5]
-    assert not any(t.endswith("/decisions/policy_clip") for t, _ in failing(verdict, own))
+    # and by its own outputs: tokens with a ratio in (1.2, 1.3] kept unclipped make a loss that is not the matrix's
+    # objective of the ratios it reports (decisions are read from the outputs with the matrix's clip range, so the
+    # decision rows see the reference's decisions: the bug shows in the loss and, from step 1, in the gradients)
+    assert ("step1/outputs/loss", "objective_abs") in clip and ("step0/outputs/loss", "objective_abs") not in clip
     for bug in bugs[1:]:  # a wrong normalizer is wrong from the first, on-policy step
         bad = failing(verdict, case_of(m, bug))
         assert ("step0/outputs/loss", "max_abs") in bad, (bug, sorted(bad)[:5])
         assert any(t.startswith("step0/grads/") for t, _ in bad), (bug, sorted(bad)[:5])
+        # and the loss is not the matrix's objective of the case's own outputs, whatever the reference's bounds
+        assert ("step0/outputs/loss", "objective_abs") in bad, (bug, sorted(bad)[:5])
+    own_rows = [r for r in verdict["rows"] if r["case"] == own and r["metric"] == "objective_abs"]
+    assert len(own_rows) == 4 and all(r["passed"] and r["value"] < 0.1 * r["bound"] for r in own_rows), own_rows
 
 
 def test_own_objective_critic_passes_and_a_missing_value_clip_fails(run_copy):
@@ -62,9 +67,10 @@ def test_own_objective_critic_passes_and_a_missing_value_clip_fails(run_copy):
     bad = failing(verdict, case_of(m, bug))
     assert not any(t.startswith("step0/") for t, _ in bad), sorted(bad)[:5]  # no value has moved at step 0
     assert ("step1/outputs/clip_frac", "max_abs") in bad and ("step1/outputs/loss", "max_abs") in bad, sorted(bad)[:5]
-    assert ("step1/decisions/value_clip", "unexplained_flips") in bad, sorted(bad)[:5]
-    rows = [r for r in verdict["rows"] if r["case"] == case_of(m, bug) and r["tensor"] == "step1/decisions/value_clip"]
-    assert rows and all("decided otherwise with the edge beyond the values_BT bound" in r["note"] for r in rows), rows
+    assert ("step1/outputs/loss", "objective_abs") in bad, sorted(bad)[:5]  # not the objective of its own values
+    [row] = [r for r in verdict["rows"] if r["case"] == case_of(m, bug) and r["tensor"] == "step1/outputs/loss"
+             and r["metric"] == "objective_abs"]
+    assert "the matrix's objective of this case's own outputs" in row["note"], row
 
 
 def test_freeze_refuses_a_single_step_matrix_that_requires_coverage(tmp_path):
