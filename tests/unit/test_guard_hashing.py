@@ -175,3 +175,113 @@ def test_the_worker_flushes_its_answer_also_after_a_file_problem(tree, monkeypat
     monkeypatch.setattr(sys, "stdout", SimpleNamespace(buffer=pipe))
     hashing.worker_main(str(tree))
     assert pipe.delivered == line(b"x" * 1000) + f"! E cannot read {tree / 'gone'}: No such file or directory\n".encode()
+
+
+def test_split_by_cost_counts_a_files_bytes_plus_its_spawn_cost_from_zero():
+    """Cost = size + SPAWN_COST_BYTES (C), cut where the cost before a path reaches a share. Two files of C bytes
+    (2C each) fill the first half of 8C; an empty file that starts exactly at a share begins the next part, one
+    that starts a byte before it does not."""
+    c = hashing.SPAWN_COST_BYTES
+    sizes = {"a": c, "b": c, "c": 0, "d": 0, "e": 0, "f": 0}
+    assert hashing._split_by_cost(list("abcdef"), sizes, 2) == [["a", "b"], ["c", "d", "e", "f"]]
+    assert hashing._split_by_cost(["a", "b"], {"a": 0, "b": 1}, 2) == [["a", "b"]]
+
+
+# --- the helpers around the hashing ------------------------------------------------------------------------------
+
+def test_default_jobs_are_the_cpus_this_process_may_run_on(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 5}, raising=False)
+    assert hashing.default_jobs() == 2  # the affinity, not the host's CPUs
+    monkeypatch.delattr(os, "sched_getaffinity")
+    assert hashing.default_jobs() == 64  # no affinity call on this platform: the host's CPUs
+    monkeypatch.setattr(os, "cpu_count", lambda: None)
+    assert hashing.default_jobs() == 1
+
+
+def test_list_files_leaves_out_what_it_is_told_to(tree):
+    assert hashing.list_files(tree) == ["a.bin", "sub/b.bin"]
+    assert hashing.list_files(tree, [tree / "a.bin"]) == ["sub/b.bin"]
+
+
+def test_hash_files_without_sizes_names_a_missing_file(tree):
+    with pytest.raises(hashing.EvidenceError) as caught:
+        hashing.hash_files(tree, ["a.bin", "gone"], jobs=1, progress=False)
+    assert str(caught.value) == f"cannot read {os.path.join(tree, 'gone')}: No such file or directory"
+
+
+def test_hash_files_passes_sizes_jobs_and_the_bar_to_the_hashing(tree, monkeypatch):
+    calls = []
+    real = hashing.start_hashing
+
+    def spy(root, paths, sizes, **kwargs):
+        calls.append((paths, dict(sizes), kwargs))
+        return real(root, paths, sizes, **kwargs)
+
+    monkeypatch.setattr(hashing, "start_hashing", spy)
+    found = hashing.hash_files(tree, ["sub/b.bin", "a.bin"])
+    assert list(found) == ["sub/b.bin", "a.bin"] and found["a.bin"][0] == 1000
+    hashing.hash_files(tree, ["a.bin"], 3, False, sizes={"a.bin": 1000})
+    assert calls == [(["sub/b.bin", "a.bin"], {"sub/b.bin": 0, "a.bin": 1000}, {"jobs": None, "progress": True}),
+                     (["a.bin"], {"a.bin": 1000}, {"jobs": 3, "progress": False})]
+
+
+def test_a_directory_that_cannot_be_listed_is_named(tmp_path):
+    """A directory whose path is longer than the system allows (made level by level through directory fds) cannot
+    be listed: scan_files names it (a permission error would not do: the tests may run as root)."""
+    root = tmp_path / "root"
+    root.mkdir()
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        for _ in range(24):
+            os.mkdir("d" * 200, dir_fd=fd)
+            inner = os.open("d" * 200, os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+    finally:
+        os.close(fd)
+    with pytest.raises(hashing.EvidenceError) as caught:
+        hashing.scan_files(root)
+    message = str(caught.value)
+    assert message.startswith(f"cannot list {root}/{'d' * 200}/") and message.endswith(": File name too long")
+
+
+# --- make_batches and the hashing threads --------------------------------------------------------------------------
+
+def test_make_batches_limit_is_a_quarter_share_per_job_at_least_one_byte():
+    # total 2 bytes, 1 job: limit max(1, 2 // 4) = 1, so every non-empty file closes its batch
+    assert hashing.make_batches(["a", "b"], {"a": 1, "b": 1}, 1) == [["a"], ["b"]]
+    # total 10 bytes: limit 10 // 4 = 2 (an integer), so a 2-byte file closes its batch by itself
+    assert hashing.make_batches(["a", "b", "c"], {"a": 2, "b": 1, "c": 7}, 1) == [["c"], ["a"], ["b"]]
+    # total 12 bytes: limit 12 // 4 = 3; a batch closes when its bytes reach the limit, counted from 0
+    assert hashing.make_batches(["a", "b", "c"], {"a": 2, "b": 1, "c": 9}, 1) == [["c"], ["a", "b"]]
+    assert hashing.make_batches(list("abcdefgh"), dict.fromkeys("abcdefgh", 1), 1) == [
+        ["a", "b"], ["c", "d"], ["e", "f"], ["g", "h"]]
+    # empty files never reach a byte limit: BATCH_FILES of them close a batch
+    names = [f"f{i:03d}" for i in range(hashing.BATCH_FILES + 88)]
+    assert [len(b) for b in hashing.make_batches(names, dict.fromkeys(names, 0), 1)] == [hashing.BATCH_FILES, 88]
+
+
+def test_hashing_threads_are_named_daemons_one_per_job_at_most_one_per_batch(tree):
+    counted: list[int] = []
+    workers = hashing._Workers(str(tree), [["a.bin"], ["sub/b.bin"]], 3, counted.append)
+    try:
+        assert [(t.name, t.daemon) for t in workers._threads] == [("qualify-hash-0", True), ("qualify-hash-1", True)]
+        assert workers.result() == {"a.bin": (1000, hashlib.sha256(b"x" * 1000).hexdigest()),
+                                    "sub/b.bin": (0, hashlib.sha256(b"").hexdigest())}
+    finally:
+        workers.stop()
+    assert sum(counted) == 1000  # the progress callback sees every byte the threads hash
+    single = hashing._Workers(str(tree), [["a.bin"]], 1, lambda n: None)
+    single.stop()
+    assert len(single._threads) == 1
+
+
+def test_a_file_problem_in_a_hashing_thread_is_raised(tree):
+    workers = hashing._Workers(str(tree), [["gone"], ["a.bin"]], 1, lambda n: None)
+    try:
+        with pytest.raises(hashing.EvidenceError) as caught:
+            workers.result()
+    finally:
+        workers.stop()
+    assert str(caught.value) == f"cannot read {tree / 'gone'}: No such file or directory"
