@@ -217,3 +217,14 @@ def test_a_malformed_snapshot_is_named_by_its_path(tmp_path):
     with pytest.raises(MatrixError) as caught:
         read_snapshot(path)
     assert str(caught.value).startswith(f"{path}: ")
+
+
+def test_load_refuses_an_acceptance_frozen_under_an_earlier_rule(acc, frozen):
+    """Named with its path, its schema and the one this qualify reads (the advice between may be reworded)."""
+    older = "qualify.acceptance/0"
+    rewrite(acc, schema_version=older)
+    with pytest.raises(ManifestError) as caught:
+        Acceptance.load(acc, frozen.reference)
+    message = str(caught.value)
+    assert message.startswith(f"{acc}: frozen under an earlier rule ({older}; this qualify reads {ACCEPTANCE_SCHEMA}): ")
+    assert "freeze" in message.split("): ", 1)[1] and message.endswith("for a committed one)")
