@@ -21,10 +21,12 @@ from qualify.manifest import load_manifest, verify_manifest
 from qualify.rule import tensor_floor
 from qualify.store import read_json
 
-ACCEPTANCE_SCHEMA = "qualify.acceptance/2"
-BOUNDS_SCHEMA = "qualify.bounds/2"
+ACCEPTANCE_SCHEMA = "qualify.acceptance/3"
+BOUNDS_SCHEMA = "qualify.bounds/3"
 """/2: the loss's control error is the sum of |per-token contribution differences| where that is larger, and updates
-are judged by the AdamW replay alone (no update-vs-reference bound). An acceptance of /1 is refused: re-freeze."""
+are judged by the AdamW replay alone (no update-vs-reference bound). /3: a control that decided a clip otherwise than
+the family's r0 is compared with r0 replayed on its decisions (sealed in the reference), as a case is. An acceptance
+of an earlier schema is refused: re-freeze."""
 FAMILIES = ("fp32-repeat", "bf16-repeat", "fp32-vs-bf16")
 REL_TOL = 1e-12  # the bound is recomputed in float64 from the same numbers
 

@@ -42,7 +42,8 @@ from qualify.stages import require_complete, stage_info
 from qualify.store import atomic_write_bytes, dumps_json, read_json, read_json_object
 
 RULE = ("bound = k * control_error + floor + quantum (per role, tensor, metric; control_error = max over the "
-        "family's controls (for the loss and the grad norm, scalars whose few control differences cancel by chance, "
+        "family's controls, each compared with the family's r0 replayed on the control's own clip decisions where they "
+        "differ (for the loss and the grad norm, scalars whose few control differences cancel by chance, "
         "at least the sum of |per-token loss contribution differences| and the norm of the gradient's difference); "
         "floor = max(floors[kind], floor_ulps fp32 ulps of the reference tensor's largest magnitude); quantum = one rounding step of the compute precision at that magnitude, for what the contract "
         "computes in it: bf16 gradients, moments and values, and one fp32 step of every update)")
@@ -86,15 +87,31 @@ def magnitudes(run: Any) -> dict[str, float]:
 
 def family_bounds(layout: RunLayout, role: str, family: str, controls: list[str], k: float,
                   floors: dict[str, float], params_before: dict, optimizer: Any, use_quantum: bool,
-                  floor_ulps: float = 0.0, terms: TermsOf | None = None) -> dict[str, Any]:
+                  floor_ulps: float = 0.0, terms: TermsOf | None = None,
+                  replay_of: ReplayOf | None = None) -> dict[str, Any]:
     """Bounds of one family for one role: every step's tensors, keyed 'step<k>/<group>/<name>'. terms(step, run):
     the run's per-token loss contributions at that step (qualify.ppo.decisions.loss_terms), which set the loss's
-    control error when given."""
+    control error when given. replay_of(base, control): where the reference sealed base replayed on the control's
+    clip decisions (qualify.reference.forced.control_replay), None where the control decided as base: each control
+    is compared with base on its own decisions, as a case is."""
     base_name, others = family_pairs(family, controls)
     base_steps = StepFiles(layout.scores(*base_name.split("-", 1), role))  # read step by step, not held whole
     runs = {name: StepFiles(layout.scores(*name.split("-", 1), role)) for name in others}
     if any(len(steps) != len(base_steps) for steps in runs.values()):
         raise EvidenceError(f"{role} {family}: controls took different numbers of steps than {base_name}")
+    aligned: dict[str, Any] = {}
+    replays: dict[str, str] = {}
+    for name in others:
+        where = None if replay_of is None else replay_of(base_name, name)
+        if where is None:
+            aligned[name] = base_steps
+            continue
+        require_complete(where, f"{base_name} {role} replayed on {name}'s clip decisions (run 'qualify reference' "
+                                "again on this run directory: it makes the replays freeze needs)")
+        aligned[name] = StepFiles(where)
+        if len(aligned[name]) != len(base_steps):
+            raise EvidenceError(f"{where}: {len(aligned[name])} steps, {base_name} took {len(base_steps)}")
+        replays[name] = str(where.relative_to(layout.reference))
     starts = {name: params_before_steps(steps, params_before) for name, steps in [(base_name, base_steps),
                                                                                  *runs.items()]}
     bounds: dict[str, dict[str, Any]] = {}
@@ -103,10 +120,12 @@ def family_bounds(layout: RunLayout, role: str, family: str, controls: list[str]
         others_at = {name: steps[step] for name, steps in runs.items()}
         step_bounds = step_family_bounds(base, others_at, rule, {name: starts[name][step] for name in starts},
                                          base_name, optimizer, step + 1,
-                                         None if terms is None else (lambda run, s=step: terms(s, run)))
+                                         None if terms is None else (lambda run, s=step: terms(s, run)),
+                                         {name: aligned[name][step] for name in others})
         bounds.update(with_step(step, step_bounds))
     return {"schema": BOUNDS_SCHEMA, "role": role, "family": family, "reference_run": base_name,
-            "control_runs": others, "num_steps": len(base_steps), "k": k, "floors": floors, "floor_ulps": floor_ulps,
+            "control_runs": others, "compared_with": {name: replays.get(name, base_name) for name in others},
+            "num_steps": len(base_steps), "k": k, "floors": floors, "floor_ulps": floor_ulps,
             "rule": RULE, "bounds": bounds}
 
 
@@ -134,46 +153,47 @@ LOSS_KEY = "outputs/loss"
 LOSS_TERMS_TEXT = ("the larger of |loss difference| and the sum of |per-token loss contribution differences| "
                    "(qualify.ppo.decisions.loss_terms): a few controls' loss differences cancel by chance")
 TermsOf = Callable[[int, Any], Any]
+ReplayOf = Callable[[str, str], Path | None]
 NORM_KEY = "outputs/grad_norm"
 NORM_TEXT = ("the larger of |grad norm difference| and the norm of the whole gradient's difference, which bounds it "
              "(| |a| - |b| | <= |a - b|) and, summed over every element, does not cancel by chance in a few controls")
 
 
-def grad_difference_error(base: Any, runs: dict[str, Any], errors: dict[str, dict[str, float]]) -> bool:
-    """Raise the grad norm's control error to the largest norm of a control's whole-gradient difference; True when
-    every control holds the reference run's gradients (names and shapes)."""
-    shapes = {n: g.shape for n, g in base.grads.items()}
-    if not shapes or any({n: g.shape for n, g in run.grads.items()} != shapes for run in runs.values()):
+def grad_difference_error(pairs: list[tuple[Any, Any]], errors: dict[str, dict[str, float]]) -> bool:
+    """Raise the grad norm's control error to the largest norm of a control's whole-gradient difference from the run
+    it is compared with (pairs: (control, base)); True when every pair holds the same gradients (names and shapes)."""
+    if not pairs or any(not base.grads or {n: g.shape for n, g in run.grads.items()} !=
+                        {n: g.shape for n, g in base.grads.items()} for run, base in pairs):
         return False
-    l2 = max((math.sqrt(sum(float((run.grads[n].double() - g.double()).square().sum()) for n, g in base.grads.items()))
-              for run in runs.values()), default=0.0)
+    l2 = max(math.sqrt(sum(float((run.grads[n].double() - g.double()).square().sum()) for n, g in base.grads.items()))
+             for run, base in pairs)
     errors[NORM_KEY]["max_abs"] = max(errors[NORM_KEY]["max_abs"], l2)
     return True
 
 
-def loss_terms_error(base: Any, runs: dict[str, Any], terms: Callable[[Any], Any],
+def loss_terms_error(pairs: list[tuple[Any, Any]], terms: Callable[[Any], Any],
                      errors: dict[str, dict[str, float]]) -> bool:
-    """Raise the loss's control error to the largest sum of |per-token contribution differences| of a control;
-    True when the contributions could be read for the reference run and every control."""
-    mine = terms(base)
-    theirs = [terms(run) for run in runs.values()]
-    if mine is None or any(t is None or t.shape != mine.shape for t in theirs):
+    """Raise the loss's control error to the largest sum of |per-token contribution differences| of a control from
+    the run it is compared with (pairs: (control, base)); True when every pair's contributions could be read."""
+    both = [(terms(run), terms(base)) for run, base in pairs]
+    if not both or any(t is None or m is None or t.shape != m.shape for t, m in both):
         return False
-    l1 = max((float((t - mine).abs().sum()) for t in theirs), default=0.0)
+    l1 = max(float((t - m).abs().sum()) for t, m in both)
     errors[LOSS_KEY]["max_abs"] = max(errors[LOSS_KEY]["max_abs"], l1)
     return True
 
 
 def step_family_bounds(base: Any, runs: dict[str, Any], rule: BoundRule, starts: dict[str, dict], base_name: str,
-                       optimizer: Any, adam_step: int,
-                       terms: Callable[[Any], Any] | None = None) -> dict[str, dict[str, Any]]:
-    """Bounds of one family at one step (keys without the step prefix)."""
+                       optimizer: Any, adam_step: int, terms: Callable[[Any], Any] | None = None,
+                       bases: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """Bounds of one family at one step (keys without the step prefix). bases[name]: what control name is compared
+    with (base replayed on its decisions); base itself where not given. Magnitudes are base's."""
     errors: dict[str, dict[str, float]] = {}
-    for run in runs.values():
-        merge_max(errors, pair_metrics(run, base))
-    by_terms = terms is not None and "max_abs" in errors.get(LOSS_KEY, {}) and loss_terms_error(base, runs, terms,
-                                                                                                 errors)
-    by_grads = "max_abs" in errors.get(NORM_KEY, {}) and grad_difference_error(base, runs, errors)
+    pairs = [(run, (bases or {}).get(name, base)) for name, run in runs.items()]
+    for run, other in pairs:
+        merge_max(errors, pair_metrics(run, other))
+    by_terms = terms is not None and "max_abs" in errors.get(LOSS_KEY, {}) and loss_terms_error(pairs, terms, errors)
+    by_grads = "max_abs" in errors.get(NORM_KEY, {}) and grad_difference_error(pairs, errors)
     mags = magnitudes(base)
     bounds = {key: {m: rule.entry(key, m, v, mags[key]) for m, v in ms.items()} for key, ms in errors.items()}
     if by_terms:
@@ -275,6 +295,21 @@ def terms_of(matrix: Any, role: str, inputs: Any) -> TermsOf:
     return terms
 
 
+def replays_of(matrix: Any, layout: RunLayout, role: str, inputs: Any, summary: dict[str, Any]) -> ReplayOf:
+    """replay_of(base, control) for family_bounds: where the reference sealed base replayed on the control's clip
+    decisions, None where the control decided as base (decided here from the recorded outputs, not from the
+    unsealed summary)."""
+    from qualify.reference.forced import control_replay
+    from qualify.reference.stage import scoring_settings
+
+    settings = scoring_settings(matrix, summary["rollout_digest"])
+
+    def replay_of(base: str, control: str) -> Path | None:
+        found = control_replay(matrix, layout, role, base, control, inputs, settings)
+        return None if found is None else found[0]
+    return replay_of
+
+
 def freeze(run_dir: Path, name: str | None = None) -> dict[str, Any]:
     """Freeze the reference of run_dir; returns the acceptance document (refuses to change a frozen one)."""
     layout = RunLayout(run_dir_of(run_dir))
@@ -292,7 +327,7 @@ def freeze(run_dir: Path, name: str | None = None) -> dict[str, Any]:
         for family in FAMILIES:
             doc = family_bounds(layout, role, family, controls, matrix.freeze.k, dict(matrix.freeze.floors), before,
                                 matrix.optimizer, matrix.freeze.quantum, matrix.freeze.floor_ulps,
-                                terms_of(matrix, role, inputs))
+                                terms_of(matrix, role, inputs), replays_of(matrix, layout, role, inputs, summary))
             files[f"{role}-{family}.json"] = dumps_json(doc).encode("ascii")
     layers = layer_bound_files(layout, matrix, controls)  # {} for a reference scored without layer activations
     document = acceptance_document(layout, name or matrix.name, files, summary | {"coverage": coverage}, matrix, layers)

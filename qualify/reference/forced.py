@@ -1,4 +1,4 @@
-"""The reference replayed on a candidate's clip decisions (qualify.ppo.decisions).
+"""The reference replayed on another run's clip decisions (qualify.ppo.decisions).
 
 When a candidate decides a token's clip otherwise than the reference (a token within a rounding step of a clip
 edge), its later steps follow another trajectory than the reference's, and comparing them with the reference's
@@ -6,62 +6,147 @@ would measure the branch, not the numerics. The judge then compares the candidat
 reference run (precision, r0: the independent HF model, the same code and settings) with every token's decision
 imposed from the candidate's recorded outputs, step by step. Nothing else is taken from the candidate.
 
-Replays are sealed under candidates/replays/<precision>-r0-<key>/<role>/, keyed by the imposed decisions, the
-targets and the matrix's scoring settings, so the cases that decide alike share one and the report's re-judging
-reads it back instead of computing it again.
+The bounds are calibrated the same way: a reference control that decided a token otherwise than the r0 it is
+compared with enters freeze through its error against that r0 replayed on the control's decisions, made by the
+reference stage (control_replays) and sealed under reference/replays/, inside the acceptance's evidence. So a bound
+measures numerics with the decisions held equal, which is what the case's tensors are judged on; the decisions
+themselves are judged as decisions (qualify.candidate.decided).
+
+Replays are keyed by the imposed decisions, the targets and the matrix's scoring settings: a case's replay is
+sealed under candidates/replays/<precision>-r0-<key>/<role>/ unless the reference already holds the same one (a case
+that decided as a control did), so the cases that decide alike share one and the report's re-judging reads it back
+instead of computing it again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
-from qualify.compare import RunTensors, load_steps
+from qualify.compare import RunTensors, load_steps, num_steps, step_dir
 from qualify.layout import RunLayout
 from qualify.matrix import Matrix
+from qualify.ppo.decisions import Decisions, decisions, differing
+from qualify.reference.inputs import StepInputs
 from qualify.stages import stage_is_complete
 
 REPLAYS = "replays"
 
 
-def replay_dir(layout: RunLayout, precision: str, role: str, decided: list[torch.Tensor], settings: str) -> Path:
+def replay_dir(root: Path, precision: str, role: str, decided: list[torch.Tensor], settings: str) -> Path:
+    """root/replays/<precision>-r0-<key>/<role>: root is the reference directory (the controls' replays, sealed
+    before freeze) or the candidates directory (the cases')."""
     h = hashlib.sha256(f"{precision}\0{role}\0{settings}\0".encode())
     for mask in decided:
         h.update(str(tuple(mask.shape)).encode())
         h.update(mask.to(torch.uint8).contiguous().numpy().tobytes())
-    return layout.candidates / REPLAYS / f"{precision}-r0-{h.hexdigest()[:16]}" / role
+    return Path(root) / REPLAYS / f"{precision}-r0-{h.hexdigest()[:16]}" / role
 
 
 def replayed_reference(matrix: Matrix, layout: RunLayout, precision: str, role: str,
                        decided: list[torch.Tensor]) -> tuple[list[RunTensors], Path]:
-    """(the steps of <precision>-r0 replayed with decided[k] imposed at step k, where they are sealed)."""
+    """(the steps of <precision>-r0 replayed with decided[k] imposed at step k, where they are sealed): the
+    reference's own replay when a control decided alike, else the candidates' (made here when missing)."""
+    from qualify.reference.stage import scoring_settings
+    from qualify.store import read_json
+
+    summary = read_json(layout.reference_summary)
+    settings = scoring_settings(matrix, summary["rollout_digest"])
+    frozen = replay_dir(layout.reference, precision, role, decided, settings)
+    if stage_is_complete(frozen):
+        return load_steps(frozen), frozen
+    out = replay_dir(layout.candidates, precision, role, decided, settings)
+    make_replay(matrix, layout, precision, role, decided, out, summary["rollout_digest"], summary["targets_digest"])
+    return load_steps(out), out
+
+
+def make_replay(matrix: Matrix, layout: RunLayout, precision: str, role: str, decided: list[torch.Tensor], out: Path,
+                rollout_digest: str, targets_digest: str) -> Path:
+    """Score <precision>-r0 with decided[k] imposed at step k and seal it in out (nothing done when it is sealed)."""
     from qualify.models.family import model_dirs
     from qualify.models.hf import load_model
     from qualify.reference.stage import load_targets, model_config, scoring_settings, write_role
     from qualify.reference.step import Control, run_role
     from qualify.rollout.capture import load_rollout
-    from qualify.store import read_json
 
-    summary = read_json(layout.reference_summary)
-    digest = summary["rollout_digest"]
-    settings = scoring_settings(matrix, digest)
-    out = replay_dir(layout, precision, role, decided, settings)
-    if not stage_is_complete(out):
-        models = model_dirs(matrix, layout.models)
-        rollout = load_rollout(layout.rollout(matrix.rollout.vllm_tp[0]), digest)
-        targets = load_targets(layout, summary["targets_digest"])
-        control = Control(name="r0")
-        started = time.monotonic()
-        master = load_model(models[role], role, control.attn_impl)
-        with torch.enable_grad():
-            result = run_role(matrix, role, precision, control, master, rollout, targets,
-                              model_config(models["actor"])["vocab_size"], models[role], decided=decided)
-        write_role(out, result, {"precision": precision, "control": "r0", "role": role, "replay": "decisions",
-                                 "attn_impl": control.attn_impl, "seconds": round(time.monotonic() - started, 3),
-                                 "rollout_digest": digest, "targets_digest": summary["targets_digest"],
-                                 "settings": settings})
-    return load_steps(out), out
+    if stage_is_complete(out):
+        return out
+    settings = scoring_settings(matrix, rollout_digest)
+    models = model_dirs(matrix, layout.models)
+    rollout = load_rollout(layout.rollout(matrix.rollout.vllm_tp[0]), rollout_digest)
+    targets = load_targets(layout, targets_digest)
+    control = Control(name="r0")
+    started = time.monotonic()
+    master = load_model(models[role], role, control.attn_impl)
+    with torch.enable_grad():
+        result = run_role(matrix, role, precision, control, master, rollout, targets,
+                          model_config(models["actor"])["vocab_size"], models[role], decided=decided)
+    write_role(out, result, {"precision": precision, "control": "r0", "role": role, "replay": "decisions",
+                             "attn_impl": control.attn_impl, "seconds": round(time.monotonic() - started, 3),
+                             "rollout_digest": rollout_digest, "targets_digest": targets_digest,
+                             "settings": settings})
+    return out
 
+
+def recorded_decisions(matrix: Matrix, role: str, directory: Path, inputs: StepInputs) -> list[Decisions | None]:
+    """The clip decisions of every step of a sealed run, from its recorded outputs alone."""
+    from qualify.store import read_tensors
+
+    out = []
+    for k in range(num_steps(directory)):
+        if k >= len(inputs.masks):
+            out.append(None)
+            continue
+        outputs = read_tensors(Path(directory) / step_dir(k) / "outputs.safetensors")
+        out.append(decisions(role, matrix.ppo, matrix.grpo, outputs, inputs.targets[k], inputs.masks[k]))
+    return out
+
+
+def control_replay(matrix: Matrix, layout: RunLayout, role: str, base: str, control: str, inputs: StepInputs,
+                   settings: str) -> tuple[Path, list[torch.Tensor]] | None:
+    """(where base, '<precision>-r0', replayed on the control's decisions is sealed in the reference, the decisions)
+    when the control ('<precision>-<name>') decided a token otherwise than base at some step; None when it never did
+    (or its decisions cannot be read: such a control is compared with base itself)."""
+    precision, name = base.split("-", 1)
+    if name != "r0":
+        raise ValueError(f"a replay is of an r0 run, not {base}")
+    mine = recorded_decisions(matrix, role, layout.scores(*control.split("-", 1), role), inputs)
+    theirs = recorded_decisions(matrix, role, layout.scores(precision, "r0", role), inputs)
+    if any(d is None for d in mine + theirs) or len(mine) != len(theirs):
+        return None
+    if not any(differing(a, b) for a, b in zip(mine, theirs)):
+        return None
+    decided = [d.clipped_BT for d in mine]
+    return replay_dir(layout.reference, precision, role, decided, settings), decided
+
+
+
+def control_replays(matrix: Matrix, layout: RunLayout, controls: list[str], rollout_digest: str, targets_digest: str,
+                    step: Callable[[str], object] | None = None) -> Iterator[Path]:
+    """Make every replay freeze needs: for each role and family, r0 replayed on each control's decisions where they
+    differ from r0's (qualify.freeze.family_pairs). step(text) wraps each computation (a StageLog step)."""
+    from contextlib import nullcontext
+
+    from qualify.acceptance import FAMILIES
+    from qualify.freeze import family_pairs
+    from qualify.reference.stage import scoring_settings
+
+    inputs = StepInputs.read(matrix, layout, rollout_digest, targets_digest)
+    settings = scoring_settings(matrix, rollout_digest)
+    for role in matrix.roles:
+        for family in FAMILIES:
+            base, others = family_pairs(family, controls)
+            for other in others:
+                found = control_replay(matrix, layout, role, base, other, inputs, settings)
+                if found is None:
+                    continue
+                out, decided = found
+                if not stage_is_complete(out):
+                    with (step(f"replay {base} {role} on {other}'s clip decisions") if step else nullcontext()):
+                        make_replay(matrix, layout, base.split("-", 1)[0], role, decided, out, rollout_digest,
+                                    targets_digest)
+                yield out

@@ -21,12 +21,18 @@ class StepInputs:
 
     @classmethod
     def load(cls, matrix: Matrix, layout: RunLayout) -> StepInputs:
-        from qualify.reference.stage import load_targets
-        from qualify.rollout.capture import load_rollout
         from qualify.store import read_json
 
         summary = read_json(layout.reference_summary)
-        targets = load_targets(layout, summary["targets_digest"])
-        mask = load_rollout(layout.rollout(matrix.rollout.vllm_tp[0]), summary["rollout_digest"])["response_mask_BT"]
+        return cls.read(matrix, layout, summary["rollout_digest"], summary["targets_digest"])
+
+    @classmethod
+    def read(cls, matrix: Matrix, layout: RunLayout, rollout_digest: str, targets_digest: str) -> StepInputs:
+        """From the sealed targets and rollout, checked against the digests given (before the summary exists)."""
+        from qualify.reference.stage import load_targets
+        from qualify.rollout.capture import load_rollout
+
+        targets = load_targets(layout, targets_digest)
+        mask = load_rollout(layout.rollout(matrix.rollout.vllm_tp[0]), rollout_digest)["response_mask_BT"]
         rows = step_rows(mask.shape[0], matrix.ppo.epochs, matrix.ppo.minibatches)
         return cls([rows_of(targets, r) for r in rows], [mask[r] for r in rows])

@@ -172,7 +172,8 @@ def score_all(matrix: Matrix, layout: RunLayout, models: dict[str, Path], digest
                                              "seconds": round(time.monotonic() - started, 3),
                                              "rollout_digest": digest, "targets_digest": tdigest,
                                              "settings": scoring_settings(matrix, digest)}
-                              | ({"fused_projections": True} if control.fused else {}))
+                              | ({"fused_projections": True} if control.fused else {})
+                              | ({"optimizer_order": "reordered"} if control.reordered_adam else {}))
     return [c.name for c in controls]
 
 
@@ -241,11 +242,15 @@ def run_reference(matrix: Matrix, run_dir: Path, stage: str = "all", rollout: Pa
     require_complete(layout.rollout(primary), f"rollout TP{primary} (run --stage capture first)")
     digest = stage_info(layout.rollout(primary))["digest"]
     controls = score_all(matrix, layout, models, digest, log)
+    from qualify.reference.forced import control_replays
+
+    replays = sorted({str(p.relative_to(layout.reference)) for p in control_replays(
+        matrix, layout, controls, digest, stage_info(layout.targets)["digest"], log.step)})
     summary = {"matrix": to_dict(matrix), "matrix_digest": matrix_digest, "rollout_digest": digest, "primary_vllm_tp": primary,
                "rollout_digests": {f"tp{tp}": stage_info(layout.rollout(tp))["digest"]
                                    for tp in matrix.rollout.vllm_tp if stage_is_complete(layout.rollout(tp))},
                "tp_agreement": tp_agreement(matrix, layout), "targets_digest": stage_info(layout.targets)["digest"],
-               "controls": controls, "precisions": list(matrix.reference.precisions),
+               "controls": controls, "control_replays": replays, "precisions": list(matrix.reference.precisions),
                "rollout_mismatch": rollout_mismatch(layout, matrix, controls), "git": git_state(),
                "rollout_platform": read_json(layout.rollout(primary) / "rollout.json").get("platform"),
                "rollout_source": None if rollout is None else str(rollout), **provenance()}
