@@ -20,7 +20,8 @@ from qualify.schema import load_yaml_file
 
 Precision = Literal["fp32", "bf16"]
 Role = Literal["actor", "critic"]
-Perturbation = Literal["microbatch_split", "batch_order", "attn_impl", "tp_split", "fused_projections"]
+Perturbation = Literal["microbatch_split", "batch_order", "attn_impl", "tp_split", "fused_projections",
+                       "optimizer_order"]
 TokenNormalizer = Literal["global", "per_sequence", "constant"]
 Topology = Literal["dedicated", "shared"]
 LogprobFormula = Literal["full", "processed"]
@@ -324,7 +325,9 @@ class Reference:
     accumulated), batch_order (rows reversed), attn_impl (eager attention), tp_split (one control per
     candidates.tp degree n > 1 at reference time, named tp<n>_split: the reference computed with TP n's reduction
     orders, qualify.reference.tp_numerics; none when candidates.tp has no degree above 1), fused_projections (each
-    layer's q/k/v and gate/up as one GEMM, as Megatron computes them: qualify engines that fuse with it)."""
+    layer's q/k/v and gate/up as one GEMM, as Megatron computes them: qualify engines that fuse with it),
+    optimizer_order (AdamW's arithmetic in another order, as engines' own optimizers round it: every engine steps its
+    own optimizer, so qualify every engine with it; qualify.reference.adam_order)."""
     logprob_chunk_tokens: int = 64
     """Tokens per chunk of the fp32 log_softmax (never a [tokens, vocab] fp32 tensor)."""
     gradient_checkpointing: bool = False

@@ -46,6 +46,8 @@ class Control:
     """> 1: linears computed with this TP degree's reduction orders (qualify.reference.tp_numerics)."""
     fused: bool = False
     """q/k/v and gate/up projections computed as one GEMM each (qualify.reference.tp_numerics.fuse_projections)."""
+    reordered_adam: bool = False
+    """AdamW's arithmetic in another order (qualify.reference.adam_order), as engines' own optimizers have it."""
 
 
 def controls_of(matrix: Matrix) -> list[Control]:
@@ -59,7 +61,8 @@ def controls_of(matrix: Matrix) -> list[Control]:
         out.append({"microbatch_split": Control(name=p, microbatches=2),
                     "batch_order": Control(name=p, reverse_rows=True),
                     "attn_impl": Control(name=p, attn_impl=CONTROL_ATTN["attn_impl"]),
-                    "fused_projections": Control(name=p, fused=True)}[p])
+                    "fused_projections": Control(name=p, fused=True),
+                    "optimizer_order": Control(name=p, reordered_adam=True)}[p])
     return out
 
 
@@ -140,7 +143,12 @@ def run_role(matrix: Matrix, role: str, precision: str, control: Control, master
     o, p = matrix.optimizer, matrix.ppo
     names = [n for n, _ in master.named_parameters()]
     params = list(master.parameters())
-    opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, foreach=False)
+    if control.reordered_adam:
+        from qualify.reference.adam_order import ReorderedAdamW
+
+        opt = ReorderedAdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    else:
+        opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, foreach=False)
     steps, coverage, grad_dtypes, master_grad_dtypes = [], [], {}, {}
     for k, rows in enumerate(step_rows(batch["input_ids_BT"].shape[0], p.epochs, p.minibatches)):
         mb = {key: v[rows] for key, v in batch.items()}
