@@ -66,7 +66,11 @@ def test_own_objective_critic_passes_and_a_missing_value_clip_fails(run_copy):
     assert verdict["cases"][own]["passed"], sorted(failing(verdict, own))[:5]
     bad = failing(verdict, case_of(m, bug))
     assert not any(t.startswith("step0/") for t, _ in bad), sorted(bad)[:5]  # no value has moved at step 0
-    assert ("step1/outputs/clip_frac", "max_abs") in bad and ("step1/outputs/loss", "max_abs") in bad, sorted(bad)[:5]
+    # from step 1 the loss drops the clipped term: the loss and the gradients move. clip_frac is not required to fail:
+    # it counts tokens past the edge, and a control whose step-1 values put one token across it (attn_impl on an Intel
+    # Xeon, none on an AMD EPYC) makes its bound 4 such tokens, what this bug moves on this rollout
+    assert ("step1/outputs/loss", "max_abs") in bad and ("step1/outputs/grad_norm", "max_abs") in bad, sorted(bad)[:5]
+    assert any(t.startswith("step1/grads/") for t, _ in bad), sorted(bad)[:5]
     assert ("step1/outputs/loss", "objective_abs") in bad, sorted(bad)[:5]  # not the objective of its own values
     [row] = [r for r in verdict["rows"] if r["case"] == case_of(m, bug) and r["tensor"] == "step1/outputs/loss"
              and r["metric"] == "objective_abs"]
