@@ -3,7 +3,8 @@
 Rule: bound = k x control error + floor, per (role, tensor, metric), k and floors taken from the
 matrix snapshot recorded by the reference stage (so the rule is fixed before any candidate
 runs). Six families: actor and critic x fp32-repeat (fp32 controls vs fp32 r0), bf16-repeat
-(bf16 controls vs bf16 r0), fp32-vs-bf16 (bf16 runs vs fp32 r0). The acceptance manifest
+(bf16 controls vs bf16 r0), fp32-vs-bf16 (bf16 runs vs fp32 r0); a control that decided a clip otherwise than that
+r0 is compared with r0 replayed on its decisions (qualify.reference.forced), as a case is. The acceptance manifest
 lists every reference artifact with its sha256 and names the bound files by digest. An
 acceptance is written once: freezing again is refused unless the result is byte-identical,
 so a frozen bound can never be widened.
