@@ -167,3 +167,48 @@ def test_a_control_whose_decisions_cannot_be_read_has_no_replay(tmp_path):
     write_steps(layout.scores("fp32", "blind", "critic"), [blind])
     assert recorded_decisions(matrix, "critic", layout.scores("fp32", "blind", "critic"), inputs) == [None]
     assert control_replay(matrix, layout, "critic", "fp32-r0", "fp32-blind", inputs, "settings") is None
+
+
+def _crossing_reference(tmp_path):
+    """A critic reference with r0, a control that crossed the value-clip edge on one token and one that did not."""
+    matrix = synthetic_matrix(tmp_path)
+    eps = matrix.ppo.value_clip_eps
+    layout = RunLayout(tmp_path / "run")
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    inputs = StepInputs([{"old_values_BT": torch.zeros(1, 4), "returns_BT": torch.full((1, 4), 1.0)}], [mask])
+    r0 = torch.tensor([[eps - 1e-3, 0.05, -0.05, 0.0]])
+    crossed = r0.clone()
+    crossed[0, 0] = eps + 1e-3
+    for name, values in (("r0", r0), ("crossed", crossed), ("inside", r0 + 1e-4)):
+        write_steps(layout.scores("fp32", name, "critic"), [_critic_run(values)])
+    return matrix, layout, inputs
+
+
+def test_freeze_finds_a_control_replay_under_the_scoring_settings_of_the_recorded_rollout(tmp_path):
+    from qualify.freeze import replays_of
+    from qualify.reference.stage import scoring_settings
+
+    matrix, layout, inputs = _crossing_reference(tmp_path)
+    replay_of = replays_of(matrix, layout, "critic", inputs, {"rollout_digest": "sha256:abc"})
+    decided = [torch.tensor([[True, False, False, False]])]
+    expect = replay_dir(layout.reference, "fp32", "critic", decided, scoring_settings(matrix, "sha256:abc"))
+    assert replay_of("fp32-r0", "fp32-crossed") == expect
+    assert expect != replay_dir(layout.reference, "fp32", "critic", decided, scoring_settings(matrix, "sha256:abd"))
+    assert replay_of("fp32-r0", "fp32-inside") is None
+
+
+def test_terms_of_gives_each_steps_loss_contributions_and_none_past_the_last_step(tmp_path):
+    from qualify.freeze import terms_of
+    from qualify.ppo.decisions import loss_terms
+
+    matrix, _layout, inputs = _crossing_reference(tmp_path)
+    run = _critic_run(torch.tensor([[0.3, 0.05, -0.05, 0.0]]))
+    terms = terms_of(matrix, "critic", inputs)
+    got = terms(0, run)
+    expect = loss_terms("critic", matrix.ppo, matrix.grpo, run.outputs, inputs.targets[0], inputs.masks[0])
+    assert got is not None and torch.equal(got, expect)
+    # the value-clip loss by hand: 0.5 x max((v - R)^2, (clip(v) - R)^2) / tokens, token 0 clipped at 0.2
+    eps = matrix.ppo.value_clip_eps
+    by_hand = [0.5 * max((v - 1.0) ** 2, (max(min(v, eps), -eps) - 1.0) ** 2) / 4 for v in (0.3, 0.05, -0.05, 0.0)]
+    assert got.flatten().tolist() == pytest.approx(by_hand, rel=1e-6)
+    assert terms(1, run) is None
