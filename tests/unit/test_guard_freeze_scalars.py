@@ -1,0 +1,75 @@
+"""Freeze's scalar control errors (the loss's per-token terms, the grad norm's whole-gradient difference) fall back to
+the plain |difference| when the pairs cannot give them, without an error and without touching the errors
+(survivors of the freeze mutation run at 6eaeb6d)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from qualify.compare import RunTensors
+from qualify.freeze import LOSS_KEY, NORM_KEY, BoundRule, grad_difference_error, loss_terms_error, step_family_bounds
+from tests.unit._runs import OPT
+
+
+def _run(grads: dict[str, torch.Tensor], loss: float | None = 1.0) -> RunTensors:
+    outputs = {"grad_norm": torch.tensor(1.0)}
+    if loss is not None:
+        outputs["loss"] = torch.tensor(loss)
+    return RunTensors(outputs, grads, {}, {}, {})
+
+
+def _errors() -> dict[str, dict[str, float]]:
+    return {LOSS_KEY: {"max_abs": 0.25}, NORM_KEY: {"max_abs": 0.5}}
+
+
+def test_no_pairs_give_no_grad_difference():
+    errors = _errors()
+    assert grad_difference_error([], errors) is False and errors == _errors()
+
+
+def test_a_control_with_other_gradient_shapes_gives_no_grad_difference():
+    base = _run({"w": torch.zeros(2, 2)})
+    other = _run({"w": torch.ones(4)})
+    errors = _errors()
+    assert grad_difference_error([(other, base)], errors) is False and errors == _errors()
+    also = _run({"w": torch.ones(2, 2), "b": torch.ones(1)})  # a gradient the base does not have
+    assert grad_difference_error([(also, base)], errors) is False and errors == _errors()
+
+
+def test_a_base_without_gradients_gives_no_grad_difference():
+    errors = _errors()
+    assert grad_difference_error([(_run({}), _run({}))], errors) is False and errors == _errors()
+
+
+def test_the_grad_difference_is_the_largest_pair_norm_and_only_raises():
+    base = _run({"w": torch.zeros(2), "b": torch.zeros(1)})
+    near, far = _run({"w": torch.tensor([0.3, 0.4]), "b": torch.zeros(1)}), _run({"w": torch.zeros(2),
+                                                                                "b": torch.tensor([2.0])})
+    errors = _errors()
+    assert grad_difference_error([(near, base), (far, base)], errors) is True
+    assert math.isclose(errors[NORM_KEY]["max_abs"], 2.0, rel_tol=1e-12)
+    small = _errors()
+    small[NORM_KEY]["max_abs"] = 9.0
+    assert grad_difference_error([(near, base)], small) is True and small[NORM_KEY]["max_abs"] == 9.0
+
+
+def test_loss_terms_that_cannot_be_read_or_compared_give_no_loss_error():
+    base, other = _run({}), _run({})
+    errors = _errors()
+    shapes = {id(base): torch.zeros(2, 3), id(other): torch.ones(3, 2)}
+    assert loss_terms_error([(other, base)], lambda r: shapes[id(r)], errors) is False and errors == _errors()
+    unread = {id(base): torch.zeros(2), id(other): None}
+    assert loss_terms_error([(other, base)], lambda r: unread[id(r)], errors) is False and errors == _errors()
+    unread_base = {id(base): None, id(other): torch.zeros(2)}
+    assert loss_terms_error([(other, base)], lambda r: unread_base[id(r)], errors) is False and errors == _errors()
+    assert loss_terms_error([], lambda r: torch.zeros(2), errors) is False and errors == _errors()
+
+
+def test_terms_given_for_runs_without_a_loss_make_no_loss_bound():
+    base, other = _run({"w": torch.zeros(2)}, loss=None), _run({"w": torch.ones(2)}, loss=None)
+    rule = BoundRule(4.0, {"grad_norm": 0.0, "grad": 0.0, "relative": 0.0, "loss": 0.0}, 0.0, "fp32", False)
+    bounds = step_family_bounds(base, {"c": other}, rule, {"base": {}, "c": {}}, "base", OPT, 1,
+                                lambda r: torch.zeros(2))
+    assert LOSS_KEY not in bounds and bounds["grads/w"]["max_abs"]["control_error"] == 1.0
