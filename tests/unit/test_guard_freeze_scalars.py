@@ -73,3 +73,23 @@ def test_terms_given_for_runs_without_a_loss_make_no_loss_bound():
     bounds = step_family_bounds(base, {"c": other}, rule, {"base": {}, "c": {}}, "base", OPT, 1,
                                 lambda r: torch.zeros(2))
     assert LOSS_KEY not in bounds and bounds["grads/w"]["max_abs"]["control_error"] == 1.0
+
+
+def test_an_update_the_reference_run_lacks_is_bounded_at_magnitude_zero():
+    """A control updates a parameter the family's reference run does not hold: its replay bound takes magnitude 0
+    (the floor of the kind alone, no fp32 ulps of a magnitude that is not there) and no quantum."""
+    from tests.unit._runs import adamw_run
+
+    start = {"w": torch.full((3,), 0.75), "extra": torch.full((2,), 0.5)}
+    grads = {"w": torch.tensor([0.1, -0.2, 0.3]), "extra": torch.tensor([0.05, -0.05])}
+    updates, moments = adamw_run(start, grads)
+    base = RunTensors({}, {"w": grads["w"]}, {"w": updates["w"]},
+                      {k: v for k, v in moments.items() if k.endswith("/w")}, {})
+    control = RunTensors({}, grads, updates, moments, {})
+    rule = BoundRule(4.0, {"grad": 0.0, "relative": 0.0, "update": 1e-12, "moment": 0.0}, 16.0, "fp32", True)
+    bounds = step_family_bounds(base, {"c": control}, rule, {"base": {"w": start["w"]}, "c": start}, "base", OPT, 1)
+    extra = bounds["updates/extra"]["replay_max_abs"]
+    assert extra["magnitude"] == 0.0 and extra["floor"] == 1e-12 and extra["quantum"] == 0.0
+    w = bounds["updates/w"]["replay_max_abs"]
+    assert w["floor"] == 16.0 * 2.0 ** (math.floor(math.log2(float(updates["w"].abs().max()))) - 23) > 1e-12
+    assert w["quantum"] == 2.0 ** (math.floor(math.log2(0.75)) - 23)  # one fp32 step of the parameter
