@@ -92,3 +92,33 @@ def test_differing_lists_the_positions_in_order():
     b = Decisions(torch.tensor([[False, False, True], [True, False, False]]), torch.zeros(2, 3), "ratio_BT", "x")
     assert differing(a, b) == [(0, 0), (1, 0), (1, 2)]
     assert differing(a, a) == []
+
+
+def test_a_ratio_one_step_beyond_the_edge_whose_terms_round_equal_is_not_clipped():
+    """The objective's own fp32 arithmetic: one float32 step beyond 1 + eps (A > 0) or 1 - eps (A < 0), -A x clamp(r)
+    and -A x r can round to the same float32 (these A were found so): a tie, which clip_frac's strict > does not
+    count, and neither does the decision."""
+    eps = 0.2
+    hi, lo = torch.tensor(1.0 + eps), torch.tensor(1.0 - eps)  # float32, as clamp takes them
+    ratio = torch.stack([torch.nextafter(hi, torch.tensor(2.0)), torch.nextafter(lo, torch.tensor(0.0))])[None]
+    adv = torch.tensor([[0.9194083213806152, -0.8488934636116028]])
+    assert bool((ratio[0, 0] > hi) & (ratio[0, 1] < lo))  # both beyond the edge: the clamp is active
+    assert torch.equal(-adv * torch.clamp(ratio, 1.0 - eps, 1.0 + eps), -adv * ratio)  # the two terms tie
+    d = decisions("actor", SimpleNamespace(clip_eps=eps), None, {"ratio_BT": ratio}, {"advantages_BT": adv},
+                  torch.ones(1, 2, dtype=torch.bool))
+    assert d.clipped_BT.tolist() == [[False, False]]
+
+
+def test_loss_terms_are_float64_throughout():
+    """eps 0.2 and kl_coef 0.1 are not float32 values: the clamp's edge is 1.2 in float64 (not float32's 1.2000000477),
+    and the KL term 0.1 x kl is a float64 product."""
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    ppo = SimpleNamespace(clip_eps=0.2, token_normalizer="global", normalizer_constant=None)
+    terms = loss_terms("actor", ppo, None, {"ratio_BT": torch.tensor([[1.5]])}, {"advantages_BT": torch.ones(1, 1)},
+                       mask)
+    assert terms.tolist() == [[-1.2]]  # max(-1.5, -1 x 1.2), one token
+    grpo = SimpleNamespace(kl_coef=0.1, aggregation="token_mean", constant=None)
+    kl = torch.tensor([[0.7]])  # 0.1 x 0.7f rounds differently in float32
+    terms = loss_terms("actor", ppo, grpo, {"ratio_BT": torch.tensor([[1.0]]), "advantages_B": torch.ones(1),
+                                            "kl_BT": kl}, {}, mask)
+    assert terms.tolist() == [[-1.0 + 0.1 * float(kl)]]
