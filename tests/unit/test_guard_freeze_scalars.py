@@ -93,3 +93,51 @@ def test_an_update_the_reference_run_lacks_is_bounded_at_magnitude_zero():
     w = bounds["updates/w"]["replay_max_abs"]
     assert w["floor"] == 16.0 * 2.0 ** (math.floor(math.log2(float(updates["w"].abs().max()))) - 23) > 1e-12
     assert w["quantum"] == 2.0 ** (math.floor(math.log2(0.75)) - 23)  # one fp32 step of the parameter
+
+
+def test_family_bounds_take_each_steps_loss_terms_from_terms_of_that_step(tmp_path):
+    """terms(step, run) sets the loss's control error step by step: the largest sum of |term differences| at that
+    step (here terms that grow with the step and with the run's loss), marked as such."""
+    from qualify.freeze import LOSS_TERMS_TEXT, family_bounds
+    from qualify.layout import RunLayout
+    from tests.unit._runs import COEF, FLOORS, K, params, role_steps, write_steps
+
+    layout = RunLayout(tmp_path)
+    runs = {c: role_steps("critic", COEF[("fp32", c)], 2) for c in ("r0", "r1", "r2")}
+    for control, steps in runs.items():
+        write_steps(layout.scores("fp32", control, "critic"), steps)
+    calls = []
+
+    def terms(step, run):
+        calls.append(step)
+        return torch.full((3,), float(run.outputs["loss"]) * (10.0 + step), dtype=torch.float64)
+
+    doc = family_bounds(layout, "critic", "fp32-repeat", ["r0", "r1", "r2"], K, FLOORS, params(), OPT, False, 0.0,
+                        terms)
+    assert sorted(set(calls)) == [0, 1]
+    for step in (0, 1):
+        loss = [float(runs[c][step].outputs["loss"]) for c in ("r0", "r1", "r2")]
+        expect = max(3 * abs(x - loss[0]) * (10.0 + step) for x in loss[1:])
+        entry = doc["bounds"][f"step{step}/outputs/loss"]["max_abs"]
+        assert math.isclose(entry["control_error"], expect, rel_tol=1e-6) and entry["control_error_of"] == LOSS_TERMS_TEXT
+
+
+def test_terms_of_a_grpo_matrix_reads_the_grpo_objective(tmp_path):
+    """The GRPO actor's per-token terms come from its outputs (ratio, advantages per row, KL) and the grpo section;
+    without the grpo section they could not be read (PPO's advantages_BT are not in a GRPO target)."""
+    from qualify.freeze import terms_of
+    from qualify.matrix import load_matrix
+    from qualify.ppo.decisions import loss_terms
+    from qualify.reference.inputs import StepInputs
+    from tests.unit._runs import REPO
+
+    matrix = load_matrix(REPO / "matrices" / "tiny-qwen3-grpo.yaml")
+    mask = torch.tensor([[False, True, True], [False, True, False]])
+    outputs = {"ratio_BT": torch.tensor([[1.0, 1.1, 0.7], [1.0, 0.95, 1.0]]), "advantages_B": torch.tensor([0.5, -1.0]),
+               "kl_BT": torch.tensor([[0.0, 0.01, 0.02], [0.0, 0.03, 0.0]])}
+    run = RunTensors(outputs, {}, {}, {}, {})
+    inputs = StepInputs([{}], [mask])
+    got = terms_of(matrix, "actor", inputs)(0, run)
+    expect = loss_terms("actor", matrix.ppo, matrix.grpo, outputs, {}, mask)
+    assert got is not None and expect is not None and torch.equal(got, expect)
+    assert loss_terms("actor", matrix.ppo, None, outputs, {}, mask) is None
