@@ -81,7 +81,7 @@ with urllib.request.urlopen(sys.argv[1]) as r, open(sys.argv[2], "wb") as f:
 PY
 done < "$work/wanted.txt"
 # the engines' wheels (gpu_chain.sh installs .whl/*.whl)
-python3 -m pip download -q --no-deps "${plat[@]}" -d .whl megatron-core==0.16.1 hjson pydantic==2.14.4 \
+python3 -m pip download -q --no-deps "${plat[@]}" -d .whl megatron-core==0.16.1 hjson pydantic==2.14.4 pydantic-core==2.50.5 \
   annotated-types typing-inspection typing-extensions
 python3 -m pip wheel -q --no-deps -w .whl deepspeed==0.19.8
 # pydantic & co are also vllm deps: keep one copy of each (in .whl/, which gpu_chain.sh installs last)

@@ -57,13 +57,31 @@ def controls_of(matrix: Matrix) -> list[Control]:
     for p in ref.perturbations:
         if p == "tp_split":
             out += [Control(name=f"tp{n}_split", tp=n) for n in sorted(matrix.candidates.tp) if n > 1]
-            continue
-        out.append({"microbatch_split": Control(name=p, microbatches=2),
-                    "batch_order": Control(name=p, reverse_rows=True),
-                    "attn_impl": Control(name=p, attn_impl=CONTROL_ATTN["attn_impl"]),
-                    "fused_projections": Control(name=p, fused=True),
-                    "optimizer_order": Control(name=p, reordered_adam=True)}[p])
+        elif p == "combined":
+            out.append(combined_control(ref.perturbations, max(matrix.candidates.tp)))
+        else:
+            out.append(Control(name=p, **_PERTURB[p]))
     return out
+
+
+_PERTURB: dict[str, dict[str, Any]] = {
+    "microbatch_split": {"microbatches": 2}, "batch_order": {"reverse_rows": True},
+    "attn_impl": {"attn_impl": CONTROL_ATTN["attn_impl"]}, "fused_projections": {"fused": True},
+    "optimizer_order": {"reordered_adam": True}}
+
+
+def combined_control(perturbations: tuple[str, ...], max_tp: int) -> Control:
+    """The `combined` control: every other listed perturbation at once (tp_split at max_tp, the largest candidate
+    degree). A correct engine differs from the reference in several legitimate ways together (its own reduction
+    orders, optimizer, attention kernel, micro-batching); each single control samples one of them, this one their
+    sum."""
+    settings: dict[str, Any] = {}
+    for p in perturbations:
+        if p == "tp_split":
+            settings["tp"] = max_tp
+        elif p != "combined":
+            settings |= _PERTURB[p]
+    return Control(name="combined", **settings)
 
 
 def _loss_scale(mask_BT: torch.Tensor, rows: slice, normalizer: str,
@@ -129,7 +147,7 @@ def run_role(matrix: Matrix, role: str, precision: str, control: Control, master
         master.to(device)
     model = _compute_model(master, precision, model_dir, role, control.attn_impl, device, offload)
     split_like_tp(model, control.tp)
-    if control.fused:
+    if control.fused:  # after the TP split (combined): the fused groups are then one whole GEMM each
         fuse_projections(model)
     batch_host, targets_host = batch, targets
     batch = {k: v.to(device) for k, v in batch.items()}
