@@ -173,7 +173,8 @@ def score_all(matrix: Matrix, layout: RunLayout, models: dict[str, Path], digest
                                              "rollout_digest": digest, "targets_digest": tdigest,
                                              "settings": scoring_settings(matrix, digest)}
                               | ({"fused_projections": True} if control.fused else {})
-                              | ({"optimizer_order": "reordered"} if control.reordered_adam else {}))
+                              | ({"optimizer_order": "reordered"} if control.reordered_adam else {})
+                              | ({"fused_norm": True} if control.fused_norm else {}))
     return [c.name for c in controls]
 
 

@@ -27,7 +27,7 @@ from qualify.models.hf import actor_scores, compute_copy, critic_values, enable_
 from qualify.ppo.formula import PROCESSED_KEY, rollout_sampling
 from qualify.ppo.math import kl_terms, masked_mean
 from qualify.ppo.objective import DECIDED_KEY, GRPOShare, grpo_share, role_objective, rows_of, step_rows
-from qualify.reference.tp_numerics import fuse_projections, split_like_tp
+from qualify.reference.tp_numerics import fuse_norms, fuse_projections, split_like_tp
 
 CONTROL_ATTN = {"attn_impl": "eager"}
 BASE_ATTN = "sdpa"
@@ -48,6 +48,8 @@ class Control:
     """q/k/v and gate/up projections computed as one GEMM each (qualify.reference.tp_numerics.fuse_projections)."""
     reordered_adam: bool = False
     """AdamW's arithmetic in another order (qualify.reference.adam_order), as engines' own optimizers have it."""
+    fused_norm: bool = False
+    """Each RMSNorm as one fused kernel, F.rms_norm (qualify.reference.tp_numerics.fuse_norms)."""
 
 
 def controls_of(matrix: Matrix) -> list[Control]:
@@ -67,7 +69,7 @@ def controls_of(matrix: Matrix) -> list[Control]:
 _PERTURB: dict[str, dict[str, Any]] = {
     "microbatch_split": {"microbatches": 2}, "batch_order": {"reverse_rows": True},
     "attn_impl": {"attn_impl": CONTROL_ATTN["attn_impl"]}, "fused_projections": {"fused": True},
-    "optimizer_order": {"reordered_adam": True}}
+    "optimizer_order": {"reordered_adam": True}, "fused_norm": {"fused_norm": True}}
 
 
 def combined_control(perturbations: tuple[str, ...], max_tp: int) -> Control:
@@ -149,6 +151,8 @@ def run_role(matrix: Matrix, role: str, precision: str, control: Control, master
     split_like_tp(model, control.tp)
     if control.fused:  # after the TP split (combined): the fused groups are then one whole GEMM each
         fuse_projections(model)
+    if control.fused_norm:
+        fuse_norms(model)
     batch_host, targets_host = batch, targets
     batch = {k: v.to(device) for k, v in batch.items()}
     targets = {k: v.to(device) for k, v in targets.items()}

@@ -12,6 +12,11 @@ error could sit outside what bounds calibrated on them allow.
 weights (no copy), every row-parallel linear as tp partial matmuls in the module's dtype added in rank
 order, every column-parallel linear as tp slices concatenated (autograd then sums the input gradient's tp
 partial products). Nothing else changes, so the control differs from r0 only by reduction order.
+
+Two other kernels engines legitimately use are here too: `fuse_projections` (q/k/v and gate/up as one GEMM each,
+as Megatron computes them) and `fuse_norms` (each RMSNorm as one fused kernel, torch's F.rms_norm, rounding once
+where Hugging Face's module rounds the normalized input before multiplying by the weight: what Megatron's
+torch-norm fallback, apex and Transformer Engine compute).
 """
 
 from __future__ import annotations
@@ -128,4 +133,27 @@ def fuse_projections(model: torch.nn.Module) -> int:
                 count += 1
     if count == 0:
         raise EngineError("fused_projections: no q/k/v or gate/up projections found (not a Qwen3-style decoder)")
+    return count
+
+
+def _fused_norm_forward(norm: torch.nn.Module):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (norm.weight.shape[-1],), norm.weight, norm.variance_epsilon)
+    return forward
+
+
+def fuse_norms(model: torch.nn.Module) -> int:
+    """Make each Hugging Face RMSNorm (a module with `weight` and `variance_epsilon`, computing
+    weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)) compute as torch's fused F.rms_norm: the same function, one
+    rounding of the product in the compute dtype instead of two, and the fused kernel's own reduction orders in the
+    backward. The parameters stay the module's own. Returns how many norms were replaced."""
+    count = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if (type(module).__name__.endswith("RMSNorm") and isinstance(weight, torch.nn.Parameter)
+                and weight.dim() == 1 and isinstance(getattr(module, "variance_epsilon", None), float)):
+            module.forward = _fused_norm_forward(module)
+            count += 1
+    if count == 0:
+        raise EngineError("fused_norm: no RMSNorm with weight and variance_epsilon found (not a Qwen3-style decoder)")
     return count

@@ -89,3 +89,10 @@ def test_split_then_fused_model_computes_the_same_function_in_float64():
     b.pow(2).sum().backward()
     for (name, p), q in zip(plain.named_parameters(), both.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-10, atol=1e-12 * float(p.grad.abs().max())), name
+
+
+def test_fused_norm_is_a_control_and_part_of_combined(tmp_path):
+    matrix = _with(synthetic_matrix(tmp_path), ("fused_norm", "optimizer_order", "combined"))
+    controls = {c.name: c for c in controls_of(matrix)}
+    assert controls["fused_norm"] == Control(name="fused_norm", fused_norm=True)
+    assert controls["combined"] == Control(name="combined", fused_norm=True, reordered_adam=True)

@@ -133,3 +133,53 @@ def test_fused_projections_compute_one_gemm_per_group_and_sum_the_input_gradient
     expected = torch.cat(dys, dim=-1) @ torch.cat([m.weight for m in members], dim=0)
     assert torch.equal(x.grad, expected)
     assert members[1](x.detach()).shape == (5, 16)  # another input: the member computes alone
+
+
+def test_fused_norms_compute_hf_rmsnorm_as_one_kernel_rounding_once():
+    """fuse_norms replaces every RMSNorm of the decoder (counted) by F.rms_norm: the same function as Hugging Face's
+    module (logits and every gradient within fp32 noise in a float64 model: Hugging Face's norm itself computes in
+    fp32); in bf16 one rounding of the exact product where Hugging Face's
+    module rounds twice, which is the difference the control samples (checked against the obvious float64
+    computation rounded once)."""
+    from qualify.matrix import TinyModel
+    from qualify.models.tiny import build_tiny_model
+    from qualify.reference.tp_numerics import fuse_norms
+
+    spec = TinyModel(vocab_size=128, hidden_size=64, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                     head_dim=32, max_position_embeddings=64, seed=3)
+    plain, fused = (build_tiny_model(spec, "actor").double() for _ in range(2))
+    params_before = [id(p) for p in fused.parameters()]
+    assert fuse_norms(fused) == 2 * 4 + 1  # input, post-attention, q and k norms per layer, and the final norm
+    assert [id(p) for p in fused.parameters()] == params_before
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(4))
+    a, b = plain(input_ids=ids).logits, fused(input_ids=ids).logits
+    assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    a.pow(2).sum().backward()
+    b.pow(2).sum().backward()
+    for (name, p), q in zip(plain.named_parameters(), fused.parameters()):
+        assert (p.grad - q.grad).abs().max() <= 1e-5 * p.grad.abs().max(), name
+
+    norm = next(m for m in build_tiny_model(spec, "actor").modules() if type(m).__name__.endswith("RMSNorm"))
+    norm = norm.to(torch.bfloat16)
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(norm.weight.shape, generator=g))
+    x = torch.randn(6, 16, norm.weight.shape[0], generator=g).to(torch.bfloat16)
+    hf = norm(x)
+    xd, wd = x.double(), norm.weight.double()
+    exact = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon) * wd
+    once = exact.to(torch.bfloat16)
+    wrapper = torch.nn.Sequential(norm)
+    fuse_norms(wrapper)
+    out = norm(x)
+    ulp = torch.finfo(torch.bfloat16).eps * exact.abs().to(torch.bfloat16).double()
+    assert ((out.double() - once.double()).abs() <= ulp).all()
+    assert (out == once).double().mean() >= 0.99
+    assert (hf != once).double().mean() >= 0.05  # Hugging Face's two roundings: what the control differs by
+
+
+def test_fuse_norms_refuses_a_model_without_rmsnorm():
+    from qualify.reference.tp_numerics import fuse_norms
+
+    with pytest.raises(EngineError, match="fused_norm: no RMSNorm"):
+        fuse_norms(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)))
