@@ -21,12 +21,14 @@ from qualify.manifest import load_manifest, verify_manifest
 from qualify.rule import tensor_floor
 from qualify.store import read_json
 
-ACCEPTANCE_SCHEMA = "qualify.acceptance/3"
-BOUNDS_SCHEMA = "qualify.bounds/3"
+ACCEPTANCE_SCHEMA = "qualify.acceptance/4"
+BOUNDS_SCHEMA = "qualify.bounds/4"
 """/2: the loss's control error is the sum of |per-token contribution differences| where that is larger, and updates
 are judged by the AdamW replay alone (no update-vs-reference bound). /3: a control that decided a clip otherwise than
-the family's r0 is compared with r0 replayed on its decisions (sealed in the reference), as a case is. An acceptance
-of an earlier schema is refused: re-freeze."""
+the family's r0 is compared with r0 replayed on its decisions (sealed in the reference), as a case is. /4: the
+scalar means kl_mean and (GRPO) policy_loss take at least the random-sign scale of their per-token contribution
+differences as control error (qualify.freeze.means_scale_error). An acceptance of an earlier schema is refused:
+re-freeze."""
 FAMILIES = ("fp32-repeat", "bf16-repeat", "fp32-vs-bf16")
 REL_TOL = 1e-12  # the bound is recomputed in float64 from the same numbers
 

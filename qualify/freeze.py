@@ -45,7 +45,8 @@ from qualify.store import atomic_write_bytes, dumps_json, read_json, read_json_o
 RULE = ("bound = k * control_error + floor + quantum (per role, tensor, metric; control_error = max over the "
         "family's controls, each compared with the family's r0 replayed on the control's own clip decisions where they "
         "differ (for the loss and the grad norm, scalars whose few control differences cancel by chance, "
-        "at least the sum of |per-token loss contribution differences| and the norm of the gradient's difference); "
+        "at least the sum of |per-token loss contribution differences| and the norm of the gradient's difference; for "
+        "the scalar means kl_mean and policy_loss at least the L2 norm of their weighted per-token differences); "
         "floor = max(floors[kind], floor_ulps fp32 ulps of the reference tensor's largest magnitude); quantum = one rounding step of the compute precision at that magnitude, for what the contract "
         "computes in it: bf16 gradients, moments and values, and one fp32 step of every update)")
 
@@ -89,10 +90,11 @@ def magnitudes(run: Any) -> dict[str, float]:
 def family_bounds(layout: RunLayout, role: str, family: str, controls: list[str], k: float,
                   floors: dict[str, float], params_before: dict, optimizer: Any, use_quantum: bool,
                   floor_ulps: float = 0.0, terms: TermsOf | None = None,
-                  replay_of: ReplayOf | None = None) -> dict[str, Any]:
+                  replay_of: ReplayOf | None = None, means: MeansOf | None = None) -> dict[str, Any]:
     """Bounds of one family for one role: every step's tensors, keyed 'step<k>/<group>/<name>'. terms(step, run):
     the run's per-token loss contributions at that step (qualify.ppo.decisions.loss_terms), which set the loss's
-    control error when given. replay_of(base, control): where the reference sealed base replayed on the control's
+    control error when given; means(step, run): its per-token contributions to the other scalar means
+    (qualify.ppo.decisions.mean_terms), which raise theirs to the random-sign scale of their differences. replay_of(base, control): where the reference sealed base replayed on the control's
     clip decisions (qualify.reference.forced.control_replay), None where the control decided as base: each control
     is compared with base on its own decisions, as a case is."""
     base_name, others = family_pairs(family, controls)
@@ -122,7 +124,8 @@ def family_bounds(layout: RunLayout, role: str, family: str, controls: list[str]
         step_bounds = step_family_bounds(base, others_at, rule, {name: starts[name][step] for name in starts},
                                          base_name, optimizer, step + 1,
                                          None if terms is None else (lambda run, s=step: terms(s, run)),
-                                         {name: aligned[name][step] for name in others})
+                                         {name: aligned[name][step] for name in others},
+                                         None if means is None else (lambda run, s=step: means(s, run)))
         bounds.update(with_step(step, step_bounds))
     return {"schema": BOUNDS_SCHEMA, "role": role, "family": family, "reference_run": base_name,
             "control_runs": others, "compared_with": {name: replays.get(name, base_name) for name in others},
@@ -154,6 +157,11 @@ LOSS_KEY = "outputs/loss"
 LOSS_TERMS_TEXT = ("the larger of |loss difference| and the sum of |per-token loss contribution differences| "
                    "(qualify.ppo.decisions.loss_terms): a few controls' loss differences cancel by chance")
 TermsOf = Callable[[int, Any], Any]
+MeansOf = Callable[[int, Any], dict[str, Any]]
+MEAN_KEYS = ("outputs/kl_mean", "outputs/policy_loss")
+MEANS_TEXT = ("the larger of |difference| and the random-sign scale of its per-token contribution differences, "
+              "sqrt(sum over tokens of (weight x difference)^2) (qualify.ppo.decisions.mean_terms): a few controls' "
+              "mean differences cancel by chance; a shift of every token the same way is sqrt(tokens) times that scale")
 ReplayOf = Callable[[str, str], Path | None]
 NORM_KEY = "outputs/grad_norm"
 NORM_TEXT = ("the larger of |grad norm difference| and the norm of the whole gradient's difference, which bounds it "
@@ -184,9 +192,29 @@ def loss_terms_error(pairs: list[tuple[Any, Any]], terms: Callable[[Any], Any],
     return True
 
 
+def means_scale_error(pairs: list[tuple[Any, Any]], means: Callable[[Any], dict[str, Any]],
+                      errors: dict[str, dict[str, float]]) -> list[str]:
+    """Raise each scalar mean's control error (MEAN_KEYS) to the largest random-sign scale of a control's per-token
+    contribution differences from the run it is compared with (pairs: (control, base)): the L2 norm of the
+    differences, what a sum of independent per-token errors amounts to. Returns the keys raised (a mean whose
+    contributions some pair lacks is left as it is)."""
+    both = [(means(run), means(base)) for run, base in pairs]
+    raised = []
+    for key in MEAN_KEYS:
+        name = key.removeprefix("outputs/")
+        if "max_abs" not in errors.get(key, {}) or not both or any(
+                name not in a or name not in b or a[name].shape != b[name].shape for a, b in both):
+            continue
+        scale = max(float((a[name] - b[name]).square().sum().sqrt()) for a, b in both)
+        errors[key]["max_abs"] = max(errors[key]["max_abs"], scale)
+        raised.append(key)
+    return raised
+
+
 def step_family_bounds(base: Any, runs: dict[str, Any], rule: BoundRule, starts: dict[str, dict], base_name: str,
                        optimizer: Any, adam_step: int, terms: Callable[[Any], Any] | None = None,
-                       bases: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+                       bases: dict[str, Any] | None = None,
+                       means: Callable[[Any], dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
     """Bounds of one family at one step (keys without the step prefix). bases[name]: what control name is compared
     with (base replayed on its decisions); base itself where not given. Magnitudes are base's."""
     errors: dict[str, dict[str, float]] = {}
@@ -195,12 +223,15 @@ def step_family_bounds(base: Any, runs: dict[str, Any], rule: BoundRule, starts:
         merge_max(errors, pair_metrics(run, other))
     by_terms = terms is not None and "max_abs" in errors.get(LOSS_KEY, {}) and loss_terms_error(pairs, terms, errors)
     by_grads = "max_abs" in errors.get(NORM_KEY, {}) and grad_difference_error(pairs, errors)
+    by_means = [] if means is None else means_scale_error(pairs, means, errors)
     mags = magnitudes(base)
     bounds = {key: {m: rule.entry(key, m, v, mags[key]) for m, v in ms.items()} for key, ms in errors.items()}
     if by_terms:
         bounds[LOSS_KEY]["max_abs"]["control_error_of"] = LOSS_TERMS_TEXT
     if by_grads:
         bounds[NORM_KEY]["max_abs"]["control_error_of"] = NORM_TEXT
+    for key in by_means:
+        bounds[key]["max_abs"]["control_error_of"] = MEANS_TEXT
     # an update is judged against what AdamW makes of the run's own moments and start (qualify.compare.pair_metrics)
     replay: dict[str, dict[str, float]] = {}
     for name, run in [(base_name, base), *runs.items()]:
@@ -296,6 +327,17 @@ def terms_of(matrix: Any, role: str, inputs: Any) -> TermsOf:
     return terms
 
 
+def means_of(matrix: Any, role: str, inputs: Any) -> MeansOf:
+    """means(step, run) for family_bounds: the run's per-token contributions to its scalar means at that step."""
+    from qualify.ppo.decisions import mean_terms
+
+    def means(step: int, run: Any) -> dict[str, Any]:
+        if step >= len(inputs.masks):
+            return {}
+        return mean_terms(role, matrix.ppo, matrix.grpo, run.outputs, inputs.targets[step], inputs.masks[step])
+    return means
+
+
 def replays_of(matrix: Any, layout: RunLayout, role: str, inputs: Any, summary: dict[str, Any]) -> ReplayOf:
     """replay_of(base, control) for family_bounds: where the reference sealed base replayed on the control's clip
     decisions, None where the control decided as base (decided here from the recorded outputs, not from the
@@ -328,7 +370,8 @@ def freeze(run_dir: Path, name: str | None = None) -> dict[str, Any]:
         for family in FAMILIES:
             doc = family_bounds(layout, role, family, controls, matrix.freeze.k, dict(matrix.freeze.floors), before,
                                 matrix.optimizer, matrix.freeze.quantum, matrix.freeze.floor_ulps,
-                                terms_of(matrix, role, inputs), replays_of(matrix, layout, role, inputs, summary))
+                                terms_of(matrix, role, inputs), replays_of(matrix, layout, role, inputs, summary),
+                                means_of(matrix, role, inputs))
             files[f"{role}-{family}.json"] = dumps_json(doc).encode("ascii")
     layers = layer_bound_files(layout, matrix, controls)  # {} for a reference scored without layer activations
     document = acceptance_document(layout, name or matrix.name, files, summary | {"coverage": coverage}, matrix, layers)

@@ -94,9 +94,6 @@ def loss_terms(role: str, ppo: Any, grpo: Any, outputs: dict[str, torch.Tensor],
     by chance (measured: bf16 controls' loss errors 0.008 to 0.03 of the sum of their per-token errors, a correct
     TP2 engine's 0.14). The sum of |per-token differences| does not cancel, so freeze takes it as the loss's control
     error (qualify.freeze), which bounds |loss difference| by the triangle inequality."""
-    from qualify.ppo.grpo import count_normalizers, per_sequence_loss
-    from qualify.ppo.math import masked_mean
-
     mask_BT = mask_BT.bool()
     f64 = torch.float64
     if not _readable(role, grpo, outputs, targets) or (grpo is not None and "kl_BT" not in outputs):
@@ -108,20 +105,61 @@ def loss_terms(role: str, ppo: Any, grpo: Any, outputs: dict[str, torch.Tensor],
         v_clip = old + torch.clamp(v - old, -eps, eps)
         term = 0.5 * torch.maximum((v - ret) ** 2, (v_clip - ret) ** 2)
     else:
-        if grpo is not None:
-            adv = token_advantages(outputs["advantages_B"].to(f64), mask_BT)
-        else:
-            adv = targets["advantages_BT"].to(f64)
-        adv = torch.where(mask_BT, adv, 0.0)
-        ratio = torch.where(mask_BT, outputs["ratio_BT"].to(f64), 1.0)
-        term = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1.0 - ppo.clip_eps, 1.0 + ppo.clip_eps))
+        term = _policy_term(ppo, grpo, outputs, targets, mask_BT)
         if grpo is not None:
             term = term + grpo.kl_coef * torch.where(mask_BT, outputs["kl_BT"].to(f64), 0.0)
-    x = torch.zeros(mask_BT.shape, dtype=f64, requires_grad=True)
-    with torch.enable_grad():  # the aggregation is linear in x: its gradient is each token's weight
+    weights = aggregation_weights(ppo, grpo, mask_BT)
+    return torch.where(mask_BT, weights * term, 0.0)
+
+
+def _policy_term(ppo: Any, grpo: Any, outputs: dict[str, torch.Tensor], targets: dict[str, torch.Tensor],
+                 mask_BT: torch.Tensor) -> torch.Tensor:
+    """Each token's clipped surrogate, float64, from the recorded ratio and the advantages."""
+    f64 = torch.float64
+    if grpo is not None:
+        adv = token_advantages(outputs["advantages_B"].to(f64), mask_BT)
+    else:
+        adv = targets["advantages_BT"].to(f64)
+    adv = torch.where(mask_BT, adv, 0.0)
+    ratio = torch.where(mask_BT, outputs["ratio_BT"].to(f64), 1.0)
+    return torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1.0 - ppo.clip_eps, 1.0 + ppo.clip_eps))
+
+
+def aggregation_weights(ppo: Any, grpo: Any, mask_BT: torch.Tensor, normalizer: str | None = None) -> torch.Tensor:
+    """Each token's weight in the step's aggregation (float64, (B, T)): GRPO's grpo.aggregation, PPO's masked mean
+    with `normalizer` (ppo.token_normalizer when None). The aggregation is linear in the per-token terms: its
+    gradient is each token's weight."""
+    from qualify.ppo.grpo import count_normalizers, per_sequence_loss
+    from qualify.ppo.math import masked_mean
+
+    mask_BT = mask_BT.bool()
+    x = torch.zeros(mask_BT.shape, dtype=torch.float64, requires_grad=True)
+    with torch.enable_grad():
         if grpo is not None:
             total = per_sequence_loss(x, mask_BT, grpo.aggregation, count_normalizers(mask_BT), grpo.constant).sum()
         else:
-            total = masked_mean(x, mask_BT, ppo.token_normalizer, ppo.normalizer_constant)
+            total = masked_mean(x, mask_BT, normalizer or ppo.token_normalizer, ppo.normalizer_constant)
         (weights,) = torch.autograd.grad(total, x)
-    return torch.where(mask_BT, weights * term, 0.0)
+    return weights
+
+
+def mean_terms(role: str, ppo: Any, grpo: Any, outputs: dict[str, torch.Tensor], targets: dict[str, torch.Tensor],
+               mask_BT: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each token's weighted contribution (float64, (B, T)) to the step's scalar means other than the loss:
+    kl_mean (the actor's; PPO's is the masked global mean of kl_BT, GRPO's the aggregation of kl_BT) and GRPO's
+    policy_loss (the aggregation of the clipped surrogate). A mean is left out where the outputs lack what it reads
+    or its contributions do not sum to the recorded value (then it is not that aggregation of those terms).
+
+    Like the loss, such a mean of few control samples cancels by chance; freeze raises its control error to the
+    random-sign scale of these contributions' differences (qualify.freeze.means_scale_error)."""
+    if role != "actor" or "kl_BT" not in outputs:
+        return {}
+    mask_BT = mask_BT.bool()
+    f64 = torch.float64
+    kl_BT = torch.where(mask_BT, outputs["kl_BT"].to(f64), 0.0)
+    out = {"kl_mean": aggregation_weights(ppo, grpo, mask_BT, None if grpo is not None else "global") * kl_BT}
+    if grpo is not None and _readable(role, grpo, outputs, targets):
+        out["policy_loss"] = torch.where(mask_BT, aggregation_weights(ppo, grpo, mask_BT)
+                                         * _policy_term(ppo, grpo, outputs, targets, mask_BT), 0.0)
+    return {name: c for name, c in out.items() if name in outputs and
+            abs(float(c.sum()) - float(outputs[name])) <= 1e-4 * float(c.abs().sum()) + 1e-6}
