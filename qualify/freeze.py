@@ -94,9 +94,10 @@ def family_bounds(layout: RunLayout, role: str, family: str, controls: list[str]
     """Bounds of one family for one role: every step's tensors, keyed 'step<k>/<group>/<name>'. terms(step, run):
     the run's per-token loss contributions at that step (qualify.ppo.decisions.loss_terms), which set the loss's
     control error when given; means(step, run): its per-token contributions to the other scalar means
-    (qualify.ppo.decisions.mean_terms), which raise theirs to the random-sign scale of their differences. replay_of(base, control): where the reference sealed base replayed on the control's
-    clip decisions (qualify.reference.forced.control_replay), None where the control decided as base: each control
-    is compared with base on its own decisions, as a case is."""
+    (qualify.ppo.decisions.mean_terms), which raise theirs to the random-sign scale of their differences.
+    replay_of(base, control): where the reference sealed base replayed on the control's clip decisions
+    (qualify.reference.forced.control_replay), None where the control decided as base: each control is compared
+    with base on its own decisions, as a case is."""
     base_name, others = family_pairs(family, controls)
     base_steps = StepFiles(layout.scores(*base_name.split("-", 1), role))  # read step by step, not held whole
     runs = {name: StepFiles(layout.scores(*name.split("-", 1), role)) for name in others}

@@ -157,9 +157,9 @@ def mean_terms(role: str, ppo: Any, grpo: Any, outputs: dict[str, torch.Tensor],
     mask_BT = mask_BT.bool()
     f64 = torch.float64
     kl_BT = torch.where(mask_BT, outputs["kl_BT"].to(f64), 0.0)
-    out = {"kl_mean": aggregation_weights(ppo, grpo, mask_BT, None if grpo is not None else "global") * kl_BT}
-    if grpo is not None and _readable(role, grpo, outputs, targets):
-        out["policy_loss"] = torch.where(mask_BT, aggregation_weights(ppo, grpo, mask_BT)
-                                         * _policy_term(ppo, grpo, outputs, targets, mask_BT), 0.0)
+    weights = aggregation_weights(ppo, grpo, mask_BT, None if grpo is not None else "global")
+    out = {"kl_mean": weights * kl_BT}
+    if grpo is not None and _readable(role, grpo, outputs, targets):  # GRPO aggregates both the same way
+        out["policy_loss"] = torch.where(mask_BT, weights * _policy_term(ppo, grpo, outputs, targets, mask_BT), 0.0)
     return {name: c for name, c in out.items() if name in outputs and
             abs(float(c.sum()) - float(outputs[name])) <= 1e-4 * float(c.abs().sum()) + 1e-6}
