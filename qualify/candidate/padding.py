@@ -17,21 +17,40 @@ from typing import Any
 import torch
 
 
+def memory_key(t: torch.Tensor) -> tuple:
+    """Where a tensor's elements live: its storage, offset, shape, strides, dtype and device. Two views of one
+    parameter (a DTensor's to_local(), a tied weight seen under two names) share it; two distinct tensors never do
+    while both are alive. Never id() of a view: to_local() makes a new temporary on every call, and the id of a
+    freed temporary is reused by the next one, so counting by id counts a shard 0, 1 or several times."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
+            str(t.device))
+
+
+def held_key(held: torch.Tensor, local: torch.Tensor) -> tuple:
+    """memory_key of the local tensor; for one without memory (meta, empty: address 0) the object the engine holds,
+    which lives as long as the engine does."""
+    key = memory_key(local)
+    return key if key[0] != 0 else ("object", id(held))
+
+
 def held_tensors(engine: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """(where, local tensor) for every parameter of the engine's modules and every tensor of its dicts, once each."""
-    seen: set[int] = set()
+    """(where, local tensor) for every parameter of the engine's modules and every tensor of its dicts, once each
+    (once per memory_key: the same elements reached twice are one tensor), in a fixed order."""
+    seen: set[tuple] = set()
     for attr, obj in sorted(vars(engine).items()):
         if isinstance(obj, torch.nn.Module):
             items = obj.named_parameters()
         elif isinstance(obj, dict):
-            items = ((str(k), v) for k, v in obj.items() if isinstance(v, torch.Tensor))
+            items = ((str(k), v) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))
+                     if isinstance(v, torch.Tensor))
         else:
             continue
         for name, t in items:
             local = t.to_local() if hasattr(t, "to_local") else t
-            if id(local) in seen:
+            key = held_key(t, local)
+            if key in seen:
                 continue
-            seen.add(id(local))
+            seen.add(key)
             yield f"{attr}.{name}", local.detach()
 
 
