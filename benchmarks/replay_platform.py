@@ -55,6 +55,9 @@ def main(out: Path) -> int:
     if closest:
         print(f"closest value/bound {closest.ratio:.3f}: {closest.comparison} {closest.tensor} {closest.metric} "
               f"{closest.value:.3g} <= {closest.bound:.3g}")
+    for run, d in sorted(result.info.get("decisions", {}).items()):
+        if d["tokens_decided_otherwise"]:
+            print(f"decided otherwise: {run}: tokens per step {d['tokens_decided_otherwise']}; {d['replay']}")
     for row in doc["failing"][:20]:
         print(f"  FAIL {row['comparison']} {row['tensor']} {row['metric']} {row['value']} > {row['bound']}")
     out.mkdir(parents=True, exist_ok=True)

@@ -7,15 +7,24 @@ acceptance: bitwise where the platform fingerprint and the numerics versions mat
 artifact the acceptance lists must reproduce byte for byte, metadata aside), and within the
 frozen bounds where they do not (the fresh fp32-r0 and bf16-r0 runs judged as candidates against
 the committed ones, with the committed bounds of their repeat family).
+
+Across platforms the clip decisions are judged as a candidate's are (qualify.candidate.decided): another CPU's
+rounding may put a token within a rounding step of a clip edge on the other side, and from that step on the two
+runs follow different branches. A token may be decided otherwise only where the committed run is within the frozen
+bound of the deciding quantity of the edge (else a failing row names it); the steps from the first such token on
+are then judged with the two sides on the same decisions: this platform's reference replayed on the committed
+run's decisions (qualify.reference.forced, the replay the candidate stage uses, sealed under RUN/replay/) against
+the committed run. The steps before it are the fresh run's own sealed evidence.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from qualify.acceptance import Acceptance
+from qualify.candidate.decided import SHOWN, decision_rows, first_divergence, run_decisions
 from qualify.candidate.judge import judge_steps
 from qualify.compare import load_steps, params_before_steps
 from qualify.errors import EvidenceError
@@ -26,6 +35,10 @@ from qualify.manifest import default_evidence, load_manifest, verify_manifest
 from qualify.metrics import max_abs
 from qualify.models.checkpoint import checkpoint_tensors
 from qualify.models.family import model_dir
+from qualify.ppo.decisions import differing
+from qualify.reference.forced import replayed_reference
+from qualify.reference.inputs import StepInputs
+from qualify.rollout.capture import load_rollout
 from qualify.schema import from_dict
 from qualify.stages import require_complete
 from qualify.store import read_json, read_tensors
@@ -34,6 +47,8 @@ from qualify.verdict import Row
 # Versions that change the numbers a reference computes (bitwise is expected only when they match).
 NUMERICS_PACKAGES = ("torch", "transformers", "safetensors")
 ROLES = ("actor", "critic")
+REPLAYS = "replay"
+"""RUN/replay/: this platform's reference replayed on the committed run's clip decisions."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,12 +146,16 @@ def committed_run(acceptance_path: Path, doc: dict[str, Any], relative: str) -> 
 
 def bound_rows(acceptance_path: Path, doc: dict[str, Any], layout: RunLayout,
                summary: dict[str, Any]) -> tuple[list[Row], dict[str, Any]]:
-    """Fresh fp32-r0 and bf16-r0 judged against the committed ones with the committed repeat-family bounds."""
+    """Fresh fp32-r0 and bf16-r0 judged against the committed ones with the committed repeat-family bounds, clip
+    decisions as decisions (see the module)."""
     from qualify.matrix import Matrix
 
     matrix = from_dict(Matrix, summary["matrix"], str(layout.reference_summary))
     acc = Acceptance.load(acceptance_path, partial=True)  # the committed evidence beside it, and its bound files
     rows = model_rows(doc, layout)
+    fresh_inputs = StepInputs.load(matrix, layout)
+    committed_inputs = committed_step_inputs(acceptance_path, doc, matrix, layout)
+    decided: dict[str, Any] = {}
     for role in ROLES:
         before = checkpoint_tensors(model_dir(matrix, layout.models, role))
         for precision in matrix.reference.precisions:
@@ -145,10 +164,57 @@ def bound_rows(acceptance_path: Path, doc: dict[str, Any], layout: RunLayout,
             committed = load_steps(committed_run(acceptance_path, doc, f"scores/{ref_run}/{role}"))
             fresh_dir = layout.scores(*ref_run.split("-", 1), role)
             require_complete(fresh_dir, f"fresh reference {ref_run} {role}")
-            fresh = load_steps(fresh_dir)
-            rows += judge_steps("replay", role, f"fresh vs committed {ref_run} [{family}]", fresh, committed,
-                                acc.bounds(role, family), params_before_steps(fresh, before), matrix.optimizer)
-    return rows, {"targets_max_abs": target_drift(acceptance_path, doc, layout)}
+            comparison = f"fresh vs committed {ref_run} [{family}]"
+            bounds = acc.bounds(role, family)
+            fresh, first, where = on_committed_decisions(matrix, layout, role, ref_run, load_steps(fresh_dir),
+                                                         committed, fresh_inputs, committed_inputs)
+            mine = run_decisions(matrix, role, fresh, fresh_inputs)
+            theirs = run_decisions(matrix, role, committed, committed_inputs)
+            rows += judge_steps("replay", role, comparison, fresh, committed, bounds,
+                                params_before_steps(fresh, before), matrix.optimizer)
+            rows += [replace(r, note=f"{r.note}; {where}" if r.note else where) if r.step == first else r
+                     for r in decision_rows("replay", role, comparison, mine, theirs, bounds)]
+            decided[f"{role} {ref_run}"] = {
+                "tokens_decided_otherwise": {k: len(differing(a, b)) for k, (a, b) in enumerate(zip(mine, theirs))
+                                             if a is not None and b is not None and differing(a, b)},
+                "first_step": first, "replay": where}
+    return rows, {"targets_max_abs": target_drift(acceptance_path, doc, layout), "decisions": decided}
+
+
+def committed_step_inputs(acceptance_path: Path, doc: dict[str, Any], matrix: Any, layout: RunLayout) -> StepInputs:
+    """Each step's targets and response mask as the committed run saw them: the committed targets (verified against
+    the acceptance's digests) cut into the steps' rows, with the rollout's response mask."""
+    targets = read_tensors(committed_run(acceptance_path, doc, "targets") / "targets.safetensors")
+    mask = load_rollout(layout.rollout(matrix.rollout.vllm_tp[0]), doc["rollout_digest"])["response_mask_BT"]
+    return StepInputs.split(matrix, targets, mask)
+
+
+def on_committed_decisions(matrix: Any, layout: RunLayout, role: str, ref_run: str, fresh: list, committed: list,
+                           fresh_inputs: StepInputs, committed_inputs: StepInputs) -> tuple[list, int | None, str]:
+    """(the fresh steps to judge against the committed ones, the first step the fresh run decided a token otherwise
+    or None, where the replay is and why or ''): the fresh run itself when it decided as the committed run at every
+    step; else its steps before that first step, then this platform's reference replayed on the committed run's
+    decisions from that step on (before it the replay follows the same decisions as the fresh run), with the fresh
+    run's own per-token outputs at that step."""
+    mine = run_decisions(matrix, role, fresh, fresh_inputs)
+    theirs = run_decisions(matrix, role, committed, committed_inputs)
+    first = first_divergence(mine, theirs)
+    if first is None or any(d is None for d in mine + theirs) or len(fresh) != len(committed):
+        return fresh, None, ""
+    precision = ref_run.split("-", 1)[0]
+    replay, out = replayed_reference(matrix, layout, precision, role, [d.clipped_BT for d in theirs if d is not None],
+                                     into=layout.root / REPLAYS)
+    flips = differing(mine[first], theirs[first])
+    shown = ", ".join(f"row {r} token {t}" for r, t in flips[:SHOWN])
+    where = (f"this platform's {ref_run} decided {len(flips)} token(s) otherwise than the committed one at step "
+             f"{first} ({shown}{' ...' if len(flips) > SHOWN else ''}): from step {first} on it is judged as "
+             f"{ref_run} replayed here on the committed decisions ({out.relative_to(layout.root)})")
+    # at the first step both ran from the same parameters: the per-token outputs, which the forward computes before
+    # any clip is decided, are the fresh run's own (what its decisions were read from); the rest follows the replay
+    at = replay[first]
+    own = {k: v for k, v in fresh[first].outputs.items() if k.endswith("_BT")}
+    steps = [fresh[k] for k in range(first)] + [replace(at, outputs=at.outputs | own)]
+    return steps + [replay[k] for k in range(first + 1, len(replay))], first, where
 
 
 def model_rows(doc: dict[str, Any], layout: RunLayout) -> list[Row]:

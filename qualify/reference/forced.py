@@ -48,9 +48,10 @@ def replay_dir(root: Path, precision: str, role: str, decided: list[torch.Tensor
 
 
 def replayed_reference(matrix: Matrix, layout: RunLayout, precision: str, role: str,
-                       decided: list[torch.Tensor]) -> tuple[list[RunTensors], Path]:
+                       decided: list[torch.Tensor], into: Path | None = None) -> tuple[list[RunTensors], Path]:
     """(the steps of <precision>-r0 replayed with decided[k] imposed at step k, where they are sealed): the
-    reference's own replay when a control decided alike, else the candidates' (made here when missing)."""
+    reference's own replay when a control decided alike, else the one under into (default the candidates
+    directory; made there when missing)."""
     from qualify.reference.stage import scoring_settings
     from qualify.store import read_json
 
@@ -59,7 +60,7 @@ def replayed_reference(matrix: Matrix, layout: RunLayout, precision: str, role: 
     frozen = replay_dir(layout.reference, precision, role, decided, settings)
     if stage_is_complete(frozen):
         return load_steps(frozen), frozen
-    out = replay_dir(layout.candidates, precision, role, decided, settings)
+    out = replay_dir(layout.candidates if into is None else into, precision, role, decided, settings)
     make_replay(matrix, layout, precision, role, decided, out, summary["rollout_digest"], summary["targets_digest"])
     return load_steps(out), out
 

@@ -34,5 +34,10 @@ class StepInputs:
 
         targets = load_targets(layout, targets_digest)
         mask = load_rollout(layout.rollout(matrix.rollout.vllm_tp[0]), rollout_digest)["response_mask_BT"]
-        rows = step_rows(mask.shape[0], matrix.ppo.epochs, matrix.ppo.minibatches)
-        return cls([rows_of(targets, r) for r in rows], [mask[r] for r in rows])
+        return cls.split(matrix, targets, mask)
+
+    @classmethod
+    def split(cls, matrix: Matrix, targets: dict[str, torch.Tensor], mask_BT: torch.Tensor) -> StepInputs:
+        """Whole-batch targets and response mask cut into each optimizer step's rows."""
+        rows = step_rows(mask_BT.shape[0], matrix.ppo.epochs, matrix.ppo.minibatches)
+        return cls([rows_of(targets, r) for r in rows], [mask_BT[r] for r in rows])

@@ -10,6 +10,7 @@ acceptance frozen here from the same rollout, so that what they perturb is all t
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 
@@ -55,6 +56,77 @@ def perturb_grad(run: Path, role: str, key: str, delta: float | None) -> None:
     grads[key] = flat.view(grads[key].shape)
     write_tensors(d / "step1" / "grads.safetensors", grads)
     complete_stage(d, {})
+
+
+def cross_an_edge(run: Path, here: Path, precision: str, *, within: bool, step: int = 1) -> tuple[int, int, float, float]:
+    """Move one token's ratio in step `step` of the fresh <precision>-r0 actor across its clip edge, as another CPU's
+    rounding moves a token that sits near the edge, and reseal. within: the token nearest the edge (its distance
+    within the step's frozen ratio bound); else the one farthest from it. Returns (row, token, distance, bound)."""
+    from qualify.matrix import load_matrix
+    from qualify.ppo.decisions import decisions
+    from qualify.reference.inputs import StepInputs
+
+    matrix = load_matrix(REPO / "matrices" / "tiny-qwen3.yaml")
+    bound = read_json(here.parent / "bounds" / f"actor-{precision}-repeat.json")["bounds"][
+        f"step{step}/outputs/ratio_BT"]["max_abs"]["bound"]
+    d = RunLayout(run).scores(precision, "r0", "actor")
+    outputs = read_tensors(d / f"step{step}" / "outputs.safetensors")
+    inputs = StepInputs.load(matrix, RunLayout(run))
+    dec = decisions("actor", matrix.ppo, None, outputs, inputs.targets[step], inputs.masks[step])
+    free = torch.isfinite(dec.margin_BT) & ~dec.clipped_BT
+    margin = torch.where(free, dec.margin_BT, math.inf if within else -math.inf)
+    flat = int(margin.argmin() if within else margin.argmax())
+    r, t = divmod(flat, margin.shape[1])
+    distance = float(margin[r, t])
+    assert (distance < bound / 2) if within else (distance > 2 * bound), (distance, bound)
+    adv = float(inputs.targets[step]["advantages_BT"][r, t])
+    eps = matrix.ppo.clip_eps
+    ratio = outputs["ratio_BT"].clone()
+    ratio[r, t] = (1 + eps + bound / 8) if adv > 0 else (1 - eps - bound / 8)  # just past the edge
+    write_tensors(d / f"step{step}" / "outputs.safetensors", outputs | {"ratio_BT": ratio})
+    complete_stage(d, {})
+    return r, t, distance, bound
+
+
+def test_other_platform_that_decided_a_token_otherwise_near_the_edge_is_judged_on_the_committed_decisions(
+        frozen_run, tmp_path):
+    here = RunLayout(frozen_run).acceptance
+    run = copy_reference(frozen_run, tmp_path)
+    claim_platform(run, "Some Other CPU")
+    r, t, _, _ = cross_an_edge(run, here, "bf16", within=True)
+    result = judge_replay(here, run)
+    assert result.passed, [(x.tensor, x.metric, x.value, x.bound, x.note) for x in failing(result)][:5]
+    [row] = [x for x in result.rows if x.tensor == "step1/decisions/policy_clip"
+             and x.comparison == "fresh vs committed bf16-r0 [bf16-repeat]"]
+    assert row.value == 0.0 and f"1 within the bound of the edge (legitimate): row {r} token {t}" in row.note
+    assert f"decided 1 token(s) otherwise than the committed one at step 1 (row {r} token {t})" in row.note
+    info = result.info["decisions"]["actor bf16-r0"]
+    assert info["first_step"] == 1 and info["tokens_decided_otherwise"] == {1: 1}
+    assert (run / "replay" / "replays").is_dir()  # this platform's reference replayed on the committed decisions
+    # every other run decided as the committed one: judged on its own evidence, nothing replayed
+    assert all(v["first_step"] is None for k, v in result.info["decisions"].items() if k != "actor bf16-r0")
+    # the gradients of step 1 are the replay's (the committed decisions): a gradient moved there fails by name
+    replay = next((run / "replay" / "replays").glob("bf16-r0-*/actor"))
+    grads = read_tensors(replay / "step2" / "grads.safetensors")
+    bound = read_json(here.parent / "bounds" / "actor-bf16-repeat.json")["bounds"][
+        f"step2/grads/{TENSOR}"]["max_abs"]["bound"]
+    write_tensors(replay / "step2" / "grads.safetensors", grads | {TENSOR: grads[TENSOR] + 3 * bound})
+    complete_stage(replay, {})
+    bad = failing(judge_replay(here, run))
+    assert bad and {x.tensor for x in bad} == {f"step2/grads/{TENSOR}"}
+
+
+def test_other_platform_that_decided_a_token_otherwise_far_from_the_edge_fails_naming_it(frozen_run, tmp_path):
+    here = RunLayout(frozen_run).acceptance
+    run = copy_reference(frozen_run, tmp_path)
+    claim_platform(run, "Some Other CPU")
+    r, t, distance, bound = cross_an_edge(run, here, "fp32", within=False)  # fp32's ratio bound is a few ulps
+    bad = failing(judge_replay(here, run))
+    [row] = [x for x in bad if x.metric == "unexplained_flips"]
+    assert row.tensor == "step1/decisions/policy_clip" and row.value == 1.0
+    assert f"1 decided otherwise with the edge beyond the ratio_BT bound {bound:.3g}: row {r} token {t}" in row.note
+    # the token's own ratio moved by more than its bound too; nothing else fails
+    assert {x.tensor for x in bad} == {"step1/decisions/policy_clip", "step1/outputs/ratio_BT"}
 
 
 def test_fresh_reference_against_committed_acceptance(frozen_run, capsys):
