@@ -120,7 +120,7 @@ def test_other_platform_that_decided_a_token_otherwise_far_from_the_edge_fails_n
     here = RunLayout(frozen_run).acceptance
     run = copy_reference(frozen_run, tmp_path)
     claim_platform(run, "Some Other CPU")
-    r, t, distance, bound = cross_an_edge(run, here, "fp32", within=False)  # fp32's ratio bound is a few ulps
+    r, t, _, bound = cross_an_edge(run, here, "fp32", within=False)  # fp32's ratio bound is a few ulps
     bad = failing(judge_replay(here, run))
     [row] = [x for x in bad if x.metric == "unexplained_flips"]
     assert row.tensor == "step1/decisions/policy_clip" and row.value == 1.0
