@@ -562,6 +562,7 @@ class Matrix:
         if set(self.reference.precisions) != set(PRECISIONS):
             raise ValueError("reference.precisions must be [fp32, bf16]: the bound families need both")
         self._check_algorithm()
+        self._check_required_branches()
         if self.algorithm == "ppo" and self.rollout.num_prompts % self.ppo.minibatches:
             raise ValueError(f"ppo.minibatches {self.ppo.minibatches} does not divide rollout.num_prompts "
                              f"{self.rollout.num_prompts} (every minibatch has the same rows; none is dropped)")
@@ -580,6 +581,19 @@ class Matrix:
             if self.rollout.max_model_len > t.max_position_embeddings:
                 raise ValueError(f"rollout.max_model_len {self.rollout.max_model_len} exceeds "
                                  f"models.tiny.max_position_embeddings {t.max_position_embeddings}")
+
+    def _check_required_branches(self) -> None:
+        """freeze.require: refuse a branch that no reference of this matrix can take (freeze would refuse it after the
+        whole reference ran), naming the setting that wakes it."""
+        from qualify.ppo.coverage import BRANCHES
+
+        steps = self.ppo.epochs * self.ppo.minibatches
+        never = {"adam_past_first_step": steps < 2, "grad_clip": self.optimizer.max_grad_norm <= 0,
+                 "padded_rows": self.rollout.max_new_tokens < 2}
+        for branch in self.freeze.require:
+            if never.get(branch):
+                raise ValueError(f"freeze.require lists {branch}, which no reference of this matrix can exercise: "
+                                 f"{BRANCHES[branch]}")
 
     def _check_algorithm(self) -> None:
         """GRPO: its section, no critic, whole groups in every minibatch, one seed per response."""
@@ -668,6 +682,20 @@ def _checkpoint_family(matrix: Matrix) -> None:
         check_family(*values, matrix, "models.checkpoints.actor config.json")
     except ValueError as exc:
         raise MatrixError(f"{matrix.source}: {exc}") from exc
+
+
+def missing_here(matrix: Matrix) -> list[str]:
+    """What the matrix names that is not on this machine (checkpoint directories without config.json, the prompts
+    file): the reference stage would stop on each."""
+    out = []
+    if matrix.models.checkpoints is not None:
+        for role in ("actor", "reference", "critic", "reward"):
+            where = getattr(matrix.models.checkpoints, role)
+            if not (matrix.resolve(where) / "config.json").is_file():
+                out.append(f"models.checkpoints.{role} {where} (no config.json there)")
+    if matrix.rollout.prompts_file is not None and not matrix.resolve(matrix.rollout.prompts_file).is_file():
+        out.append(f"rollout.prompts_file {matrix.rollout.prompts_file} (not a file)")
+    return out
 
 
 def load_matrix(path: Path | str) -> Matrix:

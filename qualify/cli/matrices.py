@@ -60,9 +60,13 @@ def show(matrix: MatrixFileArg, format: FormatOpt = Format.text) -> None:
 @app.command("validate", epilog="Example:  qualify matrices validate matrices/*.yaml")
 @handle_errors
 def validate(matrices: Annotated[list[Path], typer.Argument(help="Matrix YAML files.", show_default=False)]) -> None:
-    """Validate matrix files; exit 2 naming the file and the first bad key."""
-    from qualify.matrix import load_matrix
+    """Validate matrix files and that each can run here; exit 2 naming the file and the first bad key, a required
+    branch no run of it can take, or what it names that this machine lacks (checkpoints, prompts file)."""
+    from qualify.matrix import load_matrix, missing_here
 
     for path in matrices:
         m = load_matrix(path)
+        missing = missing_here(m)
+        if missing:
+            raise MatrixError(f"{path}: cannot run on this machine, it lacks {'; '.join(missing)}")
         typer.echo(f"ok {path} ({m.name}, {len(m.cases())} cases)")

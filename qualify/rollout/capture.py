@@ -52,8 +52,11 @@ def make_prompts(matrix: Matrix, vocab_size: int, eos_token_id: int | None) -> l
     import torch
 
     gen = torch.Generator().manual_seed(r.seed)
-    high = vocab_size - 1 if eos_token_id == vocab_size - 1 else vocab_size
-    return torch.randint(1, high, (r.num_prompts, r.prompt_len), generator=gen).tolist()
+    skip = eos_token_id is not None and 1 <= eos_token_id < vocab_size
+    ids = torch.randint(1, vocab_size - 1 if skip else vocab_size, (r.num_prompts, r.prompt_len), generator=gen)
+    # ids past the EOS move up by one: every id of [1, vocab) but the EOS (for the model's usual EOS, the last id,
+    # nothing moves: the draws are the ones made before any other EOS was possible)
+    return (ids + (ids >= eos_token_id).long() if skip else ids).tolist()
 
 
 def cpu_bind(tp: int) -> str:

@@ -75,6 +75,34 @@ def load_error(tmp_path: Path, data: Any) -> str:
     return message
 
 
+@pytest.mark.parametrize("edits, branch, wake", [
+    ({"ppo.epochs": 1, "ppo.minibatches": 1}, "adam_past_first_step", "set ppo.epochs x ppo.minibatches >= 2"),
+    ({"optimizer.max_grad_norm": 0.0}, "grad_clip", "lower optimizer.max_grad_norm"),
+    ({"rollout.max_new_tokens": 1}, "padded_rows", "let responses end at different lengths"),
+])
+def test_a_required_branch_no_reference_can_take_is_refused_at_load(tmp_path, edits, branch, wake):
+    data = copy.deepcopy(TINY)
+    data["freeze"]["require"] = [branch]
+    for dotted, value in edits.items():
+        setter(dotted, value)(data)
+    message = load_error(tmp_path, data)
+    assert f"freeze.require lists {branch}, which no reference of this matrix can exercise: {wake}" in message
+    data["freeze"]["require"] = []  # the same settings without the requirement load
+    assert load_matrix(write(tmp_path, data, "ok.yaml")).freeze.require == ()
+
+
+def test_missing_here_names_absent_checkpoints_and_prompts(tmp_path):
+    from qualify.matrix import missing_here
+
+    assert missing_here(load_matrix(MATRICES / "tiny-qwen3.yaml")) == []
+    assert missing_here(load_matrix(MATRICES / "tiny-qwen3-pad.yaml")) == []  # its prompts file is shipped
+    gpu = missing_here(load_matrix(MATRICES / "qwen3-8b.yaml"))
+    assert gpu[0] == "models.checkpoints.actor /models/qwen3-8b/actor (no config.json there)" and len(gpu) == 4
+    data = copy.deepcopy(TINY)
+    data["rollout"]["prompts_file"] = "nowhere.json"
+    assert missing_here(load_matrix(write(tmp_path, data))) == ["rollout.prompts_file nowhere.json (not a file)"]
+
+
 def test_unedited_copy_loads(tmp_path):
     assert load_matrix(write(tmp_path, TINY)).name == "tiny-qwen3"
 
@@ -174,6 +202,7 @@ def test_missing_file(tmp_path):
 def test_defaults_fill_in(tmp_path):
     data = edited(deleter("ppo"))
     del data["optimizer"], data["reference"], data["rollout"]["top_k"]
+    data["freeze"]["require"] = ["padded_rows"]  # Adam past step 1 needs more than the default single step
     m = load_matrix(write(tmp_path, data))
     assert m.ppo.clip_eps == 0.2 and m.optimizer.betas == (0.9, 0.999) and m.reference.repeats == 2
     assert m.rollout.top_k == -1 and m.rollout.eos_token_id is None and m.candidates.topologies == ("dedicated",)
