@@ -10,27 +10,18 @@ acceptance.
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qualify.bounds.check import check_bounds
+from qualify.bounds.rule import FAMILIES
 from qualify.errors import EvidenceError, ManifestError
 from qualify.hashing import file_digest
 from qualify.manifest import load_manifest, verify_manifest
-from qualify.rule import tensor_floor
 from qualify.store import read_json
 
 ACCEPTANCE_SCHEMA = "qualify.acceptance/4"
-BOUNDS_SCHEMA = "qualify.bounds/4"
-"""/2: the loss's control error is the sum of |per-token contribution differences| where that is larger, and updates
-are judged by the AdamW replay alone (no update-vs-reference bound). /3: a control that decided a clip otherwise than
-the family's r0 is compared with r0 replayed on its decisions (sealed in the reference), as a case is. /4: the
-scalar means kl_mean and (GRPO) policy_loss take at least the random-sign scale of their per-token contribution
-differences as control error (qualify.freeze.means_scale_error). An acceptance of an earlier schema is refused:
-re-freeze."""
-FAMILIES = ("fp32-repeat", "bf16-repeat", "fp32-vs-bf16")
-REL_TOL = 1e-12  # the bound is recomputed in float64 from the same numbers
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,34 +121,6 @@ def check_acceptance(path: Path) -> list[str]:
             problems.append(f"missing layer bound file {file}")
         elif "sha256:" + hashlib.sha256(file.read_bytes()).hexdigest() != digest:
             problems.append(f"layer bound file {file} does not match the acceptance's digest")
-    return problems
-
-
-def check_bounds(doc: dict[str, Any], rule: dict[str, Any], name: str) -> list[str]:
-    """Every entry obeys bound = k * control_error + floor + quantum with the acceptance's k and floors."""
-    problems = []
-    if doc.get("schema") != BOUNDS_SCHEMA:
-        problems.append(f"{name}: schema {doc.get('schema')!r}")
-    if (doc.get("k"), doc.get("floors"), doc.get("floor_ulps", 0.0)) != (
-            rule.get("k"), rule.get("floors"), rule.get("floor_ulps", 0.0)):
-        problems.append(f"{name}: k, floors or floor_ulps differ from the acceptance's rule")
-    if not isinstance(rule.get("k"), int | float) or not isinstance(rule.get("floors"), dict):
-        return [*problems, f"{name}: the acceptance has no rule (k and floors) to check its bounds against"]
-    for key, metrics in doc.get("bounds", {}).items():
-        for metric, b in metrics.items():
-            if b.get("kind") not in rule["floors"]:
-                problems.append(f"{name}: {key} {metric}: kind {b.get('kind')!r} has no floor in the rule")
-                continue
-            floor = rule["floors"][b["kind"]]
-            if "magnitude" in b:  # a per-tensor floor: floor_ulps fp32 steps of the tensor's magnitude, at least the kind's
-                floor = tensor_floor(b["kind"], metric, b["magnitude"], rule["floors"], rule.get("floor_ulps", 0.0))
-            if b["floor"] != floor:
-                problems.append(f"{name}: {key} {metric}: floor {b['floor']} is not the rule's {b['kind']} floor {floor}")
-            if b["quantum"] < 0 or (b["quantum"] > 0 and not rule.get("quantum", False)):
-                problems.append(f"{name}: {key} {metric}: quantum {b['quantum']} not allowed by the rule")
-            expect = rule["k"] * b["control_error"] + b["floor"] + b["quantum"]
-            if not (math.isfinite(b["bound"]) and math.isclose(b["bound"], expect, rel_tol=REL_TOL, abs_tol=0)):
-                problems.append(f"{name}: {key} {metric}: bound {b['bound']} != k*error+floor+quantum = {expect}")
     return problems
 
 

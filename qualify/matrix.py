@@ -36,6 +36,17 @@ MAX_SEED = 2**63 - 1
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 # A plugin engine is 'package.module:factory'; case names and directories are made from it.
 _PLUGIN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
+BUILTIN_ENGINES = ("torch-tp", "deepspeed", "megatron")
+"""The engines qualify ships (qualify.engines.registry builds each by name); any other is a 'module:factory' plugin."""
+
+
+def engine_name_problem(name: str) -> str | None:
+    """Why name is not an engine a matrix may name (None: a built-in name or a 'package.module:factory' plugin).
+    The one check of engine names: the matrix's sections and the registry use it."""
+    if name in BUILTIN_ENGINES or _PLUGIN.fullmatch(name):
+        return None
+    return (f"unknown engine {name!r} (known: {', '.join(sorted(BUILTIN_ENGINES))}; "
+            "or 'package.module:factory' for a plugin)")
 
 
 def _finite(obj: Any) -> None:
@@ -436,14 +447,12 @@ class Candidates:
     way, against the rollout's processed logprobs as old logprobs."""
 
     def __post_init__(self) -> None:
-        from qualify.engines.registry import ENGINES  # a plain dict; no engine is imported
-
         for name in ("engines", "precisions", "tp", "dp", "roles", "topologies"):
             _distinct(name, getattr(self, name))
         for engine in self.engines:
-            if engine not in ENGINES and not _PLUGIN.fullmatch(engine):
-                raise ValueError(f"engines: unknown engine {engine!r} (known: {', '.join(sorted(ENGINES))}; "
-                                 "or 'package.module:factory' for a plugin)")
+            problem = engine_name_problem(engine)
+            if problem:
+                raise ValueError(f"engines: {problem}")
         if any(tp < 1 for tp in self.tp):
             raise ValueError(f"tp must list degrees >= 1, got {list(self.tp)}")
         if any(dp < 1 for dp in self.dp):
@@ -484,11 +493,9 @@ class Rounds:
     """Rejection probes to run (empty: none)."""
 
     def __post_init__(self) -> None:
-        from qualify.engines.registry import ENGINES  # a plain dict; no engine is imported
-
-        if self.engine not in ENGINES and not _PLUGIN.fullmatch(self.engine):
-            raise ValueError(f"engine: unknown engine {self.engine!r} (known: {', '.join(sorted(ENGINES))}; "
-                             "or 'package.module:factory' for a plugin)")
+        problem = engine_name_problem(self.engine)
+        if problem:
+            raise ValueError(f"engine: {problem}")
         if self.rounds < 2:
             raise ValueError(f"rounds must be >= 2 (an install needs a round after it), got {self.rounds}")
         if self.train_tp < 1 or (self.vllm_tp is not None and self.vllm_tp < 1):

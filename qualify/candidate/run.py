@@ -19,12 +19,12 @@ from qualify.acceptance import Acceptance
 from qualify.candidate.decided import StepInputs, aligned_reference, comparable_steps, decision_rows, own_loss_rows
 from qualify.candidate.formula import declared_formula, explain_formula, formula_bounds, formula_steps
 from qualify.candidate.judge import evidence_rows, judge_steps, precision_rows
+from qualify.candidate.launch import launch, log_tail, write_spec_file
 from qualify.candidate.spec import make_spec
 from qualify.candidate.tiers import bitwise_rows, tensor_tiers, tier_summary
 from qualify.compare import load_steps, params_before_steps
 from qualify.engines.registry import require_engine
 from qualify.errors import EvidenceError, QualifyError
-from qualify.launch import launch, log_tail, write_spec_file
 from qualify.layout import RunLayout
 from qualify.matrix import Case, Matrix
 from qualify.models.checkpoint import checkpoint_tensors

@@ -6,7 +6,7 @@ backward, which runs from the head down to the embedding ('grads/head', 'grads/m
 'grads/model.layers.0', 'grads/model.embed_tokens'). A fault in layer L leaves every earlier row within
 bound, so the first failing row names L and the module; a fault only in the backward (a gradient
 reduction, say) leaves the whole forward within bound and is named by its gradient group.
-Pure functions on numbers: the measurements come from qualify.diagnose.bounds.layer_metrics.
+Pure functions on numbers: the measurements come from qualify.bounds.layers.layer_metrics.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from qualify.diagnose.hooks import FINAL_NORM, PARTS, layer_index
+from qualify.bounds.layers import layer_index
+from qualify.models.hooks import FINAL_NORM, PARTS
 
 MISSING = "missing in candidate"
 

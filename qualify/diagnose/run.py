@@ -1,6 +1,6 @@
 """`qualify diagnose`: where a candidate case first leaves its bounds, layer by layer, at step 1.
 
-The acceptance (verified against the reference evidence) must hold layer bounds (qualify.diagnose.bounds).
+The acceptance (verified against the reference evidence) must hold layer bounds (qualify.bounds.layers).
 The case's engine is launched again from the case's own spec to expose its per-layer activations on the
 first step's rows (qualify.diagnose.worker; sealed under RUN/diagnose/<case>/ and reused while the case's
 evidence is unchanged); its step-1 gradients come from the case's sealed evidence. Each family the
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from qualify.acceptance import Acceptance
-from qualify.diagnose.bounds import LAYER_BOUNDS_DIR, LAYER_BOUNDS_SCHEMA, LAYERS_FILE, group_members, layer_metrics
+from qualify.bounds.layers import LAYER_BOUNDS_DIR, LAYER_BOUNDS_SCHEMA, LAYERS_FILE, group_members, layer_metrics
 from qualify.diagnose.localize import LayerRow, by_layer, first_departure, judge_layers
 from qualify.errors import EvidenceError, QualifyError
 from qualify.hashing import file_digest
@@ -57,8 +57,8 @@ def load_layer_bounds(acc: Acceptance, role: str) -> dict[str, Any]:
 
 def case_spec(layout: RunLayout, case: str) -> Any:
     """The sealed case's spec (written by the candidate stage beside its evidence)."""
+    from qualify.candidate.launch import work_dir
     from qualify.candidate.spec import read_spec
-    from qualify.launch import work_dir
 
     case_dir = layout.case(case)
     if not case_dir.is_dir():
@@ -74,8 +74,8 @@ def case_spec(layout: RunLayout, case: str) -> Any:
 
 
 def launch_worker(spec_path: Path, out: Path, key: str, tp: int, device: str, log_path: Path) -> int:
-    """qualify.diagnose.worker's tp ranks, started the way the candidate stage starts a case's (qualify.launch)."""
-    from qualify.launch import run_ranks
+    """qualify.diagnose.worker's tp ranks, started the way the candidate stage starts a case's (qualify.candidate.launch)."""
+    from qualify.candidate.launch import run_ranks
 
     env = dict(os.environ)
     if device == "cpu":
@@ -90,7 +90,7 @@ def launch_worker(spec_path: Path, out: Path, key: str, tp: int, device: str, lo
 def candidate_layers(layout: RunLayout, case: str, spec: Any, log: StageLog) -> tuple[dict[str, Any], bool]:
     """(activations, whether the engine has the layer_outputs hook), launching the engine unless a sealed
     capture made from the same case evidence exists."""
-    from qualify.launch import log_tail, work_dir
+    from qualify.candidate.launch import log_tail, work_dir
 
     out = diagnose_dir(layout) / case
     key = fingerprint(stage_info(layout.case(case)))
@@ -134,7 +134,7 @@ def families_of(precision: str) -> list[str]:
 def diagnose_family(layout: RunLayout, acc: Acceptance, spec: Any, family: str, bounds_doc: dict[str, Any],
                     acts: dict[str, Any], hook: bool, cand_grads: dict[str, Any]) -> dict[str, Any]:
     """Rows, first departure and per-layer worst ratios of the case against one family."""
-    from qualify.diagnose.bounds import run_layers
+    from qualify.bounds.layers import run_layers
 
     fam = bounds_doc["families"][family]
     ref_acts, ref_grads = run_layers(layout.scores(*fam["reference_run"].split("-", 1), spec.role))

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from qualify.bounds.layers import LAYERS_FILE
 from qualify.candidate.spec import read_spec
 from qualify.candidate.worker import init_distributed
-from qualify.diagnose.bounds import LAYERS_FILE
 from qualify.engines.base import Batch, EngineContext
 from qualify.engines.registry import get_engine
 from qualify.ppo.objective import step_rows

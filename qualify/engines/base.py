@@ -143,5 +143,5 @@ class TrainEngine(Protocol):
     # Optional: an engine that exposes its per-layer activations implements
     #   layer_outputs(batch) -> dict[str, Tensor]
     # full (unsharded) fp32 (B, T, H) outputs of one no-grad forward, named after the HF modules
-    # (qualify.diagnose.hooks.activation_names: each layer's input_layernorm, self_attn, post_attention_layernorm,
+    # (qualify.models.hooks.activation_names: each layer's input_layernorm, self_attn, post_attention_layernorm,
     # mlp, the layer itself, then model.norm); `qualify diagnose` compares them with the reference's layer by layer.

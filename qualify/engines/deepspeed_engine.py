@@ -218,7 +218,7 @@ class DeepSpeedEngine:
     def layer_outputs(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Full fp32 outputs of every decoder layer's modules and the final norm (qualify diagnose): AutoTP keeps
         the HF module tree, and its row-parallel layers all-reduce, so every hooked output is whole."""
-        from qualify.diagnose.hooks import capture_layer_outputs
+        from qualify.models.hooks import capture_layer_outputs
 
         return capture_layer_outputs(self.engine.module, batch.input_ids_BT)
 

@@ -186,9 +186,9 @@ class MegatronEngine:
 
     def layer_outputs(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Full fp32 (B, T, H) outputs of every decoder layer's modules and the final norm under HF names (qualify
-        diagnose): megatron-core's layers are hooked (qualify.diagnose.hooks.megatron_modules), seq-first outputs
+        diagnose): megatron-core's layers are hooked (qualify.models.hooks.megatron_modules), seq-first outputs
         transposed; without sequence parallelism the row-parallel outputs are already whole on every rank."""
-        from qualify.diagnose.hooks import capture_outputs, megatron_modules
+        from qualify.models.hooks import capture_outputs, megatron_modules
 
         ids_BT = batch.input_ids_BT.to(self.ctx.device)
         pos_BT = torch.arange(ids_BT.shape[1], device=ids_BT.device).expand_as(ids_BT)

@@ -10,6 +10,7 @@ from typing import Any
 
 from qualify.engines.base import TrainEngine
 from qualify.errors import EngineError
+from qualify.matrix import BUILTIN_ENGINES, engine_name_problem
 
 Factory = Callable[[], TrainEngine]
 
@@ -32,13 +33,15 @@ def _megatron() -> TrainEngine:
     return MegatronEngine()
 
 
-ENGINES: dict[str, Factory] = {"torch-tp": _torch_tp, "deepspeed": _deepspeed, "megatron": _megatron}
+ENGINES: dict[str, Factory] = dict(zip(BUILTIN_ENGINES, (_torch_tp, _deepspeed, _megatron), strict=True))
 
 
 def require_engine(name: str, where: str = "") -> None:
-    """name is a registered engine or a 'module:factory' plugin; anything else is an error listing the known ones."""
-    if name not in ENGINES and ":" not in name:
-        raise EngineError(f"unknown engine '{name}'{where} (known: {', '.join(sorted(ENGINES))}; or 'module:factory')")
+    """name is a registered engine or a 'module:factory' plugin (qualify.matrix.engine_name_problem); anything else
+    is an error listing the known ones."""
+    problem = engine_name_problem(name)
+    if problem:
+        raise EngineError(f"{problem}{where}")
 
 
 def get_engine(name: str) -> TrainEngine:

@@ -114,7 +114,7 @@ class TorchTPEngine:
 
     def layer_outputs(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Full fp32 outputs of every decoder layer's modules and the final norm (qualify diagnose)."""
-        from qualify.diagnose.hooks import capture_layer_outputs
+        from qualify.models.hooks import capture_layer_outputs
 
         return capture_layer_outputs(self.compute, batch.input_ids_BT)
 

@@ -9,7 +9,7 @@ head at t-1 (the state in which token t is emitted); the reward model is pooled 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -19,9 +19,6 @@ from qualify.models.precision import torch_dtype
 from qualify.ppo.formula import Sampling, formula_logprobs
 from qualify.ppo.logprob import sampler_logprobs
 from qualify.ppo.math import last_active_index
-
-if TYPE_CHECKING:
-    from qualify.engines.base import EngineContext
 
 LM_ROLES = ("actor", "reference")
 """Roles whose checkpoint is a causal LM; the others (critic, reward) have a one-label scalar head."""
@@ -82,7 +79,18 @@ def logprobs_from_outputs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor, 
     return torch.nn.functional.pad(logp_BT1, (1, 0))
 
 
-def declared_logprobs(ctx: EngineContext, out_BTX: torch.Tensor, input_ids_BT: torch.Tensor) -> torch.Tensor | None:
+class DeclaredFormula(Protocol):
+    """What declared_logprobs reads of an engine's context (qualify.engines.base.EngineContext has it all)."""
+
+    role: str
+    logprob_formula: str
+    logprob_chunk_tokens: int
+    vocab_size: int
+
+    def sampling(self) -> Sampling: ...
+
+
+def declared_logprobs(ctx: DeclaredFormula, out_BTX: torch.Tensor, input_ids_BT: torch.Tensor) -> torch.Tensor | None:
     """An engine's logprobs in its declared formula (ctx.logprob_formula) from full model outputs, for its
     logprobs() hook; None where score()'s own values are them (the critic, or the full formula)."""
     if ctx.role not in LM_ROLES or ctx.logprob_formula == "full":

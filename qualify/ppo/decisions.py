@@ -151,7 +151,7 @@ def mean_terms(role: str, ppo: Any, grpo: Any, outputs: dict[str, torch.Tensor],
     or its contributions do not sum to the recorded value (then it is not that aggregation of those terms).
 
     Like the loss, such a mean of few control samples cancels by chance; freeze raises its control error to the
-    random-sign scale of these contributions' differences (qualify.freeze.means_scale_error)."""
+    random-sign scale of these contributions' differences (qualify.bounds.control_error.means_scale_error)."""
     if role != "actor" or "kl_BT" not in outputs:
         return {}
     mask_BT = mask_BT.bool()

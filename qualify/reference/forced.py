@@ -52,7 +52,7 @@ def replayed_reference(matrix: Matrix, layout: RunLayout, precision: str, role: 
     """(the steps of <precision>-r0 replayed with decided[k] imposed at step k, where they are sealed): the
     reference's own replay when a control decided alike, else the one under into (default the candidates
     directory; made there when missing)."""
-    from qualify.reference.stage import scoring_settings
+    from qualify.reference.evidence import scoring_settings
     from qualify.store import read_json
 
     summary = read_json(layout.reference_summary)
@@ -70,7 +70,7 @@ def make_replay(matrix: Matrix, layout: RunLayout, precision: str, role: str, de
     """Score <precision>-r0 with decided[k] imposed at step k and seal it in out (nothing done when it is sealed)."""
     from qualify.models.family import model_dirs
     from qualify.models.hf import load_model
-    from qualify.reference.stage import load_targets, model_config, scoring_settings, write_role
+    from qualify.reference.evidence import load_targets, model_config, scoring_settings, write_role
     from qualify.reference.step import Control, run_role
     from qualify.rollout.capture import load_rollout
 
@@ -129,12 +129,11 @@ def control_replay(matrix: Matrix, layout: RunLayout, role: str, base: str, cont
 def control_replays(matrix: Matrix, layout: RunLayout, controls: list[str], rollout_digest: str, targets_digest: str,
                     step: Callable[[str], object] | None = None) -> Iterator[Path]:
     """Make every replay freeze needs: for each role and family, r0 replayed on each control's decisions where they
-    differ from r0's (qualify.freeze.family_pairs). step(text) wraps each computation (a StageLog step)."""
+    differ from r0's (qualify.bounds.rule.family_pairs). step(text) wraps each computation (a StageLog step)."""
     from contextlib import nullcontext
 
-    from qualify.acceptance import FAMILIES
-    from qualify.freeze import family_pairs
-    from qualify.reference.stage import scoring_settings
+    from qualify.bounds.rule import FAMILIES, family_pairs
+    from qualify.reference.evidence import scoring_settings
 
     inputs = StepInputs.read(matrix, layout, rollout_digest, targets_digest)
     settings = scoring_settings(matrix, rollout_digest)

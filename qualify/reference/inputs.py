@@ -29,7 +29,7 @@ class StepInputs:
     @classmethod
     def read(cls, matrix: Matrix, layout: RunLayout, rollout_digest: str, targets_digest: str) -> StepInputs:
         """From the sealed targets and rollout, checked against the digests given (before the summary exists)."""
-        from qualify.reference.stage import load_targets
+        from qualify.reference.evidence import load_targets
         from qualify.rollout.capture import load_rollout
 
         targets = load_targets(layout, targets_digest)

@@ -7,24 +7,21 @@ are captured to check that TP does not change the rollout.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
 
-from qualify.compare import step_dir, write_step
+from qualify.compare import step_dir
 from qualify.errors import EvidenceError, FrozenError, QualifyError
 from qualify.layout import RunLayout
 from qualify.matrix import Matrix
 from qualify.models.family import model_dirs
 from qualify.ppo.objective import step_rows
+from qualify.reference.evidence import load_targets, model_config, scoring_settings, write_role
 from qualify.rollout.capture import capture_rollout, load_rollout
 from qualify.schema import to_dict
 from qualify.stagelog import StageLog
 from qualify.stages import (
-    complete_stage,
-    fingerprint,
-    open_sealed,
     prepare_stage,
     require_complete,
     reuse_complete,
@@ -33,7 +30,7 @@ from qualify.stages import (
     stage_is_complete,
     write_tensor_stage,
 )
-from qualify.store import read_json, read_tensors, write_json, write_tensors
+from qualify.store import read_json, read_tensors, write_json
 from qualify.versions import git_state, provenance
 
 ROLES = ("actor", "critic")
@@ -72,10 +69,6 @@ def snapshot_matrix(matrix: Matrix, layout: RunLayout) -> str:
     return seal(out, main="matrix.json")
 
 
-def model_config(model_dir: Path) -> dict[str, Any]:
-    return json.loads((Path(model_dir) / "config.json").read_text())
-
-
 def capture_all(matrix: Matrix, layout: RunLayout, models: dict[str, Path], log: StageLog,
                 rollout_source: Path | None = None) -> dict[int, str]:
     """Capture the rollout at every vLLM TP degree (or reuse rollout_source/tp<N>); return digest per degree."""
@@ -109,14 +102,6 @@ def tp_agreement(matrix: Matrix, layout: RunLayout) -> dict[str, Any]:
     return report
 
 
-def scoring_settings(matrix: Matrix, rollout_digest: str) -> str:
-    """Fingerprint of what targets and scores depend on: the rollout and the numerics sections of the matrix."""
-    m = to_dict(matrix)
-    grpo = ("algorithm", "grpo") if matrix.algorithm == "grpo" else ()  # a PPO matrix's fingerprint is unchanged
-    return fingerprint({"rollout": rollout_digest,
-                        **{k: m[k] for k in ("models", "ppo", "optimizer", "reference", *grpo)}})
-
-
 def make_targets(matrix: Matrix, layout: RunLayout, models: dict[str, Path], digest: str, log: StageLog) -> str:
     """Compute and seal the targets (once); return their digest."""
     from qualify.reference.targets import TARGETS_FILE, compute_targets, targets_meta
@@ -131,14 +116,6 @@ def make_targets(matrix: Matrix, layout: RunLayout, models: dict[str, Path], dig
         targets = compute_targets(matrix, models, rollout, vocab)
         return write_tensor_stage(out, TARGETS_FILE, targets, "targets.json", targets_meta(matrix, digest),
                                   {"rollout_digest": digest, "settings": settings})
-
-
-def load_targets(layout: RunLayout, expected_digest: str | None = None) -> dict[str, Any]:
-    """Read the sealed targets, checking their digest."""
-    from qualify.reference.targets import TARGETS_FILE
-
-    open_sealed(layout.targets, "targets", expected_digest, main=TARGETS_FILE)
-    return read_tensors(layout.targets / TARGETS_FILE)
 
 
 def score_all(matrix: Matrix, layout: RunLayout, models: dict[str, Path], digest: str, log: StageLog) -> list[str]:
@@ -176,19 +153,6 @@ def score_all(matrix: Matrix, layout: RunLayout, models: dict[str, Path], digest
                               | ({"optimizer_order": "reordered"} if control.reordered_adam else {})
                               | ({"fused_norm": True} if control.fused_norm else {}))
     return [c.name for c in controls]
-
-
-def write_role(out: Path, result: dict[str, Any], info: dict[str, Any]) -> None:
-    """Seal one role's K steps: step<k>/{outputs,grads,updates,moments}.safetensors, and meta.json."""
-    prepare_stage(out)
-    for k, step in enumerate(result["steps"]):
-        write_step(out / step_dir(k), step)
-    if "layers" in result:  # step 1's per-layer activations, for qualify diagnose (qualify.diagnose.bounds)
-        from qualify.diagnose.bounds import LAYERS_FILE
-
-        write_tensors(out / LAYERS_FILE, result["layers"])
-    write_json(out / "meta.json", result["meta"] | info)
-    complete_stage(out, info)
 
 
 def rollout_mismatch(layout: RunLayout, matrix: Matrix, controls: list[str]) -> dict[str, Any]:

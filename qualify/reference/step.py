@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from qualify.diagnose.hooks import capture_layer_outputs
 from qualify.matrix import Matrix
 from qualify.models.hf import actor_scores, compute_copy, critic_values, enable_checkpointing
+from qualify.models.hooks import capture_layer_outputs
 from qualify.ppo.formula import PROCESSED_KEY, rollout_sampling
 from qualify.ppo.math import kl_terms, masked_mean
 from qualify.ppo.objective import DECIDED_KEY, GRPOShare, grpo_share, role_objective, rows_of, step_rows
@@ -136,7 +136,7 @@ def run_role(matrix: Matrix, role: str, precision: str, control: Control, master
              batch: dict[str, torch.Tensor], targets: dict[str, torch.Tensor], vocab_size: int,
              model_dir: Path, decided: list[torch.Tensor] | None = None) -> dict[str, Any]:
     """K = epochs x minibatches optimizer steps on master; returns {'steps': [per-step tensors], 'meta': ...,
-    'layers': step 1's per-layer activations (qualify.diagnose.hooks)}. decided[k] (bool, the step's rows) imposes
+    'layers': step 1's per-layer activations (qualify.models.hooks)}. decided[k] (bool, the step's rows) imposes
     step k's clip decisions (qualify.reference.forced).
 
     One AdamW instance lives across the steps (its step count, bias correction and moments carry

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from qualify.engines.registry import ENGINES
-from qualify.errors import EngineError, QualifyError
+from qualify.engines.registry import require_engine
+from qualify.errors import QualifyError
 from qualify.hashing import file_digest
 from qualify.layout import RunLayout, rounds_case
 from qualify.matrix import Matrix, Rounds
@@ -184,8 +184,7 @@ def run_all_rounds(s: Session, opts: RoundsOptions, v0: Version) -> list[Version
 def run_rounds(matrix: Matrix, run_dir: Path, options: RoundsOptions | None = None) -> Verdict:
     """The whole rounds stage; returns the verdict (an existing complete one is returned as it is)."""
     opts = options or rounds_options(matrix)
-    if opts.engine not in ENGINES and ":" not in opts.engine:
-        raise EngineError(f"unknown engine '{opts.engine}' (known: {', '.join(sorted(ENGINES))}; or 'module:factory')")
+    require_engine(opts.engine)
     layout, log = RunLayout(Path(run_dir)), StageLog("rounds")
     tp = opts.vllm_tp or matrix.rollout.vllm_tp[0]
     out = layout.rounds_dir(tp)

@@ -16,7 +16,7 @@ import torch
 
 from qualify.layout import RunLayout
 from qualify.models.tiny import make_tiny_family
-from qualify.reference.stage import model_config
+from qualify.reference.evidence import model_config
 from qualify.rollout.capture import ROLLOUT_FILE, capture_rollout, load_rollout
 from qualify.rollout.shm import SHM
 from qualify.stages import stage_is_complete

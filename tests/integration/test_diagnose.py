@@ -123,11 +123,11 @@ def test_megatron_layer_outputs_are_the_hf_modules_outputs(tiny_matrix, tmp_path
     import torch
     import torch.distributed as dist
 
-    from qualify.diagnose.hooks import activation_names, capture_layer_outputs
     from qualify.engines.base import Batch, EngineContext
     from qualify.engines.megatron import MegatronEngine
     from qualify.metrics import rel_l2
     from qualify.models.hf import load_model
+    from qualify.models.hooks import activation_names, capture_layer_outputs
     from qualify.models.tiny import make_tiny_family
     from tests.integration._support import require_module
 

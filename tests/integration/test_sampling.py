@@ -18,7 +18,7 @@ import torch
 from qualify.matrix import load_matrix
 from qualify.models.tiny import make_tiny_family
 from qualify.ppo.logprob import processed_logprobs
-from qualify.reference.stage import model_config
+from qualify.reference.evidence import model_config
 from qualify.reference.targets import KEPT_SET_FLOOR, decompose_mismatch, sampler_evidence
 from qualify.rollout.capture import capture_request, merge_requests, rollout_tensors, run_vllm, split_results
 

@@ -42,7 +42,7 @@ def test_edited_bound_file_is_caught(tmp_path):
 
 
 def test_bound_that_breaks_the_rule_is_caught(tmp_path):
-    from qualify.acceptance import check_bounds
+    from qualify.bounds.check import check_bounds
 
     doc = json.loads((REPO / "manifests/tiny-qwen3/acceptance/bounds/critic-bf16-repeat.json").read_text())
     rule = json.loads((REPO / "manifests/tiny-qwen3/acceptance/acceptance.json").read_text())["rule"]

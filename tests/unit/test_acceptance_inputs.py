@@ -45,7 +45,8 @@ def test_freeze_without_a_reference_says_so(tmp_path):
 
 
 def test_bounds_checked_against_no_rule_or_an_unknown_kind_are_problems_not_key_errors():
-    from qualify.acceptance import BOUNDS_SCHEMA, check_bounds
+    from qualify.bounds.check import check_bounds
+    from qualify.bounds.rule import BOUNDS_SCHEMA
 
     entry = {"kind": "grad", "control_error": 1e-7, "floor": 1e-6, "quantum": 0.0, "bound": 1.4e-6}
     doc = {"schema": BOUNDS_SCHEMA, "k": 4.0, "floors": {"grad": 1e-6}, "bounds": {"step0/grads/w": {"max_abs": entry}}}

@@ -12,9 +12,11 @@ import shutil
 
 import pytest
 
-from qualify.acceptance import FROZEN_SECTIONS, check_acceptance, check_bounds, frozen_field_differences, require_sound
+from qualify.acceptance import FROZEN_SECTIONS, check_acceptance, frozen_field_differences, require_sound
+from qualify.bounds.check import check_bounds
+from qualify.bounds.rule import BOUNDS_SCHEMA
 from qualify.errors import ManifestError
-from qualify.freeze import ACCEPTANCE_SCHEMA, BOUNDS_SCHEMA, freeze
+from qualify.freeze import ACCEPTANCE_SCHEMA, freeze
 from qualify.manifest import digest_of
 from qualify.store import read_json, write_json
 from tests.unit._runs import synthetic_matrix, synthetic_reference

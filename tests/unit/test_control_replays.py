@@ -11,9 +11,10 @@ import math
 import pytest
 import torch
 
+from qualify.bounds.control_error import NORM_TEXT, family_bounds, step_family_bounds
+from qualify.bounds.rule import BoundRule
 from qualify.compare import RunTensors
 from qualify.errors import EvidenceError
-from qualify.freeze import NORM_TEXT, BoundRule, family_bounds, step_family_bounds
 from qualify.layout import RunLayout
 from qualify.reference.forced import control_replay, recorded_decisions, replay_dir
 from qualify.reference.inputs import StepInputs
@@ -186,7 +187,7 @@ def _crossing_reference(tmp_path):
 
 def test_freeze_finds_a_control_replay_under_the_scoring_settings_of_the_recorded_rollout(tmp_path):
     from qualify.freeze import replays_of
-    from qualify.reference.stage import scoring_settings
+    from qualify.reference.evidence import scoring_settings
 
     matrix, layout, inputs = _crossing_reference(tmp_path)
     replay_of = replays_of(matrix, layout, "critic", inputs, {"rollout_digest": "sha256:abc"})

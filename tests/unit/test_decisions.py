@@ -215,8 +215,9 @@ def test_loss_terms_sum_to_the_grpo_loss_for_every_aggregation(aggregation, cons
 def test_freeze_takes_the_sum_of_per_token_loss_differences_as_the_loss_control_error():
     """Two controls whose loss differences nearly cancel: the loss's control error is the larger sum of |per-token
     contribution differences| (an obvious loop), not the tiny |loss difference|; without terms it is the latter."""
+    from qualify.bounds.control_error import LOSS_TERMS_TEXT, step_family_bounds
+    from qualify.bounds.rule import BoundRule
     from qualify.compare import RunTensors
-    from qualify.freeze import LOSS_TERMS_TEXT, BoundRule, step_family_bounds
     from qualify.ppo.decisions import loss_terms
 
     mask, old, values, returns, *_ = _data(6, B=3, T=8)
@@ -287,8 +288,9 @@ def test_freeze_takes_the_norm_of_the_gradient_difference_as_the_grad_norm_contr
     norm of a whole-gradient difference (an obvious loop over every element), which bounds |norm difference|."""
     import math
 
+    from qualify.bounds.control_error import NORM_TEXT, step_family_bounds
+    from qualify.bounds.rule import BoundRule
     from qualify.compare import RunTensors
-    from qualify.freeze import NORM_TEXT, BoundRule, step_family_bounds
 
     g = torch.Generator().manual_seed(2)
     base_grads = {"w": torch.randn(4, 3, generator=g), "b": torch.randn(3, generator=g)}

@@ -13,16 +13,11 @@ import torch
 from typer.testing import CliRunner
 
 from qualify.acceptance import Acceptance, check_acceptance
-from qualify.diagnose.bounds import (
-    LAYERS_FILE,
-    backward_groups,
-    grad_group,
-    group_metrics,
-    layer_metrics,
-)
+from qualify.bounds.layers import LAYERS_FILE, backward_groups, grad_group, group_metrics, layer_metrics
+from qualify.bounds.rule import quantum, tensor_floor
 from qualify.diagnose.run import diagnose, load_layer_bounds
 from qualify.errors import EvidenceError
-from qualify.freeze import freeze, quantum, tensor_floor
+from qualify.freeze import freeze
 from qualify.stages import complete_stage, stage_info
 from qualify.store import read_json, write_tensors
 from tests.unit._runs import COEF, FLOORS, K, synthetic_matrix, synthetic_reference
@@ -153,8 +148,8 @@ def test_diagnose_of_an_unknown_case_names_the_known_ones(tmp_path):
 
 
 def test_a_case_run_against_another_acceptance_is_refused(tmp_path):
+    from qualify.candidate.launch import write_spec_file
     from qualify.candidate.spec import make_spec
-    from qualify.launch import write_spec_file
     from qualify.stages import prepare_stage
 
     matrix = synthetic_matrix(tmp_path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qualify.diagnose.hooks import activation_names, capture_layer_outputs, capture_outputs, hooked_modules
+from qualify.models.hooks import activation_names, capture_layer_outputs, capture_outputs, hooked_modules
 
 transformers = pytest.importorskip("transformers")
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 
-from qualify.diagnose.hooks import activation_names, layer_index
+from qualify.bounds.layers import layer_index
 from qualify.diagnose.localize import MISSING, by_layer, first_departure, judge_layers, order_key
+from qualify.models.hooks import activation_names
 
 
 def entry(bound: float) -> dict:

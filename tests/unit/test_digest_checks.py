@@ -19,7 +19,7 @@ from qualify.errors import EvidenceError
 from qualify.freeze import freeze
 from qualify.layout import RunLayout
 from qualify.manifest import digest_of, load_manifest, verify_manifest
-from qualify.reference.stage import load_targets
+from qualify.reference.evidence import load_targets
 from qualify.rollout.capture import load_rollout
 from qualify.stages import stage_is_complete
 from qualify.store import read_json, write_json

@@ -15,20 +15,11 @@ import pytest
 import torch
 
 from qualify.acceptance import check_acceptance
+from qualify.bounds.control_error import magnitudes
+from qualify.bounds.rule import BOUNDS_SCHEMA, FAMILIES, RULE, bound_entry, family_pairs, quantum
 from qualify.compare import merge_max
 from qualify.errors import EvidenceError, FrozenError
-from qualify.freeze import (
-    ACCEPTANCE_SCHEMA,
-    BOUNDS_SCHEMA,
-    FAMILIES,
-    RULE,
-    bound_entry,
-    family_pairs,
-    freeze,
-    magnitudes,
-    quantum,
-    run_dir_of,
-)
+from qualify.freeze import ACCEPTANCE_SCHEMA, freeze, run_dir_of
 from qualify.layout import RunLayout
 from qualify.manifest import load_manifest, verify_manifest
 from qualify.store import read_json, write_json
@@ -319,7 +310,7 @@ def _replay_error_at(update, p, m, v, step):
 
 
 def test_family_bounds_of_two_steps_replay_each_step_from_its_own_start(tmp_path):
-    from qualify.freeze import family_bounds
+    from qualify.bounds.control_error import family_bounds
     from tests.unit._runs import role_steps, write_steps
 
     layout = RunLayout(tmp_path)
@@ -347,7 +338,7 @@ def test_family_bounds_of_two_steps_replay_each_step_from_its_own_start(tmp_path
 
 
 def test_family_bounds_refuse_controls_with_another_number_of_steps(tmp_path):
-    from qualify.freeze import family_bounds
+    from qualify.bounds.control_error import family_bounds
     from tests.unit._runs import role_steps, write_steps
 
     layout = RunLayout(tmp_path)
@@ -378,7 +369,7 @@ def test_freeze_records_the_coverage_it_required(tmp_path):
 
 def test_a_control_name_with_a_hyphen_names_its_own_directory(tmp_path):
     """Run names are '<precision>-<control>': only the first hyphen separates them."""
-    from qualify.freeze import family_bounds
+    from qualify.bounds.control_error import family_bounds
     from tests.unit._runs import role_steps, write_steps
 
     layout = RunLayout(tmp_path)
@@ -402,7 +393,7 @@ def test_a_refused_refreeze_names_every_changed_file(fresh):
 
 
 def test_without_the_quantum_every_bound_is_k_times_error_plus_floor(tmp_path):
-    from qualify.freeze import family_bounds
+    from qualify.bounds.control_error import family_bounds
     from tests.unit._runs import role_steps, write_steps
 
     layout = RunLayout(tmp_path)

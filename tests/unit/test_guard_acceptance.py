@@ -13,14 +13,9 @@ import shutil
 import pytest
 
 import qualify.acceptance as acceptance_module
-from qualify.acceptance import (
-    ACCEPTANCE_SCHEMA,
-    BOUNDS_SCHEMA,
-    Acceptance,
-    check_acceptance,
-    check_bounds,
-    read_snapshot,
-)
+from qualify.acceptance import ACCEPTANCE_SCHEMA, Acceptance, check_acceptance, read_snapshot
+from qualify.bounds.check import check_bounds
+from qualify.bounds.rule import BOUNDS_SCHEMA
 from qualify.errors import EvidenceError, ManifestError, MatrixError
 from qualify.freeze import freeze
 from qualify.manifest import digest_of

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from qualify.freeze import ACCEPTANCE_SCHEMA, FAMILIES, RULE, BoundRule, acceptance_document
+from qualify.bounds.rule import FAMILIES, RULE, BoundRule
+from qualify.freeze import ACCEPTANCE_SCHEMA, acceptance_document
 from qualify.layout import RunLayout
 from qualify.store import write_json
 
@@ -85,8 +86,8 @@ def test_a_relative_entry_takes_floor_ulps_relative_steps_whatever_the_magnitude
 def test_update_rows_take_the_floor_of_the_reference_updates_magnitude(tmp_path):
     """Every updates/ entry (replay_max_abs and, where frozen, the update-vs-reference rows) records the reference run's
     max |update| and, with 2**20 floor_ulps, the per-tensor floor of that magnitude (above the update floor)."""
-    from qualify.freeze import family_bounds
-    from qualify.rule import ulp
+    from qualify.bounds.control_error import family_bounds
+    from qualify.bounds.rule import ulp
     from tests.unit._runs import COEF, FLOORS, OPT, K, params, role_steps, write_steps
 
     layout = RunLayout(tmp_path)
@@ -107,7 +108,7 @@ def test_update_rows_take_the_floor_of_the_reference_updates_magnitude(tmp_path)
 
 def test_family_bounds_without_floor_ulps_keep_the_kinds_floors(tmp_path):
     """Floors of 1e-30 are below one ulp of every tensor: any floor_ulps default but 0 would lift them."""
-    from qualify.freeze import family_bounds
+    from qualify.bounds.control_error import family_bounds
     from tests.unit._runs import COEF, FLOORS, OPT, K, params, role_steps, write_steps
 
     layout = RunLayout(tmp_path)

@@ -8,8 +8,9 @@ import math
 
 import torch
 
+from qualify.bounds.control_error import LOSS_KEY, NORM_KEY, grad_difference_error, loss_terms_error, step_family_bounds
+from qualify.bounds.rule import BoundRule
 from qualify.compare import RunTensors
-from qualify.freeze import LOSS_KEY, NORM_KEY, BoundRule, grad_difference_error, loss_terms_error, step_family_bounds
 from tests.unit._runs import OPT
 
 
@@ -98,7 +99,7 @@ def test_an_update_the_reference_run_lacks_is_bounded_at_magnitude_zero():
 def test_family_bounds_take_each_steps_loss_terms_from_terms_of_that_step(tmp_path):
     """terms(step, run) sets the loss's control error step by step: the largest sum of |term differences| at that
     step (here terms that grow with the step and with the run's loss), marked as such."""
-    from qualify.freeze import LOSS_TERMS_TEXT, family_bounds
+    from qualify.bounds.control_error import LOSS_TERMS_TEXT, family_bounds
     from qualify.layout import RunLayout
     from tests.unit._runs import COEF, FLOORS, K, params, role_steps, write_steps
 

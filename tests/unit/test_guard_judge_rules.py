@@ -97,8 +97,8 @@ def test_an_excess_exactly_at_its_margin_passes_and_a_two_element_tensor_is_judg
 
 
 def test_judged_rows_carry_their_step_and_rule():
+    from qualify.bounds.rule import bound_entry
     from qualify.candidate.judge import EVIDENCE_RULE, evidence_rows, judge_steps
-    from qualify.freeze import bound_entry
     from tests.unit._runs import OPT, params
 
     ref = _run({"loss": torch.tensor(0.5)}, {})

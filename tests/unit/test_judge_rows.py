@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from qualify import metrics
+from qualify.bounds.rule import bound_entry
 from qualify.candidate.judge import evidence_rows, judge_pair
 from qualify.compare import RunTensors
-from qualify.freeze import bound_entry
 from qualify.verdict import Row
 from tests.unit._runs import OPT, adamw_run, params, role_run
 

@@ -1,5 +1,5 @@
 """The scalar means' per-token contributions (qualify.ppo.decisions.mean_terms) and freeze's random-sign scale of
-their differences (qualify.freeze.means_scale_error): each against an obvious loop or the objective's own aggregate,
+their differences (qualify.bounds.control_error.means_scale_error): each against an obvious loop or the objective's own aggregate,
 and what the scale is for (controls whose mean differences cancel by chance)."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from qualify.bounds.control_error import MEANS_TEXT, means_scale_error, step_family_bounds
+from qualify.bounds.rule import BoundRule
 from qualify.compare import RunTensors
-from qualify.freeze import MEANS_TEXT, BoundRule, means_scale_error, step_family_bounds
 from qualify.ppo.decisions import mean_terms
 from qualify.ppo.grpo import count_normalizers, grpo_loss, token_advantages
 from tests.unit._runs import OPT

@@ -10,7 +10,6 @@ The megatron engine hooks megatron-core's own modules under the same HF names (m
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterator
 
 import torch
@@ -18,7 +17,6 @@ import torch
 PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 """Sub-modules of a decoder layer whose outputs are captured, in forward order (the layer's own output last)."""
 FINAL_NORM = "model.norm"
-_LAYER = re.compile(r"^model\.layers\.(\d+)(?:\.|$)")
 
 
 def activation_names(num_layers: int) -> list[str]:
@@ -27,12 +25,6 @@ def activation_names(num_layers: int) -> list[str]:
     for i in range(num_layers):
         names += [f"model.layers.{i}.{part}" for part in PARTS] + [f"model.layers.{i}"]
     return names + [FINAL_NORM]
-
-
-def layer_index(name: str) -> int | None:
-    """Decoder layer of an activation or parameter name ('model.layers.3.mlp' -> 3), None outside the layers."""
-    m = _LAYER.match(name)
-    return int(m.group(1)) if m else None
 
 
 def hooked_modules(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:

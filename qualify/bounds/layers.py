@@ -1,12 +1,12 @@
 """Per-layer evidence and its frozen bounds: what `qualify diagnose` compares, measured the same way at freeze time.
 
 Two kinds of per-layer tensors at step 1 (step0/ in the evidence), keyed like the per-tensor bounds:
-- 'act/<module>': the forward output of every hooked module (qualify.diagnose.hooks);
+- 'act/<module>': the forward output of every hooked module (qualify.models.hooks);
 - 'grads/<group>': the FP32 gradients of one decoder layer ('model.layers.<i>': every 'model.layers.<i>.*'
   parameter together), of the embedding ('model.embed_tokens') or of the head ('head': final norm, LM or
   value head), the group taken as one vector;
 each with freeze's metrics of multi-element tensors: max_abs, rel_l2, mean_abs and p99_abs.
-Bounds follow freeze's rule (qualify.freeze.BoundRule): k x the largest control error of the family + the
+Bounds follow the rule (qualify.bounds.rule.BoundRule): k x the largest control error of the family + the
 floor (the kind's, or floor_ulps fp32 ulps of the tensor's magnitude) + under bf16 one rounding step, per
 (key, metric), one file per role under acceptance/layers/, named by digest in the acceptance ('layer_bounds'). A reference scored before layer capture existed has
 no layers.safetensors: freeze then writes no layer bounds and the acceptance is the same as before.
@@ -14,13 +14,14 @@ no layers.safetensors: freeze then writes no layer bounds and the acceptance is 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from qualify import metrics
-from qualify.diagnose.hooks import layer_index
+from qualify.bounds.rule import FAMILIES, RULE, BoundRule, family_pairs, quantum
 from qualify.store import dumps_json, read_tensors
 
 LAYERS_FILE = "layers.safetensors"
@@ -31,8 +32,15 @@ LAYER_BOUNDS_DIR = "layers"
 ACTIVATION_KIND = "value"
 """Floor kind of an activation's max_abs: hidden states are O(1) numbers like the critic's values (the rule has
 no floor of its own for them); rel_l2 takes the 'relative' floor, as per-tensor rel_l2 bounds do."""
+_LAYER = re.compile(r"^model\.layers\.(\d+)(?:\.|$)")
 HEAD = "head"
 EMBED = "model.embed_tokens"
+
+
+def layer_index(name: str) -> int | None:
+    """Decoder layer of an activation or parameter name ('model.layers.3.mlp' -> 3), None outside the layers."""
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m else None
 
 
 def grad_group(name: str) -> str:
@@ -117,8 +125,6 @@ def run_layers(role_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch
 def family_layer_bounds(layout: Any, role: str, family: str, controls: list[str], k: float, floors: dict[str, float],
                         use_quantum: bool, floor_ulps: float = 0.0) -> dict[str, Any]:
     """Layer bounds of one family for one role: the family's control runs against its reference run."""
-    from qualify.freeze import BoundRule, family_pairs, quantum
-
     base_name, others = family_pairs(family, controls)
     base_acts, base_grads = run_layers(layout.scores(*base_name.split("-", 1), role))
     errors: dict[str, dict[str, float]] = {}
@@ -147,9 +153,6 @@ def has_layers(layout: Any, controls: list[str], precisions: list[str]) -> bool:
 
 def layer_bound_files(layout: Any, matrix: Any, controls: list[str]) -> dict[str, bytes]:
     """{'<role>.json': canonical JSON} of every role's layer bounds; empty when the reference has no layer activations."""
-    from qualify.acceptance import FAMILIES
-    from qualify.freeze import RULE
-
     if not has_layers(layout, controls, list(matrix.reference.precisions)):
         return {}
     files = {}

@@ -1,0 +1,49 @@
+"""The reference's sealed evidence, read and written: targets, scored roles, the scoring fingerprint.
+
+Shared by the reference stage (qualify.reference.stage), the replays on other clip decisions
+(qualify.reference.forced) and what reads a step's inputs back (qualify.reference.inputs).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from qualify.bounds.layers import LAYERS_FILE
+from qualify.compare import step_dir, write_step
+from qualify.layout import RunLayout
+from qualify.matrix import Matrix
+from qualify.reference.targets import TARGETS_FILE
+from qualify.schema import to_dict
+from qualify.stages import complete_stage, fingerprint, open_sealed, prepare_stage
+from qualify.store import read_tensors, write_json, write_tensors
+
+
+def model_config(model_dir: Path) -> dict[str, Any]:
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def scoring_settings(matrix: Matrix, rollout_digest: str) -> str:
+    """Fingerprint of what targets and scores depend on: the rollout and the numerics sections of the matrix."""
+    m = to_dict(matrix)
+    grpo = ("algorithm", "grpo") if matrix.algorithm == "grpo" else ()  # a PPO matrix's fingerprint is unchanged
+    return fingerprint({"rollout": rollout_digest,
+                        **{k: m[k] for k in ("models", "ppo", "optimizer", "reference", *grpo)}})
+
+
+def load_targets(layout: RunLayout, expected_digest: str | None = None) -> dict[str, Any]:
+    """Read the sealed targets, checking their digest."""
+    open_sealed(layout.targets, "targets", expected_digest, main=TARGETS_FILE)
+    return read_tensors(layout.targets / TARGETS_FILE)
+
+
+def write_role(out: Path, result: dict[str, Any], info: dict[str, Any]) -> None:
+    """Seal one role's K steps: step<k>/{outputs,grads,updates,moments}.safetensors, and meta.json."""
+    prepare_stage(out)
+    for k, step in enumerate(result["steps"]):
+        write_step(out / step_dir(k), step)
+    if "layers" in result:  # step 1's per-layer activations, for qualify diagnose (qualify.bounds.layers)
+        write_tensors(out / LAYERS_FILE, result["layers"])
+    write_json(out / "meta.json", result["meta"] | info)
+    complete_stage(out, info)

@@ -1,0 +1,140 @@
+"""The package's import graph has no circles: no module imports one that imports it back (through any chain), and
+no package of qualify/ does either, counting every import: at module level, inside functions and under
+TYPE_CHECKING. A circle is how a floor starts to climb (the bound rule imported back from the stage that uses it, the
+matrix importing the engines that read it); this test names the chain that closes one."""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def module_graph(package_dir: Path) -> dict[str, set[str]]:
+    """{module: the package's modules it imports}, every import statement counted, wherever it stands."""
+    top = package_dir.name
+    modules = {}
+    for path in package_dir.rglob("*.py"):
+        parts = path.relative_to(package_dir.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = defaultdict(set)
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                targets = [base, *(f"{base}.{a.name}" for a in node.names)]
+            else:
+                continue
+            for target in targets:
+                found = resolve(target) if target.split(".")[0] == top else None
+                if found and found not in (name, top):
+                    graph[name].add(found)
+    return graph
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The same graph between the top level's packages and modules (qualify.<x>)."""
+    def top(m: str) -> str:
+        return ".".join(m.split(".")[:2])
+    out: dict[str, set[str]] = defaultdict(set)
+    for a, bs in graph.items():
+        out[top(a)] |= {top(b) for b in bs if top(b) != top(a)}
+    return out
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One chain a -> ... -> a per strongly connected component of more than one node (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found = []
+    for root in sorted(set(graph) | {b for bs in graph.values() for b in bs}):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, edges = work[-1]
+            w = next(edges, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    component.append(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    found.append(chain(graph, set(component)))
+    return found
+
+
+def chain(graph: dict[str, set[str]], component: set[str]) -> list[str]:
+    """A shortest cycle through the component's first node, as a readable chain."""
+    start = min(component)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph.get(v, ())):
+                if w == start:
+                    return [*paths[v], start]
+                if w in component and w not in paths:
+                    paths[w] = [*paths[v], w]
+                    nxt.append(w)
+        frontier = nxt
+    return sorted(component)
+
+
+def test_qualify_has_no_module_circles():
+    assert circles(module_graph(ROOT / "qualify")) == []
+
+
+def test_qualify_has_no_package_circles():
+    assert circles(package_graph(module_graph(ROOT / "qualify"))) == []
+
+
+def test_a_circle_through_a_function_level_import_is_found_and_named(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "low").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low" / "__init__.py").write_text("")
+    (pkg / "low" / "rule.py").write_text("def f():\n    from pkg.stage import g\n    return g\n")
+    (pkg / "stage.py").write_text("from pkg.low.rule import f\n\ndef g():\n    return f\n")
+    (pkg / "free.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import stage\n")
+    graph = module_graph(pkg)
+    assert circles(graph) == [["pkg.low.rule", "pkg.stage", "pkg.low.rule"]]
+    assert circles(package_graph(graph)) == [["pkg.low", "pkg.stage", "pkg.low"]]
+    (pkg / "low" / "rule.py").write_text("def f():\n    return 1\n")  # the climb removed: no circle
+    assert circles(module_graph(pkg)) == []
