@@ -36,7 +36,7 @@ from qualify.metrics import max_abs
 from qualify.models.checkpoint import checkpoint_tensors
 from qualify.models.family import model_dir
 from qualify.ppo.decisions import differing
-from qualify.reference.forced import replayed_reference
+from qualify.reference.forced import ensure_replay, sealed_replay
 from qualify.reference.inputs import StepInputs
 from qualify.rollout.capture import load_rollout
 from qualify.schema import from_dict
@@ -202,8 +202,9 @@ def on_committed_decisions(matrix: Any, layout: RunLayout, role: str, ref_run: s
     if first is None or any(d is None for d in mine + theirs) or len(fresh) != len(committed):
         return fresh, None, ""
     precision = ref_run.split("-", 1)[0]
-    replay, out = replayed_reference(matrix, layout, precision, role, [d.clipped_BT for d in theirs if d is not None],
-                                     into=layout.root / REPLAYS)
+    decided = [d.clipped_BT for d in theirs if d is not None]
+    ensure_replay(matrix, layout, precision, role, decided, into=layout.root / REPLAYS)
+    replay, out = sealed_replay(matrix, layout, precision, role, decided, into=layout.root / REPLAYS)
     flips = differing(mine[first], theirs[first])
     shown = ", ".join(f"row {r} token {t}" for r, t in flips[:SHOWN])
     where = (f"this platform's {ref_run} decided {len(flips)} token(s) otherwise than the committed one at step "

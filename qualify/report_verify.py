@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qualify.errors import QualifyError
+from qualify.errors import EvidenceError, QualifyError
 from qualify.layout import RunLayout
 from qualify.stages import stage_info, stage_is_complete
 
@@ -214,8 +214,12 @@ def rejudge_problems(layout: RunLayout, reference: dict[str, Any], acceptance: d
                     dp=int(parts["dp"] or 1))
         if case.role not in befores:
             befores[case.role] = checkpoint_tensors(models[case.role])
-        judged = [r.to_json() for r in judge_case(layout, case, bounds, befores[case.role], matrix,
-                                                  frozenset(names))]  # sealed_problems verified every named case
+        try:
+            judged = [r.to_json() for r in judge_case(layout, case, bounds, befores[case.role], matrix,
+                                                      frozenset(names))]  # sealed_problems verified every named case
+        except EvidenceError as exc:  # a replay the judge reads is not sealed: nothing is computed here
+            problems.append(f"{name}: cannot be judged again: {exc}")
+            continue
         problems += compare_rows(name, judged, [r for r in verdict["rows"] if r["case"] == name])
     return problems
 

@@ -14,6 +14,8 @@ import math
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from qualify.compare import RunTensors
 from qualify.layout import RunLayout
 from qualify.matrix import Matrix
@@ -68,17 +70,28 @@ def decision_rows(case: str, role: str, comparison: str, mine: list[Decisions | 
     return rows
 
 
+def replay_needed(mine: list[Decisions | None], theirs: list[Decisions | None], cand: list[RunTensors],
+                  ref: list[RunTensors]) -> list[torch.Tensor] | None:
+    """The case's clip decisions to replay the reference on (every step's), or None when the case is compared with
+    the reference itself: it decided as the reference at every step, or its decisions or steps cannot be lined up."""
+    if any(d is None for d in mine) or len(cand) != len(ref) or _same(mine, theirs):
+        return None
+    return [d.clipped_BT for d in mine if d is not None]
+
+
 def aligned_reference(matrix: Matrix, layout: RunLayout, inputs: StepInputs, case: str, role: str, comparison: str,
                       precision: str, cand: list[RunTensors], ref: list[RunTensors],
                       bounds: dict[str, Any]) -> tuple[list[RunTensors], list[Row]]:
     """(the reference to compare the case's tensors with, the decision rows): ref itself when the case decided as
-    it did at every step, else ref replayed on the case's decisions (whose own decisions the rows judge against)."""
+    it did at every step, else ref replayed on the case's decisions (whose own decisions the rows judge against),
+    read from where the candidate stage sealed it before judging (nothing is computed here)."""
     mine, theirs = run_decisions(matrix, role, cand, inputs), run_decisions(matrix, role, ref, inputs)
-    if any(d is None for d in mine) or len(cand) != len(ref) or _same(mine, theirs):
+    decided = replay_needed(mine, theirs, cand, ref)
+    if decided is None:
         return ref, decision_rows(case, role, comparison, mine, theirs, bounds)
-    from qualify.reference.forced import replayed_reference
+    from qualify.reference.forced import sealed_replay
 
-    replay, where = replayed_reference(matrix, layout, precision, role, [d.clipped_BT for d in mine])
+    replay, where = sealed_replay(matrix, layout, precision, role, decided)
     # the replay follows the case's decisions, so from the first flip on its steps are the ones the case's decisions
     # are judged against (its own deciding quantity, step by step)
     rows = decision_rows(case, role, comparison, mine, run_decisions(matrix, role, replay, inputs), bounds)

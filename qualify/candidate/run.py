@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from qualify.acceptance import Acceptance
-from qualify.candidate.decided import StepInputs, aligned_reference, comparable_steps, decision_rows, own_loss_rows
+from qualify.candidate.decided import (
+    StepInputs,
+    aligned_reference,
+    comparable_steps,
+    decision_rows,
+    own_loss_rows,
+    replay_needed,
+    run_decisions,
+)
 from qualify.candidate.formula import declared_formula, explain_formula, formula_bounds, formula_steps
 from qualify.candidate.judge import evidence_rows, judge_steps, precision_rows
 from qualify.candidate.launch import launch, log_tail, write_spec_file
@@ -128,6 +136,33 @@ def run_group(matrix: Matrix, layout: RunLayout, cases: list[Case], models: dict
     return errors
 
 
+def case_families(case: Case) -> list[tuple[str, str]]:
+    """(bound family, reference run) a case is judged against: its precision's repeat family against that
+    precision's r0, and under bf16 also fp32-vs-bf16 against fp32-r0 (the case's own precision first)."""
+    families = [(f"{case.precision}-repeat", f"{case.precision}-r0")]
+    if case.precision == "bf16":
+        families.append(("fp32-vs-bf16", "fp32-r0"))
+    return families
+
+
+def seal_replays(matrix: Matrix, layout: RunLayout, case: Case, inputs: StepInputs, log: StageLog) -> None:
+    """The judge's one computation, made and sealed before any judging: for each reference run the case is compared
+    with, that run replayed on the case's clip decisions where they differ from the run's (qualify.reference.forced;
+    cases that decided alike share one). The judge, and `qualify report` judging again, only read it."""
+    from qualify.reference.forced import ensure_replay, replay_location
+
+    cand = load_steps(layout.case(case.name))
+    for _, ref_run in case_families(case):
+        precision, control = ref_run.split("-", 1)
+        ref = load_steps(layout.scores(precision, control, case.role))
+        decided = replay_needed(run_decisions(matrix, case.role, cand, inputs),
+                                run_decisions(matrix, case.role, ref, inputs), cand, ref)
+        if decided is None or stage_is_complete(replay_location(matrix, layout, precision, case.role, decided)):
+            continue
+        with log.step(f"replay {ref_run} {case.role} on {case.name}'s clip decisions"):
+            ensure_replay(matrix, layout, precision, case.role, decided)
+
+
 def judge_case(layout: RunLayout, case: Case, bounds: dict, before: dict, matrix: Matrix,
                verified: frozenset[str] = frozenset(), inputs: StepInputs | None = None) -> list[Row]:
     """Every step of a case against the reference's families, its evidence checks, and TPn against TP1 (verified
@@ -140,10 +175,7 @@ def judge_case(layout: RunLayout, case: Case, bounds: dict, before: dict, matrix
     inputs = inputs or StepInputs.load(matrix, layout)
     formula, truncates = declared_formula(cand[0].meta)  # its logprobs are judged against the reference's formula
     rows, own_ref = [], None
-    families = [(f"{case.precision}-repeat", f"{case.precision}-r0")]
-    if case.precision == "bf16":
-        families.append(("fp32-vs-bf16", "fp32-r0"))
-    for family, ref_run in families:
+    for family, ref_run in case_families(case):
         precision, control = ref_run.split("-", 1)
         ref, fam = load_steps(layout.scores(precision, control, case.role)), bounds[(case.role, family)]
         own_ref = ref if own_ref is None else own_ref  # the case's own precision's r0 comes first
@@ -215,6 +247,9 @@ def run_candidates(matrix: Matrix, run_dir: Path, *, acceptance: Path | None = N
     rows: list[Row] = []
     verified = frozenset(c.name for c in cases if c.name not in errors)  # run_group checked each seal
     inputs = StepInputs.load(matrix, layout)
+    for case in cases:
+        if case.name not in errors:
+            seal_replays(matrix, layout, case, inputs, log)
     for case in cases:
         if case.name in errors:
             rows.append(Row(case.name, case.role, "run", "case", "exit", 1.0, 0.0, False, errors[case.name],

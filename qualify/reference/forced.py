@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from qualify.compare import RunTensors, load_steps, num_steps, step_dir
+from qualify.errors import EvidenceError
 from qualify.layout import RunLayout
 from qualify.matrix import Matrix
 from qualify.ppo.decisions import Decisions, decisions, differing
@@ -47,22 +48,42 @@ def replay_dir(root: Path, precision: str, role: str, decided: list[torch.Tensor
     return Path(root) / REPLAYS / f"{precision}-r0-{h.hexdigest()[:16]}" / role
 
 
-def replayed_reference(matrix: Matrix, layout: RunLayout, precision: str, role: str,
-                       decided: list[torch.Tensor], into: Path | None = None) -> tuple[list[RunTensors], Path]:
-    """(the steps of <precision>-r0 replayed with decided[k] imposed at step k, where they are sealed): the
-    reference's own replay when a control decided alike, else the one under into (default the candidates
-    directory; made there when missing)."""
+def replay_location(matrix: Matrix, layout: RunLayout, precision: str, role: str, decided: list[torch.Tensor],
+                    into: Path | None = None) -> Path:
+    """Where <precision>-r0 replayed with decided[k] imposed at step k is sealed: the reference's own replay when a
+    control decided alike, else the one under into (default the candidates directory)."""
     from qualify.reference.evidence import scoring_settings
     from qualify.store import read_json
 
-    summary = read_json(layout.reference_summary)
-    settings = scoring_settings(matrix, summary["rollout_digest"])
+    settings = scoring_settings(matrix, read_json(layout.reference_summary)["rollout_digest"])
     frozen = replay_dir(layout.reference, precision, role, decided, settings)
     if stage_is_complete(frozen):
-        return load_steps(frozen), frozen
-    out = replay_dir(layout.candidates if into is None else into, precision, role, decided, settings)
-    make_replay(matrix, layout, precision, role, decided, out, summary["rollout_digest"], summary["targets_digest"])
-    return load_steps(out), out
+        return frozen
+    return replay_dir(layout.candidates if into is None else into, precision, role, decided, settings)
+
+
+def sealed_replay(matrix: Matrix, layout: RunLayout, precision: str, role: str, decided: list[torch.Tensor],
+                  into: Path | None = None) -> tuple[list[RunTensors], Path]:
+    """(the steps of the sealed replay, where it is): read only, never computed here (ensure_replay makes it, as its
+    own step before anything is judged); a replay that is not sealed is an EvidenceError."""
+    where = replay_location(matrix, layout, precision, role, decided, into)
+    if not stage_is_complete(where):
+        raise EvidenceError(f"{where} is not sealed: {precision}-r0 {role} replayed on these clip decisions is made "
+                            "by 'qualify candidate' before judging (run it again on this run directory)")
+    return load_steps(where), where
+
+
+def ensure_replay(matrix: Matrix, layout: RunLayout, precision: str, role: str, decided: list[torch.Tensor],
+                  into: Path | None = None) -> Path:
+    """Where the replay is sealed, made here (the reference model scored again) when it is not."""
+    from qualify.store import read_json
+
+    where = replay_location(matrix, layout, precision, role, decided, into)
+    if not stage_is_complete(where):
+        summary = read_json(layout.reference_summary)
+        make_replay(matrix, layout, precision, role, decided, where, summary["rollout_digest"],
+                    summary["targets_digest"])
+    return where
 
 
 def make_replay(matrix: Matrix, layout: RunLayout, precision: str, role: str, decided: list[torch.Tensor], out: Path,

@@ -114,7 +114,7 @@ def test_decision_rows_name_at_most_four_tokens_and_skip_steps_without_decisions
 def _no_replay(monkeypatch):
     calls = []
     forced = types.ModuleType("qualify.reference.forced")
-    forced.replayed_reference = lambda *a: calls.append(a) or (_ for _ in ()).throw(AssertionError("replayed"))
+    forced.sealed_replay = lambda *a: calls.append(a) or (_ for _ in ()).throw(AssertionError("replayed"))
     monkeypatch.setitem(sys.modules, "qualify.reference.forced", forced)
     return calls
 
@@ -161,7 +161,7 @@ def test_a_case_decided_otherwise_is_compared_with_the_reference_replayed_on_its
     replay = [critic_step([-0.5] * 6), critic_step([0.5, 0.5, 0.5, 0.5, 0.1, 0.1])]  # decided as cand but token 4
     calls = []
     forced = types.ModuleType("qualify.reference.forced")
-    forced.replayed_reference = lambda *a: calls.append(a) or (replay, Path("/runs/x/replays/abc123/sealed"))
+    forced.sealed_replay = lambda *a: calls.append(a) or (replay, Path("/runs/x/replays/abc123/sealed"))
     monkeypatch.setitem(sys.modules, "qualify.reference.forced", forced)
     matrix, layout = MATRIX, object()
     got, rows = aligned_reference(matrix, layout, inputs_of(2, 6), "c", "critic", "vs ref", "bf16", cand, ref, {})
@@ -216,7 +216,7 @@ def test_a_replayed_case_with_four_flips_and_an_unreadable_reference_step(monkey
     cand = [critic_step([0.1] * 5), critic_step([0.5, 0.5, 0.5, 0.5, 0.1])]  # four flips at step 1
     replay = [critic_step([0.1] * 5), critic_step([0.5, 0.5, 0.5, 0.5, 0.1])]
     forced = types.ModuleType("qualify.reference.forced")
-    forced.replayed_reference = lambda *a: (replay, Path("/runs/x/replays/r4/sealed"))
+    forced.sealed_replay = lambda *a: (replay, Path("/runs/x/replays/r4/sealed"))
     monkeypatch.setitem(sys.modules, "qualify.reference.forced", forced)
     got, rows = aligned_reference(MATRIX, None, inputs_of(2, 5), "c", "critic", "vs ref", "fp32", cand, ref, {})
     assert got is replay
