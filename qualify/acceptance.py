@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from qualify.bounds.check import check_bounds
+from qualify.bounds.files import read_bound_files
 from qualify.bounds.rule import FAMILIES
 from qualify.errors import EvidenceError, ManifestError
-from qualify.hashing import file_digest
 from qualify.manifest import load_manifest, verify_manifest
 from qualify.store import read_json
 
@@ -52,14 +52,7 @@ class Acceptance:
         if not report.ok:
             raise EvidenceError(f"reference evidence does not match {path}: {len(report.missing)} missing, "
                                 f"{len(report.extra)} extra, {len(report.modified)} modified (run 'qualify verify')")
-        families = {}
-        for name, digest in doc["bounds"].items():
-            file = path.parent / "bounds" / name
-            if not file.is_file() or file_digest(file) != digest:
-                raise EvidenceError(f"bound file {file} is missing or does not match the acceptance's digest")
-            b = read_json(file)
-            families[(b["role"], b["family"])] = b
-        return cls(path, doc, families)
+        return cls(path, doc, read_bound_files(path.parent, doc["bounds"]))
 
     @property
     def digest(self) -> str:

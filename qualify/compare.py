@@ -20,11 +20,6 @@ import torch
 from qualify import metrics
 from qualify.store import read_json, read_tensors
 
-OUTPUT_KINDS = {"logprobs_BT": "logprob", "ratio_BT": "logprob", "kl_BT": "logprob", "values_BT": "value",
-                "loss": "loss", "clip_frac": "loss", "kl_mean": "loss", "grad_norm": "grad_norm",
-                "logprobs_processed_BT": "logprob",
-                # GRPO (qualify.ppo.objective.grpo_objective): per-row advantages and loss shares, the policy term
-                "advantages_B": "target", "seq_loss_B": "loss", "policy_loss": "loss"}
 GROUPS = ("outputs", "grads", "updates", "moments")
 DISTRIBUTION_GROUPS = ("outputs", "grads")
 """Groups whose multi-element tensors are also judged by mean |delta| and p99 |delta|."""
@@ -148,16 +143,6 @@ class StepStarts(Sequence[dict]):
             current, i = next_params(current, self.steps[i]), i + 1
         self._at = (k, current)
         return current
-
-
-def metric_kind(key: str) -> str:
-    """Floor kind of a tensor key such as 'grads/model.norm.weight' (or 'step2/grads/...')."""
-    if key.startswith("step"):
-        key = split_step(key)[1]
-    group, _, name = key.partition("/")
-    if group == "outputs":
-        return OUTPUT_KINDS[name]
-    return {"grads": "grad", "updates": "update", "moments": "moment"}[group]
 
 
 def structure_problems(candidate: RunTensors, reference: RunTensors) -> list[tuple[str, str]]:

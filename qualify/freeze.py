@@ -19,7 +19,8 @@ from typing import Any
 
 from qualify.acceptance import ACCEPTANCE_SCHEMA
 from qualify.bounds.control_error import MeansOf, ReplayOf, TermsOf, family_bounds
-from qualify.bounds.layers import LAYER_BOUNDS_DIR, layer_bound_files
+from qualify.bounds.files import LAYER_BOUNDS_DIR
+from qualify.bounds.layers import layer_bound_files
 from qualify.bounds.rule import FAMILIES, RULE
 from qualify.errors import EvidenceError, FrozenError
 from qualify.layout import ROLES_ALL, RunLayout

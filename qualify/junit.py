@@ -14,7 +14,9 @@ import xml.etree.ElementTree as ET
 from collections import defaultdict
 from typing import Any
 
-BOUND_RULE = "value <= bound; bound = k * control_error + floor + quantum, frozen per (role, tensor, metric)"
+from qualify.bounds.rule import FORMULA
+
+BOUND_RULE = f"value <= bound; {FORMULA}, frozen per (role, tensor, metric)"
 FAMILY_IN_COMPARISON = re.compile(r"\[(?P<family>[^\]]+)\]$")
 STEP_PREFIX = re.compile(r"^step(?P<step>[0-9]+)/")
 

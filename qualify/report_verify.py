@@ -144,11 +144,10 @@ def verdict_problems(verdict: Any, acceptance: dict[str, Any] | None) -> list[st
 
 
 def load_bounds(layout: RunLayout, acceptance: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
-    """The frozen bounds by (role, family), from the bound files the acceptance names."""
-    from qualify.store import read_json
+    """The frozen bounds by (role, family), from the bound files the acceptance names (each checked by digest)."""
+    from qualify.bounds.files import read_bound_files
 
-    docs = [read_json(layout.bounds / name) for name in sorted(acceptance["bounds"])]
-    return {(d["role"], d["family"]): d["bounds"] for d in docs}
+    return {key: d["bounds"] for key, d in read_bound_files(layout.acceptance_dir, acceptance["bounds"]).items()}
 
 
 def sealed_problems(layout: RunLayout, acceptance: dict[str, Any], names: list[str]) -> list[str]:

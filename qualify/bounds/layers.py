@@ -21,14 +21,12 @@ from typing import Any
 import torch
 
 from qualify import metrics
+from qualify.bounds.files import LAYER_BOUNDS_SCHEMA
 from qualify.bounds.rule import FAMILIES, RULE, BoundRule, family_pairs, quantum
 from qualify.store import dumps_json, read_tensors
 
 LAYERS_FILE = "layers.safetensors"
 """Per-layer activations of a reference run's first step, in its role directory (covered by the acceptance)."""
-LAYER_BOUNDS_SCHEMA = "qualify.layer-bounds/1"
-LAYER_BOUNDS_DIR = "layers"
-"""acceptance/layers/<role>.json"""
 ACTIVATION_KIND = "value"
 """Floor kind of an activation's max_abs: hidden states are O(1) numbers like the critic's values (the rule has
 no floor of its own for them); rel_l2 takes the 'relative' floor, as per-tensor rel_l2 bounds do."""

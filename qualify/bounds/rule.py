@@ -11,8 +11,6 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from qualify.compare import metric_kind
-
 BOUNDS_SCHEMA = "qualify.bounds/4"
 """/2: the loss's control error is the sum of |per-token contribution differences| where that is larger, and updates
 are judged by the AdamW replay alone (no update-vs-reference bound). /3: a control that decided a clip otherwise than
@@ -53,6 +51,26 @@ def tensor_floor(kind: str, metric: str, magnitude: float, floors: dict[str, flo
     return max(floors[kind], scaled)
 
 
+OUTPUT_KINDS = {"logprobs_BT": "logprob", "ratio_BT": "logprob", "kl_BT": "logprob", "values_BT": "value",
+                "loss": "loss", "clip_frac": "loss", "kl_mean": "loss", "grad_norm": "grad_norm",
+                "logprobs_processed_BT": "logprob",
+                # GRPO (qualify.ppo.objective.grpo_objective): per-row advantages and loss shares, the policy term
+                "advantages_B": "target", "seq_loss_B": "loss", "policy_loss": "loss"}
+"""The floor kind of each output (qualify.freeze.floors names one floor per kind)."""
+
+
+def metric_kind(key: str) -> str:
+    """Floor kind of a tensor key such as 'grads/model.norm.weight' (or 'step2/grads/...')."""
+    if key.startswith("step"):
+        key = key.partition("/")[2]
+    group, _, name = key.partition("/")
+    if group == "outputs":
+        return OUTPUT_KINDS[name]
+    return {"grads": "grad", "updates": "update", "moments": "moment"}[group]
+
+
+FORMULA = "bound = k * control_error + floor + quantum"
+"""The rule in one line (the report's texts); RULE spells out each term."""
 RULE = ("bound = k * control_error + floor + quantum (per role, tensor, metric; control_error = max over the "
         "family's controls, each compared with the family's r0 replayed on the control's own clip decisions where they "
         "differ (for the loss and the grad norm, scalars whose few control differences cancel by chance, "

@@ -1,6 +1,7 @@
 """`qualify diagnose`: where a candidate case first leaves its bounds, layer by layer, at step 1.
 
-The acceptance (verified against the reference evidence) must hold layer bounds (qualify.bounds.layers).
+The acceptance (verified against the reference evidence) must hold layer bounds (qualify.bounds.layers, read through
+qualify.bounds.files).
 The case's engine is launched again from the case's own spec to expose its per-layer activations on the
 first step's rows (qualify.diagnose.worker; sealed under RUN/diagnose/<case>/ and reused while the case's
 evidence is unchanged); its step-1 gradients come from the case's sealed evidence. Each family the
@@ -16,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from qualify.acceptance import Acceptance
-from qualify.bounds.layers import LAYER_BOUNDS_DIR, LAYER_BOUNDS_SCHEMA, LAYERS_FILE, group_members, layer_metrics
+from qualify.bounds.files import layer_bounds_named, read_layer_bounds
+from qualify.bounds.layers import LAYERS_FILE, group_members, layer_metrics
 from qualify.diagnose.localize import LayerRow, by_layer, first_departure, judge_layers
 from qualify.errors import EvidenceError, QualifyError
-from qualify.hashing import file_digest
 from qualify.layout import RunLayout
 from qualify.stagelog import StageLog
 from qualify.stages import fingerprint, require_complete, stage_info, stage_is_complete
@@ -31,28 +32,6 @@ DIAGNOSIS_SCHEMA = "qualify.diagnosis/1"
 def diagnose_dir(layout: RunLayout) -> Path:
     """RUN/diagnose/: <case>/ (the candidate's sealed activations) and <case>.json (the diagnosis)."""
     return layout.root / "diagnose"
-
-
-def require_layer_bounds(acc: Acceptance) -> dict[str, str]:
-    """The acceptance's layer bound files and their digests; an acceptance frozen without them is refused clearly."""
-    named = acc.document.get("layer_bounds")
-    if not named:
-        raise EvidenceError(f"the acceptance {acc.path} has no layer bounds (it was frozen from a reference scored "
-                            "without per-layer activations): re-freeze is needed; run 'qualify reference' into a new "
-                            "run directory and 'qualify freeze' it to diagnose layer by layer")
-    return named
-
-
-def load_layer_bounds(acc: Acceptance, role: str) -> dict[str, Any]:
-    """The role's layer bounds named by the acceptance, checked against its digest."""
-    named = require_layer_bounds(acc)
-    file = acc.path.parent / LAYER_BOUNDS_DIR / f"{role}.json"
-    if f"{role}.json" not in named or not file.is_file() or file_digest(file) != named[f"{role}.json"]:
-        raise EvidenceError(f"layer bound file {file} is missing or does not match the acceptance's digest")
-    doc = read_json(file)
-    if doc.get("schema") != LAYER_BOUNDS_SCHEMA:
-        raise EvidenceError(f"{file}: schema {doc.get('schema')!r}, expected {LAYER_BOUNDS_SCHEMA!r}")
-    return doc
 
 
 def case_spec(layout: RunLayout, case: str) -> Any:
@@ -163,13 +142,13 @@ def diagnose(run_dir: Path, case: str, *, log: StageLog | None = None) -> dict[s
     log = log or StageLog("diagnose")
     with log.step("verify the acceptance against the reference evidence"):
         acc = Acceptance.load(layout.acceptance, layout.reference)
-    require_layer_bounds(acc)
+    layer_bounds_named(acc.path, acc.document)
     spec = case_spec(layout, case)
     judged_by = (stage_info(layout.case(case)).get("key") or {}).get("acceptance")
     if judged_by != acc.digest:
         raise EvidenceError(f"case {case} was run against acceptance {judged_by}, not {acc.digest}: run 'qualify "
                             "candidate' for it again")
-    bounds_doc = load_layer_bounds(acc, spec.role)
+    bounds_doc = read_layer_bounds(acc.path, acc.document, spec.role)
     acts, hook = candidate_layers(layout, case, spec, log)
     cand_grads = read_tensors(layout.case(case) / step_dir(0) / "grads.safetensors")
     with log.step(f"compare {case} with the reference layer by layer"):

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from qualify.bounds.files import dominant_term
 from qualify.junit import FAMILY_IN_COMPARISON, check_group
 from qualify.report import RunDocs
 from qualify.report_verify import number
@@ -42,17 +43,15 @@ def family_ratios(rows: list[dict[str, Any]]) -> tuple[list[str], dict[tuple[str
 
 def bound_docs(docs: RunDocs) -> dict[tuple[str, str], dict[str, Any]]:
     """The frozen bound files by (role, family), when frozen."""
-    from qualify.store import read_json
+    from qualify.bounds.files import read_bound_files
 
     if docs.acceptance is None:
         return {}
-    found = [docs.layout.bounds / name for name in sorted(docs.acceptance.get("bounds", {}))]
-    loaded = [read_json(p) for p in found if p.is_file()]
-    return {(d["role"], d["family"]): d for d in loaded}
+    return read_bound_files(docs.layout.acceptance_dir, docs.acceptance.get("bounds", {}), missing_ok=True)
 
 
 def set_by(row: dict[str, Any], bounds: dict[tuple[str, str], dict[str, Any]]) -> str:
-    """The bound family and the term of bound = k * control_error + floor + quantum that dominates."""
+    """The bound family and the term of the rule (qualify.bounds.rule.FORMULA) that dominates."""
     m = FAMILY_IN_COMPARISON.search(row["comparison"])
     if m is None:
         return "evidence: exact" if row["comparison"] == "evidence" else ""
@@ -60,9 +59,7 @@ def set_by(row: dict[str, Any], bounds: dict[tuple[str, str], dict[str, Any]]) -
     entry = (doc or {}).get("bounds", {}).get(row["tensor"], {}).get(row["metric"])
     if entry is None:
         return m["family"]
-    terms = {"k x control": doc["k"] * entry["control_error"], f"floor ({entry['kind']})": entry["floor"],
-             "quantum": entry["quantum"]}
-    top = max(terms, key=terms.get)
+    top = dominant_term(doc, entry)
     controls = ", ".join(doc.get("control_runs", []))
     return f"{m['family']}: {top}" + (f" (controls {controls} vs {doc['reference_run']})" if top == "k x control"
                                        else "")

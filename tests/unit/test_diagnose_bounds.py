@@ -13,9 +13,10 @@ import torch
 from typer.testing import CliRunner
 
 from qualify.acceptance import Acceptance, check_acceptance
+from qualify.bounds.files import read_layer_bounds
 from qualify.bounds.layers import LAYERS_FILE, backward_groups, grad_group, group_metrics, layer_metrics
 from qualify.bounds.rule import quantum, tensor_floor
-from qualify.diagnose.run import diagnose, load_layer_bounds
+from qualify.diagnose.run import diagnose
 from qualify.errors import EvidenceError
 from qualify.freeze import freeze
 from qualify.stages import complete_stage, stage_info
@@ -84,7 +85,7 @@ def test_freeze_writes_layer_bounds_by_the_rule_and_the_acceptance_names_them(tm
     assert set(doc["layer_bounds"]) == {"actor.json", "critic.json"}
     assert check_acceptance(layout.acceptance) == []  # the six per-tensor bound files are unchanged
     acc = Acceptance.load(layout.acceptance, layout.reference)
-    bounds = load_layer_bounds(acc, "actor")
+    bounds = read_layer_bounds(acc.path, acc.document, "actor")
     assert bounds["k"] == K and bounds["floors"] == FLOORS
     expected_runs = {"fp32-repeat": ("fp32", "r0", [("fp32", "r1"), ("fp32", "r2")]),
                      "bf16-repeat": ("bf16", "r0", [("bf16", "r1"), ("bf16", "r2")]),
@@ -119,7 +120,7 @@ def test_a_layer_bound_file_that_changed_is_refused(tmp_path):
     file = layout.acceptance_dir / "layers" / "critic.json"
     file.write_text(file.read_text().replace('"k": 3.0', '"k": 30.0'))
     with pytest.raises(EvidenceError, match="critic.json is missing or does not match"):
-        load_layer_bounds(acc, "critic")
+        read_layer_bounds(acc.path, acc.document, "critic")
 
 
 def test_acceptance_without_layer_bounds_verifies_and_diagnose_asks_for_a_refreeze(tmp_path):

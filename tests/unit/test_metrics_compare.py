@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from qualify import metrics
+from qualify.bounds.rule import metric_kind
 from qualify.compare import (
     RunTensors,
     flips,
     load_run,
     merge_max,
-    metric_kind,
     pair_metrics,
     replay_metrics,
     structure_problems,

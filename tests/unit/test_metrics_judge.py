@@ -71,7 +71,7 @@ def test_quantum_is_one_rounding_step():
 def _bounds_from(errors: dict, floor: float = 1e-6) -> dict:
     floors = {k: floor for k in ("logprob", "value", "loss", "grad", "grad_norm", "update", "moment", "target",
                                  "relative")}
-    from qualify.compare import metric_kind
+    from qualify.bounds.rule import metric_kind
 
     return {key: {m: bound_entry("relative" if m == "rel_l2" else metric_kind(key), v, 4.0, floors) for m, v in ms.items()}
             for key, ms in errors.items()}
