@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from qualify.bounds.check import check_bounds
-from qualify.bounds.files import read_bound_files
+from qualify.bounds.files import BOUNDS_DIR, LAYER_BOUNDS_DIR, read_bound_files
 from qualify.bounds.rule import FAMILIES
 from qualify.errors import EvidenceError, ManifestError
 from qualify.manifest import load_manifest, verify_manifest
@@ -100,7 +100,7 @@ def check_acceptance(path: Path) -> list[str]:
     if set(doc.get("bounds", {})) != expected:
         problems.append(f"bound files {sorted(doc.get('bounds', {}))} != {sorted(expected)}")
     for name, digest in sorted(doc.get("bounds", {}).items()):
-        file = path.parent / "bounds" / name
+        file = path.parent / BOUNDS_DIR / name
         if not file.is_file():
             problems.append(f"missing bound file {file}")
             continue
@@ -109,7 +109,7 @@ def check_acceptance(path: Path) -> list[str]:
             continue
         problems += check_bounds(read_json(file), rule, name)
     for name, digest in sorted(doc.get("layer_bounds", {}).items()):  # qualify diagnose's, where frozen
-        file = path.parent / "layers" / name
+        file = path.parent / LAYER_BOUNDS_DIR / name
         if not file.is_file():
             problems.append(f"missing layer bound file {file}")
         elif "sha256:" + hashlib.sha256(file.read_bytes()).hexdigest() != digest:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from qualify import metrics
+from qualify.layout import step_dir
 from qualify.store import read_json, read_tensors
 
 GROUPS = ("outputs", "grads", "updates", "moments")
@@ -34,10 +35,6 @@ class RunTensors:
     updates: dict[str, torch.Tensor]
     moments: dict[str, torch.Tensor]
     meta: dict[str, Any]
-
-
-def step_dir(step: int) -> str:
-    return f"step{step}"
 
 
 def write_step(directory: Path, step: dict[str, dict[str, torch.Tensor]]) -> None:

@@ -19,7 +19,6 @@ from typing import Any
 
 from qualify.acceptance import ACCEPTANCE_SCHEMA
 from qualify.bounds.control_error import MeansOf, ReplayOf, TermsOf, family_bounds
-from qualify.bounds.files import LAYER_BOUNDS_DIR
 from qualify.bounds.layers import layer_bound_files
 from qualify.bounds.rule import FAMILIES, RULE
 from qualify.errors import EvidenceError, FrozenError
@@ -179,7 +178,7 @@ def _write_once(layout: RunLayout, files: dict[str, bytes], document: dict[str, 
                 layer_files: dict[str, bytes] | None = None) -> None:
     """Write bounds and acceptance unless they exist; identical content is fine, anything else is refused."""
     targets = {layout.bounds / f: data for f, data in files.items()}
-    targets.update({layout.acceptance_dir / LAYER_BOUNDS_DIR / f: data for f, data in (layer_files or {}).items()})
+    targets.update({layout.layer_bounds / f: data for f, data in (layer_files or {}).items()})
     targets[layout.acceptance] = dumps_json(document).encode("ascii")
     changed = [p for p, data in targets.items() if p.exists() and p.read_bytes() != data]
     if changed:

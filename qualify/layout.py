@@ -8,9 +8,15 @@ runs/<matrix name>/
     scores/<precision>-<control>/<role>/{outputs,grads,updates,moments}.safetensors, meta.json
     matrix/matrix.json           the matrix snapshot taken when the reference started (sealed)
     reference.json               summary: rollout digest, controls, versions, platform
+    replays/<precision>-r0-<key>/<role>/  r0 replayed on a control's clip decisions (before freeze)
   acceptance/acceptance.json, acceptance/bounds/<role>-<family>.json
-  candidates/<case>/...          per-case evidence; candidates/verdict.json
+  acceptance/layers/<role>.json  per-layer bounds for qualify diagnose
+  candidates/<case>/...          per-case evidence; <case>.work/ its spec, launch log and scratch
+  candidates/replays/...         r0 replayed on a case's clip decisions (sealed before judging)
+  candidates/verdict.json        the verdict (verdict-<selection>.json for --only)
   rounds/vllm-tp<N>/verdict.json  one sealed rounds run per vLLM TP degree
+  diagnose/<case>/, <case>.json  a case's layer outputs and its diagnosis
+  replay/replays/...             this platform's reference on a committed run's decisions (qualify.replay)
 """
 
 from __future__ import annotations
@@ -77,9 +83,31 @@ class RunLayout:
     def case(self, name: str) -> Path:
         return self.candidates / name
 
+    def is_case_dir(self, path: Path) -> bool:
+        """A case's evidence directory under candidates/ (not its .work/, nor the replays)."""
+        return path.is_dir() and not path.name.endswith(WORK_SUFFIX) and path.name != REPLAYS
+
     @property
     def verdict(self) -> Path:
         return self.candidates / "verdict.json"
+
+    def selection_verdict(self, label: str) -> Path:
+        """The verdict of a --only selection (label: qualify.candidate.run.selection_name of its glob)."""
+        return self.candidates / f"verdict-{label}.json"
+
+    @property
+    def layer_bounds(self) -> Path:
+        return self.acceptance_dir / "layers"
+
+    @property
+    def diagnose(self) -> Path:
+        """diagnose/: <case>/ (a candidate's sealed activations) and <case>.json (its diagnosis)."""
+        return self.root / "diagnose"
+
+    @property
+    def platform_replay(self) -> Path:
+        """replay/: this platform's reference replayed on a committed run's decisions (qualify.replay)."""
+        return self.root / "replay"
 
     @property
     def rounds(self) -> Path:
@@ -88,6 +116,39 @@ class RunLayout:
     def rounds_dir(self, tp: int) -> Path:
         """One sealed rounds run per vLLM TP degree, with its verdict.json."""
         return self.rounds / f"vllm-tp{tp}"
+
+
+WORK_SUFFIX = ".work"
+REPLAYS = "replays"
+LAUNCH_LOG = "launch.log"
+SPEC_FILE = "spec.json"
+
+
+def work_dir(evidence_dir: Path | str) -> Path:
+    """<dir>.work/ beside a sealed evidence directory, outside it: a case's spec, launch log and engine scratch (the
+    same for diagnose's and rounds' engine runs)."""
+    return Path(str(evidence_dir) + WORK_SUFFIX)
+
+
+def launch_log(evidence_dir: Path | str) -> Path:
+    """The launch log of the engine run that writes evidence_dir."""
+    return work_dir(evidence_dir) / LAUNCH_LOG
+
+
+def spec_file(evidence_dir: Path | str) -> Path:
+    """The spec of the engine run that writes evidence_dir."""
+    return work_dir(evidence_dir) / SPEC_FILE
+
+
+def replays_dir(root: Path | str) -> Path:
+    """<root>/replays/: r0 runs replayed on other clip decisions (qualify.reference.forced), under the reference
+    (the controls', before freeze), the candidates (the cases') or a platform replay's directory."""
+    return Path(root) / REPLAYS
+
+
+def step_dir(step: int) -> str:
+    """'step<k>': one optimizer step's evidence inside a role's directory."""
+    return f"step{step}"
 
 
 def rounds_case(tp: int) -> str:

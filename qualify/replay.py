@@ -47,8 +47,6 @@ from qualify.verdict import Row
 # Versions that change the numbers a reference computes (bitwise is expected only when they match).
 NUMERICS_PACKAGES = ("torch", "transformers", "safetensors")
 ROLES = ("actor", "critic")
-REPLAYS = "replay"
-"""RUN/replay/: this platform's reference replayed on the committed run's clip decisions."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,8 +201,8 @@ def on_committed_decisions(matrix: Any, layout: RunLayout, role: str, ref_run: s
         return fresh, None, ""
     precision = ref_run.split("-", 1)[0]
     decided = [d.clipped_BT for d in theirs if d is not None]
-    ensure_replay(matrix, layout, precision, role, decided, into=layout.root / REPLAYS)
-    replay, out = sealed_replay(matrix, layout, precision, role, decided, into=layout.root / REPLAYS)
+    ensure_replay(matrix, layout, precision, role, decided, into=layout.platform_replay)
+    replay, out = sealed_replay(matrix, layout, precision, role, decided, into=layout.platform_replay)
     flips = differing(mine[first], theirs[first])
     shown = ", ".join(f"row {r} token {t}" for r, t in flips[:SHOWN])
     where = (f"this platform's {ref_run} decided {len(flips)} token(s) otherwise than the committed one at step "

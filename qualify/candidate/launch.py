@@ -19,22 +19,18 @@ import time
 from pathlib import Path
 
 from qualify.candidate.spec import CaseSpec
+from qualify.layout import SPEC_FILE, work_dir
 from qualify.store import write_json
 
 TAIL_LINES = 30
-
-
-def work_dir(case_dir: Path | str) -> Path:
-    """<case>.work/: spec, launch log and engine scratch, beside the sealed evidence directory, outside it."""
-    return Path(str(case_dir) + ".work")
 
 
 def write_spec_file(spec: CaseSpec) -> Path:
     """Write the case's spec.json into its work directory; return its path."""
     work = work_dir(spec.case_dir)
     work.mkdir(parents=True, exist_ok=True)
-    write_json(work / "spec.json", spec.to_json())
-    return work / "spec.json"
+    write_json(work / SPEC_FILE, spec.to_json())
+    return work / SPEC_FILE
 
 
 def launch(spec_paths: Path | list[Path], tp: int, device: str, log_path: Path) -> int:

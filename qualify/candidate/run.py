@@ -33,7 +33,7 @@ from qualify.candidate.tiers import bitwise_rows, tensor_tiers, tier_summary
 from qualify.compare import load_steps, params_before_steps
 from qualify.engines.registry import require_engine
 from qualify.errors import EvidenceError, QualifyError
-from qualify.layout import RunLayout
+from qualify.layout import RunLayout, launch_log
 from qualify.matrix import Case, Matrix
 from qualify.models.checkpoint import checkpoint_tensors
 from qualify.models.family import model_dirs
@@ -121,7 +121,7 @@ def run_group(matrix: Matrix, layout: RunLayout, cases: list[Case], models: dict
     if not pending:
         return {}
     specs = [specs_by_case[c] for c in pending]
-    group_log = specs[0].parent / "launch.log"
+    group_log = launch_log(layout.case(pending[0].name))
     with log.step(f"cases {', '.join(c.name for c in pending)}"):
         code = launch(specs, pending[0].world_size, device, group_log)
     errors = {}
@@ -130,9 +130,9 @@ def run_group(matrix: Matrix, layout: RunLayout, cases: list[Case], models: dict
             continue
         if len(pending) > 1:
             with log.step(f"case {case.name} (alone, after a failed group launch)"):
-                code = launch(spec, case.world_size, device, spec.parent / "launch.log")
+                code = launch(spec, case.world_size, device, launch_log(layout.case(case.name)))
         if not stage_is_complete(layout.case(case.name)):
-            errors[case.name] = log_tail(spec.parent / "launch.log" if len(pending) > 1 else group_log, code)
+            errors[case.name] = log_tail(launch_log(layout.case(case.name)) if len(pending) > 1 else group_log, code)
     return errors
 
 
@@ -262,7 +262,7 @@ def run_candidates(matrix: Matrix, run_dir: Path, *, acceptance: Path | None = N
         if invariance:
             extra.setdefault(case.name, {})["invariance"] = invariance
     verdict = verdict_document(matrix, doc, cases, rows, complete=only is None, platforms=extra)
-    write_json(layout.verdict if only is None else layout.candidates / f"verdict-{selection_name(only)}.json",
+    write_json(layout.verdict if only is None else layout.selection_verdict(selection_name(only)),
                verdict.to_json())
     return verdict
 

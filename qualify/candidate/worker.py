@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from qualify.candidate.agreement import agree_case
 from qualify.candidate.dp import dp_group, gather_outputs, rank_rows
-from qualify.candidate.launch import work_dir
 from qualify.candidate.padding import exposed_rows, padding_found
 from qualify.candidate.spec import CaseSpec, read_spec
 from qualify.compare import step_dir, write_step
@@ -30,6 +29,7 @@ from qualify.engines.base import Batch, EngineContext
 from qualify.engines.registry import get_engine
 from qualify.errors import EngineError, EvidenceError
 from qualify.hashing import file_digest
+from qualify.layout import work_dir
 from qualify.models.checkpoint import checkpoint_tensors
 from qualify.ppo.objective import grpo_dp_share, grpo_share, role_objective, rows_of, step_rows
 from qualify.rollout.capture import load_rollout

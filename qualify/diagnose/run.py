@@ -21,7 +21,7 @@ from qualify.bounds.files import layer_bounds_named, read_layer_bounds
 from qualify.bounds.layers import LAYERS_FILE, group_members, layer_metrics
 from qualify.diagnose.localize import LayerRow, by_layer, first_departure, judge_layers
 from qualify.errors import EvidenceError, QualifyError
-from qualify.layout import RunLayout
+from qualify.layout import RunLayout, launch_log, spec_file
 from qualify.stagelog import StageLog
 from qualify.stages import fingerprint, require_complete, stage_info, stage_is_complete
 from qualify.store import json_safe, read_json, read_tensors, write_json
@@ -29,24 +29,18 @@ from qualify.store import json_safe, read_json, read_tensors, write_json
 DIAGNOSIS_SCHEMA = "qualify.diagnosis/1"
 
 
-def diagnose_dir(layout: RunLayout) -> Path:
-    """RUN/diagnose/: <case>/ (the candidate's sealed activations) and <case>.json (the diagnosis)."""
-    return layout.root / "diagnose"
-
-
 def case_spec(layout: RunLayout, case: str) -> Any:
     """The sealed case's spec (written by the candidate stage beside its evidence)."""
-    from qualify.candidate.launch import work_dir
     from qualify.candidate.spec import read_spec
 
     case_dir = layout.case(case)
     if not case_dir.is_dir():
-        known = sorted(p.name for p in layout.candidates.iterdir() if p.is_dir() and not p.name.endswith(".work")) \
+        known = sorted(p.name for p in layout.candidates.iterdir() if layout.is_case_dir(p)) \
             if layout.candidates.is_dir() else []
         listed = ", ".join(known) or "none: run 'qualify candidate' first"
         raise QualifyError(f"no case {case!r} in {layout.candidates} (cases: {listed})")
     require_complete(case_dir, f"case {case} (run 'qualify candidate' for it first)")
-    spec = work_dir(case_dir) / "spec.json"
+    spec = spec_file(case_dir)
     if not spec.is_file():
         raise EvidenceError(f"case {case} has no spec at {spec} (run 'qualify candidate' for it again)")
     return read_spec(spec)
@@ -69,16 +63,16 @@ def launch_worker(spec_path: Path, out: Path, key: str, tp: int, device: str, lo
 def candidate_layers(layout: RunLayout, case: str, spec: Any, log: StageLog) -> tuple[dict[str, Any], bool]:
     """(activations, whether the engine has the layer_outputs hook), launching the engine unless a sealed
     capture made from the same case evidence exists."""
-    from qualify.candidate.launch import log_tail, work_dir
+    from qualify.candidate.launch import log_tail
 
-    out = diagnose_dir(layout) / case
+    out = layout.diagnose / case
     key = fingerprint(stage_info(layout.case(case)))
     with log.step(f"layer outputs of {case} ({spec.engine}, TP{spec.tp}, {spec.precision})") as step:
         if stage_is_complete(out) and stage_info(out).get("key") == key:
             step.skip()
         else:
-            log_path = Path(str(out) + ".work") / "launch.log"
-            code = launch_worker(work_dir(layout.case(case)) / "spec.json", out, key, spec.tp, spec.device, log_path)
+            log_path = launch_log(out)
+            code = launch_worker(spec_file(layout.case(case)), out, key, spec.tp, spec.device, log_path)
             if code != 0 or not stage_is_complete(out):
                 raise EvidenceError(f"the engine of case {case} did not produce its layer outputs: "
                                     + log_tail(log_path, code))
@@ -159,13 +153,13 @@ def diagnose(run_dir: Path, case: str, *, log: StageLog | None = None) -> dict[s
            "precision": spec.precision, "tp": spec.tp, "step": 0, "acceptance_digest": acc.digest,
            "layer_outputs_hook": hook, "passed": first is None, "first_departure": first, "families": families}
     doc = json_safe(doc)
-    write_json(diagnose_dir(layout) / f"{case}.json", doc)
+    write_json(layout.diagnose / f"{case}.json", doc)
     return doc
 
 
 def load_diagnoses(run_dir: Path) -> dict[str, dict[str, Any]]:
     """Every diagnosis written in a run directory, by case (for the report)."""
-    d = diagnose_dir(RunLayout(Path(run_dir)))
+    d = RunLayout(Path(run_dir)).diagnose
     if not d.is_dir():
         return {}
     out = {}

@@ -19,6 +19,7 @@ from qualify.candidate.spec import read_spec
 from qualify.candidate.worker import init_distributed
 from qualify.engines.base import Batch, EngineContext
 from qualify.engines.registry import get_engine
+from qualify.layout import work_dir
 from qualify.ppo.objective import step_rows
 from qualify.rollout.capture import load_rollout
 from qualify.stages import complete_stage, prepare_stage
@@ -32,7 +33,7 @@ def main() -> None:
     rollout = load_rollout(Path(spec.rollout_dir), spec.rollout_digest)
     rows = step_rows(rollout["input_ids_BT"].shape[0], spec.ppo.epochs, spec.ppo.minibatches)[0]
     batch = Batch(input_ids_BT=rollout["input_ids_BT"][rows], response_mask_BT=rollout["response_mask_BT"][rows])
-    work = Path(str(out) + ".work")
+    work = work_dir(out)
     work.mkdir(parents=True, exist_ok=True)
     engine = get_engine(spec.engine)
     engine.setup(EngineContext(role=spec.role, precision=spec.precision, tp=spec.tp, rank=rank, device=spec.device,

@@ -29,13 +29,11 @@ import torch
 
 from qualify.compare import RunTensors, load_steps, num_steps, step_dir
 from qualify.errors import EvidenceError
-from qualify.layout import RunLayout
+from qualify.layout import RunLayout, replays_dir
 from qualify.matrix import Matrix
 from qualify.ppo.decisions import Decisions, decisions, differing
 from qualify.reference.inputs import StepInputs
 from qualify.stages import stage_is_complete
-
-REPLAYS = "replays"
 
 
 def replay_dir(root: Path, precision: str, role: str, decided: list[torch.Tensor], settings: str) -> Path:
@@ -45,7 +43,7 @@ def replay_dir(root: Path, precision: str, role: str, decided: list[torch.Tensor
     for mask in decided:
         h.update(str(tuple(mask.shape)).encode())
         h.update(mask.to(torch.uint8).contiguous().numpy().tobytes())
-    return Path(root) / REPLAYS / f"{precision}-r0-{h.hexdigest()[:16]}" / role
+    return replays_dir(root) / f"{precision}-r0-{h.hexdigest()[:16]}" / role
 
 
 def replay_location(matrix: Matrix, layout: RunLayout, precision: str, role: str, decided: list[torch.Tensor],

@@ -55,8 +55,11 @@ class Base:
 
     @property
     def bound(self) -> float:
+        """The rule (qualify.bounds.rule) applied to the vLLM-vs-HF control error, with the logprob floor."""
+        from qualify.bounds.rule import bound_entry
+
         assert self.control is not None, "control not measured yet"
-        return self.k * self.control + self.floor
+        return bound_entry("logprob", self.control, self.k, {"logprob": self.floor})["bound"]
 
 
 def _reference_numbers(layout: RunLayout) -> tuple[float, dict[str, Any]]:

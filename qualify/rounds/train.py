@@ -19,6 +19,7 @@ from qualify.candidate.spec import make_spec
 from qualify.compare import load_steps
 from qualify.errors import EvidenceError, RoundsError
 from qualify.hashing import file_digest
+from qualify.layout import launch_log
 from qualify.matrix import Case, Matrix
 from qualify.stages import stage_is_complete
 
@@ -44,9 +45,9 @@ def train_step(matrix: Matrix, *, engine: str, tp: int, model_dir: Path, rollout
                          rollout_digest=rollout_digest, targets_digest=targets_digest, case_dir=out,
                          vocab_size=vocab_size, device=device)
         spec_path = write_spec_file(spec)
-        code = launch(spec_path, tp, device, spec_path.parent / "launch.log")
+        code = launch(spec_path, tp, device, launch_log(out))
         if code != 0 or not stage_is_complete(out):
-            raise TrainFailed(f"{case.name} step failed: {log_tail(spec_path.parent / 'launch.log', code)}")
+            raise TrainFailed(f"{case.name} step failed: {log_tail(launch_log(out), code)}")
     steps = load_steps(Path(out))
     updates: dict[str, torch.Tensor] = {n: sum((s.updates[n] for s in steps[1:]), steps[0].updates[n])
                                         for n in steps[0].updates}
