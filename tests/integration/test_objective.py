@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from qualify.candidate.run import run_candidates
-from qualify.errors import FrozenError
+from qualify.errors import FrozenError, MatrixError
 from qualify.freeze import freeze
 from qualify.matrix import load_matrix
 from qualify.reference.stage import run_reference
@@ -82,12 +82,18 @@ def test_freeze_refuses_a_single_step_matrix_that_requires_coverage(tmp_path):
     data["ppo"]["epochs"] = 1
     path = tmp_path / "one-step.yaml"
     path.write_text(yaml.safe_dump(data))
+    # Adam past its first step can never be taken in one step: refused when the matrix loads, before any reference
+    with pytest.raises(MatrixError, match="freeze.require lists adam_past_first_step, which no reference of this "
+                                          "matrix can exercise: set ppo.epochs x ppo.minibatches >= 2"):
+        load_matrix(path)
+    data["freeze"]["require"].remove("adam_past_first_step")
+    path.write_text(yaml.safe_dump(data))
     run = tmp_path / "run"
     run_reference(load_matrix(path), run, rollout=COMMITTED / "reference" / "rollout")
-    with pytest.raises(FrozenError) as info:
+    with pytest.raises(FrozenError) as info:  # the clips could have been taken; this reference left them inert
         freeze(run)
     message = str(info.value)
-    for branch in ("policy_clip_high", "policy_clip_low", "value_clip", "adam_past_first_step"):
+    for branch in ("policy_clip_high", "policy_clip_low", "value_clip"):
         assert f"{branch}:" in message, message
     assert "grad_clip:" not in message and "kl:" not in message  # exercised already at step 0
     assert not (run / "acceptance").exists()
