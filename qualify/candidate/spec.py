@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qualify.matrix import GRPO, PPO, Case, Matrix, Optimizer
 from qualify.schema import from_dict, to_dict
 from qualify.store import read_json
+
+if TYPE_CHECKING:
+    from qualify.engines.base import EngineContext
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -76,3 +79,16 @@ def make_spec(matrix: Matrix, case: Case, *, model_dir: Path, rollout_dir: Path,
 
 def read_spec(path: Path) -> CaseSpec:
     return from_dict(CaseSpec, read_json(path), str(path))
+
+
+def engine_context(spec: CaseSpec, rank: int, work: Path, *, dp: int | None = None) -> EngineContext:
+    """The one way a case's spec becomes what its engine is set up with (the candidate worker, diagnose's and rounds'
+    engine runs). dp overrides the spec's DP degree for a run launched on the case's TP ranks alone (diagnose)."""
+    from qualify.engines.base import EngineContext
+
+    return EngineContext(role=spec.role, precision=spec.precision, tp=spec.tp, rank=rank, device=spec.device,
+                         model_dir=Path(spec.model_dir), optimizer=spec.optimizer, temperature=spec.temperature,
+                         logprob_chunk_tokens=spec.logprob_chunk_tokens, vocab_size=spec.vocab_size, work_dir=work,
+                         logprob_formula=spec.logprob_formula, top_k=spec.top_k, top_p=spec.top_p, min_p=spec.min_p,
+                         dp=spec.dp if dp is None else dp, vocab_tile=spec.vocab_tile)
+

@@ -23,9 +23,9 @@ import torch.distributed as dist
 from qualify.candidate.agreement import agree_case
 from qualify.candidate.dp import dp_group, gather_outputs, rank_rows
 from qualify.candidate.padding import exposed_rows, padding_found
-from qualify.candidate.spec import CaseSpec, read_spec
+from qualify.candidate.spec import CaseSpec, engine_context, read_spec
 from qualify.compare import step_dir, write_step
-from qualify.engines.base import Batch, EngineContext
+from qualify.engines.base import Batch
 from qualify.engines.registry import get_engine
 from qualify.errors import EngineError, EvidenceError
 from qualify.hashing import file_digest
@@ -133,11 +133,7 @@ def run_case(spec: CaseSpec, rank: int) -> None:
     engine = get_engine(spec.engine)
     work = work_dir(spec.case_dir)
     work.mkdir(parents=True, exist_ok=True)
-    ctx = EngineContext(role=spec.role, precision=spec.precision, tp=spec.tp, rank=rank, device=spec.device,
-                        model_dir=Path(spec.model_dir), optimizer=spec.optimizer, temperature=spec.temperature,
-                        logprob_chunk_tokens=spec.logprob_chunk_tokens, vocab_size=spec.vocab_size, work_dir=work,
-                        logprob_formula=spec.logprob_formula, top_k=spec.top_k, top_p=spec.top_p, min_p=spec.min_p,
-                        dp=spec.dp, vocab_tile=spec.vocab_tile)
+    ctx = engine_context(spec, rank, work)
     contract = agree_case(spec, rank)  # before the case's first collective: ranks that disagree stop here, named
     group = dp_group(spec.tp, spec.dp, rank)
     engine.setup(ctx)

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from qualify.bounds.layers import LAYERS_FILE
-from qualify.candidate.spec import read_spec
+from qualify.candidate.spec import engine_context, read_spec
 from qualify.candidate.worker import init_distributed
-from qualify.engines.base import Batch, EngineContext
+from qualify.engines.base import Batch
 from qualify.engines.registry import get_engine
 from qualify.layout import work_dir
 from qualify.ppo.objective import step_rows
@@ -36,11 +36,7 @@ def main() -> None:
     work = work_dir(out)
     work.mkdir(parents=True, exist_ok=True)
     engine = get_engine(spec.engine)
-    engine.setup(EngineContext(role=spec.role, precision=spec.precision, tp=spec.tp, rank=rank, device=spec.device,
-                               model_dir=Path(spec.model_dir), optimizer=spec.optimizer,
-                               temperature=spec.temperature, logprob_chunk_tokens=spec.logprob_chunk_tokens,
-                               vocab_size=spec.vocab_size, work_dir=work, logprob_formula=spec.logprob_formula,
-                               top_k=spec.top_k, top_p=spec.top_p, min_p=spec.min_p))
+    engine.setup(engine_context(spec, rank, work, dp=1))  # launched on the case's TP ranks alone
     hook = getattr(engine, "layer_outputs", None)
     acts = {} if hook is None else {n: t.detach().float().cpu().contiguous() for n, t in hook(batch).items()}
     engine.close()

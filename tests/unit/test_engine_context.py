@@ -1,0 +1,43 @@
+"""A case's spec becomes its engine's context in one place (qualify.candidate.spec.engine_context), so the candidate
+worker's engine and diagnose's are set up alike: every field the context shares with the spec is the spec's."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from qualify.candidate.spec import engine_context, make_spec
+from qualify.engines.base import EngineContext
+from qualify.matrix import load_matrix
+
+MATRICES = Path(__file__).resolve().parents[2] / "matrices"
+
+
+def grpo_spec(tmp_path):
+    import yaml
+
+    data = yaml.safe_load((MATRICES / "tiny-qwen3-grpo.yaml").read_text())
+    data["candidates"]["vocab_tile"] = 64
+    path = tmp_path / "g.yaml"
+    path.write_text(yaml.safe_dump(data))
+    m = load_matrix(path)
+    case = next(c for c in m.cases() if c.dp == 2)
+    kw = {k: tmp_path for k in ("model_dir", "rollout_dir", "targets_dir", "case_dir")}
+    return make_spec(m, case, rollout_digest="r", targets_digest="t", vocab_size=512, device="cpu", **kw)
+
+
+def test_every_shared_field_comes_from_the_spec(tmp_path):
+    spec = grpo_spec(tmp_path)
+    ctx = engine_context(spec, 1, tmp_path / "work")
+    shared = ({f.name for f in dataclasses.fields(EngineContext)} & {f.name for f in dataclasses.fields(spec)}) - {"model_dir"}
+    assert shared >= {"role", "precision", "tp", "dp", "device", "optimizer", "temperature", "vocab_size",
+                      "logprob_formula", "top_k", "top_p", "min_p", "vocab_tile", "logprob_chunk_tokens"}
+    assert {n: getattr(ctx, n) for n in shared} == {n: getattr(spec, n) for n in shared}
+    assert (ctx.rank, ctx.work_dir, ctx.model_dir) == (1, tmp_path / "work", Path(spec.model_dir))
+    assert ctx.dp == 2 and ctx.vocab_tile == 64
+
+
+def test_a_run_on_the_cases_tp_ranks_alone_overrides_dp_only(tmp_path):
+    spec = grpo_spec(tmp_path)
+    one = engine_context(spec, 0, tmp_path, dp=1)
+    assert one.dp == 1 and dataclasses.replace(one, dp=spec.dp) == engine_context(spec, 0, tmp_path)
