@@ -44,7 +44,7 @@ def flipped_case(run, matrix) -> None:
 
 
 def test_the_judge_reads_the_sealed_replay_and_never_makes_it(run_copy, tiny_matrix, monkeypatch):
-    import qualify.reference.forced as forced
+    from qualify.reference import forced
 
     layout = RunLayout(run_copy)
     flipped_case(run_copy, tiny_matrix)
