@@ -1,7 +1,8 @@
-"""The package's import graph has no circles: no module imports one that imports it back (through any chain), and
-no package of qualify/ does either, counting every import: at module level, inside functions and under
-TYPE_CHECKING. A circle is how a floor starts to climb (the bound rule imported back from the stage that uses it, the
-matrix importing the engines that read it); this test names the chain that closes one."""
+"""The package's import graph has no circles and no climbs: no module imports one that imports it back (through any
+chain), no package of qualify/ does either, and every import goes down the floors of LAYERS (or stays within its own
+package), counting every import: at module level, inside functions and under TYPE_CHECKING. A circle is how a floor
+starts to climb (the bound rule imported back from the stage that uses it, the matrix importing the engines that read
+it); these tests name the chain that closes one and the import that climbs."""
 
 from __future__ import annotations
 
@@ -10,6 +11,21 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+
+LAYERS = [  # top floor first: a package may import its own modules and any package on a lower floor, nothing else
+    {"cli"},
+    {"report_html"},
+    {"report"},
+    {"report_verify", "junit"},
+    {"diagnose", "rounds", "replay"},
+    {"candidate", "freeze"},
+    {"reference", "examples"},
+    {"engines", "rollout", "acceptance"},
+    {"bounds", "models", "slurm"},
+    {"matrix", "compare", "manifest", "stages", "memory"},
+    {"ppo", "schema", "store", "hashing", "contract", "versions"},
+    {"errors", "layout", "metrics", "hardware", "progress", "stagelog", "childlog", "verdict"},
+]
 
 
 def module_graph(package_dir: Path) -> dict[str, set[str]]:
@@ -123,6 +139,35 @@ def test_qualify_has_no_module_circles():
 
 def test_qualify_has_no_package_circles():
     assert circles(package_graph(module_graph(ROOT / "qualify"))) == []
+
+
+def climbs(graph: dict[str, set[str]], layers: list[set[str]], top: str) -> list[str]:
+    """'a -> b' for every import from a package to one on the same or a higher floor (another package); a package on
+    no floor is named too (a new one must be given its floor)."""
+    floor = {f"{top}.{name}": i for i, names in enumerate(layers) for name in names}
+    out = [f"{p} is on no floor of LAYERS" for p in sorted(set(graph) | {b for bs in graph.values() for b in bs})
+           if p not in floor]
+    out += [f"{a} -> {b}" for a, bs in sorted(graph.items()) for b in sorted(bs)
+            if a in floor and b in floor and floor[b] <= floor[a]]
+    return out
+
+
+def test_every_import_goes_down_a_floor():
+    assert climbs(package_graph(module_graph(ROOT / "qualify")), LAYERS, "qualify") == []
+
+
+def test_an_import_that_climbs_or_crosses_a_floor_is_named(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "low").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low" / "__init__.py").write_text("")
+    (pkg / "low" / "rule.py").write_text("def f():\n    from pkg import stage\n    return stage\n")
+    (pkg / "stage.py").write_text("x = 1\n")
+    (pkg / "side.py").write_text("from pkg import stage\n")
+    graph = package_graph(module_graph(pkg))
+    assert climbs(graph, [{"stage", "side"}, {"low"}], "pkg") == ["pkg.low -> pkg.stage", "pkg.side -> pkg.stage"]
+    assert climbs(graph, [{"side"}, {"stage"}, {"low"}], "pkg") == ["pkg.low -> pkg.stage"]
+    assert climbs(graph, [{"side"}, {"low"}], "pkg") == ["pkg.stage is on no floor of LAYERS"]
 
 
 def test_a_circle_through_a_function_level_import_is_found_and_named(tmp_path):
