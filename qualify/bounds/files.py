@@ -64,3 +64,13 @@ def dominant_term(doc: dict[str, Any], entry: dict[str, Any]) -> str:
     terms = {"k x control": doc["k"] * entry["control_error"], f"floor ({entry['kind']})": entry["floor"],
              "quantum": entry["quantum"]}
     return max(terms, key=terms.get)
+
+
+def bound_rule(b: dict[str, Any]) -> str:
+    """How a frozen bound was made, from its bound-file entry: '<= 0.00415 = k x control 0.000977 + floor 1e-06 +
+    quantum 0.000244'."""
+    terms = [f"k x control {b['control_error']:.3g}" if "control_error" in b else "",
+             f"floor {b['floor']:.3g}" if "floor" in b else "",
+             f"quantum {b['quantum']:.3g}" if b.get("quantum") else ""]
+    made = " + ".join(t for t in terms if t)
+    return f"<= {b['bound']:.3g}" + (f" = {made}" if made else "")

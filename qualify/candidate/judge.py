@@ -12,6 +12,7 @@ import math
 from dataclasses import replace
 from typing import Any
 
+from qualify.bounds.files import bound_rule
 from qualify.compare import RunTensors, pair_metrics, replay_metrics, structure_problems
 from qualify.metrics import bf16_exact_counts, bf16_exact_fraction
 from qualify.verdict import Row
@@ -61,16 +62,6 @@ def judge_pair(case: str, role: str, comparison: str, candidate: RunTensors, ref
             rows.append(Row(case, role, comparison, key, metric, value, b["bound"], ok,
                             "" if math.isfinite(value) else "NaN or Inf in candidate", rule=bound_rule(b)))
     return rows
-
-
-def bound_rule(b: dict[str, Any]) -> str:
-    """How a frozen bound was made, from its bound-file entry: '<= 0.00415 = k x control 0.000977 + floor 1e-06 +
-    quantum 0.000244'."""
-    terms = [f"k x control {b['control_error']:.3g}" if "control_error" in b else "",
-             f"floor {b['floor']:.3g}" if "floor" in b else "",
-             f"quantum {b['quantum']:.3g}" if b.get("quantum") else ""]
-    made = " + ".join(t for t in terms if t)
-    return f"<= {b['bound']:.3g}" + (f" = {made}" if made else "")
 
 
 def unexposed_padding(per_rank: list[dict[str, Any]]) -> tuple[int, str]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from qualify.candidate.judge import CHANCE_ELEMENTS, PRECISION_MARGIN, bound_rule, precision_rows, unexposed_padding
+from qualify.bounds.files import bound_rule
+from qualify.candidate.judge import CHANCE_ELEMENTS, PRECISION_MARGIN, precision_rows, unexposed_padding
 from qualify.compare import RunTensors
 
 
