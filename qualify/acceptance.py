@@ -10,6 +10,7 @@ acceptance.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,8 @@ from typing import Any
 from qualify.bounds.check import check_bounds
 from qualify.bounds.files import BOUNDS_DIR, LAYER_BOUNDS_DIR, read_bound_files
 from qualify.bounds.rule import FAMILIES
-from qualify.errors import EvidenceError, ManifestError
-from qualify.manifest import load_manifest, verify_manifest
+from qualify.errors import EvidenceError, ManifestError, QualifyError
+from qualify.manifest import VerifyReport, load_manifest, verify_manifest
 from qualify.store import read_json
 
 ACCEPTANCE_SCHEMA = "qualify.acceptance/4"
@@ -52,6 +53,10 @@ class Acceptance:
         if not report.ok:
             raise EvidenceError(f"reference evidence does not match {path}: {len(report.missing)} missing, "
                                 f"{len(report.extra)} extra, {len(report.modified)} modified (run 'qualify verify')")
+        chain = chain_problems(path, doc, Path(report.evidence))
+        if chain:
+            raise EvidenceError(f"{path} does not follow from what it was frozen from: {chain[0]}"
+                                + (f" (and {len(chain) - 1} more; run 'qualify verify')" if len(chain) > 1 else ""))
         return cls(path, doc, read_bound_files(path.parent, doc["bounds"]))
 
     @property
@@ -150,3 +155,79 @@ def require_sound(path: Path) -> None:
     problems = check_acceptance(path)
     if problems:
         raise ManifestError(f"{path}: " + "; ".join(problems[:5]) + (" ..." if len(problems) > 5 else ""))
+
+
+R0_SCORES = re.compile(r"^scores/[^/]+-r0/")
+
+
+def committed_part(path: str) -> bool:
+    """Whether an acceptance's file belongs to the part a partial copy of its evidence must hold (what a committed
+    acceptance carries because it cannot be made again elsewhere): the matrix snapshot, the reference summary, the
+    rollout, the targets and the r0 scores."""
+    return (path == "reference.json" or path.startswith(("matrix/", "rollout/", "targets/"))
+            or R0_SCORES.match(path) is not None)
+
+
+def is_acceptance(document: dict[str, Any]) -> bool:
+    return str(document.get("schema_version", "")).startswith("qualify.acceptance/")
+
+
+def chain_problems(path: Path, document: dict[str, Any], root: Path) -> list[str]:
+    """The links between an acceptance and what it was frozen from, beyond each file's digest: the matrix snapshot it
+    covers is sealed under the digest the acceptance names, and the rule the acceptance states (k, floors,
+    floor_ulps, quantum) is the snapshot's freeze section. With check_acceptance (bound files by digest, every bound
+    re-derived from the rule), no single file changes without the acceptance's own digest changing."""
+    from qualify.stages import stage_info
+
+    snapshot = Path(root) / "matrix"
+    if "matrix/matrix.json" not in {e.get("path") for e in document.get("files", [])}:
+        return [f"{path}: covers no matrix snapshot (matrix/matrix.json): its rule cannot be traced to a matrix"]
+    if not (snapshot / "matrix.json").is_file():
+        return [f"the matrix snapshot {snapshot / 'matrix.json'} is not here: the acceptance's rule cannot be checked"]
+    if not (snapshot / "_complete.json").is_file():
+        return [f"the matrix snapshot {snapshot} is not sealed here: the acceptance's rule cannot be checked"]
+    problems = []
+    if stage_info(snapshot).get("digest") != document.get("matrix_digest"):
+        problems.append(f"the matrix snapshot at {snapshot} is sealed as {stage_info(snapshot).get('digest')!r}, "
+                        f"the acceptance names {document.get('matrix_digest')!r}")
+    try:
+        frozen = read_snapshot(snapshot / "matrix.json")["freeze"]
+    except QualifyError as exc:
+        return [*problems, f"the matrix snapshot cannot be read: {exc}"]
+    rule = document.get("rule", {}) if isinstance(document.get("rule"), dict) else {}
+    for key in ("k", "floors", "floor_ulps", "quantum"):
+        if rule.get(key) != frozen.get(key):
+            problems.append(f"the acceptance's rule says {key} = {rule.get(key)!r}, the matrix snapshot it covers "
+                            f"says {frozen.get(key)!r}")
+    return problems
+
+
+def verify_evidence(manifest: Path, evidence: Path | None = None, *, jobs: int | None = None, progress: bool = True,
+                    partial: bool = False, expect: str | None = None) -> VerifyReport:
+    """What `qualify verify` checks: every file against the manifest (qualify.manifest.verify_manifest); for an
+    acceptance also its bound files, its rule against the matrix snapshot it covers (chain_problems), and under
+    partial that the committed part is present (a partial copy is a subset by design, never an empty one); with
+    expect, that the manifest's own digest is that one (an anchor kept outside the run: a writer who recomputes
+    every sha256 changes it)."""
+    from dataclasses import replace
+
+    manifest = Path(manifest)
+    document = load_manifest(manifest)
+    acceptance = is_acceptance(document)
+    if partial and not acceptance:
+        raise ManifestError(f"{manifest}: --partial is for an acceptance, whose committed part (matrix snapshot, "
+                            "reference summary, rollout, targets, r0 scores) a partial copy must hold; a plain "
+                            "manifest names no such part")
+    report = verify_manifest(manifest, evidence, jobs=jobs, progress=progress, partial=partial)
+    problems = []
+    if expect is not None and document.get("digest") != expect:
+        problems.append(f"{manifest}: digest {document.get('digest')} is not the expected {expect}")
+    if acceptance:
+        lacking = [p for p in report.missing if committed_part(p)]
+        if partial and lacking:
+            problems.append(f"the committed part of the acceptance is not all here: {len(lacking)} of its files are "
+                            f"missing ({', '.join(lacking[:3])}{' ...' if len(lacking) > 3 else ''})")
+        problems += [f"acceptance: {p}" for p in check_acceptance(manifest)]
+        problems += chain_problems(manifest, document, Path(report.evidence))
+    return replace(report, problems=problems)
+

@@ -77,10 +77,13 @@ class VerifyReport:
     """(old, new) pairs among missing x extra with the same content; they stay in missing and extra too."""
     partial: bool = False
     """The evidence is a partial copy by design (e.g. a committed subset): missing files are allowed."""
+    problems: list[str] = field(default_factory=list)
+    """What else failed (qualify.acceptance.verify_evidence: the part a partial copy must hold, the acceptance's
+    chain of digests, an expected digest); each fails the report."""
 
     @property
     def ok(self) -> bool:
-        return not (self.extra or self.modified or (self.missing and not self.partial))
+        return not (self.extra or self.modified or (self.missing and not self.partial) or self.problems)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -93,6 +96,7 @@ class VerifyReport:
             "extra": self.extra,
             "modified": [_modified_json(m) for m in self.modified],
             "renamed": [{"from": a, "to": b} for a, b in self.renamed],
+            "problems": self.problems,
         }
 
 

@@ -76,7 +76,9 @@ def acceptance_problems(layout: RunLayout, reference: dict[str, Any], acceptance
             problems.append(f"reference evidence {kind} against the acceptance: {_listed(paths)}")
     if acceptance.get("rollout_digest") != reference.get("rollout_digest"):
         problems.append("the acceptance's rollout digest is not the reference's")
-    return problems
+    from qualify.acceptance import chain_problems
+
+    return problems + chain_problems(layout.acceptance, acceptance, layout.reference)
 
 
 def row_problems(row: Any, index: int, cases: dict[str, Any]) -> list[str]:
@@ -92,6 +94,9 @@ def row_problems(row: Any, index: int, cases: dict[str, Any]) -> list[str]:
     if row["passed"] is not (math.isfinite(value) and value <= bound):
         return [(f"verdict row {index} ({row['case']} {row['tensor']} {row['metric']}): passed={row['passed']} "
                  f"does not follow from value {value} and bound {bound}")]
+    if row["comparison"] == "run" and row["passed"] is not False:
+        return [(f"verdict row {index} ({row['case']}): a case that did not run cannot pass (a 'run' row is its "
+                "failure, never a result)")]
     return []
 
 
@@ -141,6 +146,19 @@ def verdict_problems(verdict: Any, acceptance: dict[str, Any] | None) -> list[st
     if verdict["passed"] is not (cases_passed and bool(verdict["cases"])):
         problems.append(f"verdict: passed={verdict.get('passed')} disagrees with its cases")
     return problems
+
+
+def case_set_problems(layout: RunLayout, verdict: dict[str, Any]) -> list[str]:
+    """The verdict judges every case whose sealed evidence is in the run: a case is never left out of it (the
+    candidates section may change after freeze, so the frozen matrix does not fix the set; the evidence does)."""
+    if not layout.candidates.is_dir():
+        return []
+    sealed = sorted(p.name for p in layout.candidates.iterdir() if layout.is_case_dir(p) and stage_is_complete(p))
+    lacking = [name for name in sealed if name not in verdict["cases"]]
+    if lacking:
+        return [(f"verdict: leaves out {len(lacking)} case(s) whose sealed evidence is in {layout.candidates} "
+                 f"({_listed(lacking)}): every case that ran is judged")]
+    return []
 
 
 def load_bounds(layout: RunLayout, acceptance: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
@@ -226,7 +244,10 @@ def rejudge_problems(layout: RunLayout, reference: dict[str, Any], acceptance: d
 def evidence_problems(layout: RunLayout, reference: dict[str, Any], acceptance: dict[str, Any],
                       verdict: dict[str, Any]) -> list[str]:
     """Every case that ran: sealed evidence, and the verdict's rows are what that evidence gives."""
-    did_not_run = {r["case"] for r in verdict["rows"] if r["comparison"] == "run"}
+    # a case that did not run has no evidence to judge again: its one row fails it. A case whose evidence is sealed
+    # ran, whatever its rows say, and is judged again like any other
+    did_not_run = {r["case"] for r in verdict["rows"] if r["comparison"] == "run"
+                   and not stage_is_complete(layout.case(r["case"]))}
     names = [n for n in verdict["cases"] if n not in did_not_run]
     problems = sealed_problems(layout, acceptance, names)
     if problems or not names:
@@ -260,8 +281,10 @@ def verify_run(layout: RunLayout, reference: dict[str, Any], acceptance: dict[st
         checked.append("acceptance and bound files against the reference evidence")
         problems += acceptance_problems(layout, reference, acceptance)
     if verdict is not None:
-        checked.append("verdict against the acceptance")
+        checked.append("verdict against the acceptance and the cases that ran")
         own = verdict_problems(verdict, acceptance)
+        if not own and acceptance is not None:
+            own = case_set_problems(layout, verdict)
         problems += own
         if not problems:
             checked.append("every case judged again from its sealed evidence")

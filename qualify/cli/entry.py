@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import sys
 
-VALUE_OPTIONS = ("--evidence", "--format", "--jobs")
+VALUE_OPTIONS = ("--evidence", "--format", "--jobs", "--expect")
 FLAG_OPTIONS = ("--partial",)
 
 
 def parse_verify(args: list[str]) -> dict | None:
     """The verify command's arguments, or None when they are anything but plain and valid."""
-    values: dict = {"manifest": None, "--evidence": None, "--format": "text", "--jobs": None, "--partial": False}
+    values: dict = {"manifest": None, "--evidence": None, "--format": "text", "--jobs": None, "--partial": False,
+                    "--expect": None}
     i = 0
     while i < len(args):
         arg = args[i]
@@ -56,11 +57,11 @@ def fast_verify(args: list[str]) -> int | None:
     values = parse_verify(args)
     if values is None:
         return None
-    from qualify.manifest import verify_manifest
+    from qualify.acceptance import verify_evidence
 
     try:
-        report = verify_manifest(values["manifest"], values["--evidence"], jobs=values["--jobs"],
-                                 partial=values["--partial"])
+        report = verify_evidence(values["manifest"], values["--evidence"], jobs=values["--jobs"],
+                                 partial=values["--partial"], expect=values["--expect"])
     except (ValueError, OSError):  # QualifyError is a ValueError: the Typer command repeats the call and says it
         return None
     if values["--format"] == "json":

@@ -10,7 +10,6 @@ import typer
 from qualify.cli.handler import EXIT_FAILED
 from qualify.cli.options import Format, FormatOpt, JobsOpt
 from qualify.cli.render import render_verify
-from qualify.manifest import verify_manifest
 
 NAME = "verify"
 HELP = "Check a manifest against its evidence: every missing, extra or modified file; exit 1 if any."
@@ -27,8 +26,12 @@ def main(
     partial: Annotated[bool, typer.Option("--partial", help="The evidence is a subset by design (a committed "
                                           "acceptance's rollout, targets and r0 scores): files absent are allowed, "
                                           "every file present must match.")] = False,
+    expect: Annotated[str | None, typer.Option("--expect", help="The manifest's own digest as pinned elsewhere "
+                                               "(sha256:...): any other fails, whatever its files say.")] = None,
 ) -> None:
-    report = verify_manifest(manifest, evidence, jobs=jobs, partial=partial)
+    from qualify.acceptance import verify_evidence
+
+    report = verify_evidence(manifest, evidence, jobs=jobs, partial=partial, expect=expect)
     render_verify(report, format)
     if not report.ok:
         raise typer.Exit(EXIT_FAILED)

@@ -38,7 +38,8 @@ def evidence(tmp_path):
     return manifest, data
 
 
-@pytest.mark.parametrize("args", [["--format", "json"], [], ["--partial", "--jobs", "1"], ["--jobs=2", "--format=text"]])
+@pytest.mark.parametrize("args", [["--format", "json"], [], ["--expect", "sha256:00", "--jobs", "1"],
+                                  ["--jobs=2", "--format=text"]])
 def test_fast_path_says_what_the_typer_command_says(evidence, args):
     manifest, data = evidence
     (data / "d" / "f1.bin").write_bytes(b"changed")  # one modified file: exit 1, every line printed
@@ -69,5 +70,7 @@ def test_errors_are_reported_by_the_typer_command(tmp_path):
 
 
 def test_parse_verify_reads_every_declared_option():
-    assert parse_verify(["m.json", "--evidence=e", "--format", "json", "--jobs", "3", "--partial"]) == {
-        "manifest": "m.json", "--evidence": "e", "--format": "json", "--jobs": 3, "--partial": True}
+    assert parse_verify(["m.json", "--evidence=e", "--format", "json", "--jobs", "3", "--partial",
+                         "--expect", "sha256:ab"]) == {
+        "manifest": "m.json", "--evidence": "e", "--format": "json", "--jobs": 3, "--partial": True,
+        "--expect": "sha256:ab"}

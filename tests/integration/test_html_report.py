@@ -309,6 +309,23 @@ def remove_case(run: Path) -> None:
     shutil.rmtree(RunLayout(run).case(CASES[1]))
 
 
+def drop_a_case(doc: dict) -> None:
+    """The verdict without one case (its rows and summary): what dropping the failing cases of a FAILED verdict is."""
+    doc["rows"] = [r for r in doc["rows"] if r["case"] != CASES[1]]
+    del doc["cases"][CASES[1]]
+
+
+def every_case_a_passed_run_row(run: Path) -> None:
+    """Every case turned into one passing 'run' row, its evidence deleted: nothing left to judge again."""
+    def edit(doc: dict) -> None:
+        doc["rows"] = [{"case": c, "role": "actor", "comparison": "run", "tensor": "case", "metric": "exit",
+                        "value": 0.0, "bound": 0.0, "ratio": 0.0, "passed": True, "note": ""} for c in CASES]
+        doc["cases"] = {c: {"passed": True, "num_checks": 1, "num_failed": 0, "worst": None} for c in CASES}
+    edit_verdict(run, edit)
+    for c in CASES:
+        shutil.rmtree(RunLayout(run).case(c))
+
+
 def remove_acceptance(run: Path) -> None:
     shutil.rmtree(RunLayout(run).acceptance_dir)
 
@@ -322,8 +339,10 @@ def remove_acceptance(run: Path) -> None:
     (lambda run: edit_verdict(run, lower_a_value), "differs from what its evidence gives"),
     (lambda run: edit_verdict(run, drop_a_check), "the verdict lacks checks its evidence gives"),
     (lambda run: edit_verdict(run, widen_a_bound), "differs from what its evidence gives"),
+    (lambda run: edit_verdict(run, drop_a_case), "verdict: leaves out 1 case(s) whose sealed evidence is in"),
+    (every_case_a_passed_run_row, "a case that did not run cannot pass"),
 ], ids=["reference", "bound-file", "no-acceptance", "case-evidence", "case-removed", "verdict-value",
-        "verdict-dropped-check", "verdict-bound"])
+        "verdict-dropped-check", "verdict-bound", "verdict-dropped-case", "verdict-run-rows"])
 def test_tampered_evidence_is_not_verified(candidate_run, tmp_path, tamper, expect):
     run = tampered(candidate_run, tmp_path)
     tamper(run)

@@ -79,13 +79,17 @@ def test_load_passes_evidence_no_bar_and_partial_to_verify_manifest(acc, frozen,
 def test_load_of_a_partial_copy_of_the_evidence(acc, frozen, tmp_path):
     evidence = tmp_path / "evidence"
     shutil.copytree(frozen.reference, evidence)
-    victim = min(p for p in evidence.rglob("*") if p.is_file())
+    victim = min(p for p in evidence.rglob("*") if p.is_file() and p.parts[-3:-1] != ("models", "actor")
+                 and "models" in p.parts)  # a model file: not in the part a partial copy must hold
     victim.unlink()
     with pytest.raises(EvidenceError) as caught:
         Acceptance.load(acc, evidence)
     assert str(caught.value) == (f"reference evidence does not match {acc}: 1 missing, 0 extra, 0 modified "
                                  "(run 'qualify verify')")
     assert Acceptance.load(acc, evidence, partial=True).families  # a subset by design: missing files allowed
+    (evidence / "matrix" / "_complete.json").unlink()  # but the snapshot the rule is traced to must be there
+    with pytest.raises(EvidenceError, match="the matrix snapshot .* is not sealed here"):
+        Acceptance.load(acc, evidence, partial=True)
 
 
 def test_load_names_a_missing_acceptance(tmp_path):

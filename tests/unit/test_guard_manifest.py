@@ -131,7 +131,7 @@ def test_report_json_says_whether_it_was_partial(tmp_path):
     assert full.to_json()["partial"] is False and part.to_json()["partial"] is True
     assert part.to_json() == {"manifest": str(tmp_path / "m.json"), "evidence": str(evidence.resolve()),
                               "num_files": 2, "ok": True, "partial": True, "missing": ["y"], "extra": [],
-                              "modified": [], "renamed": []}
+                              "modified": [], "renamed": [], "problems": []}
 
 
 def test_a_duplicate_is_named_where_it_repeats(tmp_path):

@@ -99,6 +99,7 @@ def test_consistent_verdict_has_no_problems():
     (lambda v: v.update(rollout_digest="sha256:other"), "rollout_digest"),
     (lambda v: v.update(cases={"not a case name": v["cases"][CASE]}, rows=[]), "is not an <engine>"),
     (lambda v: v.pop("rows"), "not a qualify verdict"),
+    (lambda v: v["rows"][0].update(comparison="run", value=0.0, bound=0.0), "a case that did not run cannot pass"),
 ])
 def test_each_inconsistency_of_a_verdict_is_named(edit, expect):
     v = verdict()
