@@ -180,7 +180,28 @@ def sealed_problems(layout: RunLayout, acceptance: dict[str, Any], names: list[s
         if info.get("case") != name or info.get("rollout_digest") != acceptance["rollout_digest"]:
             problems.append(f"case {name}: evidence at {where} was sealed for {info.get('case')!r} on rollout "
                             f"{info.get('rollout_digest')!r}, not for this case on the frozen rollout")
+            continue
+        problems += spec_problems(name, where)
     return problems
+
+
+def spec_problems(name: str, where: Path) -> list[str]:
+    """The case's sealed meta.json (its digest is in the seal) records the spec the evidence was made from: engine,
+    precision, TP, DP and role must be the ones its name says (another case's evidence copied over it is not)."""
+    from qualify.store import read_json
+
+    parts = CASE_NAME.match(name)
+    try:
+        spec = read_json(where / "meta.json").get("case", {})
+    except (QualifyError, AttributeError):
+        return [f"case {name}: its sealed meta.json does not record the spec it was run from"]
+    want = {"name": name, "engine": parts["engine"], "precision": parts["precision"], "tp": int(parts["tp"]),
+            "role": parts["role"], "dp": int(parts["dp"] or 1)} if parts else {"name": name}
+    got = {k: (spec.get(k, 1) if k == "dp" else spec.get(k)) for k in want} if isinstance(spec, dict) else {}
+    if got != want:
+        return [(f"case {name}: its evidence was made from the spec of {got.get('name')!r} ({got.get('engine')}, "
+                f"{got.get('precision')}, TP{got.get('tp')}, DP{got.get('dp')}, {got.get('role')}), not this case's")]
+    return []
 
 
 def _same_number(a: Any, b: Any) -> bool:

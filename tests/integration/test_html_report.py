@@ -326,6 +326,15 @@ def every_case_a_passed_run_row(run: Path) -> None:
         shutil.rmtree(RunLayout(run).case(c))
 
 
+def case_copied_over_another(run: Path) -> None:
+    """One case's sealed evidence copied over the other's, the seal's case name edited to match."""
+    layout = RunLayout(run)
+    shutil.rmtree(layout.case(CASES[1]))
+    shutil.copytree(layout.case(CASES[0]), layout.case(CASES[1]))
+    marker = layout.case(CASES[1]) / "_complete.json"
+    marker.write_text(marker.read_text().replace(f'"case": "{CASES[0]}"', f'"case": "{CASES[1]}"'))
+
+
 def remove_acceptance(run: Path) -> None:
     shutil.rmtree(RunLayout(run).acceptance_dir)
 
@@ -341,8 +350,9 @@ def remove_acceptance(run: Path) -> None:
     (lambda run: edit_verdict(run, widen_a_bound), "differs from what its evidence gives"),
     (lambda run: edit_verdict(run, drop_a_case), "verdict: leaves out 1 case(s) whose sealed evidence is in"),
     (every_case_a_passed_run_row, "a case that did not run cannot pass"),
+    (case_copied_over_another, f"case {CASES[1]}: its evidence was made from the spec of '{CASES[0]}'"),
 ], ids=["reference", "bound-file", "no-acceptance", "case-evidence", "case-removed", "verdict-value",
-        "verdict-dropped-check", "verdict-bound", "verdict-dropped-case", "verdict-run-rows"])
+        "verdict-dropped-check", "verdict-bound", "verdict-dropped-case", "verdict-run-rows", "case-copied"])
 def test_tampered_evidence_is_not_verified(candidate_run, tmp_path, tamper, expect):
     run = tampered(candidate_run, tmp_path)
     tamper(run)

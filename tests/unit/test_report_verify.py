@@ -136,6 +136,13 @@ def test_case_evidence_must_be_sealed_for_that_case_on_the_frozen_rollout(tmp_pa
     where.mkdir(parents=True)
     (where / "outputs.safetensors").write_bytes(b"x")
     complete_stage(where, {"case": CASE, "rollout_digest": ACC["rollout_digest"]})
+    assert "does not record the spec" in sealed_problems(layout, ACC, [CASE])[0]  # no meta.json
+    spec = {"name": CASE, "engine": "torch-tp", "precision": "fp32", "tp": 1, "role": "actor"}
+    (where / "meta.json").write_text(json.dumps({"case": spec | {"engine": "deepspeed"}}))
+    complete_stage(where, {"case": CASE, "rollout_digest": ACC["rollout_digest"]})
+    assert "its evidence was made from the spec of" in sealed_problems(layout, ACC, [CASE])[0]
+    (where / "meta.json").write_text(json.dumps({"case": spec}))
+    complete_stage(where, {"case": CASE, "rollout_digest": ACC["rollout_digest"]})
     assert sealed_problems(layout, ACC, [CASE]) == []
     (where / "outputs.safetensors").write_bytes(b"y")
     assert "modified since it was sealed" in sealed_problems(layout, ACC, [CASE])[0]
