@@ -33,7 +33,7 @@ from qualify.candidate.tiers import bitwise_rows, tensor_tiers, tier_summary
 from qualify.compare import load_steps, params_before_steps
 from qualify.engines.registry import require_engine
 from qualify.errors import EvidenceError, QualifyError
-from qualify.layout import RunLayout, launch_log
+from qualify.layout import RunLayout, launch_log, work_dir
 from qualify.matrix import Case, Matrix
 from qualify.models.checkpoint import checkpoint_tensors
 from qualify.models.family import model_dirs
@@ -95,9 +95,13 @@ def resume_key(spec: Any, doc: dict[str, Any]) -> dict[str, str]:
 
 
 def stale_reason(case_dir: Path, key: dict[str, str]) -> str | None:
-    """Why a complete case may not be reused ('engine code changed', ...), or None when its key matches."""
+    """Why a complete case may not be reused ('engine code changed', ...), or None when its key matches: the key made
+    before launch, and the code the ranks imported (qualify.candidate.imported) hashed again now."""
+    from qualify.candidate.imported import KEY, digest_now
+
     recorded = stage_info(case_dir).get("key") or {}
-    changed = [part for part in key if recorded.get(part) != key[part]]
+    now = key | {KEY: digest_now(work_dir(case_dir))}
+    changed = [part for part in now if now[part] is None or recorded.get(part) != now[part]]
     return f"{', '.join(changed)} changed since it was sealed" if changed else None
 
 

@@ -22,6 +22,8 @@ import torch.distributed as dist
 
 from qualify.candidate.agreement import agree_case
 from qualify.candidate.dp import dp_group, gather_outputs, rank_rows
+from qualify.candidate.imported import KEY as IMPORTED_KEY
+from qualify.candidate.imported import record as record_imported
 from qualify.candidate.padding import exposed_rows, padding_found
 from qualify.candidate.spec import CaseSpec, engine_context, read_spec
 from qualify.compare import step_dir, write_step
@@ -173,7 +175,8 @@ def run_case(spec: CaseSpec, rank: int) -> None:
                 "num_steps": len(steps), "own_objective": hasattr(engine, "objective"), "contract": contract,
                 "case": spec.to_json(), "seconds": round(time.monotonic() - started, 3), **provenance()}
         write_json(out / "meta.json", json_safe(meta))
-        complete_stage(out, {"case": spec.name, "rollout_digest": spec.rollout_digest, "key": spec.resume_key})
+        key = (spec.resume_key or {}) | {IMPORTED_KEY: record_imported(work_dir(spec.case_dir))}
+        complete_stage(out, {"case": spec.name, "rollout_digest": spec.rollout_digest, "key": key})
     dist.barrier()
 
 

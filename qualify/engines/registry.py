@@ -61,8 +61,9 @@ def get_engine(name: str) -> TrainEngine:
 
 
 # The code that makes a case's evidence besides the adapter itself: a change here changes every case.
-HARNESS_MODULES = ("qualify.candidate.worker", "qualify.engines.base", "qualify.models.hf", "qualify.ppo.objective",
-                   "qualify.ppo.math", "qualify.ppo.logprob", "qualify.models.checkpoint")
+HARNESS_MODULES = ("qualify",)
+"""Every module of qualify/ (a change anywhere in the harness, compare.py as much as the worker, is a redo); what a
+case's ranks import from outside it is recorded when the case is sealed (qualify.candidate.imported)."""
 BUILTIN_SOURCES = "qualify.engines"
 """Every module of this package is a built-in adapter's source (megatron's converter included)."""
 

@@ -6,10 +6,12 @@ import sys
 
 import pytest
 
+from qualify.candidate.imported import KEY, imported_files, record
 from qualify.candidate.run import resume_key, stale_reason
 from qualify.candidate.spec import make_spec
 from qualify.engines.registry import engine_identity
 from qualify.errors import EngineError
+from qualify.layout import work_dir
 from qualify.matrix import load_matrix
 from qualify.stages import complete_stage, prepare_stage
 from tests.conftest import TINY
@@ -32,10 +34,11 @@ def test_plugin_identity_follows_its_source(plugin):
     assert engine_identity("my_engine:make") != before
 
 
-def test_builtin_identity_covers_the_adapters_and_the_harness():
+def test_builtin_identity_covers_the_adapters_and_all_of_qualify():
     sources = engine_identity("torch-tp")["sources"]
     assert "qualify.engines:torch_tp.py" in sources and "qualify.engines:megatron_convert.py" in sources
-    assert "qualify.candidate.worker:worker.py" in sources and "qualify.ppo.objective:objective.py" in sources
+    assert "qualify:candidate/worker.py" in sources and "qualify:ppo/objective.py" in sources
+    assert "qualify:compare.py" in sources and "qualify:bounds/rule.py" in sources  # not a hand-kept list
 
 
 def test_unknown_engine_has_no_identity():
@@ -50,7 +53,7 @@ def test_stale_reason_names_what_changed(tmp_path, plugin):
                      rollout_digest="r", targets_digest="t", case_dir=tmp_path / "case", vocab_size=512, device="cpu")
     key = resume_key(spec, {"digest": "sha256:a"})
     prepare_stage(tmp_path / "case")
-    complete_stage(tmp_path / "case", {"key": key})
+    complete_stage(tmp_path / "case", {"key": key | {KEY: record(work_dir(tmp_path / "case"))}})
     assert stale_reason(tmp_path / "case", key) is None
     assert stale_reason(tmp_path / "case", key | {"acceptance": "sha256:b"}) == "acceptance changed since it was sealed"
     other = resume_key(spec.__class__(**{**{f: getattr(spec, f) for f in spec.__slots__}, "engine": "my_engine:make"}),
@@ -58,3 +61,30 @@ def test_stale_reason_names_what_changed(tmp_path, plugin):
     assert stale_reason(tmp_path / "case", other) == "spec, engine code changed since it was sealed"
     complete_stage(tmp_path / "case", {})  # sealed by an older qualify: no key at all
     assert "spec" in stale_reason(tmp_path / "case", key)
+
+
+def test_a_module_the_ranks_imported_that_changed_makes_the_case_stale(tmp_path, monkeypatch):
+    """A bug put into a module a plugin imports (or into the installed peer library it wraps): the case's seal holds
+    the digest of every file its ranks imported from outside qualify/ and the standard library, hashed again before
+    reuse."""
+    helper = tmp_path / "peer_loss.py"
+    helper.write_text("def loss(x):\n    return x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+
+    importlib.import_module("peer_loss")
+    try:
+        assert str(helper.resolve()) in imported_files()
+        assert not any("/qualify/" in p for p in imported_files())  # qualify/ is in the key before launch
+        assert not any(p.endswith("/json/__init__.py") for p in imported_files())  # the standard library is not
+        case = tmp_path / "case"
+        prepare_stage(case)
+        complete_stage(case, {"key": {"spec": "s", KEY: record(work_dir(case))}})
+        assert stale_reason(case, {"spec": "s"}) is None
+        helper.write_text("def loss(x):\n    return 2 * x\n")  # the peer library changed; nothing else did
+        assert stale_reason(case, {"spec": "s"}) == "imported code changed since it was sealed"
+        (work_dir(case) / "imported.json").unlink()  # nothing recorded: never reused
+        assert stale_reason(case, {"spec": "s"}) == "imported code changed since it was sealed"
+    finally:
+        sys.modules.pop("peer_loss", None)
+
