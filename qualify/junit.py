@@ -57,20 +57,31 @@ def failure_line(row: dict[str, Any]) -> str:
             f"({row['comparison']}; rule: {rule_of(row)}){note}")
 
 
+NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
+"""Characters XML 1.0 cannot hold (a crash message's escape codes, NUL): ElementTree writes them as they are, and
+the document no longer parses."""
+
+
+def xml_text(text: str) -> str:
+    """text with every character XML 1.0 cannot hold written as \\xNN (\\uNNNN)."""
+    return NOT_XML.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}", text)
+
+
 def _testcase(suite: ET.Element, classname: str, name: str, rows: list[dict[str, Any]]) -> bool:
     """Add one testcase; returns True when it failed."""
-    case = ET.SubElement(suite, "testcase", classname=classname, name=name)
+    case = ET.SubElement(suite, "testcase", classname=xml_text(classname), name=xml_text(name))
     failing = [r for r in rows if not r["passed"]]
     ET.SubElement(case, "system-out").text = f"{len(rows)} checks, {len(failing)} failed"
     if failing:
         message = f"{len(failing)} of {len(rows)} checks failed; first: {failure_line(failing[0])}"
-        ET.SubElement(case, "failure", message=message, type=failing[0]["comparison"].split(" ", 1)[0]).text = \
-            "\n".join(failure_line(r) for r in failing)
+        ET.SubElement(case, "failure", message=xml_text(message),
+                      type=xml_text(failing[0]["comparison"].split(" ", 1)[0])).text = \
+            xml_text("\n".join(failure_line(r) for r in failing))
     return bool(failing)
 
 
 def _suite(root: ET.Element, name: str, cases: list[tuple[str, str, list[dict[str, Any]]]]) -> tuple[int, int]:
-    suite = ET.SubElement(root, "testsuite", name=name)
+    suite = ET.SubElement(root, "testsuite", name=xml_text(name))
     failures = sum(_testcase(suite, classname, tc, rows) for classname, tc, rows in cases)
     suite.set("tests", str(len(cases)))
     suite.set("failures", str(failures))
@@ -96,7 +107,7 @@ def verdict_cases(verdict: dict[str, Any]) -> list[tuple[str, str, list[dict[str
 def to_junit(verdict: dict[str, Any] | None, *, name: str, problems: list[str] | None = None,
              rounds: list[dict[str, Any]] | None = None) -> bytes:
     """The JUnit XML document (UTF-8 bytes). problems: the report's verification (None: not verified here)."""
-    root = ET.Element("testsuites", name=f"qualify {name}")
+    root = ET.Element("testsuites", name=xml_text(f"qualify {name}"))
     totals = [0, 0]
     suites: list[tuple[str, list[tuple[str, str, list[dict[str, Any]]]]]] = []
     if problems is not None:

@@ -54,7 +54,7 @@ def verification(v: dict[str, Any]) -> str:
 
 
 def figure(title: str, svg: str, ident: str) -> str:
-    return f'<section id="{ident}"><h2>{escape(title)}</h2><figure>{svg}</figure></section>'
+    return f'<section id="{escape(ident)}"><h2>{escape(title)}</h2><figure>{svg}</figure></section>'
 
 
 def table(header: list[str], rows: list[list[Any]], classes: list[str] | None = None) -> str:

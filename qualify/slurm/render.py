@@ -142,7 +142,7 @@ def render_chain(matrix_path: Path, profile_path: Path, *, run: Path, out: Path,
             raise SlurmError(f"{label} path {str(path)!r} needs shell quoting; use a path without spaces or quotes")
     templates = Path(profile.resolve(profile.templates)) if profile.templates else DEFAULT_TEMPLATES
     ctx = _Context(matrix=matrix, profile=profile, templates=templates, run=str(run),
-                   matrix_path=str(matrix_path), profile_path=str(profile_path),
+                   matrix_path=str(matrix_path), profile_path=comment_safe(str(profile_path)),
                    matrix_sha256=hashlib.sha256(Path(matrix_path).read_bytes()).hexdigest())
     selected = select_cases(matrix, cases)
     vllm = max(matrix.rollout.vllm_tp)
@@ -186,6 +186,12 @@ def stale_scripts(chain: Chain, directory: Path) -> list[str]:
     want = {j.file: j.text for j in chain.jobs}
     have = {p.name: p.read_text(encoding="ascii") for p in Path(directory).glob(f"*{SCRIPT_SUFFIX}")}
     return sorted(name for name in want.keys() | have.keys() if want.get(name) != have.get(name))
+
+
+def comment_safe(text: str) -> str:
+    """text as it may stand in a script's comment: itself when it is printable ASCII, else its escaped form (a newline
+    in a directory name would end the comment and start an #SBATCH directive or a command)."""
+    return text if text.isascii() and text.isprintable() else ascii(text)
 
 
 def fill(template: Path, values: dict[str, str]) -> str:

@@ -34,3 +34,12 @@ def test_sections_only_for_verified_evidence_and_this_acceptance(tmp_path):
     assert 'data-case="old"' not in html and "another acceptance" in html and "sha256:old" in html
     (unverified,) = diagnosis_sections(tmp_path, "sha256:a", False)
     assert "not shown" in unverified and "<svg" not in unverified
+
+
+def test_a_case_name_from_a_diagnosis_file_is_escaped_everywhere_it_lands(tmp_path):
+    """diagnose/<case>.json is a file anyone can drop into a run: its case name reaches an id attribute, a data
+    attribute and a heading, never as markup (a script there ran under a PASS banner)."""
+    evil = 'x"><script>alert(1)</script><p id="y'
+    write_json(tmp_path / "diagnose" / "evil.json", diagnosis(evil, "sha256:a", FIRST))
+    (html,) = diagnosis_sections(tmp_path, "sha256:a", True)
+    assert "<script>" not in html and 'id="diagnosis-x&quot;&gt;&lt;script&gt;' in html

@@ -112,3 +112,17 @@ def test_steps_are_grouped_into_their_tensor_family(tmp_path):
     (tc,) = list(next(iter(xml)))
     assert tc.name == "grads" and "1 of 2 checks failed" in tc.result[0].message
     assert "step1/grads/lm_head.weight max_abs" in tc.result[0].text
+
+
+def test_control_characters_of_a_crash_message_keep_the_document_valid(tmp_path):
+    """A case that crashed carries its exception's text into the failure; escape codes and NUL from it must not make
+    the XML unparseable (ElementTree writes them as they are)."""
+    v = sample_verdict()
+    v["rows"][0] |= {"passed": False, "note": "RuntimeError: \x1b[31mboom\x1b[0m at \x00 byte"}
+    v["cases"][v["rows"][0]["case"]]["passed"] = False
+    data = to_junit(v, name="tiny\x07")
+    root = ET.fromstring(data)  # parses
+    text = "".join(root.itertext()) + " ".join(f.get("message", "") for f in root.iter("failure"))
+    assert "\\x1b[31mboom\\x1b[0m at \\x00 byte" in text and "\x1b" not in text and "\x00" not in text
+    assert root.get("name") == "qualify tiny\\x07"
+    assert parse(data, tmp_path)  # and junitparser reads it

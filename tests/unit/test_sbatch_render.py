@@ -254,3 +254,18 @@ def test_bad_profiles_are_refused_naming_the_key_and_file(tmp_path, changes, mes
 def test_a_missing_profile_is_an_input_error(tmp_path):
     with pytest.raises(MatrixError, match="cluster profile not found"):
         load_profile(tmp_path / "none.yaml")
+
+
+def test_a_profile_path_with_a_newline_cannot_add_a_directive(tmp_path):
+    """The profile's path lands in each script's header comment: a directory name holding a newline and
+    '#SBATCH --wrap=...' must stay inside the comment, escaped, and the directives be the profile's alone."""
+    evil = tmp_path / "clusters\n#SBATCH --wrap=rm -rf ~\n"
+    evil.mkdir()
+    shutil.copy(ROOT / "sbatch/clusters/h100x4.yaml", evil / "h100x4.yaml")
+    chain = render(str(evil / "h100x4.yaml"))
+    for job in chain.jobs:
+        assert "--wrap" not in directives(job.text) and "\n#SBATCH --wrap" not in job.text
+        [comment] = [line for line in job.text.splitlines() if line.startswith("# Rendered by")]
+        assert "\\n#SBATCH --wrap=rm -rf ~\\n" in comment
+    plain = render("h100x4")
+    assert "from matrices/qwen3-8b.yaml and sbatch/clusters/h100x4.yaml:" in plain.jobs[0].text  # plain paths as they are
