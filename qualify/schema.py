@@ -198,6 +198,8 @@ def parse_yaml(text: str, source: str) -> Any:
         raise MatrixError(f"{source}: not valid YAML: {_yaml_problem(exc)}") from exc
     except RecursionError as exc:
         raise MatrixError(f"{source}: not valid YAML: nested too deeply") from exc
+    except ValueError as exc:  # a scalar the constructor cannot make: an integer of more than 4300 digits
+        raise MatrixError(f"{source}: not valid YAML: {str(exc).split(';')[0]}") from exc
 
 
 @functools.cache

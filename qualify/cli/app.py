@@ -60,6 +60,31 @@ def __getattr__(name: str) -> Any:
 
 
 def main() -> None:
-    """Console entry point: registers only the command named first on the command line, when it names one."""
+    """Console entry point: registers only the command named first on the command line, when it names one. A usage
+    error (a missing argument, an unknown option, a bad value) is one line on stderr and exit 2, as every other
+    error of bad input is; asking for help (or giving no command) prints the help."""
+    from typer.main import get_command
+
+    from qualify.cli.handler import one_line
+
+    try:  # typer >= 0.25 carries its own copy of click
+        from typer._click import exceptions as click
+        from typer._click.utils import echo
+    except ImportError:  # pragma: no cover (an older typer on the plain click)
+        from click import echo  # type: ignore[no-redef]
+        from click import exceptions as click
+
     first = sys.argv[1] if len(sys.argv) > 1 else None
-    build_app(first if first in COMMANDS + GROUPS else None)()
+    cli = get_command(build_app(first if first in COMMANDS + GROUPS else None))
+    try:
+        code = cli.main(prog_name="qualify", standalone_mode=False)
+    except click.NoArgsIsHelpError:  # 'qualify' alone, or a group alone: typer printed its help
+        sys.exit(2)
+    except click.UsageError as exc:
+        where = exc.ctx.command_path if exc.ctx else "qualify"
+        echo(f"qualify: error: {one_line(exc.format_message())} (see '{where} --help')", err=True)
+        sys.exit(2)
+    except typer.Abort:
+        echo("qualify: aborted", err=True)
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)

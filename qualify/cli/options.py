@@ -17,8 +17,17 @@ class Format(str, Enum):
 
 
 MatrixArg = Annotated[Path, typer.Argument(help="Matrix YAML file (see matrices/README.md).", show_default=False)]
-RunDirArg = Annotated[Path, typer.Argument(help="Run directory written by an earlier stage.", show_default=False)]
-RunOpt = Annotated[Path | None, typer.Option("--run", help="Run directory (default: runs/<matrix name>).")]
+def run_directory(value: Path | None) -> Path | None:
+    """A run directory argument: absent (made by the stage) or a directory, never a file."""
+    if value is not None and value.exists() and not value.is_dir():
+        raise typer.BadParameter(f"{value} is a file, not a run directory")
+    return value
+
+
+RunDirArg = Annotated[Path, typer.Argument(help="Run directory written by an earlier stage.", show_default=False,
+                                           callback=run_directory)]
+RunOpt = Annotated[Path | None, typer.Option("--run", help="Run directory (default: runs/<matrix name>).",
+                                             callback=run_directory)]
 OnlyOpt = Annotated[str | None, typer.Option(
     "--only", help="Only the cases whose name matches this glob (fnmatch), e.g. 'deepspeed-bf16-*'.")]
 # Old spellings, accepted (hidden) for one release: --out was the run directory of `reference`, --cases the

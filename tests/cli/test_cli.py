@@ -209,3 +209,20 @@ def test_cli_import_stays_light():
             f"print(' '.join(m for m in {heavy!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == ""
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["reference"], "Missing argument 'matrix'. (see 'qualify reference --help')"),
+    (["verify", "--nope", "x"], "No such option: --nope (see 'qualify verify --help')"),
+    (["verify", "m.json", "--jobs", "0"], "Invalid value for '--jobs'"),
+    (["reference", "matrices/tiny-qwen3.yaml", "--run", "README.md"],
+     "Invalid value for '--run': README.md is a file, not a run directory"),
+    (["report", "README.md"], "README.md is a file, not a run directory (see 'qualify report --help')"),
+])
+def test_a_usage_error_from_the_console_is_one_line_and_exit_2(args, expect):
+    """The console entry point (not CliRunner): a usage error is one line on stderr, as every bad input is."""
+    out = subprocess.run([sys.executable, "-c", "from qualify.cli.entry import main; main()", *args],
+                         capture_output=True, text=True, cwd=ROOT, check=False)
+    assert out.returncode == 2 and out.stdout == ""
+    [line] = out.stderr.splitlines()
+    assert line.startswith("qualify: error: ") and expect in line, line
