@@ -52,12 +52,26 @@ def get_engine(name: str) -> TrainEngine:
     module_name, _, attr = name.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise EngineError(f"cannot import engine plugin module '{module_name}': {exc}") from exc
+    except Exception as exc:
+        raise EngineError(f"cannot import engine plugin module '{module_name}': {type(exc).__name__}: {exc}") from exc
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise EngineError(f"engine plugin '{name}': {module_name} has no callable '{attr}'")
-    return factory()
+    try:
+        engine = factory()
+    except Exception as exc:
+        raise EngineError(f"engine plugin '{name}': calling {attr}() failed: {type(exc).__name__}: {exc} (a factory "
+                          "takes no argument and returns a TrainEngine)") from exc
+    missing = [m for m in ENGINE_METHODS if not callable(getattr(engine, m, None))]
+    if missing:
+        raise EngineError(f"engine plugin '{name}': {attr}() returned a {type(engine).__name__}, which lacks "
+                          f"{', '.join(missing)} of qualify.engines.base.TrainEngine")
+    return engine
+
+
+ENGINE_METHODS = ("setup", "score", "backward", "grads", "grad_dtypes", "step", "params", "optimizer_state",
+                  "replicated", "padded_rows", "close")
+"""The methods of qualify.engines.base.TrainEngine every engine implements."""
 
 
 # The code that makes a case's evidence besides the adapter itself: a change here changes every case.
@@ -70,7 +84,11 @@ BUILTIN_SOURCES = "qualify.engines"
 
 def _source_files(module_name: str) -> list[Path]:
     """The .py files of a module, or of every module of a package (without importing the module itself)."""
-    spec = importlib.util.find_spec(module_name)
+    try:
+        spec = importlib.util.find_spec(module_name)  # imports the parent packages, whose __init__ may raise
+    except Exception as exc:
+        raise EngineError(f"cannot find the source of engine module '{module_name}': {type(exc).__name__}: {exc}") \
+            from exc
     if spec is None or spec.origin is None:
         raise EngineError(f"cannot find the source of engine module '{module_name}'")
     origin = Path(spec.origin)
