@@ -45,10 +45,7 @@ def make_prompts(matrix: Matrix, vocab_size: int, eos_token_id: int | None) -> l
     """Prompt token ids: from prompts_file, or drawn from the rollout seed (never the EOS id)."""
     r = matrix.rollout
     if r.prompts_file is not None:
-        data = read_json(matrix.resolve(r.prompts_file))
-        if not isinstance(data, list) or not all(isinstance(p, list) and p for p in data):
-            raise QualifyError(f"{r.prompts_file}: expected a JSON list of non-empty token-id lists")
-        return [[int(t) for t in p] for p in data[: r.num_prompts]]
+        return read_prompts(matrix.resolve(r.prompts_file), r.num_prompts, vocab_size)
     import torch
 
     gen = torch.Generator().manual_seed(r.seed)
@@ -57,6 +54,28 @@ def make_prompts(matrix: Matrix, vocab_size: int, eos_token_id: int | None) -> l
     # ids past the EOS move up by one: every id of [1, vocab) but the EOS (for the model's usual EOS, the last id,
     # nothing moves: the draws are the ones made before any other EOS was possible)
     return (ids + (ids >= eos_token_id).long() if skip else ids).tolist()
+
+
+MAX_PROMPTS_BYTES = 64 << 20
+"""The largest prompts file read (a prompt list of this size is millions of tokens; /dev/zero is not one)."""
+
+
+def read_prompts(path: Path, num_prompts: int, vocab_size: int) -> list[list[int]]:
+    """The first num_prompts prompts of a JSON list of non-empty lists of token ids, each an integer in
+    [0, vocab_size) (a float, a boolean, a string or a list among them is refused, not converted)."""
+    path = Path(path)
+    if not path.is_file() or path.stat().st_size > MAX_PROMPTS_BYTES:
+        raise QualifyError(f"{path}: the prompts file must be a regular file of at most {MAX_PROMPTS_BYTES >> 20} MiB")
+    data = read_json(path)
+    if not isinstance(data, list) or not all(isinstance(p, list) and p for p in data):
+        raise QualifyError(f"{path}: expected a JSON list of non-empty token-id lists")
+    if len(data) < num_prompts:
+        raise QualifyError(f"{path}: holds {len(data)} prompts, rollout.num_prompts is {num_prompts}")
+    for i, prompt in enumerate(data[:num_prompts]):
+        bad = next((t for t in prompt if type(t) is not int or not 0 <= t < vocab_size), None)
+        if bad is not None or any(type(t) is not int for t in prompt):
+            raise QualifyError(f"{path}: prompt {i} holds {bad!r}, not a token id (an integer in [0, {vocab_size}))")
+    return [list(p) for p in data[:num_prompts]]
 
 
 def cpu_bind(tp: int) -> str:
