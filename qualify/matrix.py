@@ -649,6 +649,8 @@ def check_family(num_heads: int, num_kv_heads: int, intermediate_size: int, voca
     """Every TP degree (candidates.tp, rollout.vllm_tp) shards the heads and the MLP evenly; EOS is in the vocab."""
     degrees = [("candidates.tp", tp) for tp in matrix.candidates.tp] + [("rollout.vllm_tp", tp)
                                                                          for tp in matrix.rollout.vllm_tp]
+    degrees += [("rounds.train_tp", matrix.rounds.train_tp)] + (
+        [("rounds.vllm_tp", matrix.rounds.vllm_tp)] if matrix.rounds.vllm_tp is not None else [])
     for key, tp in degrees:
         for name, size in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
                            ("intermediate_size", intermediate_size)):
@@ -666,7 +668,7 @@ def check_family(num_heads: int, num_kv_heads: int, intermediate_size: int, voca
                          f"{vocab_size})")
 
 
-def _checkpoint_family(matrix: Matrix) -> None:
+def checkpoint_family(matrix: Matrix) -> None:
     """For checkpoint models, check the TP degrees and EOS against the actor's config.json when it is there.
 
     A missing directory is not an error here (the matrix may be written before the checkpoints are copied):
@@ -709,7 +711,7 @@ def load_matrix(path: Path | str) -> Matrix:
     """Read and validate a matrix YAML file (for checkpoint models, against the actor's config.json too)."""
     matrix = load_yaml_file(Matrix, path, "matrix file", {"source": str(path)})
     if matrix.models.checkpoints is not None:
-        _checkpoint_family(matrix)
+        checkpoint_family(matrix)
     return matrix
 
 

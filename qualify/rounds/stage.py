@@ -50,11 +50,18 @@ def rounds_options(matrix: Matrix, *, engine: str | None = None, rounds: int | N
                    vllm_tp: int | None = None, train_tp: int | None = None,
                    probes: tuple[str, ...] | None = None) -> RoundsOptions:
     """The matrix's rounds settings, each overridden where given (the command line, or a Slurm topology)."""
+    from qualify.matrix import checkpoint_family
+
     given = {"engine": engine, "rounds": rounds, "vllm_tp": vllm_tp, "train_tp": train_tp, "probes": probes}
     try:
-        return dataclasses.replace(matrix.rounds, **{k: v for k, v in given.items() if v is not None})
+        options = dataclasses.replace(matrix.rounds, **{k: v for k, v in given.items() if v is not None})
+        # the whole matrix with them: a TP degree must divide the model's heads and MLP, as the matrix's own must
+        changed = dataclasses.replace(matrix, rounds=options)
     except ValueError as exc:  # the section's own validation, for a value the command line gave
         raise QualifyError(f"rounds: {exc}") from exc
+    if changed.models.checkpoints is not None:
+        checkpoint_family(changed)
+    return options
 
 
 def frozen_digests(base: Base, targets_file: Path | None, captured: Path | None = None) -> dict[str, str]:

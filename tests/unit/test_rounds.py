@@ -126,3 +126,27 @@ def test_a_tied_head_is_expected_to_hold_the_embedding_rows():
     shards = dict(rank_shards(hf, config, 1, 2))
     assert torch.equal(shards["lm_head.weight"], shards["model.embed_tokens.weight"])
     assert torch.equal(shards["lm_head.weight"][:36], hf["model.embed_tokens.weight"][64:])
+
+
+def test_a_rounds_tp_degree_the_model_cannot_split_is_refused_before_vllm_starts(tmp_path):
+    """--train-tp 3 on a model of 4 heads: refused when the options are made (it used to start vLLM, then seal a
+    FAILED verdict), as the same value in the matrix's rounds section is refused when the matrix loads."""
+    import pytest
+    import yaml
+
+    from qualify.errors import MatrixError, QualifyError
+    from qualify.matrix import load_matrix
+    from qualify.rounds.stage import rounds_options
+    from tests.conftest import TINY
+
+    matrix = load_matrix(TINY)
+    with pytest.raises(QualifyError, match="rounds.train_tp 3 does not divide models.tiny.num_heads 4"):
+        rounds_options(matrix, train_tp=3)
+    with pytest.raises(QualifyError, match="rounds.vllm_tp 3 does not divide"):
+        rounds_options(matrix, vllm_tp=3)
+    assert rounds_options(matrix, train_tp=2).train_tp == 2
+    data = yaml.safe_load(TINY.read_text())
+    data["rounds"]["train_tp"] = 3
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(MatrixError, match="rounds.train_tp 3 does not divide"):
+        load_matrix(tmp_path / "m.yaml")
