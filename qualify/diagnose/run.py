@@ -33,6 +33,8 @@ def case_spec(layout: RunLayout, case: str) -> Any:
     """The sealed case's spec (written by the candidate stage beside its evidence)."""
     from qualify.candidate.spec import read_spec
 
+    if not safe_name(case):
+        raise QualifyError(f"--case {case!r} is not a case name (no path separators, not '.' or '..')")
     case_dir = layout.case(case)
     if not case_dir.is_dir():
         known = sorted(p.name for p in layout.candidates.iterdir() if layout.is_case_dir(p)) \
@@ -43,7 +45,27 @@ def case_spec(layout: RunLayout, case: str) -> Any:
     spec = spec_file(case_dir)
     if not spec.is_file():
         raise EvidenceError(f"case {case} has no spec at {spec} (run 'qualify candidate' for it again)")
-    return read_spec(spec)
+    return moved_to(read_spec(spec), layout)
+
+
+def safe_name(case: str) -> bool:
+    """A case name names a directory under candidates/ and nothing else: no separator, not '.', '..' or hidden."""
+    return bool(case) and not any(c in case for c in "/\\\0") and not case.startswith(".")
+
+
+def moved_to(spec: Any, layout: RunLayout) -> Any:
+    """The spec with its paths inside the run directory it was written in (models, rollout, targets, the case) moved
+    into this one: a run directory copied or moved elsewhere is diagnosed where it is now (checkpoints outside the run
+    stay where they are)."""
+    from dataclasses import replace
+
+    old_root = Path(spec.case_dir).parents[1]
+    moved = {}
+    for name in ("model_dir", "rollout_dir", "targets_dir", "case_dir"):
+        path = Path(getattr(spec, name))
+        if path.is_relative_to(old_root):
+            moved[name] = str(layout.root / path.relative_to(old_root))
+    return replace(spec, **moved)
 
 
 def launch_worker(spec_path: Path, out: Path, key: str, tp: int, device: str, log_path: Path) -> int:
@@ -72,7 +94,10 @@ def candidate_layers(layout: RunLayout, case: str, spec: Any, log: StageLog) -> 
             step.skip()
         else:
             log_path = launch_log(out)
-            code = launch_worker(spec_file(layout.case(case)), out, key, spec.tp, spec.device, log_path)
+            here = spec_file(out)  # the case's spec with its paths where the run directory is now (moved_to)
+            here.parent.mkdir(parents=True, exist_ok=True)
+            write_json(here, spec.to_json())
+            code = launch_worker(here, out, key, spec.tp, spec.device, log_path)
             if code != 0 or not stage_is_complete(out):
                 raise EvidenceError(f"the engine of case {case} did not produce its layer outputs: "
                                     + log_tail(log_path, code))
