@@ -186,21 +186,21 @@ def sealed_problems(layout: RunLayout, acceptance: dict[str, Any], names: list[s
 
 
 def spec_problems(name: str, where: Path) -> list[str]:
-    """The case's sealed meta.json (its digest is in the seal) records the spec the evidence was made from: engine,
-    precision, TP, DP and role must be the ones its name says (another case's evidence copied over it is not)."""
+    """The case's sealed meta.json (its digest is in the seal) records the spec the evidence was made from: the case
+    that spec names (engine, precision, TP, DP, role) must be this one (another case's evidence copied over it is
+    not)."""
+    from qualify.matrix import Case
     from qualify.store import read_json
 
-    parts = CASE_NAME.match(name)
     try:
         spec = read_json(where / "meta.json").get("case", {})
-    except (QualifyError, AttributeError):
+        made = Case(engine=spec["engine"], precision=spec["precision"], tp=int(spec["tp"]), role=spec["role"],
+                    dp=int(spec.get("dp", 1)))
+    except (QualifyError, AttributeError, KeyError, TypeError, ValueError):
         return [f"case {name}: its sealed meta.json does not record the spec it was run from"]
-    want = {"name": name, "engine": parts["engine"], "precision": parts["precision"], "tp": int(parts["tp"]),
-            "role": parts["role"], "dp": int(parts["dp"] or 1)} if parts else {"name": name}
-    got = {k: (spec.get(k, 1) if k == "dp" else spec.get(k)) for k in want} if isinstance(spec, dict) else {}
-    if got != want:
-        return [(f"case {name}: its evidence was made from the spec of {got.get('name')!r} ({got.get('engine')}, "
-                f"{got.get('precision')}, TP{got.get('tp')}, DP{got.get('dp')}, {got.get('role')}), not this case's")]
+    if made.name != name or spec.get("name") != name:
+        return [(f"case {name}: its evidence was made from the spec of {spec.get('name')!r} ({made.engine}, "
+                f"{made.precision}, TP{made.tp}, DP{made.dp}, {made.role}), not this case's")]
     return []
 
 
