@@ -82,5 +82,19 @@ def make_tiny_family(spec: TinyModel, models_dir: Path) -> dict[str, Path]:
         prepare_stage(out)
         model = build_tiny_model(spec, role)
         model.save_pretrained(out, safe_serialization=True)
+        follow_umask(out)
         complete_stage(out, {"role": role, "seed": spec.seed + offset, "settings": settings})
     return paths
+
+
+def follow_umask(directory: Path) -> None:
+    """Give every file in directory the mode the process's umask gives a new file (save_pretrained writes its
+    weights 0600 whatever the umask: another user of a shared run directory could not read them)."""
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in Path(directory).rglob("*"):
+        if path.is_file():
+            path.chmod(0o666 & ~mask)
+
