@@ -9,12 +9,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-import socket
 
 import pytest
 
 from qualify.contract import Contract, ContractMismatchError, agree, disagreements
 from qualify.errors import QualifyError
+from tests.unit._ranks import spawn_ranks
 
 BASE = {
     "algorithm": "grpo",
@@ -115,12 +115,6 @@ def test_mismatch_error_is_a_qualify_error():
 # --- agree() over gloo, for real ----------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, overrides: dict, queue) -> None:
     import torch.distributed as dist
 
@@ -137,23 +131,7 @@ def _worker(rank: int, world: int, port: int, overrides: dict, queue) -> None:
 
 
 def run_ranks(world: int, overrides: dict) -> list[tuple]:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, overrides, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        results = sorted((queue.get(timeout=60) for _ in procs), key=lambda x: x[0])
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    assert [p.exitcode for p in procs] == [0] * world
-    return results
+    return spawn_ranks(world, _worker, overrides)
 
 
 @pytest.mark.parametrize("world", [2, 3])

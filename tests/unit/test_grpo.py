@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 
 import pytest
 import torch
@@ -36,6 +35,7 @@ from qualify.ppo.grpo import (
     per_sequence_loss,
     token_advantages,
 )
+from tests.unit._ranks import spawn_ranks
 
 NUM_ROWS, NUM_POS, GROUP = 12, 9, 4  # 3 groups of 4: at dp=2 and dp=4, group 1 straddles two ranks
 CONSTANT = 16.0
@@ -425,12 +425,6 @@ def test_negative_control_groups_normalized_per_slice_do_not_match(dp):
 # --- the collectives, for real over gloo ---------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _dp_worker(rank: int, world: int, port: int, queue) -> None:
     import torch.distributed as dist
 
@@ -457,18 +451,7 @@ def _dp_worker(rank: int, world: int, port: int, queue) -> None:
 
 @pytest.mark.parametrize("world", [2])
 def test_gloo_ranks_reproduce_the_single_process(world):
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_dp_worker, args=(r, world, port, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = sorted((queue.get(timeout=60) for _ in procs), key=lambda x: x[0])
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    results = spawn_ranks(world, _dp_worker)
 
     mask_BT, logp_BT, logp_old_BT, logp_ref_BT, rewards_B = grpo_inputs(30)
     norms = count_normalizers(mask_BT)

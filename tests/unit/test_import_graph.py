@@ -156,14 +156,18 @@ def test_every_import_goes_down_a_floor():
     assert climbs(package_graph(module_graph(ROOT / "qualify")), LAYERS, "qualify") == []
 
 
-def test_an_import_that_climbs_or_crosses_a_floor_is_named(tmp_path):
+def package(tmp_path: Path, files: dict[str, str]) -> Path:
+    """A package pkg/ with a subpackage pkg/low/ and the files given (path below pkg: source)."""
     pkg = tmp_path / "pkg"
     (pkg / "low").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "low" / "__init__.py").write_text("")
-    (pkg / "low" / "rule.py").write_text("def f():\n    from pkg import stage\n    return stage\n")
-    (pkg / "stage.py").write_text("x = 1\n")
-    (pkg / "side.py").write_text("from pkg import stage\n")
+    for name, text in {"__init__.py": "", "low/__init__.py": "", **files}.items():
+        (pkg / name).write_text(text)
+    return pkg
+
+
+def test_an_import_that_climbs_or_crosses_a_floor_is_named(tmp_path):
+    pkg = package(tmp_path, {"low/rule.py": "def f():\n    from pkg import stage\n    return stage\n",
+                             "stage.py": "x = 1\n", "side.py": "from pkg import stage\n"})
     graph = package_graph(module_graph(pkg))
     assert climbs(graph, [{"stage", "side"}, {"low"}], "pkg") == ["pkg.low -> pkg.stage", "pkg.side -> pkg.stage"]
     assert climbs(graph, [{"side"}, {"stage"}, {"low"}], "pkg") == ["pkg.low -> pkg.stage"]
@@ -171,13 +175,9 @@ def test_an_import_that_climbs_or_crosses_a_floor_is_named(tmp_path):
 
 
 def test_a_circle_through_a_function_level_import_is_found_and_named(tmp_path):
-    pkg = tmp_path / "pkg"
-    (pkg / "low").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "low" / "__init__.py").write_text("")
-    (pkg / "low" / "rule.py").write_text("def f():\n    from pkg.stage import g\n    return g\n")
-    (pkg / "stage.py").write_text("from pkg.low.rule import f\n\ndef g():\n    return f\n")
-    (pkg / "free.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import stage\n")
+    pkg = package(tmp_path, {"low/rule.py": "def f():\n    from pkg.stage import g\n    return g\n",
+                             "stage.py": "from pkg.low.rule import f\n\ndef g():\n    return f\n",
+                             "free.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import stage\n"})
     graph = module_graph(pkg)
     assert circles(graph) == [["pkg.low.rule", "pkg.stage", "pkg.low.rule"]]
     assert circles(package_graph(graph)) == [["pkg.low", "pkg.stage", "pkg.low"]]

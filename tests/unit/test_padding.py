@@ -117,26 +117,9 @@ def _padding_worker(rank: int, world: int, port: int, queue) -> None:
 
 
 def test_tp2_dtensor_padding_is_found_once_in_a_loop_and_hidden_padding_fails_by_name():
-    import socket
+    from tests.unit._ranks import spawn_ranks
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_padding_worker, args=(r, 2, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = sorted((queue.get(timeout=120) for _ in procs), key=lambda x: x[0])
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    assert [p.exitcode for p in procs] == [0, 0]
+    results = spawn_ranks(2, _padding_worker, timeout=120)
     (_, rank0, _), (_, rank1, exposed1) = results
     assert rank0 == [{}] * REPEATS  # rank 0 holds rows 0-7: no padding
     # one answer every time: the DTensor reached through the module and the dict is one tensor, the master another

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -25,6 +24,7 @@ from qualify.ppo.vocab_parallel import (
     tree_sum,
     vocab_parallel_logprobs,
 )
+from tests.unit._ranks import spawn_ranks
 
 VOCAB, PADDED, TILE = 250, 256, 16  # TP=4 shards of 64 columns; the last shard ends in 6 padding columns
 NUM_TOKENS, TEMPERATURE = 96, 0.7
@@ -219,12 +219,6 @@ def test_grpo_loss_per_sequence_totals_and_logit_gradients_are_bitwise_across_tp
 # --- real TP ranks over gloo --------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _tp_worker(rank: int, world: int, port: int, queue) -> None:
     import torch.distributed as dist
 
@@ -244,23 +238,7 @@ def _tp_worker(rank: int, world: int, port: int, queue) -> None:
 
 
 def test_gloo_tp2_ranks_are_bitwise_the_single_process():
-    import torch.multiprocessing as mp
-
-    world = 2
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_tp_worker, args=(r, world, port, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        results = sorted((queue.get(timeout=60) for _ in procs), key=lambda x: x[0])
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    assert [p.exitcode for p in procs] == [0] * world
+    results = spawn_ranks(2, _tp_worker)
     logp_N, grad_NV = split_logprobs(*make_logits(8), 1)
     for _, logp_rank, _ in results:
         assert torch.equal(torch.from_numpy(logp_rank), logp_N)
