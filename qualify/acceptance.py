@@ -19,6 +19,7 @@ from qualify.bounds.check import check_bounds
 from qualify.bounds.files import BOUNDS_DIR, LAYER_BOUNDS_DIR, read_bound_files
 from qualify.bounds.rule import FAMILIES
 from qualify.errors import EvidenceError, ManifestError, QualifyError
+from qualify.hashing import file_digest
 from qualify.manifest import VerifyReport, load_manifest, verify_manifest
 from qualify.store import read_json
 
@@ -187,6 +188,9 @@ def chain_problems(path: Path, document: dict[str, Any], root: Path) -> list[str
     if not (snapshot / "_complete.json").is_file():
         return [f"the matrix snapshot {snapshot} is not sealed here: the acceptance's rule cannot be checked"]
     problems = []
+    if file_digest(snapshot / "matrix.json") != stage_info(snapshot).get("digest"):
+        problems.append(f"the matrix snapshot {snapshot / 'matrix.json'} is not the file sealed as "
+                        f"{stage_info(snapshot).get('digest')!r}: it was changed and sealed again")
     if stage_info(snapshot).get("digest") != document.get("matrix_digest"):
         problems.append(f"the matrix snapshot at {snapshot} is sealed as {stage_info(snapshot).get('digest')!r}, "
                         f"the acceptance names {document.get('matrix_digest')!r}")

@@ -22,6 +22,7 @@ from qualify.bounds.control_error import MeansOf, ReplayOf, TermsOf, family_boun
 from qualify.bounds.layers import layer_bound_files
 from qualify.bounds.rule import FAMILIES, RULE
 from qualify.errors import EvidenceError, FrozenError
+from qualify.hashing import file_digest
 from qualify.layout import ROLES_ALL, RunLayout
 from qualify.manifest import build_manifest
 from qualify.models.checkpoint import checkpoint_tensors
@@ -85,7 +86,12 @@ def verified_reference(layout: RunLayout) -> tuple[dict[str, Any], Any]:
     if stage_info(layout.matrix_snapshot).get("digest") != summary.get("matrix_digest"):
         raise EvidenceError(f"{layout.reference_summary} names matrix snapshot {summary.get('matrix_digest')}, "
                             f"not the sealed {stage_info(layout.matrix_snapshot).get('digest')}")
+    sealed_as = stage_info(layout.matrix_snapshot).get("digest")
+    if file_digest(layout.matrix_snapshot / "matrix.json") != sealed_as:  # re-sealed with its old digest kept
+        raise EvidenceError(f"the matrix snapshot {layout.matrix_snapshot / 'matrix.json'} is not the file sealed as "
+                            f"{sealed_as}: it was changed and sealed again")
     matrix = from_dict(Matrix, read_json(layout.matrix_snapshot / "matrix.json"), str(layout.matrix_snapshot))
+
     if matrix.models.tiny is not None:
         for role in ROLES_ALL:
             require_complete(layout.model(role), f"{role} model")

@@ -65,6 +65,18 @@ def test_a_tampered_snapshot_is_refused(run_copy):
         freeze(run_copy)
 
 
+def test_a_snapshot_changed_and_sealed_again_under_its_old_digest_is_refused(run_copy):
+    from qualify.stages import complete_stage, stage_info
+
+    layout = without_acceptance(run_copy)
+    snapshot = layout.matrix_snapshot / "matrix.json"
+    info = stage_info(layout.matrix_snapshot)
+    snapshot.write_text(snapshot.read_text().replace('"k": 4.0', '"k": 1000.0'))
+    complete_stage(layout.matrix_snapshot, info)  # every file hashed again, the recorded digest kept
+    with pytest.raises(EvidenceError, match="is not the file sealed as .*: it was changed and sealed again"):
+        freeze(run_copy)
+
+
 def test_candidate_refuses_a_matrix_whose_frozen_fields_changed(run_copy, tmp_path):
     m = matrix_with(tmp_path, engines=["torch-tp"])
     changed = dataclasses.replace(m, optimizer=dataclasses.replace(m.optimizer, lr=2 * m.optimizer.lr))
