@@ -293,10 +293,16 @@ def rounds_problems(layout: RunLayout, tp: int, doc: Any) -> list[str]:
 
 
 def verify_run(layout: RunLayout, reference: dict[str, Any], acceptance: dict[str, Any] | None,
-               verdict: Any, rounds: dict[int, Any]) -> Verification:
-    """Everything a report summarizes, verified; an acceptance is required once anything claims a result."""
+               verdict: Any, rounds: dict[int, Any], expect: str | None = None) -> Verification:
+    """Everything a report summarizes, verified; an acceptance is required once anything claims a result (expect:
+    the acceptance's digest as pinned outside the run)."""
     checked: list[str] = []
     problems: list[str] = []
+    if expect is not None:
+        checked.append(f"the acceptance's digest is the expected {expect}")
+        got = (acceptance or {}).get("digest")
+        if got != expect:
+            problems.append(f"the acceptance's digest {got} is not the expected {expect}")
     claims = verdict is not None or bool(rounds)
     if acceptance is not None or claims:
         checked.append("acceptance and bound files against the reference evidence")

@@ -231,11 +231,13 @@ def case_invariance(layout: RunLayout, case: Case, rows: list[Row]) -> dict[str,
 
 
 def run_candidates(matrix: Matrix, run_dir: Path, *, acceptance: Path | None = None,
-                   only: str | None = None) -> Verdict:
+                   only: str | None = None, expect: str | None = None) -> Verdict:
     """Run and judge the (selected) cases; returns the verdict document."""
     layout = RunLayout(Path(run_dir))
     check_engines(matrix)
     acc = Acceptance.load(Path(acceptance) if acceptance else layout.acceptance, layout.reference)
+    if expect is not None and acc.digest != expect:  # an anchor kept outside the run (README: what it protects)
+        raise EvidenceError(f"the acceptance {acc.path} has digest {acc.digest}, not the expected {expect}")
     doc, bounds = acc.document, {key: fam["bounds"] for key, fam in acc.families.items()}
     require_frozen_matrix(matrix, layout)
     acc.require_rollout(layout.rollout(matrix.rollout.vllm_tp[0]))

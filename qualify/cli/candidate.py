@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from qualify.cli.handler import EXIT_FAILED
-from qualify.cli.options import AcceptanceOpt, Format, FormatOpt, MatrixArg, OnlyOpt, RunOpt
+from qualify.cli.options import AcceptanceOpt, ExpectOpt, Format, FormatOpt, MatrixArg, OnlyOpt, RunOpt
 
 NAME = "candidate"
 HELP = "Replay the engine x precision x TP x role matrix and judge every tensor against frozen bounds."
@@ -26,6 +26,7 @@ def main(
     format: FormatOpt = Format.text,
     junit: Annotated[Path | None, typer.Option("--junit", help="Also write the verdict as JUnit XML to this file.")]
     = None,
+    expect: ExpectOpt = None,
 ) -> None:
     from qualify.candidate.run import run_candidates
     from qualify.cli.render import echo_json
@@ -38,7 +39,7 @@ def main(
         from qualify.errors import QualifyError
 
         raise QualifyError(f"--junit {junit}: directory {junit.parent} does not exist")
-    verdict = run_candidates(m, run or default_run_dir(m.name), acceptance=acceptance, only=only)
+    verdict = run_candidates(m, run or default_run_dir(m.name), acceptance=acceptance, only=only, expect=expect)
     if junit is not None:
         from qualify.junit import to_junit
         from qualify.store import atomic_write_bytes

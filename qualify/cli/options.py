@@ -36,4 +36,6 @@ LegacyRunOpt = Annotated[Path | None, typer.Option("--out", hidden=True)]
 LegacyOnlyOpt = Annotated[str | None, typer.Option("--cases", hidden=True)]
 FormatOpt = Annotated[Format, typer.Option("--format", help="Output format.")]
 JobsOpt = Annotated[int | None, typer.Option("--jobs", min=1, help="Parallel hashing threads (default: CPU count).")]
+ExpectOpt = Annotated[str | None, typer.Option("--expect", help="The acceptance's digest as pinned elsewhere "
+                                              "(sha256:...): any other acceptance is refused.")]
 AcceptanceOpt = Annotated[Path | None, typer.Option("--acceptance", help="Frozen acceptance.json (default: the run's).")]

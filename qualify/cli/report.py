@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from qualify.cli.options import RunDirArg
+from qualify.cli.options import ExpectOpt, RunDirArg
 
 if TYPE_CHECKING:
     from qualify.report import RunDocs
@@ -32,6 +32,7 @@ def main(
     run_dir: RunDirArg,
     format: Annotated[ReportFormat, typer.Option("--format", help="Output format.")] = ReportFormat.text,
     out: Annotated[Path | None, typer.Option("--out", help="Write the report to this file.")] = None,
+    expect: ExpectOpt = None,
 ) -> None:
     from qualify.errors import QualifyError
     from qualify.report import exit_code, load_docs, summarize_docs
@@ -40,7 +41,8 @@ def main(
     if out is not None and not out.parent.is_dir():
         raise QualifyError(f"--out {out}: directory {out.parent} does not exist")
     docs = load_docs(run_dir)
-    summary = summarize_docs(docs, verify_run(docs.layout, docs.reference, docs.acceptance, docs.verdict, docs.rounds))
+    summary = summarize_docs(docs, verify_run(docs.layout, docs.reference, docs.acceptance, docs.verdict, docs.rounds,
+                                              expect))
     data = render(format, docs, summary)
     if out is not None:
         from qualify.store import atomic_write_bytes

@@ -168,6 +168,8 @@ def render_chain(matrix_path: Path, profile_path: Path, *, run: Path, out: Path,
 
 def write_chain(chain: Chain) -> list[Path]:
     """Write the scripts; other *.sbatch files in the output directory (an older rendering) are removed."""
+    if chain.out.exists() and not chain.out.is_dir():
+        raise SlurmError(f"--out {chain.out} is a file: the scripts are written into a directory")
     chain.out.mkdir(parents=True, exist_ok=True)
     keep = {j.file for j in chain.jobs}
     for stale in chain.out.glob(f"*{SCRIPT_SUFFIX}"):

@@ -137,3 +137,10 @@ def test_freeze_refuses_a_reference_whose_control_replay_is_gone(run_copy):
         freeze(run_copy)
     assert str(victim) in str(caught.value) and "'qualify reference' again" in str(caught.value)
     assert not layout.acceptance.exists()
+
+
+def test_candidate_refuses_an_acceptance_other_than_the_expected_one(run_copy, tmp_path):
+    m = matrix_with(tmp_path, engines=["torch-tp"])
+    with pytest.raises(EvidenceError, match="has digest sha256:[0-9a-f]+, not the expected sha256:pinned"):
+        run_candidates(m, run_copy, only="torch-tp-fp32-tp1-actor", expect="sha256:pinned")
+    assert not RunLayout(run_copy).case("torch-tp-fp32-tp1-actor").exists()

@@ -237,3 +237,15 @@ def test_a_case_that_did_not_run_needs_no_evidence_and_fails(tmp_path):
     assert evidence_problems(RunLayout(tmp_path), reference_doc(), ACC, v) == []
     ran = verdict([row()])
     assert "missing, partial or modified" in evidence_problems(RunLayout(tmp_path), reference_doc(), ACC, ran)[0]
+
+
+def test_an_expected_acceptance_digest_is_checked_by_the_report(tmp_path):
+    """`qualify report --expect`: the acceptance's digest pinned outside the run; any other is not verified."""
+    from qualify.report_verify import verify_run
+
+    layout = RunLayout(make_run(tmp_path))
+    other = verify_run(layout, reference_doc(), ACC, None, {}, expect="sha256:pinned")
+    assert "the acceptance's digest sha256:acc is not the expected sha256:pinned" in other.problems
+    same = verify_run(layout, reference_doc(), ACC, None, {}, expect=ACC["digest"])
+    assert not any("is not the expected" in p for p in same.problems)
+    assert "the acceptance's digest is the expected sha256:acc" in same.checked

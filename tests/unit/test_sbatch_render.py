@@ -269,3 +269,12 @@ def test_a_profile_path_with_a_newline_cannot_add_a_directive(tmp_path):
         assert "\\n#SBATCH --wrap=rm -rf ~\\n" in comment
     plain = render("h100x4")
     assert "from matrices/qwen3-8b.yaml and sbatch/clusters/h100x4.yaml:" in plain.jobs[0].text  # plain paths as they are
+
+
+def test_out_naming_a_file_is_refused(tmp_path):
+    from qualify.slurm.render import write_chain
+
+    file = tmp_path / "scripts"
+    file.write_text("x")
+    with pytest.raises(SlurmError, match="is a file: the scripts are written into a directory"):
+        write_chain(render("h100x4", out=file))
