@@ -169,6 +169,11 @@ def committed_part(path: str) -> bool:
             or R0_SCORES.match(path) is not None)
 
 
+ACCEPTANCE_EVIDENCE = "../reference"
+"""Where an acceptance's evidence lies, relative to it (RUN/acceptance/acceptance.json -> RUN/reference): fixed by
+the run layout, so the manifest's own evidence hint cannot send verify to another, untouched copy."""
+
+
 def is_acceptance(document: dict[str, Any]) -> bool:
     return str(document.get("schema_version", "")).startswith("qualify.acceptance/")
 
@@ -222,6 +227,10 @@ def verify_evidence(manifest: Path, evidence: Path | None = None, *, jobs: int |
         raise ManifestError(f"{manifest}: --partial is for an acceptance, whose committed part (matrix snapshot, "
                             "reference summary, rollout, targets, r0 scores) a partial copy must hold; a plain "
                             "manifest names no such part")
+    if acceptance and evidence is None and document.get("evidence") != ACCEPTANCE_EVIDENCE:
+        raise ManifestError(f"{manifest}: an acceptance's evidence is the reference/ of its own run (evidence "
+                            f"{ACCEPTANCE_EVIDENCE!r}), but it names {document.get('evidence')!r}; to verify another "
+                            "copy, name it with --evidence")
     report = verify_manifest(manifest, evidence, jobs=jobs, progress=progress, partial=partial)
     problems = []
     if expect is not None and document.get("digest") != expect:

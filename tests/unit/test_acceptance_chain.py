@@ -114,3 +114,20 @@ def test_a_snapshot_sealed_under_another_digest_than_the_acceptance_names_fails(
     rewrite(copy, doc)
     report = verify_evidence(copy, partial=True, progress=False)
     assert len(report.problems) == 1 and "the acceptance names 'sha256:1111" in report.problems[0]
+
+
+def test_the_evidence_hint_cannot_send_verify_to_another_copy(copy, tmp_path):
+    """The reference of the run is tampered with, an untouched copy lies beside it, and the acceptance's evidence
+    hint (with its digest recomputed) names the copy: verify refuses the hint, and checks the run's own reference."""
+    untouched = tmp_path / "untouched"
+    shutil.copytree(copy.parents[1] / "reference", untouched)
+    (copy.parents[1] / "reference" / "reference.json").write_text("{}")
+    doc = json.loads(copy.read_text())
+    doc["evidence"] = "../../untouched"
+    rewrite(copy, doc)
+    result = verify(str(copy), "--partial")
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert "an acceptance's evidence is the reference/ of its own run" in result.output
+    assert "'../../untouched'" in result.output and "--evidence" in result.output
+    explicit = verify(str(copy), "--partial", "--evidence", str(copy.parents[1] / "reference"))
+    assert explicit.exit_code == 1 and "reference.json" in explicit.output
