@@ -77,6 +77,7 @@ def verified_reference(layout: RunLayout) -> tuple[dict[str, Any], Any]:
     comes from the sealed matrix snapshot, never from reference.json, which nothing seals.
     """
     from qualify.matrix import Matrix
+    from qualify.reference.step import controls_of
 
     if not layout.reference_summary.is_file():
         raise FrozenError(f"no complete reference in {layout.reference} (run 'qualify reference' first)")
@@ -91,6 +92,10 @@ def verified_reference(layout: RunLayout) -> tuple[dict[str, Any], Any]:
         raise EvidenceError(f"the matrix snapshot {layout.matrix_snapshot / 'matrix.json'} is not the file sealed as "
                             f"{sealed_as}: it was changed and sealed again")
     matrix = from_dict(Matrix, read_json(layout.matrix_snapshot / "matrix.json"), str(layout.matrix_snapshot))
+    declared = [c.name for c in controls_of(matrix)]
+    if summary["controls"] != declared:  # the list is the sealed snapshot's; reference.json is only checked against it
+        raise EvidenceError(f"{layout.reference_summary} lists controls {summary['controls']}, but the sealed matrix "
+                            f"snapshot declares {declared}: the summary was changed, or made from another matrix")
 
     if matrix.models.tiny is not None:
         for role in ROLES_ALL:

@@ -139,9 +139,11 @@ def rollout_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def synthetic_matrix(tmp_path: Path, require: tuple[str, ...] = ()) -> Matrix:
-    """The embedded default's matrix with K and FLOORS as its freeze rule and OPT as its optimizer."""
+    """The embedded default's matrix with K and FLOORS as its freeze rule, OPT as its optimizer and CONTROLS (repeats
+    only) as its controls."""
     data = yaml.safe_load((REPO / "matrices" / "tiny-qwen3.yaml").read_text())
     data["freeze"] = {"k": K, "floors": FLOORS, "require": list(require)}
+    data["reference"] |= {"repeats": len(CONTROLS), "perturbations": []}  # the controls the synthetic runs are
     data["optimizer"] = {"lr": OPT.lr, "betas": list(OPT.betas), "eps": OPT.eps, "weight_decay": OPT.weight_decay,
                          "max_grad_norm": OPT.max_grad_norm}  # the optimizer that made the runs
     path = tmp_path / "synthetic.yaml"

@@ -23,7 +23,7 @@ def _with(matrix, perturbations, tp=None):
 
 
 def test_combined_sets_every_other_perturbation_and_the_largest_tp(tmp_path):
-    matrix = _with(synthetic_matrix(tmp_path), ("microbatch_split", "attn_impl", "tp_split", "optimizer_order",
+    matrix = _with(load_matrix(REPO / "matrices" / "tiny-qwen3.yaml"), ("microbatch_split", "attn_impl", "tp_split", "optimizer_order",
                                                 "combined"), tp=(2, 1))
     controls = {c.name: c for c in controls_of(matrix)}
     assert list(controls) == ["r0", "r1", "microbatch_split", "attn_impl", "tp2_split",

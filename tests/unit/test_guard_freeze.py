@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from qualify.bounds.rule import FAMILIES, RULE, BoundRule
+from qualify.errors import EvidenceError
 from qualify.freeze import ACCEPTANCE_SCHEMA, acceptance_document
 from qualify.layout import RunLayout
 from qualify.store import write_json
@@ -160,6 +161,7 @@ def test_a_grpo_reference_freezes_the_actor_alone(tmp_path):
 
     data = yaml.safe_load((_runs.REPO / "matrices" / "tiny-qwen3-grpo.yaml").read_text())
     data["freeze"] = {"k": _runs.K, "floors": _runs.FLOORS, "require": []}
+    data["reference"] |= {"repeats": len(_runs.CONTROLS), "perturbations": []}
     data["optimizer"] = {"lr": _runs.OPT.lr, "betas": list(_runs.OPT.betas), "eps": _runs.OPT.eps,
                          "weight_decay": _runs.OPT.weight_decay, "max_grad_norm": _runs.OPT.max_grad_norm}
     (tmp_path / "grpo.yaml").write_text(yaml.safe_dump(data))
@@ -169,3 +171,19 @@ def test_a_grpo_reference_freezes_the_actor_alone(tmp_path):
     assert doc["algorithm"] == "grpo" and doc["coverage"] == {"required": [], "steps": {"actor": [{"clip": 1}]}}
     assert sorted(doc["bounds"]) == [f"actor-{family}.json" for family in sorted(FAMILIES)]
     assert check_acceptance(layout.acceptance) == []
+
+
+def test_freeze_takes_its_controls_from_the_sealed_snapshot_not_the_summary(tmp_path):
+    """reference.json is not sealed: a control dropped from its list (the one that sets a bound) must not narrow
+    the bounds; freeze refuses a list other than the one the sealed matrix snapshot declares."""
+    from qualify.freeze import freeze
+    from qualify.store import read_json, write_json
+    from tests.unit import _runs
+
+    layout = _runs.synthetic_reference(tmp_path / "run", _runs.synthetic_matrix(tmp_path))
+    summary = read_json(layout.reference_summary)
+    write_json(layout.reference_summary, summary | {"controls": ["r0", "r2"]})  # r1 sets the fp32-repeat bounds
+    with pytest.raises(EvidenceError, match=r"lists controls \['r0', 'r2'\], but the sealed matrix snapshot declares "
+                                            r"\['r0', 'r1', 'r2'\]"):
+        freeze(layout.root)
+    assert not layout.acceptance.exists()
