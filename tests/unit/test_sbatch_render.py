@@ -271,6 +271,21 @@ def test_a_profile_path_with_a_newline_cannot_add_a_directive(tmp_path):
     assert "from matrices/qwen3-8b.yaml and sbatch/clusters/h100x4.yaml:" in plain.jobs[0].text  # plain paths as they are
 
 
+def test_a_profile_in_a_non_ascii_directory_renders_and_is_written(tmp_path):
+    """A profile under a directory named in any script (no traceback): the header comment holds its path escaped
+    to ASCII, and the scripts are written and readable as ASCII."""
+    from qualify.slurm.render import write_chain
+
+    where = tmp_path / "grappes-\u00e9t\u00e9 \u2603"
+    where.mkdir()
+    shutil.copy(ROOT / "sbatch/clusters/h100x4.yaml", where / "h100x4.yaml")
+    chain = render(str(where / "h100x4.yaml"), out=tmp_path / "out")
+    [comment] = [line for line in chain.jobs[0].text.splitlines() if line.startswith("# Rendered by")]
+    assert "grappes-\\xe9t\\xe9 \\u2603" in comment
+    for path in write_chain(chain):
+        path.read_text(encoding="ascii")
+
+
 def test_out_naming_a_file_is_refused(tmp_path):
     from qualify.slurm.render import write_chain
 
