@@ -189,6 +189,21 @@ def rollout_mismatch(layout: RunLayout, matrix: Matrix, controls: list[str]) -> 
     return report
 
 
+def require_sampled_tokens(mismatch: dict[str, Any], where: Path) -> None:
+    """Refuse a rollout holding tokens its own sampler logprobs disown (qualify.reference.targets.foreign_tokens):
+    no reference summary is written, so nothing can be frozen on it."""
+    from qualify.reference.targets import foreign_tokens
+
+    found = foreign_tokens(mismatch)
+    if found:
+        listed = "; ".join(f"row {t['row']} position {t['position']}: sampler {t['sampler']:.6g}, reference "
+                           f"{t['processed']:.6g}" for t in found[:3])
+        raise EvidenceError(f"the rollout {where} holds {len(found)} token(s) whose recorded sampler logprob no "
+                            f"scored precision of the reference gives ({listed}{' ...' if len(found) > 3 else ''}): "
+                            "its tokens or logprobs were changed after sampling, or it was sampled from other "
+                            "weights; capture it again")
+
+
 def run_reference(matrix: Matrix, run_dir: Path, stage: str = "all", rollout: Path | None = None) -> dict[str, Any]:
     """The whole reference stage (or only its capture or scoring half); returns the summary.
 
@@ -211,12 +226,14 @@ def run_reference(matrix: Matrix, run_dir: Path, stage: str = "all", rollout: Pa
 
     replays = sorted({str(p.relative_to(layout.reference)) for p in control_replays(
         matrix, layout, controls, digest, stage_info(layout.targets)["digest"], log.step)})
+    mismatch = rollout_mismatch(layout, matrix, controls)
+    require_sampled_tokens(mismatch, layout.rollout(primary))
     summary = {"matrix": to_dict(matrix), "matrix_digest": matrix_digest, "rollout_digest": digest, "primary_vllm_tp": primary,
                "rollout_digests": {f"tp{tp}": stage_info(layout.rollout(tp))["digest"]
                                    for tp in matrix.rollout.vllm_tp if stage_is_complete(layout.rollout(tp))},
                "tp_agreement": tp_agreement(matrix, layout), "targets_digest": stage_info(layout.targets)["digest"],
                "controls": controls, "control_replays": replays, "precisions": list(matrix.reference.precisions),
-               "rollout_mismatch": rollout_mismatch(layout, matrix, controls), "git": git_state(),
+               "rollout_mismatch": mismatch, "git": git_state(),
                "rollout_platform": read_json(layout.rollout(primary) / "rollout.json").get("platform"),
                "rollout_source": None if rollout is None else str(rollout), **provenance()}
     if not layout.reference_summary.is_file():

@@ -117,3 +117,18 @@ def decompose_mismatch(sampler_N: torch.Tensor, processed_N: torch.Tensor, full_
             "truncation": {"num_truncated": int((full_N[agree_N] != processed_N[agree_N]).sum()),
                            **_stats(full_N[agree_N] - processed_N[agree_N])},
             "kept_set_differs": {"count": len(listed), "limit": limit, "tokens": listed}}
+
+
+def foreign_tokens(mismatch: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rollout tokens whose recorded sampler logprob no scored precision of the reference gives: inside the
+    reference's kept set, yet beyond the kept-set limit in every precision (decompose_mismatch). A token sampled by
+    these weights is within the limit of at least the precision nearest the rollout's; a token changed after
+    sampling (or sampled from other weights) is not. Tokens outside the kept set are left alone: under truncation a
+    token at the kept set's edge may fall on either side."""
+    if not mismatch:
+        return []
+    far = [{(t["row"], t["position"]) for t in mm["kept_set_differs"]["tokens"] if t["processed"] is not None}
+           for mm in mismatch.values()]
+    common = set.intersection(*far)
+    first = next(iter(mismatch.values()))["kept_set_differs"]["tokens"]
+    return [t for t in first if (t["row"], t["position"]) in common]

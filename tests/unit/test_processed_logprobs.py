@@ -406,3 +406,37 @@ def test_qwen3_8b_samples_as_a_real_run():
     from qualify.matrix import load_matrix
 
     assert load_matrix(MATRICES / "qwen3-8b.yaml").rollout.top_p < 1
+
+
+def test_a_token_changed_after_sampling_is_refused_and_bf16_noise_or_an_edge_token_is_not(tmp_path):
+    """A rollout imported with `reference --rollout`: a bf16 rollout's noise sits beyond the fp32 limit but within
+    the bf16 one (kept), an edge token falls outside the kept set (kept, listed), a token changed after sampling
+    (its recorded logprob is another token's) is beyond the limit of every precision: refused, naming it."""
+    from qualify.errors import EvidenceError
+    from qualify.reference.stage import require_sampled_tokens
+    from qualify.reference.targets import decompose_mismatch, foreign_tokens
+
+    gen = torch.Generator().manual_seed(0)
+    fp32 = -torch.rand(64, generator=gen) * 3
+    bf16 = fp32 + (torch.rand(64, generator=gen) - 0.5) * 0.02  # the reference's own bf16 scores
+    sampler = fp32 + (torch.rand(64, generator=gen) - 0.5) * 0.02  # a bf16 rollout: as far from fp32 as bf16 is
+    processed = fp32.clone()
+    processed[7] = -INF  # an edge token under truncation
+    where = torch.stack([torch.arange(64) // 8, torch.arange(64) % 8], 1)
+
+    def report(sampler_N):
+        return {p: decompose_mismatch(sampler_N, processed if p == "fp32" else torch.where(
+                    torch.isinf(processed), processed, full), full, where,
+                    1e-4 + 10 * float((full - fp32).abs().max()))
+                for p, full in (("fp32", fp32), ("bf16", bf16))}
+
+    honest = report(sampler)
+    assert honest["fp32"]["kept_set_differs"]["count"] > 10  # the fp32 limit alone would refuse a bf16 rollout
+    assert foreign_tokens(honest) == []
+    require_sampled_tokens(honest, tmp_path)
+    changed = sampler.clone()
+    changed[42] = fp32[42] + 1.5  # the logprob of another token
+    forged = report(changed)
+    assert [(t["row"], t["position"]) for t in foreign_tokens(forged)] == [(5, 2)]
+    with pytest.raises(EvidenceError, match=r"holds 1 token\(s\) .*\(row 5 position 2: sampler .*capture it again"):
+        require_sampled_tokens(forged, tmp_path)
