@@ -279,8 +279,26 @@ def evidence_problems(layout: RunLayout, reference: dict[str, Any], acceptance: 
         return [f"candidate evidence cannot be judged again: {exc}"]
 
 
-def rounds_problems(layout: RunLayout, tp: int, doc: Any) -> list[str]:
-    """A rounds verdict is sealed and its pass flag follows from its rows."""
+def frozen_rounds_bound(layout: RunLayout, reference: dict[str, Any], acceptance: dict[str, Any] | None
+                        ) -> float | None:
+    """The logprob bound a rounds run must have used: the acceptance's rule (k, logprob floor) applied to the
+    reference's vLLM-vs-HF fp32 control (qualify.rounds.base); None without a readable acceptance."""
+    from qualify.bounds.rule import bound_entry
+
+    try:
+        rule = acceptance["rule"]
+        control = float(reference["rollout_mismatch"]["fp32"]["max_abs"])
+        return bound_entry("logprob", control, float(rule["k"]), {"logprob": float(rule["floors"]["logprob"])})["bound"]
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def rounds_problems(layout: RunLayout, tp: int, doc: Any, acceptance: dict[str, Any] | None = None,
+                    bound: float | None = None) -> list[str]:
+    """A rounds verdict is sealed, its pass flag follows from its rows, it ran on the frozen acceptance, and every
+    row is what its sealed evidence gives (qualify.rounds.rederive)."""
+    from qualify.rounds.rederive import rederive_problems
+
     where = layout.rounds_dir(tp)
     if not stage_is_complete(where):
         return [f"rounds vllm-tp{tp}: {where} is missing, partial or modified since it was sealed"]
@@ -289,7 +307,13 @@ def rounds_problems(layout: RunLayout, tp: int, doc: Any) -> list[str]:
         return [f"rounds vllm-tp{tp}: verdict has no readable rows"]
     if doc.get("passed") is not (bool(rows) and all(r["passed"] for r in rows) and doc.get("failure") is None):
         return [f"rounds vllm-tp{tp}: passed={doc.get('passed')} disagrees with its rows and failure"]
-    return []
+    if acceptance is None:
+        return []  # the acceptance's own absence is the problem (acceptance_problems)
+    used = (doc.get("bound") or {}).get("acceptance_digest") if isinstance(doc.get("bound"), dict) else None
+    if used != acceptance.get("digest"):
+        return [f"rounds vllm-tp{tp}: ran on acceptance {used}, not on the frozen {acceptance.get('digest')} (its "
+                "logprob bound is not the frozen one)"]
+    return [f"rounds vllm-tp{tp}: {p}" for p in rederive_problems(where, doc, bound)]
 
 
 def verify_run(layout: RunLayout, reference: dict[str, Any], acceptance: dict[str, Any] | None,
@@ -316,9 +340,10 @@ def verify_run(layout: RunLayout, reference: dict[str, Any], acceptance: dict[st
         if not problems:
             checked.append("every case judged again from its sealed evidence")
             problems += evidence_problems(layout, reference, acceptance, verdict)
+    bound = frozen_rounds_bound(layout, reference, acceptance) if rounds else None
     for tp, doc in sorted(rounds.items()):
-        checked.append(f"rounds vllm-tp{tp} sealed")
-        problems += rounds_problems(layout, tp, doc)
+        checked.append(f"rounds vllm-tp{tp} sealed and judged again from its sealed evidence")
+        problems += rounds_problems(layout, tp, doc, acceptance, bound)
     return Verification(tuple(checked), tuple(problems))
 
 

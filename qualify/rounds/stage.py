@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from qualify.engines.registry import require_engine
-from qualify.errors import QualifyError
+from qualify.errors import EvidenceError, QualifyError
 from qualify.hashing import file_digest
 from qualify.layout import RunLayout, rounds_case
 from qualify.matrix import Matrix, Rounds
@@ -196,8 +196,7 @@ def run_rounds(matrix: Matrix, run_dir: Path, options: RoundsOptions | None = No
     tp = opts.vllm_tp or matrix.rollout.vllm_tp[0]
     out = layout.rounds_dir(tp)
     if stage_is_complete(out):
-        log.skip(f"rounds at vLLM TP{tp}")
-        return Verdict.from_json(read_json(out / "verdict.json"))
+        return reuse(out, tp, log)
     base = resolve_base(matrix, layout)
     prepare_stage(out)
     started = time.monotonic()
@@ -219,6 +218,20 @@ def run_rounds(matrix: Matrix, run_dir: Path, options: RoundsOptions | None = No
     for name, digest in (frozen_before | s.made).items():
         s.add(checks.equal_row(f"{name} unchanged", None, frozen_after.get(name), digest))
     return finish(s, opts, matrix, versions, frozen_after, failure, time.monotonic() - started)
+
+
+def reuse(out: Path, tp: int, log: StageLog) -> Verdict:
+    """A complete rounds run, reused only when every row is what its sealed evidence gives."""
+    from qualify.rounds.rederive import rederive_problems
+
+    doc = read_json(out / "verdict.json")
+    bound = doc.get("bound", {}).get("logprob_max_abs") if isinstance(doc.get("bound"), dict) else None
+    problems = rederive_problems(out, doc, bound) if isinstance(doc, dict) else ["not a rounds verdict"]
+    if problems:
+        raise EvidenceError(f"the sealed rounds verdict in {out} is {problems[0]}: move it away to run the rounds "
+                            "again")
+    log.skip(f"rounds at vLLM TP{tp}")
+    return Verdict.from_json(doc)
 
 
 def finish(s: Session, opts: RoundsOptions, matrix: Matrix, versions: list[Version], frozen: dict[str, str],

@@ -135,3 +135,99 @@ def test_tp2_install_is_verified_on_both_ranks_after_a_deepspeed_step(frozen_run
     assert install["acks"][0]["holds"] != install["acks"][1]["holds"], "each rank holds its own shard"
     assert read_json(out / "versions" / "v1" / "version.json")["trained_by"] == "deepspeed-fp32-tp1-actor"
     assert set(read_json(out / "round-1" / "round.json")["first_cached_tokens"]) == {0}
+
+
+def forged_copy(run, tmp_path, edit):
+    """A copy of the rounds run with edit(rounds_dir, verdict) applied and the stage sealed again over it (what a
+    writer who recomputes the completion marker's sha256 list does); the report's verification of the copy."""
+    from qualify.layout import RunLayout
+    from qualify.report import load_docs
+    from qualify.report_verify import verify_run
+    from qualify.stages import complete_stage, stage_info
+    from qualify.store import write_json
+
+    copy = tmp_path / "forged"
+    shutil.copytree(run, copy)
+    out = RunLayout(copy).rounds_dir(1)
+    verdict = read_json(out / "verdict.json")
+    edit(out, verdict)
+    write_json(out / "verdict.json", verdict)
+    complete_stage(out, stage_info(out) | {"passed": verdict["passed"]})
+    docs = load_docs(copy)
+    return verify_run(docs.layout, docs.reference, docs.acceptance, docs.verdict, docs.rounds).problems
+
+
+def _set(verdict, check, **fields):
+    row = next(r for r in verdict["rows"] if r["tensor"] == check)
+    row.update(fields)
+
+
+def test_the_honest_rounds_verdict_is_judged_again_and_verifies(tp1, tmp_path):
+    run, _, _ = tp1
+    assert forged_copy(run, tmp_path, lambda out, v: None) == ()
+
+
+def test_a_failing_round_marked_passed_is_not_verified(tp1, tmp_path):
+    """Evidence of a failing round (the first request after the install found 16 cached tokens) under a verdict
+    that still says it passed, every seal recomputed: the row's value is not what its evidence gives."""
+    from qualify.store import write_json
+
+    def edit(out, verdict):
+        doc = read_json(out / "round-1" / "round.json")
+        write_json(out / "round-1" / "round.json", doc | {"first_cached_tokens": [16] * len(doc["first_cached_tokens"])})
+
+    [problem] = forged_copy(tp1[0], tmp_path, edit)
+    assert "first request after install: nothing cached (round 1)" in problem and "its evidence [16" in problem
+
+
+def test_a_row_whose_outcome_does_not_follow_from_its_value_is_not_verified(tp1, tmp_path):
+    def edit(out, verdict):
+        _set(verdict, "same-version replay reuses the cache", value=[0, 0])  # a cold replay, still marked passed
+
+    problems = forged_copy(tp1[0], tmp_path, edit)
+    assert any("passed=True does not follow from [0, 0]" in p for p in problems), problems
+
+
+def test_dropped_rows_and_altered_logprobs_are_not_verified(tp1, tmp_path):
+    import torch
+
+    from qualify.store import read_tensors, write_tensors
+
+    def edit(out, verdict):
+        verdict["rows"] = [r for r in verdict["rows"] if r["tensor"] != "probe wrong-shard rejected"]
+        t = read_tensors(out / "round-0" / "agreement.safetensors")
+        t["hf_logprobs_BT"] = torch.where(t["response_mask_BT"].bool(), t["hf_logprobs_BT"] + 0.5, t["hf_logprobs_BT"])
+        write_tensors(out / "round-0" / "agreement.safetensors", t)
+
+    problems = forged_copy(tp1[0], tmp_path, edit)
+    assert any("probe wrong-shard: its record is sealed but the verdict has no row" in p for p in problems), problems
+    assert any("logprobs agree with HF (round 0): the verdict says" in p for p in problems), problems
+
+
+def test_a_failed_probe_or_install_marked_passed_is_not_verified(tp1, tmp_path):
+    from qualify.store import write_json
+
+    def edit(out, verdict):
+        rec = read_json(out / "probes" / "missing-ack.json")
+        write_json(out / "probes" / "missing-ack.json", rec | {"observed": None, "passed": True})
+        install = read_json(out / "round-0" / "install.json")
+        install["rank_tensors"][0]["version"] = 0  # rank 0 acknowledged the old version
+        write_json(out / "round-0" / "install.json", install)
+
+    problems = forged_copy(tp1[0], tmp_path, edit)
+    assert any("probe missing-ack: the verdict says passed=True; its sealed record gives False" in p
+               for p in problems), problems
+    assert any("install of v1: the verdict says passed=True" in p for p in problems), problems
+
+
+def test_a_forged_complete_run_is_not_reused(tp1, tiny_matrix, tmp_path):
+    from qualify.errors import EvidenceError
+    from qualify.layout import RunLayout
+
+    def edit(out, verdict):
+        _set(verdict, "fresh engine: nothing cached", value=[32, 32])
+
+    forged_copy(tp1[0], tmp_path, edit)
+    with pytest.raises(EvidenceError, match="fresh engine: nothing cached .*move it away"):
+        run_rounds(tiny_matrix, tmp_path / "forged", RoundsOptions(vllm_tp=1))
+    assert RunLayout(tmp_path / "forged").rounds_dir(1).is_dir()
