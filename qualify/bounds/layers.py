@@ -143,19 +143,20 @@ def family_layer_bounds(layout: Any, role: str, family: str, controls: list[str]
     return {"reference_run": base_name, "control_runs": others, "bounds": bounds}
 
 
-def has_layers(layout: Any, controls: list[str], precisions: list[str]) -> bool:
-    """Every scored run of the reference holds its layer activations."""
+def has_layers(layout: Any, controls: list[str], precisions: list[str], roles: tuple[str, ...]) -> bool:
+    """Every scored run of the reference (each of the matrix's roles) holds its layer activations."""
     return all((layout.scores(p, c, role) / LAYERS_FILE).is_file()
-               for p in precisions for c in controls for role in ("actor", "critic"))
+               for p in precisions for c in controls for role in roles)
 
 
 def layer_bound_files(layout: Any, matrix: Any, controls: list[str]) -> dict[str, bytes]:
-    """{'<role>.json': canonical JSON} of every role's layer bounds; empty when the reference has no layer activations."""
-    if not has_layers(layout, controls, list(matrix.reference.precisions)):
+    """{'<role>.json': canonical JSON} of the layer bounds of every role the matrix scores; empty when the reference
+    has no layer activations."""
+    if not has_layers(layout, controls, list(matrix.reference.precisions), tuple(matrix.roles)):
         return {}
     files = {}
     k, floors, floor_ulps = matrix.freeze.k, dict(matrix.freeze.floors), matrix.freeze.floor_ulps
-    for role in ("actor", "critic"):
+    for role in matrix.roles:  # GRPO: the actor alone (no critic is scored)
         doc = {"schema": LAYER_BOUNDS_SCHEMA, "role": role, "step": 0, "k": k, "floors": floors,
                "floor_ulps": floor_ulps, "rule": RULE,
                "families": {f: family_layer_bounds(layout, role, f, controls, k, floors, matrix.freeze.quantum,

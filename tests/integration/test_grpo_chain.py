@@ -179,3 +179,35 @@ def test_torch_tp_vocab_parallel_path_passes(grpo_run, tmp_path):
     assert verdict["cases"]["torch-tp-fp32-tp1-dp2-actor"]["passed"]
     meta = read_json(RunLayout(grpo_run).case("torch-tp-fp32-tp2-actor") / "meta.json")
     assert meta["case"]["vocab_tile"] == 64 and meta["contract"].startswith("sha256:")
+
+
+def test_diagnose_works_on_an_actor_only_run(grpo_run, grpo_matrix):
+    """A GRPO reference scores no critic: freeze writes the actor's layer bounds alone, and diagnose localizes an
+    actor case layer by layer (it refused every GRPO run, asking for a re-freeze that could not help)."""
+    from qualify.diagnose.run import diagnose
+
+    doc = read_json(RunLayout(grpo_run).acceptance)
+    assert set(doc["layer_bounds"]) == {"actor.json"}
+    run_candidates(grpo_matrix, grpo_run, only="torch-tp-fp32-tp1-actor")
+    diagnosis = diagnose(grpo_run, "torch-tp-fp32-tp1-actor")
+    assert diagnosis["passed"] and diagnosis["first_departure"] is None, diagnosis["first_departure"]
+    rows = diagnosis["families"]["fp32-repeat"]["rows"]
+    assert {"act/model.layers.0", "grads/model.layers.0"} <= {r["key"] for r in rows}
+
+
+def test_a_ppo_objective_under_grpo_is_a_one_line_failing_row(grpo_run, tmp_path):
+    """The README's five-parameter objective() under GRPO (which also passes grpo= and share=): refused before
+    setup, one line naming the plugin and the signature; nothing sealed."""
+    from tests.integration._support import matrix_with
+
+    plugin = "tests.integration.contract_plugins:five_parameter_objective"
+    m = matrix_with(tmp_path, base=GRPO_MATRIX, engines=[plugin], precisions=["fp32"], tp=[1], dp=[1])
+    verdict = run_candidates(m, grpo_run).to_json()
+    [case] = [c.name for c in m.cases()]
+    [row] = [r for r in verdict["rows"] if r["case"] == case]
+    assert row["comparison"] == "run" and not row["passed"] and "\n" not in row["note"], row
+    assert f"engine {plugin}: objective(role, ppo, scores_BT, mask_BT, targets) cannot take grpo= and share=" in \
+        row["note"], row["note"]
+    from qualify.stages import stage_is_complete
+
+    assert not stage_is_complete(RunLayout(grpo_run).case(case))
