@@ -83,6 +83,40 @@ def run_ranks(cmd: list[str], tp: int, env: dict[str, str], log) -> int:
     return failed or next((p.returncode for p in procs if p.returncode), 0)
 
 
+FAILURE_GLOB = "failure-rank*.json"
+
+
+def record_failure(work: Path, rank: int, exc: BaseException) -> None:
+    """What stopped this rank, for the verdict (qualify.candidate.launch.failure_note): type, message, when."""
+    import json
+
+    work.mkdir(parents=True, exist_ok=True)
+    (work / f"failure-rank{rank}.json").write_text(json.dumps({
+        "rank": rank, "type": type(exc).__name__, "message": " ".join(str(exc).split()), "time": time.time()}))
+
+
+def clear_failures(work: Path) -> None:
+    for path in Path(work).glob(FAILURE_GLOB):
+        path.unlink()
+
+
+def failure_note(work: Path, log_path: Path, code: int) -> str:
+    """One line: the exception that stopped the case's first failing rank and the launch log's path; without a
+    recorded exception (a rank killed, out of memory), the exit code, the log's path and its last lines."""
+    import json
+
+    found = []
+    for path in Path(work).glob(FAILURE_GLOB):
+        try:
+            found.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    first = min((f for f in found if isinstance(f, dict) and "time" in f), key=lambda f: f["time"], default=None)
+    if first is None:
+        return log_tail(log_path, code)
+    return f"{first.get('type')}: {first.get('message')} (rank {first.get('rank')}); log {log_path}"
+
+
 def log_tail(log_path: Path, code: int) -> str:
     """'exit N; log PATH:' and the log's last TAIL_LINES lines."""
     tail = "\n".join(Path(log_path).read_text(errors="replace").splitlines()[-TAIL_LINES:])

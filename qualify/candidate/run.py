@@ -27,7 +27,7 @@ from qualify.candidate.decided import (
 )
 from qualify.candidate.formula import declared_formula, explain_formula, formula_bounds, formula_steps
 from qualify.candidate.judge import evidence_rows, judge_steps, precision_rows
-from qualify.candidate.launch import launch, log_tail, write_spec_file
+from qualify.candidate.launch import clear_failures, failure_note, launch, write_spec_file
 from qualify.candidate.spec import make_spec
 from qualify.candidate.tiers import bitwise_rows, tensor_tiers, tier_summary
 from qualify.compare import load_steps, params_before_steps
@@ -125,6 +125,8 @@ def run_group(matrix: Matrix, layout: RunLayout, cases: list[Case], models: dict
     if not pending:
         return {}
     specs = [specs_by_case[c] for c in pending]
+    for c in pending:
+        clear_failures(work_dir(layout.case(c.name)))
     group_log = launch_log(layout.case(pending[0].name))
     with log.step(f"cases {', '.join(c.name for c in pending)}"):
         code = launch(specs, pending[0].world_size, device, group_log)
@@ -136,7 +138,9 @@ def run_group(matrix: Matrix, layout: RunLayout, cases: list[Case], models: dict
             with log.step(f"case {case.name} (alone, after a failed group launch)"):
                 code = launch(spec, case.world_size, device, launch_log(layout.case(case.name)))
         if not stage_is_complete(layout.case(case.name)):
-            errors[case.name] = log_tail(launch_log(layout.case(case.name)) if len(pending) > 1 else group_log, code)
+            errors[case.name] = failure_note(work_dir(layout.case(case.name)),
+                                             launch_log(layout.case(case.name)) if len(pending) > 1 else group_log,
+                                             code)
     return errors
 
 

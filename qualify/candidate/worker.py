@@ -24,7 +24,10 @@ from qualify.candidate.agreement import agree_case
 from qualify.candidate.dp import dp_group, gather_outputs, rank_rows
 from qualify.candidate.imported import KEY as IMPORTED_KEY
 from qualify.candidate.imported import record as record_imported
+from qualify.candidate.launch import record_failure
 from qualify.candidate.padding import exposed_rows, padding_found
+from qualify.candidate.plugin_contract import ContractError, check_grads, check_loss, check_objective_signature, \
+    check_outputs
 from qualify.candidate.spec import CaseSpec, engine_context, read_spec
 from qualify.compare import step_dir, write_step
 from qualify.engines.base import Batch
@@ -70,7 +73,16 @@ def objective(engine: Any, spec: CaseSpec, scores_BT: torch.Tensor, batch: Batch
     grpo = {} if spec.grpo is None else {"grpo": spec.grpo, "share": share}
     if own is None:
         return role_objective(spec.role, spec.ppo, scores_BT, batch.response_mask_BT, targets, **grpo)
-    return own(spec.role, spec.ppo, scores_BT, batch.response_mask_BT, targets, **grpo)
+    result = own(spec.role, spec.ppo, scores_BT, batch.response_mask_BT, targets, **grpo)
+    if not isinstance(result, tuple) or len(result) != 2:
+        raise ContractError(f"engine {spec.engine}: objective() returned {type(result).__name__}; expected a pair "
+                            "(loss, outputs)")
+    loss, outputs = result
+    check_loss(spec.engine, loss)
+    with torch.no_grad():  # what the harness's own objective gives for the same inputs: names, shapes, masking
+        _, expected = role_objective(spec.role, spec.ppo, scores_BT.detach(), batch.response_mask_BT, targets, **grpo)
+    check_outputs(spec.engine, outputs, expected, batch.response_mask_BT)
+    return loss, outputs
 
 
 def step_share(spec: CaseSpec, targets: dict[str, torch.Tensor], mask_BT: torch.Tensor, offset: int,
@@ -138,6 +150,7 @@ def run_case(spec: CaseSpec, rank: int) -> None:
     ctx = engine_context(spec, rank, work)
     contract = agree_case(spec, rank)  # before the case's first collective: ranks that disagree stop here, named
     group = dp_group(spec.tp, spec.dp, rank)
+    check_objective_signature(engine, spec.engine, spec.grpo is not None)
     engine.setup(ctx)
     before = checkpoint_tensors(Path(spec.model_dir))
     padded_before = {k: v.detach().clone() for k, v in engine.padded_rows().items()}
@@ -152,6 +165,7 @@ def run_case(spec: CaseSpec, rank: int) -> None:
         report_logprobs(engine, outputs, batch)
         engine.backward(loss)
         grads, grad_dtypes = engine.grads(), engine.grad_dtypes()
+        check_grads(spec.engine, grads, grad_dtypes)
         outputs["loss"] = loss.detach().float()
         outputs = gather_outputs(outputs, group)
         outputs["grad_norm"] = engine.step().detach().float().cpu()
@@ -187,7 +201,11 @@ def main() -> None:
         raise EngineError("all cases of one launch must share TP degree, DP degree and device")
     rank = init_distributed(specs[0])
     for spec in specs:
-        run_case(spec, rank)
+        try:
+            run_case(spec, rank)
+        except Exception as exc:  # recorded for the verdict's row, then the rank fails as it would
+            record_failure(work_dir(spec.case_dir), rank, exc)
+            raise
     dist.destroy_process_group()
 
 

@@ -1,0 +1,94 @@
+"""The engine plugin contract, checked on every rank before anything is judged or sealed.
+
+What a plugin's hooks must give back, each checked where it is first used, so that a mistake is one line naming
+the plugin, the hook, what was expected and what came back (the launcher adds the launch log's path):
+  objective()  under GRPO it is also passed grpo= and share=: its signature must take them;
+               it returns (loss, outputs): the loss one differentiable number (this rank's share of the step's
+               loss), outputs a dict holding every output the harness's own objective gives for the role, each
+               with that output's shape and a floating dtype, and 0 off the response mask where the harness's is;
+  grads()      {parameter name: tensor}; grad_dtypes() a dtype name for each of those names.
+A case whose hook breaks the contract stops before its evidence is written: nothing is sealed.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from qualify.errors import EngineError
+
+
+class ContractError(EngineError):
+    """A plugin hook returned something other than the contract asks for."""
+
+
+def _shape(t: Any) -> str:
+    return f"a tensor of shape {tuple(t.shape)} ({str(t.dtype).removeprefix('torch.')})" \
+        if isinstance(t, torch.Tensor) else f"a {type(t).__name__}"
+
+
+def check_objective_signature(engine: Any, name: str, grpo: bool) -> None:
+    """Under GRPO an engine's own objective() is called with grpo= and share=: refuse one that cannot take them."""
+    own = getattr(engine, "objective", None)
+    if own is None or not grpo:
+        return
+    try:
+        signature = inspect.signature(own)
+        signature.bind("actor", None, None, None, None, grpo=None, share=None)
+    except TypeError:
+        params = ", ".join(("**" if p.kind is p.VAR_KEYWORD else "*" if p.kind is p.VAR_POSITIONAL else "") + p.name
+                           for p in signature.parameters.values())
+        raise ContractError(f"engine {name}: objective({params}) cannot take grpo= and share=; under "
+                            "GRPO it is called as objective(role, ppo, scores_BT, response_mask_BT, targets, *, "
+                            "grpo, share)") from None
+    except ValueError:  # no signature to inspect (a builtin): the call itself says
+        return
+
+
+def check_loss(name: str, loss: Any) -> None:
+    """The loss is one differentiable number."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        raise ContractError(f"engine {name}: objective() returned as loss {_shape(loss)}; expected one floating "
+                            "number (a 0-d tensor: this rank's share of the step's loss)")
+    if not loss.requires_grad:
+        raise ContractError(f"engine {name}: objective()'s loss does not require grad (it was detached or computed "
+                            "without the scores): nothing could be trained from it")
+
+
+def check_outputs(name: str, outputs: Any, expected: dict[str, torch.Tensor], mask_BT: torch.Tensor) -> None:
+    """outputs holds every output expected holds, each of its shape, floating, and 0 off the mask where it is."""
+    if not isinstance(outputs, dict):
+        raise ContractError(f"engine {name}: objective() returned as outputs {_shape(outputs)}; expected a dict of "
+                            f"tensors named {', '.join(sorted(expected))}")
+    missing = sorted(set(expected) - set(outputs))
+    if missing:
+        raise ContractError(f"engine {name}: objective()'s outputs lack {', '.join(missing)} (it gave "
+                            f"{', '.join(sorted(outputs)) or 'none'}; the role's outputs are "
+                            f"{', '.join(sorted(expected))})")
+    for key, want in sorted(expected.items()):
+        got = outputs[key]
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape) or not got.is_floating_point():
+            raise ContractError(f"engine {name}: objective()'s output {key} is {_shape(got)}; expected a floating "
+                                f"tensor of shape {tuple(want.shape)}")
+        if key.endswith("_BT") and tuple(want.shape) == tuple(mask_BT.shape) and not bool((want[~mask_BT] == 0).all()):
+            continue  # the harness's own is not 0 off the mask: nothing to hold the engine's to
+        if key.endswith("_BT") and tuple(want.shape) == tuple(mask_BT.shape):
+            off = got.detach()[~mask_BT.to(got.device)]
+            if bool((off != 0).any()):
+                raise ContractError(f"engine {name}: objective()'s output {key} is not 0 off the response mask "
+                                    f"({int((off != 0).sum())} prompt or padding positions hold values, max "
+                                    f"|x| {float(off.abs().max()):.3g}); outputs are per response token")
+
+
+def check_grads(name: str, grads: Any, dtypes: Any) -> None:
+    """grads() is a dict of tensors; grad_dtypes() gives a dtype name for each parameter grads() names."""
+    if not isinstance(grads, dict) or not all(isinstance(t, torch.Tensor) for t in grads.values()):
+        raise ContractError(f"engine {name}: grads() returned {_shape(grads)}; expected a dict of parameter name -> "
+                            "tensor (HF names, full tensors)")
+    if not isinstance(dtypes, dict) or not set(grads) <= set(dtypes) or \
+            not all(isinstance(dtypes[n], str) for n in grads):
+        got = f"{len(dtypes)} names" if isinstance(dtypes, dict) else _shape(dtypes)
+        raise ContractError(f"engine {name}: grad_dtypes() returned {got}; expected a dtype name (e.g. 'float32') "
+                            f"for each of the {len(grads)} parameters grads() names")
