@@ -1,6 +1,7 @@
 """The one rendering of a verdict (candidate or rounds): a table of rows, then each case and the result.
 
-A candidate verdict shows, per case, its worst row per comparison and every failing row (capped); a rounds
+A candidate verdict shows, per case, its worst row per comparison and its failing rows from the first failing step
+and family (capped per case), and what stopped a case that did not run; a rounds
 verdict, which holds a few dozen facts, shows every row, then its actor versions and its logprob bound.
 """
 
@@ -10,11 +11,14 @@ import sys
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from qualify.verdict import ROUNDS_SCHEMA
 
-MAX_FAILING_ROWS = 40
+MAX_FAILING_PER_CASE = 8
+GROUP_ORDER = ("outputs", "grads", "updates", "moments")
+"""Within a case's failing rows: its outputs first (the loss and logprobs explain most failures), then gradients."""
 
 
 def _fmt(v: Any) -> str:
@@ -26,22 +30,40 @@ def _fmt(v: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _failing_order(row: dict[str, Any], comparisons: list[str]) -> tuple:
+    """A failing row's place in its case: first step, the case's first comparison (its own family), outputs before
+    gradients, the furthest past its bound first."""
+    step = row.get("step")
+    group = str(row["tensor"]).split("/")[1] if str(row["tensor"]).count("/") >= 2 else ""
+    ratio = float(row["ratio"]) if isinstance(row.get("ratio"), (int, float, str)) else 0.0
+    return (step if isinstance(step, int) else -1, comparisons.index(row["comparison"]),
+            GROUP_ORDER.index(group) if group in GROUP_ORDER else len(GROUP_ORDER), -ratio)
+
+
 def pick_rows(verdict: dict[str, Any]) -> list[dict[str, Any]]:
-    """Worst row of each (case, comparison) plus failing rows (capped), in case order."""
+    """Worst row of each (case, comparison) plus each case's failing rows from its first failing step and family,
+    capped per case (one case's many failing gradients never hide another case's rows), in case order."""
     if verdict.get("schema") == ROUNDS_SCHEMA:
         return list(verdict["rows"])
     worst: dict[tuple[str, str], dict[str, Any]] = {}
-    failing = []
+    failing: dict[str, list[dict[str, Any]]] = {}
+    comparisons: dict[str, list[str]] = {}
     for row in verdict["rows"]:
         ratio = float(row["ratio"])
         key = (row["case"], row["comparison"])
+        comparisons.setdefault(row["case"], [])
+        if row["comparison"] not in comparisons[row["case"]]:
+            comparisons[row["case"]].append(row["comparison"])
         if key not in worst or ratio > float(worst[key]["ratio"]):
             worst[key] = row
         if not row["passed"]:
-            failing.append(row)
-    chosen = {id(r): r for r in list(worst.values()) + failing[:MAX_FAILING_ROWS]}
+            failing.setdefault(row["case"], []).append(row)
+    shown = [r for case, rows in failing.items()
+             for r in sorted(rows, key=lambda r: _failing_order(r, comparisons[case]))[:MAX_FAILING_PER_CASE]]
+    chosen = {id(r): r for r in list(worst.values()) + shown}
     order = list(verdict["cases"])
-    return sorted(chosen.values(), key=lambda r: (order.index(r["case"]), r["comparison"], r["passed"]))
+    return sorted(chosen.values(), key=lambda r: (order.index(r["case"]), r["passed"],
+                                                  _failing_order(r, comparisons[r["case"]])))
 
 
 def _title(verdict: dict[str, Any]) -> str:
@@ -71,6 +93,9 @@ def _cases_footer(verdict: dict[str, Any], console: Console) -> None:
                                                        for tier in ("bitwise", "within_bound", "failing"))
                              for axis, t in c.get("invariance", {}).items())  # TP > 1 or DP > 1 cases' tiers
         console.print(f"{status} {name}: {c['num_checks']} checks, {c['num_failed']} failed{invariance}")
+        for row in verdict.get("rows", []):  # a case that did not run: what stopped it, whole
+            if row["case"] == name and row["comparison"] == "run" and row.get("note"):
+                console.print(f"  [red]did not run:[/red] {escape(str(row['note']))}", highlight=False)
     total = len(verdict["cases"])
     failed = sum(not c["passed"] for c in verdict["cases"].values())
     console.print(f"[bold]{'PASSED' if verdict['passed'] else 'FAILED'}[/bold]: {total - failed}/{total} cases pass")
