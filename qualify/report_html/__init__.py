@@ -3,28 +3,35 @@
 Sections: a banner (PASS or FAIL only for evidence that verified, NOT VERIFIED otherwise), what was
 verified, the case matrix as a heatmap of worst value/bound (and one per optimizer step for
 multi-step cases), value/bound per tensor family, the train-vs-rollout |delta| distribution per
-precision, the coverage the acceptance sealed, rounds, every case's rows with the bound family and
-term that set each bound, and provenance (versions, digests, host, git, platform).
+precision, the coverage the acceptance sealed, rounds, each case's failing rows and the rows nearest their bound
+per tensor family (a bounded number: qualify.report_html.rows; the page links the verdict JSON for every row) with
+the bound family and term that set each bound, and provenance (versions, digests, host, git, platform). A forged
+verdict renders too: its unreadable rows and fields are left out or shown as escaped text.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from qualify.report import RunDocs
 from qualify.report_html import data, page
+from qualify.report_html.case_rows import case_section, rows_note, verdict_href
 from qualify.report_html.diagnosis import diagnosis_sections
 from qualify.report_html.plots import delta_histogram, family_bars, heatmap
+from qualify.report_html.rows import select_rows
 from qualify.report_html.steps import step_cells
 from qualify.report_verify import readable
 
 
-def to_html(docs: RunDocs, summary: dict[str, Any]) -> str:
-    """The whole page as a string."""
+def to_html(docs: RunDocs, summary: dict[str, Any], page_dir: Path | None = None) -> str:
+    """The whole page as a string (page_dir: where it will be written, for the relative link to the verdict; the
+    run directory when not given)."""
     cases = (summary["candidates"] or {}).get("cases", {})
     verified = summary["verification"]["ok"]
     # numbers of a verdict that does not verify are neither plotted nor tabled: they are not evidence
-    rows = docs.verdict["rows"] if verified and readable(docs.verdict) else []
+    all_rows = docs.verdict["rows"] if verified and readable(docs.verdict) else []
+    rows = [r for r in all_rows if data.readable_row(r)]
     parts = [page.banner(summary), page.verification(summary["verification"])]
     if cases and verified:
         grid_rows, grid_cols, cells = data.heatmap_cells(cases)
@@ -42,12 +49,14 @@ def to_html(docs: RunDocs, summary: dict[str, Any]) -> str:
         parts.append(page.coverage_section(coverage))
     parts.append(page.rounds_section(summary["rounds"]))
     bounds = data.bound_docs(docs)
+    groups, caps = select_rows(rows, list(cases))
     if cases:
         parts.append(page.cases_overview(cases, verified))
-        if verified:
-            parts.append(page.margin_line((summary["candidates"] or {}).get("closest_passing")))
-    parts += [page.case_section(name, c, [data.row_view(r, bounds) for r in rows if r["case"] == name], verified)
-              for name, c in cases.items()]
+    if cases and verified:
+        href = verdict_href(docs.layout.verdict, docs.layout.root, page_dir)
+        parts += [page.margin_line((summary["candidates"] or {}).get("closest_passing")),
+                  rows_note(groups, caps, len(all_rows) - len(rows), href)]
+    parts += [case_section(name, c, groups[name], bounds, verified) for name, c in cases.items()]
     parts += diagnosis_sections(docs.layout.root, (docs.acceptance or {}).get("digest"), verified)  # qualify diagnose
     parts.append(page.mapping_section("Provenance", "provenance", summary["provenance"]))
     return page.document(f"qualify report: {summary['matrix']}", parts)

@@ -10,13 +10,41 @@ import numpy as np
 from qualify.bounds.files import dominant_term
 from qualify.junit import FAMILY_IN_COMPARISON, check_group
 from qualify.report import RunDocs
-from qualify.report_verify import number
+from qualify.report_verify import ROW_KEYS, number
 
 TENSOR_FAMILIES = ("outputs", "grads", "updates", "moments")
+TEXT_KEYS = ("case", "role", "comparison", "tensor", "metric")
+
+
+def readable_row(row: Any) -> bool:
+    """A row the page can table and plot: the verdict's fields, text where text is due, a number for value and
+    bound (a float, or 'inf'/'nan'), a bool for passed. A forged verdict may hold anything else."""
+    if not isinstance(row, dict) or any(k not in row for k in ROW_KEYS):
+        return False
+    if not all(isinstance(row[k], str) for k in TEXT_KEYS) or not isinstance(row["passed"], bool):
+        return False
+    try:
+        number(row["value"]), number(row["bound"])
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def ratio_of(row: dict[str, Any]) -> float:
+    """value/bound of a readable row, as qualify.verdict.Row.ratio gives it: at a zero bound 0 for a zero value and
+    inf for any other; computed, not read, so a row's recorded 'ratio' never has to be a number."""
+    value, bound = number(row["value"]), number(row["bound"])
+    if bound > 0:
+        return value / bound
+    return 0.0 if value == 0 else math.inf
 
 
 def _ratio(value: Any) -> float | None:
-    return None if value is None else number(value)
+    """A case summary's worst value/bound; None (a grey cell) when absent or not a number (a forged verdict's)."""
+    try:
+        return number(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def heatmap_cells(cases: dict[str, dict[str, Any]]) -> tuple[list[str], list[str], dict]:
@@ -37,7 +65,7 @@ def family_ratios(rows: list[dict[str, Any]]) -> tuple[list[str], dict[tuple[str
         family = check_group(r)
         if family in TENSOR_FAMILIES and number(r["bound"]) > 0:
             key = (r["case"], family)
-            out[key] = max(out.get(key, 0.0), number(r["ratio"]))
+            out[key] = max(out.get(key, 0.0), ratio_of(r))
     return [f for f in TENSOR_FAMILIES if any(k[1] == f for k in out)], out
 
 
@@ -67,7 +95,7 @@ def set_by(row: dict[str, Any], bounds: dict[tuple[str, str], dict[str, Any]]) -
 
 def row_view(row: dict[str, Any], bounds: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
     """A verdict row with the ratio as a number and what set its bound."""
-    return {**row, "ratio_value": number(row["ratio"]), "set_by": set_by(row, bounds)}
+    return {**row, "ratio_value": ratio_of(row), "set_by": set_by(row, bounds)}
 
 
 def rollout_deltas(docs: RunDocs) -> dict[str, np.ndarray]:

@@ -11,6 +11,7 @@ from qualify.report_html.data import fmt
 CSS = """
 body { font-family: sans-serif; margin: 1.5em auto; max-width: 1200px; color: #222; }
 h1 { font-size: 1.5em; } h2 { font-size: 1.2em; border-bottom: 1px solid #ccc; margin-top: 1.6em; }
+h3 { font-size: 0.95em; margin: 0.8em 0 0.2em; }
 #banner { font-size: 1.6em; font-weight: bold; padding: 0.6em 1em; border-radius: 6px; color: white; }
 #banner.pass { background: #1a7f37; } #banner.fail { background: #cf222e; }
 #banner.unverified { background: #6e1111; } #banner.none { background: #6e7781; }
@@ -24,7 +25,6 @@ figure { margin: 0.5em 0; } figure svg { max-width: 100%; height: auto; }
 """
 BANNERS = {PASSED: ("pass", "PASS"), FAILED: ("fail", "FAIL"), NOT_VERIFIED: ("unverified", "NOT VERIFIED"),
            NO_VERDICT: ("none", "NO VERDICT")}
-NEAR = 0.5  # rows at or above half their bound are highlighted
 
 
 def document(title: str, parts: list[str]) -> str:
@@ -87,23 +87,6 @@ def rounds_section(rounds: list[dict[str, Any]]) -> str:
     return '<section id="rounds"><h2>Rounds</h2>' + table(["run", "result", "checks", "failed"], rows) + "</section>"
 
 
-def case_section(name: str, case: dict[str, Any], rows: list[dict[str, Any]], verified: bool) -> str:
-    """One case: its outcome and every row, worst first, with the bound family and term that set the bound."""
-    rows = sorted(rows, key=lambda r: (r["passed"], -r["ratio_value"]))
-    body = [[r["comparison"], r["tensor"], r["metric"], r["value"], r["bound"], r["ratio"], r["set_by"],
-             "ok" if r["passed"] else "FAIL", r.get("note", "")] for r in rows]
-    classes = ["failed" if not r["passed"] else "near" if r["ratio_value"] >= NEAR else "" for r in rows]
-    if not verified:
-        return (f'<section class="case" id="case-{escape(name)}" data-case="{escape(name)}"><p>{escape(name)}: '
-                "rows not shown: the evidence does not verify</p></section>")
-    outcome = "PASS" if case["passed"] else "FAIL"
-    return (f'<section class="case" id="case-{escape(name)}" data-case="{escape(name)}">'
-            f'<details{"" if case["passed"] else " open"}><summary>{escape(name)}: {outcome}, '
-            f'{case["num_checks"]} checks, {case["num_failed"]} failed</summary>'
-            + table(["comparison", "tensor", "metric", "value", "bound", "value/bound", "bound set by", "", "note"],
-                    body, classes) + "</details></section>")
-
-
 def _flat(prefix: str, value: Any) -> list[list[Any]]:
     if isinstance(value, dict):
         return [row for k, v in value.items() for row in _flat(f"{prefix}.{k}" if prefix else str(k), v)]
@@ -114,7 +97,7 @@ def _flat(prefix: str, value: Any) -> list[list[Any]]:
 
 def mapping_section(title: str, ident: str, mapping: dict[str, Any]) -> str:
     rows = [[key, fmt(value)] for key, value in _flat("", mapping)]
-    return f'<section id="{ident}"><h2>{escape(title)}</h2>' + table(["key", "value"], rows) + "</section>"
+    return f'<section id="{escape(ident)}"><h2>{escape(title)}</h2>' + table(["key", "value"], rows) + "</section>"
 
 
 def cases_overview(cases: dict[str, dict[str, Any]], verified: bool) -> str:
@@ -145,6 +128,12 @@ def margin_line(closest: dict[str, Any] | None) -> str:
     """The false-alarm margin: the passing row nearest its bound."""
     if not closest:
         return ""
-    return (f'<p id="margin">False-alarm margin: the closest passing value/bound is <b>{closest["ratio"]:.3g}</b> '
-            f'({escape(str(closest["case"]))}, {escape(str(closest["tensor"]))} {escape(str(closest["metric"]))}: '
-            f'{closest["value"]:.3g} &lt;= {closest["bound"]:.3g}).</p>')
+    ratio, case, tensor, metric, value, bound = (escape(short(closest.get(k))) for k in
+                                                 ("ratio", "case", "tensor", "metric", "value", "bound"))
+    return (f'<p id="margin">False-alarm margin: the closest passing value/bound is <b>{ratio}</b> '
+            f"({case}, {tensor} {metric}: {value} &lt;= {bound}).</p>")
+
+
+def short(v: Any) -> str:
+    """A number in 3 significant digits; anything else (text, or what a forged verdict holds) as text."""
+    return f"{v:.3g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)

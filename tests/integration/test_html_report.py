@@ -167,6 +167,7 @@ def test_html_report_in_headless_chromium(candidate_run, chromium, tmp_path):
     out = tmp_path / "report.html"
     code, output = report(candidate_run, "--format", "html", "--out", str(out))
     assert code == 0 and "PASSED" in output, output
+    assert out.stat().st_size < 2_000_000  # a bounded number of rows (tests/unit/test_report_html.py: at 500k rows)
     with open_page(chromium, out.as_uri()) as page:
         assert page.errors == []
         fetched = {u for u in page.requests if not u.startswith("data:")}  # inline images are data: URIs
@@ -175,6 +176,13 @@ def test_html_report_in_headless_chromium(candidate_run, chromium, tmp_path):
         assert page.evaluate("document.getElementById('banner').textContent").startswith("PASS: 2/2 cases pass")
         shown = page.evaluate("[...document.querySelectorAll('section.case')].map(s => s.dataset.case)")
         assert sorted(shown) == sorted(CASES)
+        # a bounded number of rows per case and family; the page counts the rest and links the verdict that has them
+        note = page.evaluate("Object.assign({}, document.getElementById('rows-note').dataset)")
+        num_rows = len(json.loads(RunLayout(candidate_run).verdict.read_text())["rows"])
+        tabled = page.evaluate("document.querySelectorAll('section.case tbody tr').length")
+        assert (int(note["rows"]), int(note["shown"]), int(note["leftOut"])) == (num_rows, tabled, num_rows - tabled)
+        assert page.evaluate("document.querySelector('#rows-note a').getAttribute('href')").endswith(
+            "candidates/verdict.json")
         for figure in ("heatmap", "families", "rollout"):  # (and 'steps' when cases take several steps)
             assert page.evaluate(f"document.querySelectorAll('#{figure} figure svg').length") == 1, figure
         assert page.evaluate("document.querySelectorAll('#coverage tbody tr').length") > 0
