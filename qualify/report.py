@@ -80,7 +80,9 @@ def closest_passing(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The passing row nearest its bound (largest value/bound among rows with a positive bound): the false-alarm
     margin of a verdict, what a correct engine leaves between itself and a FAIL."""
     best = None
-    for r in rows:
+    for r in rows if isinstance(rows, list) else []:
+        if not isinstance(r, dict):
+            continue
         bound, ratio = r.get("bound"), r.get("ratio")
         if not r.get("passed") or not isinstance(bound, int | float) or bound <= 0 or not isinstance(ratio, int | float):
             continue
@@ -145,7 +147,10 @@ def summarize_docs(docs: RunDocs, verification: Verification) -> dict[str, Any]:
 def steps_summary(verdict: Any) -> dict[str, dict[str, int]]:
     """Per optimizer step, over every case: checks and failed checks (rows named 'step<k>/...')."""
     out: dict[str, dict[str, int]] = {}
-    for row in (verdict or {}).get("rows", []) if isinstance(verdict, dict) else []:
+    rows = verdict.get("rows") if isinstance(verdict, dict) else None
+    for row in rows if isinstance(rows, list) else []:
+        if not isinstance(row, dict):
+            continue
         head = str(row.get("tensor", "")).split("/", 1)[0]
         if head.startswith("step") and head[4:].isdigit():
             slot = out.setdefault(head, {"checks": 0, "failed": 0})

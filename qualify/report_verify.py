@@ -85,6 +85,8 @@ def row_problems(row: Any, index: int, cases: dict[str, Any]) -> list[str]:
     """One verdict row: its fields are there, it names a listed case, its outcome follows from value and bound."""
     if not isinstance(row, dict) or any(k not in row for k in ROW_KEYS):
         return [f"verdict row {index} lacks one of {', '.join(ROW_KEYS)}"]
+    if not all(isinstance(row[k], str) for k in ("case", "role", "comparison", "tensor", "metric")):
+        return [f"verdict row {index}: case, role, comparison, tensor and metric must be strings"]
     if row["case"] not in cases:
         return [f"verdict row {index} names case {row['case']!r}, which the verdict does not list"]
     try:

@@ -43,7 +43,7 @@ def main(
     docs = load_docs(run_dir)
     summary = summarize_docs(docs, verify_run(docs.layout, docs.reference, docs.acceptance, docs.verdict, docs.rounds,
                                               expect))
-    data = render(format, docs, summary)
+    data = render(format, docs, summary, None if out is None else out.resolve().parent)
     if out is not None:
         from qualify.store import atomic_write_bytes
 
@@ -59,8 +59,9 @@ def main(
     raise typer.Exit(exit_code(summary))
 
 
-def render(format: ReportFormat, docs: RunDocs, summary: dict[str, Any]) -> bytes:
-    """The report in the chosen format, as bytes."""
+def render(format: ReportFormat, docs: RunDocs, summary: dict[str, Any], page_dir: Path | None = None) -> bytes:
+    """The report in the chosen format, as bytes (page_dir: where an HTML page is written, for its relative link to
+    the run's verdict JSON)."""
     if format is ReportFormat.json:
         from qualify.store import dumps_json
 
@@ -68,7 +69,7 @@ def render(format: ReportFormat, docs: RunDocs, summary: dict[str, Any]) -> byte
     if format is ReportFormat.html:
         from qualify.report_html import to_html
 
-        return to_html(docs, summary).encode()
+        return to_html(docs, summary, page_dir).encode()
     if format is ReportFormat.junit:
         from qualify.junit import to_junit
         from qualify.report_verify import readable
