@@ -27,7 +27,8 @@ Topology = Literal["dedicated", "shared"]
 LogprobFormula = Literal["full", "processed"]
 Algorithm = Literal["ppo", "grpo"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
-KLEstimator = Literal["k1", "k2", "k3"]
+KLEstimator = Literal["k1", "k2", "k3", "k3_ratio"]
+ClipFrac = Literal["loss_weighted", "token_mean"]
 StdEstimator = Literal["population", "unbiased"]
 PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16")
 METRIC_KINDS = ("logprob", "value", "loss", "grad", "grad_norm", "update", "moment", "target", "relative")
@@ -245,6 +246,9 @@ class PPO:
     """Passes over the fixed rollout; K = epochs x minibatches optimizer steps (old logprobs stay the rollout's)."""
     minibatches: int = 1
     """Contiguous, equal slices of the rollout's rows per epoch, one optimizer step each."""
+    whiten_advantages: bool = False
+    """Whiten the GAE advantages over the rollout's response tokens, after the returns are made from them (verl's
+    default: (A - mean) / sqrt(var + 1e-8), var unbiased); false keeps them as GAE gives them."""
 
     def __post_init__(self) -> None:
         _finite(self)
@@ -275,9 +279,13 @@ class GRPO:
     eps: float = 1.0e-6
     """Added to the group std before dividing."""
     kl_estimator: KLEstimator = "k3"
-    """Per-token KL(policy || reference) estimator in the loss: k1 (log ratio), k2 (half its square), k3 (Schulman's)."""
+    """Per-token KL(policy || reference) estimator in the loss: k1 (log ratio), k2 (half its square), k3 (Schulman's),
+    k3_ratio (k3 times the differentiable ratio to the old policy: TRL's use_bias_correction_kl)."""
     kl_coef: float = 0.04
     """Coefficient of the KL term in the loss (0: no KL term)."""
+    clip_frac: ClipFrac = "loss_weighted"
+    """The reported clip fraction: 1[clipped] aggregated as the loss is ('loss_weighted'), or its mean over the step's
+    active tokens ('token_mean', as verl and TRL report it under every aggregation)."""
     aggregation: Aggregation = "token_mean"
     """How per-token losses become the loss: 'token_mean' (over the global active tokens), 'seq_mean_token_mean'
     (mean over sequences of each sequence's token mean), 'seq_mean_token_sum_norm' (Dr. GRPO: each sequence's token

@@ -23,7 +23,8 @@ from qualify.ppo.math import choose, clipped_fraction_mask, policy_decided
 from qualify.ppo.vocab_parallel import tree_sum
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_ESTIMATORS = ("k1", "k2", "k3", "k3_ratio")
+CLIP_FRACS = ("loss_weighted", "token_mean")
 STD_ESTIMATORS = ("population", "unbiased")
 
 
@@ -134,7 +135,8 @@ def token_advantages(advantages_B: torch.Tensor, mask_BT: torch.Tensor) -> torch
 
 
 def kl_estimate(
-    logp_BT: torch.Tensor, logp_ref_BT: torch.Tensor, mask_BT: torch.Tensor, estimator: str
+    logp_BT: torch.Tensor, logp_ref_BT: torch.Tensor, mask_BT: torch.Tensor, estimator: str,
+    ratio_BT: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token estimator (B, T) of KL(policy || ref) for tokens sampled from the policy; 0 off the mask.
 
@@ -142,9 +144,16 @@ def kl_estimate(
         k1 = -d                    (unbiased, can be negative)        d k1 / d logp = 1
         k2 = 0.5 d^2               (biased, >= 0)                      d k2 / d logp = -d
         k3 = exp(d) - d - 1        (unbiased, >= 0; Schulman's k3)     d k3 / d logp = 1 - exp(d)
+        k3_ratio = k3 x ratio      (TRL's use_bias_correction_kl: k3 importance-weighted by ratio_BT =
+                                    exp(logp - logp_old), which stays differentiable: the tokens were sampled
+                                    from the old policy)
     """
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"unknown KL estimator {estimator!r}; known: {', '.join(KL_ESTIMATORS)}")
+    if estimator == "k3_ratio":
+        if ratio_BT is None:
+            raise ValueError("the k3_ratio KL estimator needs the ratio exp(logp - logp_old)")
+        return kl_estimate(logp_BT, logp_ref_BT, mask_BT, "k3") * torch.where(mask_BT, ratio_BT, 0.0)
     # d is zeroed off the mask first so that exp() of garbage there cannot reach the backward as 0 * inf.
     d_BT = torch.where(mask_BT, logp_ref_BT - logp_BT, 0.0)
     if estimator == "k1":
@@ -246,7 +255,7 @@ class GRPOLoss(NamedTuple):
     kl: torch.Tensor
     """aggregate of the per-token KL estimate (0 when kl_coef is 0 and no reference is given)."""
     clip_frac: torch.Tensor
-    """aggregate of 1[the clipped term was taken], no gradient."""
+    """1[the clipped term was taken] aggregated as the loss ('loss_weighted') or as a token mean, no gradient."""
     per_sequence_B: torch.Tensor
     """(B,) each row's contribution to loss (loss = per_sequence_B.sum())."""
     ratio_BT: torch.Tensor
@@ -268,6 +277,7 @@ def grpo_loss(
     normalizers: Normalizers,
     constant: float | None = None,
     decided_BT: torch.Tensor | None = None,
+    clip_frac: str = "loss_weighted",
 ) -> GRPOLoss:
     """GRPO's clipped surrogate with the KL penalty inside the loss, aggregated with global normalizers.
 
@@ -276,6 +286,8 @@ def grpo_loss(
         loss_t  = pg_t + kl_coef * kl_estimate(logp_t, logp_ref_t)
         loss    = aggregate_loss(loss_t, mask, aggregation, normalizers, constant)
 
+    clip_frac: 'loss_weighted' aggregates 1[clipped] as the loss is aggregated; 'token_mean' is its mean over the
+    step's active tokens (verl, TRL), whatever the aggregation.
     clip_eps_high defaults to clip_eps (DAPO's clip-higher when larger). logp_ref_BT may be None only
     with kl_coef 0. The clip comparison is strict, as in qualify.ppo.math.clipped_policy_loss; decided_BT imposes the
     decision as there.
@@ -293,7 +305,7 @@ def grpo_loss(
     if logp_ref_BT is None:
         kl_BT = torch.zeros_like(pg_BT)
     else:
-        kl_BT = kl_estimate(logp_BT, logp_ref_BT, mask_BT, kl_estimator)
+        kl_BT = kl_estimate(logp_BT, logp_ref_BT, mask_BT, kl_estimator, ratio_BT)
     loss_BT = pg_BT + kl_coef * kl_BT
 
     def agg(x_BT: torch.Tensor) -> torch.Tensor:
@@ -305,7 +317,8 @@ def grpo_loss(
         loss=per_sequence_B.sum(),
         policy_loss=agg(pg_BT).sum(),
         kl=agg(kl_BT).sum(),
-        clip_frac=agg(is_clipped_BT).sum(),
+        clip_frac=(agg(is_clipped_BT) if clip_frac == "loss_weighted"
+                   else per_sequence_loss(is_clipped_BT, mask_BT, "token_mean", normalizers)).sum(),
         per_sequence_B=per_sequence_B,
         ratio_BT=ratio_BT,
     )

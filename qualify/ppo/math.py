@@ -243,3 +243,21 @@ def clipped_value_loss(
     is_clipped_BT = clipped_fraction_mask(unclipped_BT, clipped_BT, decided).detach().to(values_BT.dtype)
     clip_frac = masked_mean(is_clipped_BT, mask_BT, normalizer, constant)
     return loss, clip_frac
+
+
+WHITEN_EPS = 1e-8
+"""Added to the variance before its inverse square root when whitening advantages (verl's masked_whiten)."""
+
+
+@torch.no_grad()
+def whiten_advantages(advantages_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """Advantages whitened over every active position of the batch: (A - mean) / sqrt(var + WHITEN_EPS), with the
+    mean over active positions and the unbiased variance (divided by n - 1), as verl's masked_whiten; 0 off the mask.
+    Fewer than two active positions have no variance: refused."""
+    count = int(mask_BT.sum())
+    if count < 2:
+        raise ValueError(f"whitening advantages needs at least 2 active positions, the batch has {count}")
+    active = advantages_BT[mask_BT]
+    mean = active.sum() / count
+    var = (active - mean).square().sum() / (count - 1)
+    return torch.where(mask_BT, (advantages_BT - mean) * torch.rsqrt(var + WHITEN_EPS), 0.0)

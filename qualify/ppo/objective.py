@@ -116,8 +116,8 @@ def grpo_objective(ppo: Any, grpo: Any, logp_BT: torch.Tensor, mask_BT: torch.Te
     out = grpo_loss(logp_BT, targets["old_logprobs_BT"], ref_BT, token_advantages(share.advantages_B, mask_BT),
                     mask_BT, clip_eps=ppo.clip_eps, kl_coef=grpo.kl_coef, kl_estimator=grpo.kl_estimator,
                     aggregation=grpo.aggregation, normalizers=share.normalizers, constant=grpo.constant,
-                    decided_BT=targets.get(DECIDED_KEY))
-    kl_BT = kl_estimate(logp_BT.detach(), ref_BT, mask_BT, grpo.kl_estimator)
+                    decided_BT=targets.get(DECIDED_KEY), clip_frac=grpo.clip_frac)
+    kl_BT = kl_estimate(logp_BT.detach(), ref_BT, mask_BT, grpo.kl_estimator, out.ratio_BT.detach())
     return out.loss, {"logprobs_BT": logp_BT.detach(), "ratio_BT": torch.where(mask_BT, out.ratio_BT, 0.0).detach(),
                       "kl_BT": kl_BT, "kl_mean": out.kl.detach(), "policy_loss": out.policy_loss.detach(),
                       "clip_frac": out.clip_frac.detach(), "advantages_B": share.advantages_B.detach(),

@@ -21,7 +21,7 @@ import torch
 from qualify.matrix import Matrix
 from qualify.models.hf import actor_logprobs, critic_values, load_model, reward_scores
 from qualify.ppo.logprob import processed_logprobs
-from qualify.ppo.math import masked_gae, token_rewards
+from qualify.ppo.math import masked_gae, token_rewards, whiten_advantages
 
 TARGETS_FILE = "targets.safetensors"
 KEPT_SET_FLOOR = 1e-4
@@ -46,6 +46,8 @@ def compute_targets(matrix: Matrix, models: dict[str, Path], rollout: dict[str, 
     old_values_BT = critic_values(load_model(models["critic"], "critic"), ids_BT) * mask_BT
     rewards_BT = token_rewards(score_B, old_logp_BT, ref_logp_BT, mask_BT, matrix.ppo.kl_coef)
     advantages_BT, returns_BT = masked_gae(rewards_BT, old_values_BT, mask_BT, matrix.ppo.gamma, matrix.ppo.lam)
+    if matrix.ppo.whiten_advantages:  # after the returns are made from the raw advantages, as verl does
+        advantages_BT = whiten_advantages(advantages_BT, mask_BT)
     return {"old_logprobs_BT": old_logp_BT, "ref_logprobs_BT": ref_logp_BT, "score_B": score_B,
             "old_values_BT": old_values_BT, "rewards_BT": rewards_BT, "advantages_BT": advantages_BT,
             "returns_BT": returns_BT} | sampler_evidence(matrix, models["actor"], rollout, vocab_size)

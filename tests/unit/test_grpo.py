@@ -81,8 +81,11 @@ def slow_advantages(rewards: list[float], group_size: int, scale_std: bool, unbi
     return out
 
 
-def slow_kl(logp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:
-    """One token's KL estimate from 0-d tensors, written from the textbook formulas."""
+def slow_kl(logp: torch.Tensor, ref: torch.Tensor, estimator: str, old: torch.Tensor | None = None) -> torch.Tensor:
+    """One token's KL estimate from 0-d tensors, written from the textbook formulas (k3_ratio: TRL's
+    use_bias_correction_kl, k3 times the importance weight exp(logp - old), kept differentiable)."""
+    if estimator == "k3_ratio":
+        return slow_kl(logp, ref, "k3") * torch.exp(logp - old)
     if estimator == "k1":
         return logp - ref
     if estimator == "k2":
@@ -122,7 +125,7 @@ def slow_grpo(logp, logp_old, logp_ref, adv, mask, clip_eps, clip_high, kl_coef,
             ratio = torch.exp(logp[b, t] - logp_old[b, t])
             a = adv[b, t]
             pg = torch.maximum(-a * ratio, -a * torch.clamp(ratio, 1 - clip_eps, 1 + clip_high))
-            kl = slow_kl(logp[b, t], logp_ref[b, t], estimator)
+            kl = slow_kl(logp[b, t], logp_ref[b, t], estimator, logp_old[b, t])
             loss_row.append(pg + kl_coef * kl), pg_row.append(pg), kl_row.append(kl)
         loss_terms.append(loss_row), pg_terms.append(pg_row), kl_terms.append(kl_row)
     return tuple(slow_aggregate(x, aggregation) for x in (loss_terms, pg_terms, kl_terms))
@@ -217,7 +220,8 @@ def test_kl_estimators_and_gradients_match_slow_loop(estimator):
     mask_BT = make_mask(2)
     logp_BT = (-randn(3, NUM_ROWS, NUM_POS).abs()).requires_grad_()
     ref_BT = -randn(4, NUM_ROWS, NUM_POS).abs()
-    got_BT = kl_estimate(logp_BT, ref_BT, mask_BT, estimator)
+    old_BT = -randn(6, NUM_ROWS, NUM_POS).abs()
+    got_BT = kl_estimate(logp_BT, ref_BT, mask_BT, estimator, torch.exp(logp_BT - old_BT))
     weights_BT = randn(5, NUM_ROWS, NUM_POS)
     (grad_BT,) = torch.autograd.grad((got_BT * weights_BT).sum(), logp_BT)
 
@@ -226,7 +230,7 @@ def test_kl_estimators_and_gradients_match_slow_loop(estimator):
     for b in range(NUM_ROWS):
         for t in range(NUM_POS):
             if mask_BT[b, t]:
-                kl = slow_kl(slow_logp_BT[b, t], ref_BT[b, t], estimator)
+                kl = slow_kl(slow_logp_BT[b, t], ref_BT[b, t], estimator, old_BT[b, t])
                 assert math.isclose(got_BT[b, t].item(), kl.item(), rel_tol=1e-12, abs_tol=1e-14)
                 total = total + weights_BT[b, t] * kl
             else:
@@ -240,12 +244,15 @@ def test_kl_ignores_garbage_off_mask():
     logp_BT = torch.where(mask_BT, -1.0, float("-inf")).double().requires_grad_()
     ref_BT = torch.where(mask_BT, -2.0, float("nan")).double()
     for estimator in KL_ESTIMATORS:
-        kl_BT = kl_estimate(logp_BT, ref_BT, mask_BT, estimator)
+        ratio_BT = torch.exp(torch.where(mask_BT, logp_BT - 1.5, 0.0))  # as grpo_loss makes it: 1 off the mask
+        kl_BT = kl_estimate(logp_BT, ref_BT, mask_BT, estimator, ratio_BT)
         (grad_BT,) = torch.autograd.grad(kl_BT.sum(), logp_BT)
         assert kl_BT.isfinite().all() and grad_BT.isfinite().all()
         assert (grad_BT[~mask_BT] == 0).all()
     with pytest.raises(ValueError, match="unknown KL estimator 'k4'"):
         kl_estimate(logp_BT, ref_BT, mask_BT, "k4")
+    with pytest.raises(ValueError, match="k3_ratio KL estimator needs the ratio"):
+        kl_estimate(logp_BT, ref_BT, mask_BT, "k3_ratio")
 
 
 # --- aggregation and the loss ----------------------------------------------------------------------------------
