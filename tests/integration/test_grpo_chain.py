@@ -211,3 +211,21 @@ def test_a_ppo_objective_under_grpo_is_a_one_line_failing_row(grpo_run, tmp_path
     from qualify.stages import stage_is_complete
 
     assert not stage_is_complete(RunLayout(grpo_run).case(case))
+
+
+def test_trl_grpo_loss_qualifies_and_a_setting_changed_away_fails_by_name(grpo_run, tmp_path):
+    """The shipped example adapter of a real peer library's loss (TRL's GRPOTrainer._compute_loss, from PyPI):
+    PASS with its settings mapped from the matrix; TRL's 'grpo' loss type where the matrix says token_mean fails
+    naming the loss and the gradients from step 0."""
+    from tests.integration._support import matrix_with, require_module
+
+    require_module("trl")
+    m = matrix_with(tmp_path, base=GRPO_MATRIX, engines=["qualify.examples.trl_grpo:engine",
+                                                          "qualify.examples.trl_grpo:mismatched"],
+                    precisions=["fp32"], tp=[1], dp=[1])
+    verdict = run_candidates(m, grpo_run).to_json()
+    good, bad = (c.name for c in m.cases())
+    failed = [r for r in verdict["rows"] if r["case"] == good and not r["passed"]]
+    assert verdict["cases"][good]["passed"], failed[:5]
+    wrong = {r["tensor"] for r in verdict["rows"] if r["case"] == bad and not r["passed"]}
+    assert "step0/outputs/loss" in wrong and any(t.startswith("step0/grads/") for t in wrong), sorted(wrong)[:10]

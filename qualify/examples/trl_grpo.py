@@ -1,0 +1,147 @@
+"""TRL's GRPO loss qualified as an engine's own objective: the torch-tp engine for the model, TRL's
+`GRPOTrainer._compute_loss` (TRL 1.16, installed from PyPI; a test dependency of qualify) for the loss.
+
+Name it in a GRPO matrix as `qualify.examples.trl_grpo:engine` (TP1, DP1). TRL's settings are mapped from the matrix:
+
+    TRL (GRPOConfig)              matrix
+    loss_type 'bnpo'              grpo.aggregation token_mean (TRL's bnpo divides by this process's tokens: DP1)
+    loss_type 'grpo'              grpo.aggregation seq_mean_token_mean
+    loss_type 'dr_grpo'           grpo.aggregation seq_mean_token_sum_norm, grpo.constant = max_completion_length
+    beta                          grpo.kl_coef (TRL's KL is k3: grpo.kl_estimator k3)
+    use_bias_correction_kl        grpo.kl_estimator k3_ratio
+    epsilon (low and high)        ppo.clip_eps
+    clip_ratio/region_mean        grpo.clip_frac token_mean (TRL logs the token mean)
+
+TRL computes group-relative advantages while it generates; here they are the step's share of the matrix's
+(`share.advantages_B`), as a trainer's would be after its own generation step. The loss, and through it every
+gradient, is TRL's code; the judged outputs are the tensors TRL's loss reads and the metrics TRL logs (kl, clip
+ratio). `mismatched(...)` makes the same engine with one TRL setting changed away from the matrix: qualification
+must then fail naming the tensors that setting moves.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from qualify.engines.torch_tp import TorchTPEngine
+
+LOSS_TYPES = {"token_mean": "bnpo", "seq_mean_token_mean": "grpo", "seq_mean_token_sum_norm": "dr_grpo"}
+
+
+def trl_compute_loss() -> Any:
+    """TRL's GRPOTrainer._compute_loss (imported here only: TRL is heavy and optional)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TRL warns about the installed vLLM's version on import
+        from trl.trainer.grpo_trainer import GRPOTrainer
+    return GRPOTrainer._compute_loss
+
+
+class _Accelerator:
+    """What _compute_loss asks of accelerate for its metrics, on one process (DP1)."""
+
+    @staticmethod
+    def reduce(x: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
+        return x
+
+    @staticmethod
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    gather_for_metrics = gather
+
+
+def trl_settings(ppo: Any, grpo: Any, changed: dict[str, Any]) -> dict[str, Any]:
+    """TRL's settings for the matrix (then the changed ones)."""
+    if grpo.kl_estimator not in ("k3", "k3_ratio"):
+        raise ValueError(f"TRL's KL is k3 (or k3 with use_bias_correction_kl); the matrix says {grpo.kl_estimator}")
+    settings = {"loss_type": LOSS_TYPES[grpo.aggregation], "beta": grpo.kl_coef, "epsilon": ppo.clip_eps,
+                "use_bias_correction_kl": grpo.kl_estimator == "k3_ratio",
+                "max_completion_length": grpo.constant}
+    return settings | changed
+
+
+def trainer_view(settings: dict[str, Any], logp_BT: torch.Tensor) -> Any:
+    """The trainer state _compute_loss reads, for these settings; its log-probabilities are the engine's own."""
+    return SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logp_BT, torch.zeros_like(logp_BT), None),
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token",
+        beta=settings["beta"], loss_type=settings["loss_type"], epsilon_low=settings["epsilon"],
+        epsilon_high=settings["epsilon"], use_vllm=False, model=SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=1, max_completion_length=settings["max_completion_length"],
+        _entropy_bonus_enabled=False, aux_loss_enabled=False, accelerator=_Accelerator(),
+        _metrics={"train": defaultdict(list)},
+        args=SimpleNamespace(use_bias_correction_kl=settings["use_bias_correction_kl"], delta=None))
+
+
+class TRLGRPOEngine(TorchTPEngine):
+    """torch-tp whose objective is TRL's GRPO loss (see the module docstring)."""
+
+    name = "trl-grpo"
+
+    def __init__(self, changed: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.changed = dict(changed or {})
+
+    def objective(self, role: str, ppo: Any, scores_BT: torch.Tensor, mask_BT: torch.Tensor,
+                  targets: dict[str, torch.Tensor], *, grpo: Any = None,
+                  share: Any = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if grpo is None or role != "actor":
+            raise ValueError("the TRL GRPO adapter qualifies GRPO's actor only")
+        settings = trl_settings(ppo, grpo, self.changed)
+        logp_BT = torch.where(mask_BT, scores_BT, 0.0)
+        trainer = trainer_view(settings, logp_BT)
+        B, T = mask_BT.shape
+        inputs = {"prompt_ids": torch.zeros(B, 0, dtype=torch.long), "prompt_mask": torch.zeros(B, 0, dtype=torch.long),
+                  "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask_BT.to(logp_BT.dtype),
+                  "advantages": share.advantages_B.to(logp_BT.dtype),
+                  "old_per_token_logps": targets["old_logprobs_BT"].to(logp_BT.dtype),
+                  "ref_per_token_logps": targets["ref_logprobs_BT"].to(logp_BT.dtype)}
+        loss = trl_compute_loss()(trainer, None, inputs)
+        return loss, self.outputs(settings, trainer._metrics["train"], logp_BT, mask_BT, targets, share, loss)
+
+    @staticmethod
+    def outputs(settings: dict[str, Any], logged: dict[str, list[float]], logp_BT: torch.Tensor,
+                mask_BT: torch.Tensor, targets: dict[str, torch.Tensor], share: Any,
+                loss: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The tensors TRL's loss reads and what it logs, as the judged outputs."""
+        with torch.no_grad():
+            d = logp_BT.detach()
+            ratio_BT = torch.where(mask_BT, torch.exp(d - targets["old_logprobs_BT"]), 0.0)
+            ref_d_BT = torch.where(mask_BT, targets["ref_logprobs_BT"] - d, 0.0)
+            kl_BT = torch.where(mask_BT, torch.exp(ref_d_BT) - ref_d_BT - 1, 0.0)
+            if settings["use_bias_correction_kl"]:
+                kl_BT = kl_BT * ratio_BT
+            kl_mean = torch.tensor(logged["kl"][-1] if logged.get("kl") else 0.0)
+            clip_frac = torch.tensor(logged["clip_ratio/region_mean"][-1])
+            n = mask_BT.sum(dim=1).clamp(min=1).to(d.dtype)
+            adv_BT = share.advantages_B[:, None].to(d.dtype)
+            pg_BT = -torch.minimum(ratio_BT * adv_BT, ratio_BT.clamp(1 - settings["epsilon"],
+                                                                     1 + settings["epsilon"]) * adv_BT)
+            per_token_BT = torch.where(mask_BT, pg_BT + settings["beta"] * kl_BT, 0.0)
+            if settings["loss_type"] == "bnpo":
+                seq_loss_B = per_token_BT.sum(dim=1) / mask_BT.sum().clamp(min=1)
+            elif settings["loss_type"] == "grpo":
+                seq_loss_B = per_token_BT.sum(dim=1) / n / mask_BT.shape[0]
+            else:
+                seq_loss_B = per_token_BT.sum(dim=1) / (mask_BT.shape[0] * settings["max_completion_length"])
+            policy_loss = loss.detach() - settings["beta"] * kl_mean if settings["loss_type"] == "bnpo" else \
+                (seq_loss_B - settings["beta"] * (kl_BT.sum(dim=1) / n / mask_BT.shape[0])).sum()
+        return {"logprobs_BT": d, "ratio_BT": ratio_BT, "kl_BT": kl_BT, "kl_mean": kl_mean.to(d.dtype),
+                "policy_loss": policy_loss.to(d.dtype), "clip_frac": clip_frac.to(d.dtype),
+                "advantages_B": share.advantages_B.detach(), "seq_loss_B": seq_loss_B}
+
+
+def engine() -> TRLGRPOEngine:
+    """TRL's GRPO loss with its settings mapped from the matrix."""
+    return TRLGRPOEngine()
+
+
+def mismatched() -> TRLGRPOEngine:
+    """TRL's 'grpo' loss type (a mean over sequences of each sequence's token mean) where the matrix says
+    token_mean: must fail, naming the loss and the gradients."""
+    return TRLGRPOEngine({"loss_type": "grpo"})
