@@ -25,6 +25,7 @@ from qualify.candidate.decided import (
     replay_needed,
     run_decisions,
 )
+from qualify.candidate.derived import derived_rows
 from qualify.candidate.formula import declared_formula, explain_formula, formula_bounds, formula_steps
 from qualify.candidate.judge import evidence_rows, judge_steps, precision_rows
 from qualify.candidate.launch import clear_failures, failure_note, launch, write_spec_file
@@ -194,6 +195,8 @@ def judge_case(layout: RunLayout, case: Case, bounds: dict, before: dict, matrix
                              formula_bounds(fam, formula, truncates), starts, matrix.optimizer)
         rows += explain_formula(judged, cand, ref, fam, formula) + decided
     rows += own_loss_rows(case.name, case.role, matrix, cand, inputs)
+    rows += derived_rows(case.name, case.role, matrix, cand, inputs, scored=formula == "full" or not truncates,
+                         starts=starts)
     rows += evidence_rows(case.name, case.role, cand[0].meta)
     rows += precision_rows(case.name, case.role, cand, own_ref)
     # TPn against TP1 and DPn against DP1 (the same case at the lower degree), when that case ran

@@ -89,3 +89,23 @@ def rank_local_groups():
 
 def dropped_trailing_sequence():
     return DroppedTrailingSequence()
+
+
+class EpsInsideStd(_GRPOObjective):
+    """Puts the group std's epsilon inside the square root: (r - mean) / sqrt(var + eps)."""
+
+    name = "grpo-eps-inside-std"
+
+    def bent(self, grpo, mask_BT, targets, share):
+        from qualify.ppo.grpo import all_gather_rewards
+
+        rewards_B = all_gather_rewards(targets["score_B"], self.dp_group) if self.ctx.dp > 1 else targets["score_B"]
+        groups = rewards_B.reshape(-1, grpo.group_size)
+        var = groups.var(dim=1, keepdim=True, unbiased=grpo.std_estimator == "unbiased")
+        adv = ((groups - groups.mean(dim=1, keepdim=True)) / torch.sqrt(var + grpo.eps)).reshape(-1)
+        start = self.ctx.dp_rank * targets["score_B"].shape[0]
+        return mask_BT, GRPOShare(adv[start:start + targets["score_B"].shape[0]], share.normalizers)
+
+
+def eps_inside_std():
+    return EpsInsideStd()

@@ -209,3 +209,37 @@ class LowPrecisionLogSoftmax(TorchTPEngine):
 
 def low_precision_log_softmax() -> TorchTPEngine:
     return LowPrecisionLogSoftmax()
+
+
+# Engines whose reported quantities are not what their own inputs give (qualify.candidate.derived must name them).
+
+class OldLogprobsFromOwnForward(OwnObjectiveEngine):
+    """Takes the old logprobs from its own forward (old = logp.detach(), TRL's shortcut when it skips the
+    recomputation) instead of the rollout's: the ratio is exactly 1 at every token, off the rollout's by the
+    train-vs-rollout mismatch (about 2e-6 in fp32), inside the reference's ratio bound."""
+
+    def objective(self, role, ppo, scores_BT, mask_BT, targets):
+        if role == "actor":
+            targets = dict(targets, old_logprobs_BT=torch.where(mask_BT, scores_BT.detach(), 0.0))
+        return super().objective(role, ppo, scores_BT, mask_BT, targets)
+
+
+def old_logprobs_from_own_forward() -> OwnObjectiveEngine:
+    return OldLogprobsFromOwnForward()
+
+
+class NoDecayOnNorms(TorchTPEngine):
+    """Excludes the RMSNorm weights from weight decay (a common trainer default; the matrix's AdamW decays every
+    parameter): each norm weight's update is off by lr x weight_decay x |p| (1e-5 here), near the controls' noise."""
+
+    def setup(self, ctx):
+        super().setup(ctx)
+        o = ctx.optimizer
+        norms = [p for n, p in self.master.named_parameters() if "norm" in n]
+        rest = [p for n, p in self.master.named_parameters() if "norm" not in n]
+        self.optimizer = torch.optim.AdamW([{"params": rest}, {"params": norms, "weight_decay": 0.0}], lr=o.lr,
+                                           betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, foreach=False)
+
+
+def no_decay_on_norms() -> TorchTPEngine:
+    return NoDecayOnNorms()

@@ -229,3 +229,22 @@ def test_trl_grpo_loss_qualifies_and_a_setting_changed_away_fails_by_name(grpo_r
     assert verdict["cases"][good]["passed"], failed[:5]
     wrong = {r["tensor"] for r in verdict["rows"] if r["case"] == bad and not r["passed"]}
     assert "step0/outputs/loss" in wrong and any(t.startswith("step0/grads/") for t in wrong), sorted(wrong)[:10]
+
+
+def test_eps_inside_the_std_fails_the_advantages_derivation(grpo_run, tmp_path):
+    """GRPO's group std with its epsilon inside the square root: the advantages derived from the frozen rewards name
+    it from step 0; the correct engine's advantages pass their derivation with margin."""
+    from tests.integration._support import matrix_with
+
+    m = matrix_with(tmp_path, base=GRPO_MATRIX, engines=["tests.integration.grpo_plugins:eps_inside_std", "torch-tp"],
+                    precisions=["fp32"], tp=[1], dp=[1])
+    verdict = run_candidates(m, grpo_run).to_json()
+    broken, correct = (c.name for c in m.cases())
+
+    def derived(case):
+        return {r["tensor"]: r for r in verdict["rows"] if r["case"] == case and r["comparison"] == "derived"}
+
+    assert not derived(broken)["step0/outputs/advantages_B"]["passed"]
+    assert all(r["passed"] and float(r["ratio"]) < 0.5 for r in derived(correct).values())
+    assert {"step0/outputs/advantages_B", "step0/outputs/ratio_BT", "step0/outputs/kl_BT",
+            "step0/outputs/grad_norm"} <= set(derived(correct))

@@ -1,0 +1,205 @@
+"""Derivation checks: a quantity a case reports that is a deterministic function of other quantities it reports, or
+of the frozen inputs, recomputed in float64 from the case's own values and held to the rounding of its fp32
+computation, not to the reference's control-calibrated bound.
+
+    ratio_BT      exp(logprobs_BT - old logprobs), the old logprobs being the frozen rollout's
+    kl_BT         the matrix's KL estimator of logprobs_BT and the frozen reference logprobs
+    advantages_B  GRPO's group statistics of the frozen rewards (score_B)
+    grad_norm     the L2 norm of the case's own gradients
+    updates       AdamW's step of the case's own moments and start parameters (the declared lr, betas, eps, weight
+                  decay: every parameter decayed, norms included)
+An engine that takes its old logprobs from another source, computes its KL or its group statistics otherwise, or
+norms other gradients than it reports fails here from step 0, by far, even where the difference sits inside the
+reference's bounds (which must absorb legitimate forward noise). Each check is one row per step, comparison
+'derived'; its value is |case - derived| at the token the rule is closest to failing, its bound that token's
+rounding allowance.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from qualify.compare import RunTensors
+from qualify.verdict import Row
+
+U = 2.0 ** -24
+"""fp32 unit roundoff: one rounding of a value v is at most U x |v|."""
+DERIVED = "derived"
+EXP_ULPS = {"cpu": 1.0, "cuda": 2.0}
+"""Largest error of fp32 exp in ulps: 1 on CPU (torch's vectorized exp), 2 on CUDA (expf's documented bound)."""
+
+
+def ratio_rule(device: str) -> str:
+    return (f"<= 2^-24 x ratio x (|log ratio| + {1 + 2 * EXP_ULPS.get(device, 2.0):g}) per token: fp32 subtraction "
+            f"and exp ({EXP_ULPS.get(device, 2.0):g} ulp on {device})")
+KL_RULE = "<= 2^-24 x (the estimator's fp32 rounding at that token: exp, subtractions, products)"
+ADV_RULE = ("<= 2^-24 x ((G - 1) x mean |r| / (std + eps) + ((G + 1) / 2 + 3) x |A|) per row: fp32 group mean, std, "
+            "subtraction and division")
+NORM_RULE = "<= 2^-24 x (2 log2(elements) + 8) x norm: fp32 sums of squares in any order"
+UPDATE_RULE = ("<= 3u x (|p| + |p'|) + 2^-24 x (8 |adam term| + 2 |decay term|) per element (u: the unit roundoff of "
+               "the optimizer state's dtype): AdamW of the case's own moments and start; the parameter is rounded up to "
+               "three times (the decay factor cast to the state's dtype, the decayed parameter, the new one: torch's "
+               "AdamW, or FusedAdam's single rounding)")
+STATE_UNIT = {"float32": U, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+
+Derivation = tuple[torch.Tensor, torch.Tensor]
+"""(derived value, rounding allowance), float64, one per judged element."""
+
+
+def ratio_derivation(logp: torch.Tensor, old: torch.Tensor, device: str = "cpu") -> Derivation:
+    d = logp - old
+    r = torch.exp(d)
+    return r, U * r * (d.abs() + 1 + 2 * EXP_ULPS.get(device, 2.0))
+
+
+def kl_derivation(logp: torch.Tensor, ref: torch.Tensor, estimator: str, ratio: torch.Tensor | None) -> Derivation:
+    """The matrix's KL estimator (qualify.ppo.grpo.kl_estimate; PPO's is k1 = logp - ref) and its fp32 rounding."""
+    d = ref - logp
+    if estimator == "k1":
+        return -d, U * 2 * d.abs()
+    if estimator == "k2":
+        return 0.5 * d * d, U * 4 * d * d
+    e = torch.exp(d)
+    # exp (1 ulp of e^d, up to 2 on CUDA, and the rounding of d it amplifies), the two subtractions: doubled, so that a
+    # correct engine sits near a third of its allowance while another estimator (a difference of order d^2) fails
+    k3, tol = e - d - 1, 2 * U * (e * (4 + d.abs()) + d.abs() + 1 + (e - d - 1).abs())
+    if estimator == "k3":
+        return k3, tol
+    r, r_tol = ratio  # k3_ratio: k3 times the ratio, each with its own rounding, and the product's
+    return k3 * r, tol * r + k3.abs() * r_tol + U * (k3 * r).abs()
+
+
+def advantage_derivation(rewards: torch.Tensor, grpo: Any) -> Derivation:
+    """GRPO's group-relative advantages of the step's rewards (groups of grpo.group_size contiguous rows), and their
+    first-order fp32 rounding: the group mean's sum ((G - 1) roundings of the rewards' magnitudes, divided by the std)
+    and the std's, the subtraction's and the division's roundings of the advantage itself."""
+    size = grpo.group_size
+    groups = rewards.reshape(-1, size)
+    mean = groups.mean(dim=1, keepdim=True)
+    centred = groups - mean
+    mean_error = U * (size - 1) * groups.abs().mean(dim=1, keepdim=True)
+    if not grpo.scale_std:
+        return centred.reshape(-1), (mean_error + U * 2 * centred.abs()).expand_as(groups).reshape(-1)
+    std = groups.std(dim=1, keepdim=True, unbiased=grpo.std_estimator == "unbiased")
+    adv = centred / (std + grpo.eps)
+    return adv.reshape(-1), (mean_error / (std + grpo.eps) + U * ((size + 1) / 2 + 3) * adv.abs()).reshape(-1)
+
+
+def worst_row(case: str, role: str, k: int, tensor: str, got: torch.Tensor, derivation: Derivation, rule: str,
+              where: Callable[[int], str]) -> Row:
+    """One row: |case - derived| and the allowance at the element nearest (or furthest past) its allowance."""
+    want, tol = derivation
+    diff = (got.double() - want).abs()
+    bad = ~torch.isfinite(got.double())
+    ratio = torch.where(bad, torch.full_like(diff, math.inf), diff / tol.clamp(min=torch.finfo(torch.float64).tiny))
+    if not ratio.numel():
+        return Row(case, role, DERIVED, tensor, "derived_abs", 0.0, 0.0, True, "no element to derive", step=k,
+                   rule=rule)
+    i = int(ratio.argmax())
+    value, bound = (math.inf if bad[i] else float(diff[i])), float(tol[i])
+    passed = bool(ratio[i] <= 1)
+    note = "" if passed else (f"{where(i)}: the case has {float(got.reshape(-1)[i]):.9g}, derived from its own "
+                              f"inputs {float(want[i]):.9g}")
+    return Row(case, role, DERIVED, tensor, "derived_abs", value, bound, passed, note, step=k, rule=rule)
+
+
+def token_place(mask: torch.Tensor) -> Callable[[int], str]:
+    where = torch.nonzero(mask)
+    return lambda i: f"row {int(where[i][0])} position {int(where[i][1])}"
+
+
+def step_rows(case: str, role: str, matrix: Any, k: int, outputs: dict[str, torch.Tensor],
+              targets: dict[str, torch.Tensor], mask: torch.Tensor, device: str = "cpu",
+              scored: bool = True) -> list[Row]:
+    """The derivation rows of one step's outputs (each only where the case reports the quantity). scored: the
+    reported logprobs are the ones the loss was made of (not another declared formula's)."""
+    rows = []
+    place = token_place(mask)
+    logp = outputs.get("logprobs_BT") if scored else None
+    f64 = {name: t.double()[mask] for name, t in targets.items() if name in ("old_logprobs_BT", "ref_logprobs_BT")}
+    if role == "actor" and logp is not None and logp.shape == mask.shape:
+        own = logp.double()[mask]
+        ratio = ratio_derivation(own, f64["old_logprobs_BT"], device)
+        if "ratio_BT" in outputs and outputs["ratio_BT"].shape == mask.shape:
+            rows.append(worst_row(case, role, k, f"step{k}/outputs/ratio_BT", outputs["ratio_BT"][mask], ratio,
+                                  ratio_rule(device) + "; old logprobs: the frozen rollout's", place))
+        if "kl_BT" in outputs and outputs["kl_BT"].shape == mask.shape and "ref_logprobs_BT" in f64:
+            estimator = "k1" if matrix.grpo is None else matrix.grpo.kl_estimator
+            rows.append(worst_row(case, role, k, f"step{k}/outputs/kl_BT", outputs["kl_BT"][mask],
+                                  kl_derivation(own, f64["ref_logprobs_BT"], estimator, ratio),
+                                  f"{KL_RULE}; estimator {estimator}", place))
+    if matrix.grpo is not None and "advantages_B" in outputs and "score_B" in targets:
+        rewards = targets["score_B"].double()
+        if outputs["advantages_B"].shape == rewards.shape and rewards.numel() % matrix.grpo.group_size == 0:
+            rows.append(worst_row(case, role, k, f"step{k}/outputs/advantages_B", outputs["advantages_B"],
+                                  advantage_derivation(rewards, matrix.grpo), ADV_RULE, lambda i: f"row {i}"))
+    return rows
+
+
+def norm_row(case: str, role: str, k: int, step: RunTensors) -> Row | None:
+    """The reported pre-clip gradient norm against the norm of the reported gradients."""
+    if "grad_norm" not in step.outputs or not step.grads:
+        return None
+    total = sum(float(g.double().square().sum()) for g in step.grads.values())
+    elements = sum(g.numel() for g in step.grads.values())
+    norm = math.sqrt(total)
+    tol = U * (2 * math.log2(max(elements, 2)) + 8) * norm
+    derivation = (torch.tensor([norm], dtype=torch.float64), torch.tensor([tol], dtype=torch.float64))
+    return worst_row(case, role, k, f"step{k}/outputs/grad_norm", step.outputs["grad_norm"].reshape(1), derivation,
+                     NORM_RULE, lambda i: f"{len(step.grads)} gradients, {elements} elements")
+
+
+def update_row(case: str, role: str, k: int, step: RunTensors, start: dict[str, torch.Tensor], optimizer: Any,
+               state_dtypes: dict[str, str]) -> Row | None:
+    """Every parameter's update against AdamW's step k + 1 of the case's own moments and start, one row per step
+    naming the element nearest (or furthest past) its rounding allowance."""
+    b1, b2 = optimizer.betas
+    worst: tuple[float, str, float, float, int] | None = None  # (ratio, name, |diff|, allowance, element)
+    for name, update in sorted(step.updates.items()):
+        m, v, p = step.moments.get(f"exp_avg/{name}"), step.moments.get(f"exp_avg_sq/{name}"), start.get(name)
+        if m is None or v is None or p is None or update.shape != p.shape or not update.numel():
+            continue
+        p = p.double()
+        adam = -optimizer.lr * (m.double() / (1 - b1 ** (k + 1))) / (
+            (v.double() / (1 - b2 ** (k + 1))).sqrt() + optimizer.eps)
+        decay = -optimizer.lr * optimizer.weight_decay * p
+        unit = STATE_UNIT.get(state_dtypes.get(name, "float32"), U)
+        tol = 3 * unit * (p.abs() + (p + decay + adam).abs()) + U * (8 * adam.abs() + 2 * decay.abs())
+        diff = (update.double() - (adam + decay)).abs()
+        ratio = torch.where(torch.isfinite(diff), diff / tol.clamp(min=torch.finfo(torch.float64).tiny),
+                            torch.full_like(diff, math.inf))
+        i = int(ratio.reshape(-1).argmax())
+        r = float(ratio.reshape(-1)[i])
+        if worst is None or r > worst[0]:
+            worst = (r, name, float(diff.reshape(-1)[i]), float(tol.reshape(-1)[i]), i)
+    if worst is None:
+        return None
+    ratio, name, diff, tol, i = worst
+    passed = ratio <= 1
+    value = diff if math.isfinite(diff) else math.inf
+    return Row(case, role, DERIVED, f"step{k}/updates", "derived_abs", value, tol, passed,
+               "" if passed else f"{name} element {i}: the update is not AdamW of the case's own moments and start "
+                                 f"(|difference| {diff:.3g}, allowed {tol:.3g})", step=k, rule=UPDATE_RULE)
+
+
+def derived_rows(case: str, role: str, matrix: Any, cand: list[RunTensors], inputs: Any,
+                 scored: bool = True, starts: list[dict[str, torch.Tensor]] | None = None) -> list[Row]:
+    """Every derivation row of a case, step by step (scored: see step_rows)."""
+    device = (cand[0].meta.get("case") or {}).get("device", "cpu") if cand else "cpu"
+    rows = []
+    for k, step in enumerate(cand):
+        if k < len(inputs.masks):
+            rows += step_rows(case, role, matrix, k, step.outputs, inputs.targets[k], inputs.masks[k], device, scored)
+        norm = norm_row(case, role, k, step)
+        if norm is not None:
+            rows.append(norm)
+        if starts is not None and k < len(starts):
+            update = update_row(case, role, k, step, starts[k], matrix.optimizer,
+                                (cand[0].meta.get("state_dtypes") or {}) if cand else {})
+            if update is not None:
+                rows.append(update)
+    return rows

@@ -1,0 +1,175 @@
+"""Derivation checks (qualify.candidate.derived): each quantity recomputed in float64 from the case's own inputs and
+held to fp32 rounding. A correct fp32 computation (qualify's own, in float32) passes with margin; one with a single
+bug (old logprobs from another source, another KL estimator, epsilon inside the std, a gradient left out of the
+norm) fails its row."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from qualify.candidate.derived import (
+    advantage_derivation,
+    derived_rows,
+    kl_derivation,
+    ratio_derivation,
+    worst_row,
+)
+from qualify.compare import RunTensors
+from qualify.ppo.grpo import KL_ESTIMATORS, group_advantages, group_stats, kl_estimate
+
+gen = torch.Generator().manual_seed(11)
+N = 4096
+
+
+def ratio_of(row) -> float:
+    return row.value / row.bound if row.bound else (0.0 if row.value == 0 else math.inf)
+
+
+def judged(got, derivation):
+    return worst_row("c", "actor", 0, "step0/outputs/x", got, derivation, "rule", lambda i: f"element {i}")
+
+
+def logprobs():
+    logp = -torch.rand(N, generator=gen) * 6
+    old = logp + torch.randn(N, generator=gen) * 1e-6  # the rollout's: the train-vs-rollout mismatch
+    return logp, old
+
+
+def test_ratio_of_the_rollouts_old_logprobs_passes_and_of_another_source_fails():
+    logp, old = logprobs()
+    derivation = ratio_derivation(logp.double(), old.double())
+    good = judged(torch.exp(logp - old), derivation)
+    assert good.passed and ratio_of(good) < 0.5
+    other = logp.clone()  # old logprobs from the trainer's own forward: the ratio is exactly 1
+    bad = judged(torch.exp(logp - other), derivation)
+    assert not bad.passed and ratio_of(bad) > 10 and "derived from its own inputs" in bad.note
+    cuda = ratio_derivation(logp.double(), old.double(), "cuda")
+    assert (cuda[1] > derivation[1]).all()  # CUDA's expf is allowed 2 ulp, the CPU's 1
+
+
+@pytest.mark.parametrize("estimator", KL_ESTIMATORS)
+def test_each_kl_estimator_in_fp32_passes_and_another_estimator_fails(estimator):
+    logp, old = logprobs()
+    ref = logp + torch.randn(N, generator=gen) * 0.3
+    mask = torch.ones(N, dtype=torch.bool)
+    ratio32 = torch.exp(logp - old)
+    got = kl_estimate(logp, ref, mask, estimator, ratio32)
+    derivation = kl_derivation(logp.double(), ref.double(), estimator, ratio_derivation(logp.double(), old.double()))
+    row = judged(got, derivation)
+    assert row.passed and ratio_of(row) < 0.5, (estimator, ratio_of(row))
+    other = "k2" if estimator != "k2" else "k3"
+    assert not judged(kl_estimate(logp, ref, mask, other, ratio32), derivation).passed
+
+
+def test_advantages_of_the_frozen_rewards_pass_and_eps_inside_the_std_fails():
+    grpo = SimpleNamespace(group_size=4, scale_std=True, std_estimator="unbiased", eps=1e-6)
+    rewards = torch.randn(64, generator=gen) * 0.05  # groups with a small spread: where eps matters
+    stats = group_stats(rewards, 4, "unbiased")
+    got = group_advantages(rewards, stats, 4, scale_std=True, eps=1e-6)
+    derivation = advantage_derivation(rewards.double(), grpo)
+    good = judged(got, derivation)
+    assert good.passed and ratio_of(good) < 0.5
+    g = rewards.reshape(-1, 4)
+    inside = ((g - g.mean(1, keepdim=True)) / torch.sqrt(g.var(1, keepdim=True) + 1e-6)).reshape(-1)
+    bad = judged(inside, derivation)
+    assert not bad.passed and ratio_of(bad) > 10
+    plain = SimpleNamespace(**(vars(grpo) | {"scale_std": False}))
+    centred = group_advantages(rewards, stats, 4, scale_std=False, eps=1e-6)
+    assert judged(centred, advantage_derivation(rewards.double(), plain)).passed
+
+
+def step_of(grads, norm):
+    return RunTensors(outputs={"grad_norm": torch.tensor(norm)}, grads=grads, updates={}, moments={}, meta={})
+
+
+def test_grad_norm_of_the_reported_gradients_passes_and_one_left_out_fails():
+    grads = {f"w{i}": torch.randn(300, 40, generator=gen) * 10 ** -i for i in range(4)}
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
+    inputs = SimpleNamespace(masks=[], targets=[])
+    matrix = SimpleNamespace(grpo=None)
+    [good] = derived_rows("c", "critic", matrix, [step_of(grads, float(norm))], inputs)
+    assert good.tensor == "step0/outputs/grad_norm" and good.passed and ratio_of(good) < 0.5
+    partial = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for n, g in grads.items()
+                                                    if n != "w1"]))
+    [bad] = derived_rows("c", "critic", matrix, [step_of(grads, float(partial))], inputs)
+    assert not bad.passed and ratio_of(bad) > 10
+
+
+def test_non_finite_values_fail_and_nothing_to_derive_passes():
+    logp, old = logprobs()
+    got = torch.exp(logp - old)
+    got[7] = float("nan")
+    row = judged(got, ratio_derivation(logp.double(), old.double()))
+    assert not row.passed and row.value == math.inf and "element 7" in row.note
+    empty = judged(torch.zeros(0), (torch.zeros(0, dtype=torch.float64),) * 2)
+    assert empty.passed and empty.note == "no element to derive"
+
+
+OPT = SimpleNamespace(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, max_grad_norm=1.0)
+
+
+def adamw_steps(form: str, steps: int = 2):
+    """Parameters, grads and the run's per-step updates and moments under one AdamW form, all fp32."""
+    p0 = {"w": torch.randn(64, 64, generator=gen) * 0.1, "norm.weight": 1 + 0.01 * torch.randn(64, generator=gen)}
+    params = {n: t.clone().requires_grad_(True) for n, t in p0.items()}
+    kw = {"lr": OPT.lr, "betas": OPT.betas, "eps": OPT.eps, "weight_decay": OPT.weight_decay}
+    if form == "no_decay_on_norms":
+        opt = torch.optim.AdamW([{"params": [params["w"]]}, {"params": [params["norm.weight"]], "weight_decay": 0.0}],
+                                foreach=False, **kw)
+    else:
+        opt = torch.optim.AdamW(list(params.values()), foreach=form == "foreach", fused=form == "fused", **kw)
+    run = []
+    fused_state = {n: (torch.zeros_like(t), torch.zeros_like(t)) for n, t in p0.items()}
+    for k in range(steps):
+        before = {n: p.detach().clone() for n, p in params.items()}
+        grads = {n: torch.randn(p.shape, generator=gen) * 1e-3 for n, p in params.items()}
+        if form == "fused_adam":  # FusedAdam's form: the bias corrections folded, the parameter rounded once
+            moments = {}
+            for n, p in params.items():
+                m, v = fused_state[n]
+                m.mul_(OPT.betas[0]).add_(grads[n], alpha=1 - OPT.betas[0])
+                v.mul_(OPT.betas[1]).addcmul_(grads[n], grads[n], value=1 - OPT.betas[1])
+                m_hat, v_hat = m / (1 - OPT.betas[0] ** (k + 1)), v / (1 - OPT.betas[1] ** (k + 1))
+                with torch.no_grad():
+                    p.copy_(p - OPT.lr * (m_hat / (v_hat.sqrt() + OPT.eps) + OPT.weight_decay * p))
+                moments |= {f"exp_avg/{n}": m.clone(), f"exp_avg_sq/{n}": v.clone()}
+        else:
+            for n, p in params.items():
+                p.grad = grads[n]
+            opt.step()
+            moments = {f"{key}/{n}": opt.state[p][key].clone() for n, p in params.items()
+                       for key in ("exp_avg", "exp_avg_sq")}
+        updates = {n: p.detach() - before[n] for n, p in params.items()}
+        run.append(RunTensors(outputs={}, grads=grads, updates=updates, moments=moments, meta={}))
+    return p0, run
+
+
+@pytest.mark.parametrize("form", ["for_loop", "foreach", "fused", "fused_adam"])
+def test_every_correct_adamw_form_passes_the_update_derivation(form):
+    from qualify.candidate.derived import update_row
+    from qualify.compare import params_before_steps
+
+    p0, run = adamw_steps(form)
+    starts = params_before_steps(run, p0)
+    for k, step in enumerate(run):
+        row = update_row("c", "actor", k, step, starts[k], OPT, {})
+        assert row.passed and ratio_of(row) < 0.5, (form, k, ratio_of(row))
+
+
+def test_no_decay_on_norms_and_a_wrong_bias_correction_fail_the_update_derivation():
+    from qualify.candidate.derived import update_row
+    from qualify.compare import params_before_steps
+
+    p0, run = adamw_steps("no_decay_on_norms")
+    row = update_row("c", "actor", 0, run[0], params_before_steps(run, p0)[0], OPT, {})
+    assert not row.passed and ratio_of(row) > 2 and row.note.startswith("norm.weight element")
+    p0, run = adamw_steps("for_loop")
+    starts = params_before_steps(run, p0)
+    wrong = update_row("c", "actor", 1, run[1], starts[1], OPT, {})
+    assert wrong.passed
+    shifted = update_row("c", "actor", 0, run[1], starts[1], OPT, {})  # step 2's update judged as AdamW's step 1
+    assert not shifted.passed and ratio_of(shifted) > 10
