@@ -5,6 +5,9 @@ computation, not to the reference's control-calibrated bound.
     ratio_BT      exp(logprobs_BT - old logprobs), the old logprobs being the frozen rollout's
     kl_BT         the matrix's KL estimator of logprobs_BT and the frozen reference logprobs
     advantages_B  GRPO's group statistics of the frozen rewards (score_B)
+    logprobs_BT   the sampler formula (fp32 log_softmax of logits / T over the full vocabulary) of the case's own
+                  logits (the engine's logits() hook; computed on its rank, where the logits are, and recorded in the
+                  case's meta.json); an engine without the hook is told so in a row, not skipped silently
     grad_norm     the L2 norm of the case's own gradients
     updates       AdamW's step of the case's own moments and start parameters (the declared lr, betas, eps, weight
                   decay: every parameter decayed, norms included)
@@ -46,6 +49,10 @@ UPDATE_RULE = ("<= 3u x (|p| + |p'|) + 2^-24 x (8 |adam term| + 2 |decay term|) 
                "AdamW, or FusedAdam's single rounding)")
 STATE_UNIT = {"float32": U, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
 
+SAMPLER_RULE = ("<= 2^-24 x (2 log2(V) + 4 + 2 |x_token| + 2 |max x| + |logp|) per token, x = logits / T: fp32 "
+                "scaling, the log-sum-exp over the vocabulary and the subtraction")
+NOT_DERIVED = ("the engine exposes no logits() hook (or it gave none): its logprobs are not derived from its own "
+               "logits, only judged against the reference's bounds")
 Derivation = tuple[torch.Tensor, torch.Tensor]
 """(derived value, rounding allowance), float64, one per judged element."""
 
@@ -87,6 +94,54 @@ def advantage_derivation(rewards: torch.Tensor, grpo: Any) -> Derivation:
     std = groups.std(dim=1, keepdim=True, unbiased=grpo.std_estimator == "unbiased")
     adv = centred / (std + grpo.eps)
     return adv.reshape(-1), (mean_error / (std + grpo.eps) + U * ((size + 1) / 2 + 3) * adv.abs()).reshape(-1)
+
+
+@torch.no_grad()
+def sampler_check(logits_BTV: torch.Tensor, ids_BT: torch.Tensor, scores_BT: torch.Tensor, mask_BT: torch.Tensor,
+                  temperature: float, vocab_size: int, row_offset: int = 0) -> dict[str, Any]:
+    """The token whose score is furthest (relative to its allowance) from the sampler formula of the engine's own
+    logits, in float64 one row at a time (a row of a real vocabulary's logits is the largest thing held):
+    {value, bound, row, position, case, derived}; value 0 and bound 0 when no response token."""
+    worst = {"value": 0.0, "bound": 0.0, "ratio": -1.0, "row": None, "position": None, "case": None, "derived": None}
+    for b in range(ids_BT.shape[0]):
+        x = logits_BTV[b, :-1, :vocab_size].double() / temperature
+        lse = torch.logsumexp(x, dim=-1)
+        tok = ids_BT[b, 1:].to(x.device)
+        x_tok = x.gather(-1, tok[:, None]).squeeze(-1)
+        derived = (x_tok - lse).cpu()
+        tol = (U * (2 * math.log2(vocab_size) + 4 + 2 * x_tok.abs() + 2 * x.max(dim=-1).values.abs())).cpu()
+        tol = tol + U * derived.abs()
+        got = scores_BT[b, 1:].double().cpu()
+        m = mask_BT[b, 1:].cpu()
+        if not bool(m.any()):
+            continue
+        diff = (got - derived).abs()
+        ratio = torch.where(torch.isfinite(got), diff / tol, torch.full_like(diff, math.inf))
+        ratio = torch.where(m, ratio, torch.full_like(ratio, -1.0))
+        t = int(ratio.argmax())
+        if float(ratio[t]) > worst["ratio"]:
+            worst = {"value": float(diff[t]) if math.isfinite(float(got[t])) else math.inf, "bound": float(tol[t]),
+                     "ratio": float(ratio[t]), "row": b + row_offset, "position": t + 1, "case": float(got[t]),
+                     "derived": float(derived[t])}
+    return worst
+
+
+def sampler_rows(case: str, role: str, cand: list[RunTensors]) -> list[Row]:
+    """The logprobs derived from the case's own logits, one row per step (recorded by the worker in meta.json)."""
+    if role != "actor" or not cand:
+        return []
+    found = cand[0].meta.get("sampler_derivation")
+    if not isinstance(found, list) or not found:
+        return [Row(case, role, DERIVED, "outputs/logprobs_BT", "not_derived", 0.0, None, True, NOT_DERIVED)]
+    rows = []
+    for k, w in enumerate(found):
+        value, bound = float(w["value"]), float(w["bound"])
+        passed = w["row"] is None or (math.isfinite(value) and value <= bound)
+        note = "" if passed else (f"row {w['row']} position {w['position']}: the case has {w['case']:.9g}, the "
+                                  f"sampler formula of its own logits {w['derived']:.9g}")
+        rows.append(Row(case, role, DERIVED, f"step{k}/outputs/logprobs_BT", "derived_abs", value, bound, passed,
+                        note, step=k, rule=SAMPLER_RULE))
+    return rows
 
 
 def worst_row(case: str, role: str, k: int, tensor: str, got: torch.Tensor, derivation: Derivation, rule: str,
@@ -190,7 +245,7 @@ def derived_rows(case: str, role: str, matrix: Any, cand: list[RunTensors], inpu
                  scored: bool = True, starts: list[dict[str, torch.Tensor]] | None = None) -> list[Row]:
     """Every derivation row of a case, step by step (scored: see step_rows)."""
     device = (cand[0].meta.get("case") or {}).get("device", "cpu") if cand else "cpu"
-    rows = []
+    rows = sampler_rows(case, role, cand)
     for k, step in enumerate(cand):
         if k < len(inputs.masks):
             rows += step_rows(case, role, matrix, k, step.outputs, inputs.targets[k], inputs.masks[k], device, scored)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from qualify.candidate.agreement import agree_case
+from qualify.candidate.derived import sampler_check
 from qualify.candidate.dp import dp_group, gather_outputs, rank_rows
 from qualify.candidate.imported import KEY as IMPORTED_KEY
 from qualify.candidate.imported import record as record_imported
@@ -105,6 +106,25 @@ def report_logprobs(engine: Any, outputs: dict[str, torch.Tensor], batch: Batch)
         outputs["logprobs_BT"] = torch.where(mask_BT, declared_BT.float().cpu(), torch.zeros((), dtype=torch.float32))
 
 
+def own_logits_check(engine: Any, spec: CaseSpec, scores_BT: torch.Tensor, batch: Batch,
+                     offset: int) -> dict[str, Any] | None:
+    """The actor's scores against the sampler formula of its own logits (qualify.candidate.derived.sampler_check);
+    None where the engine exposes no logits."""
+    hook = getattr(engine, "logits", None)
+    logits = hook() if spec.role == "actor" and hook is not None else None
+    if logits is None:
+        return None
+    return sampler_check(logits, batch.input_ids_BT, scores_BT, batch.response_mask_BT, spec.temperature,
+                         spec.vocab_size, offset)
+
+
+def worst_by_step(by_rank: list[list[dict[str, Any] | None]]) -> list[dict[str, Any]] | None:
+    """Per step, the worst token over the ranks; None when any rank's engine gave no logits."""
+    if not by_rank or any(w is None for rank in by_rank for w in rank) or not by_rank[0]:
+        return None
+    return [max(step, key=lambda w: w["ratio"]) for step in zip(*by_rank, strict=True)]
+
+
 def gather_replicas(local: dict[str, torch.Tensor]) -> dict[str, float]:
     """Max |difference| of each replicated parameter between this rank and every other (0 means identical)."""
     world = dist.get_world_size()
@@ -156,12 +176,14 @@ def run_case(spec: CaseSpec, rank: int) -> None:
     padded_before = {k: v.detach().clone() for k, v in engine.padded_rows().items()}
     padding = {"found": padding_found(engine, before, spec.vocab_size, spec.tp, ctx.tp_rank),
                "exposed": exposed_rows(padded_before)}
-    steps, grad_dtypes, params = [], {}, {}
+    steps, grad_dtypes, params, sampler = [], {}, {}, []
     for step in step_rows(rollout["input_ids_BT"].shape[0], spec.ppo.epochs, spec.ppo.minibatches):
         rows, offset = rank_rows(step, spec.dp, ctx.dp_rank)
         batch = Batch(input_ids_BT=rollout["input_ids_BT"][rows], response_mask_BT=rollout["response_mask_BT"][rows])
         share = step_share(spec, rows_of(targets, rows), batch.response_mask_BT, offset, group)
-        loss, outputs = objective(engine, spec, engine.score(batch), batch, rows_of(targets, rows), share)
+        scores_BT = engine.score(batch)
+        sampler.append(own_logits_check(engine, spec, scores_BT, batch, offset))
+        loss, outputs = objective(engine, spec, scores_BT, batch, rows_of(targets, rows), share)
         report_logprobs(engine, outputs, batch)
         engine.backward(loss)
         grads, grad_dtypes = engine.grads(), engine.grad_dtypes()
@@ -177,6 +199,7 @@ def run_case(spec: CaseSpec, rank: int) -> None:
     replicas = gather_replicas(engine.replicated())
     padded = gather_by_rank(padded_rows_report(padded_before, engine.padded_rows()))
     padding_by_rank = gather_all(padding)
+    sampler_by_rank = gather_all(sampler)
     engine.close()
     if rank == 0:
         out = Path(spec.case_dir)
@@ -187,6 +210,7 @@ def run_case(spec: CaseSpec, rank: int) -> None:
                                                              for n, t in state.get("exp_avg", {}).items()},
                 "replica_max_abs": replicas, "padded_rows": padded, "padding": padding_by_rank, "extra_params": sorted(set(params) - set(before)),
                 "num_steps": len(steps), "own_objective": hasattr(engine, "objective"), "contract": contract,
+                "sampler_derivation": worst_by_step(sampler_by_rank),
                 "case": spec.to_json(), "seconds": round(time.monotonic() - started, 3), **provenance()}
         write_json(out / "meta.json", json_safe(meta))
         key = (spec.resume_key or {}) | {IMPORTED_KEY: record_imported(work_dir(spec.case_dir))}

@@ -78,6 +78,7 @@ class MegatronEngine:
     """The megatron engine (see module docstring)."""
 
     name = "megatron"
+    last_logits: torch.Tensor | None = None
     declared_BT: torch.Tensor | None = None  # the last score()'s logprobs in the declared formula (logprobs())
 
     def setup(self, ctx: EngineContext) -> None:
@@ -177,12 +178,18 @@ class MegatronEngine:
         out_BTX = self.model(input_ids=ids_BT, position_ids=pos_BT, attention_mask=None,
                              runtime_gather_output=True)
         self.declared_BT = declared_logprobs(self.ctx, out_BTX.detach(), ids_BT)
+        self.last_logits = out_BTX.detach() if self.ctx.role == "actor" else None
         return scores_from_outputs(self.ctx.role, out_BTX, ids_BT, self.ctx.temperature,
                                  self.ctx.logprob_chunk_tokens, self.ctx.vocab_size).cpu()
 
     def logprobs(self) -> torch.Tensor | None:
         """The last score()'s logprobs in the declared formula (None: score()'s own, the full formula)."""
         return self.declared_BT
+
+    def logits(self) -> torch.Tensor | None:
+        """The last score()'s full-vocabulary logits, as computed (qualify.candidate.derived: the logprobs are derived
+        from them); None for the critic."""
+        return self.last_logits
 
     def layer_outputs(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Full fp32 (B, T, H) outputs of every decoder layer's modules and the final norm under HF names (qualify

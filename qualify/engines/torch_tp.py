@@ -52,6 +52,7 @@ class TorchTPEngine:
     """The torch-tp engine (see module docstring)."""
 
     name = "torch-tp"
+    last_logits: torch.Tensor | None = None
     declared_BT: torch.Tensor | None = None
     """The last score()'s logprobs in the declared formula (None until score() runs, or for a subclass whose own
     score() does not set it: the worker then judges score()'s values)."""
@@ -88,6 +89,7 @@ class TorchTPEngine:
             return self.vocab_parallel_scores(ids_BT)
         out_BTX = self.compute(input_ids=ids_BT, use_cache=False).logits
         self.declared_BT = declared_logprobs(self.ctx, local(out_BTX).detach(), ids_BT)
+        self.last_logits = local(out_BTX).detach() if self.ctx.role == "actor" else None
         return scores_from_outputs(self.ctx.role, local(out_BTX), ids_BT, self.ctx.temperature,
                                  self.ctx.logprob_chunk_tokens, self.ctx.vocab_size).cpu()
 
@@ -111,6 +113,11 @@ class TorchTPEngine:
     def logprobs(self) -> torch.Tensor | None:
         """The last score()'s logprobs in the declared formula (None: score()'s own, the full formula)."""
         return self.declared_BT
+
+    def logits(self) -> torch.Tensor | None:
+        """The last score()'s full-vocabulary logits, as computed (qualify.candidate.derived: the logprobs are derived
+        from them); None for the critic."""
+        return self.last_logits
 
     def layer_outputs(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Full fp32 outputs of every decoder layer's modules and the final norm (qualify diagnose)."""

@@ -42,6 +42,11 @@ def test_a_bf16_log_softmax_fails_the_precision_evidence_naming_the_logprobs(run
     assert not verdict["cases"][broken]["passed"] and verdict["cases"][correct]["passed"]
     excess = [r for r in verdict["rows"] if r["case"] == correct and r["metric"] == "bf16_exact_excess"]
     assert excess and max(float(r["ratio"]) for r in excess) < 0.1
+    # and the logprobs derived from the engine's own logits name it by far, where the correct engine sits well inside
+    derived = {r["case"]: r for r in verdict["rows"] if r["comparison"] == "derived"
+               and r["tensor"] == "step0/outputs/logprobs_BT"}
+    assert not derived[broken]["passed"] and float(derived[broken]["ratio"]) >= 10, derived[broken]
+    assert derived[correct]["passed"] and float(derived[correct]["ratio"]) < 0.5
 
 
 def test_old_logprobs_from_another_source_fail_their_derivation_by_far(run_copy):

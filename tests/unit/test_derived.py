@@ -173,3 +173,38 @@ def test_no_decay_on_norms_and_a_wrong_bias_correction_fail_the_update_derivatio
     assert wrong.passed
     shifted = update_row("c", "actor", 0, run[1], starts[1], OPT, {})  # step 2's update judged as AdamW's step 1
     assert not shifted.passed and ratio_of(shifted) > 10
+
+
+def test_logprobs_derived_from_the_engines_own_logits():
+    """The sampler formula of the engine's own logits: fp32 log_softmax (and a logsumexp form) pass with margin,
+    a log_softmax in bf16 fails by far, a score of another token fails, and the worst token is named."""
+    from qualify.candidate.derived import sampler_check, sampler_rows
+
+    B, T, V, temp = 3, 12, 512, 0.8
+    logits = torch.randn(B, T, V, generator=gen) * 3
+    ids = torch.randint(0, V, (B, T), generator=gen)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    mask[:, 4:] = True
+
+    def scores(logp_BTV):
+        return torch.nn.functional.pad(logp_BTV[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1), (1, 0))
+
+    x = logits.float() / temp
+    fp32 = scores(torch.log_softmax(x, dim=-1))
+    lse = scores(x - torch.logsumexp(x, dim=-1, keepdim=True))
+    bf16 = scores(torch.log_softmax(x.to(torch.bfloat16), dim=-1).float())
+    for good in (fp32, lse):
+        w = sampler_check(logits, ids, good, mask, temp, V)
+        assert w["value"] <= w["bound"] and w["ratio"] < 0.5, w
+    w = sampler_check(logits, ids, bf16, mask, temp, V, row_offset=8)
+    assert w["ratio"] > 10 and w["row"] >= 8 and w["position"] >= 4
+    wrong = fp32.clone()
+    wrong[1, 7] = fp32[1, 8]
+    w = sampler_check(logits, ids, wrong, mask, temp, V)
+    assert (w["row"], w["position"]) == (1, 7) and w["ratio"] > 10
+    meta = {"sampler_derivation": [w]}
+    [row] = sampler_rows("c", "actor", [RunTensors(outputs={}, grads={}, updates={}, moments={}, meta=meta)])
+    assert not row.passed and row.tensor == "step0/outputs/logprobs_BT" and "row 1 position 7" in row.note
+    [told] = sampler_rows("c", "actor", [RunTensors(outputs={}, grads={}, updates={}, moments={}, meta={})])
+    assert told.passed and told.metric == "not_derived" and "no logits() hook" in told.note
+    assert sampler_rows("c", "critic", [RunTensors(outputs={}, grads={}, updates={}, moments={}, meta={})]) == []
