@@ -10,7 +10,8 @@
 # vllm 0.26.0 pins torch 2.11.0 (CUDA 13), the GPU image's torch. Dependencies are resolved for Python 3.12
 # against stand-in wheels of torch/torchvision/torchaudio ("2.11.0+image", no requirements), so the resolver
 # keeps the image's torch instead of fetching a second one; packages the image already has are then dropped.
-# On the GPU machine benchmarks/gpu_vllm_install.sh joins the parts and installs all of it into /tmp/site.
+# On the GPU machine `bash benchmarks/gpu_vllm_chain.sh run|chain OUT` (its install()) joins the parts and installs all of it
+# into /tmp/site.
 # Usage: bash benchmarks/gpu_vllm_wheels.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
