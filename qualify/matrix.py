@@ -444,6 +444,10 @@ class Candidates:
     """Per engine (a name of engines), what it declares across its TP x DP cases: 'bitwise' (every tensor of a TP > 1
     or DP > 1 case must be bitwise its TP1/DP1 case's, or the case fails) or 'bounded' (the default: within the frozen
     bounds; the verdict still records each tensor's tier)."""
+    layout_invariant: tuple[str, ...] = ()
+    """Engines (names of engines) that declare their forward independent of the micro-batch layout: every case scores
+    its step-0 rows one at a time, four at a time and in reverse order (qualify.candidate.layout_probe), and a token
+    not bitwise the single batch's fails a declared engine's case; other engines' cases report it."""
     vocab_tile: int | None = None
     """torch-tp's logprob path: unset, the logits are gathered whole and log_softmax'd in chunks; a tile width, the
     deterministic vocab-parallel path (qualify.ppo.vocab_parallel: fixed-order merge of per-tile (max, sum-exp)
@@ -470,6 +474,9 @@ class Candidates:
         if self.vocab_tile is not None and self.logprob_formula != "full":
             raise ValueError("vocab_tile (the vocab-parallel logprob path) computes the full formula only: "
                              f"logprob_formula is {self.logprob_formula!r}")
+        undeclared = sorted(set(self.layout_invariant) - set(self.engines))
+        if undeclared:
+            raise ValueError(f"layout_invariant names {undeclared}, which are not among engines {list(self.engines)}")
         unknown = sorted(set(self.determinism) - set(self.engines))
         if unknown:
             raise ValueError(f"determinism names {unknown}, which are not among engines {list(self.engines)}")

@@ -132,7 +132,7 @@ def sampler_rows(case: str, role: str, cand: list[RunTensors]) -> list[Row]:
         return []
     found = cand[0].meta.get("sampler_derivation")
     if not isinstance(found, list) or not found:
-        return [Row(case, role, DERIVED, "outputs/logprobs_BT", "not_derived", 0.0, None, True, NOT_DERIVED)]
+        return [Row(case, role, DERIVED, "outputs/logprobs_BT", "not_derived", 0.0, math.inf, True, NOT_DERIVED)]
     rows = []
     for k, w in enumerate(found):
         value, bound = float(w["value"]), float(w["bound"])

@@ -27,6 +27,7 @@ from qualify.candidate.decided import (
 )
 from qualify.candidate.derived import derived_rows
 from qualify.candidate.formula import declared_formula, explain_formula, formula_bounds, formula_steps
+from qualify.candidate.layout_probe import layout_rows
 from qualify.candidate.judge import evidence_rows, judge_steps, precision_rows
 from qualify.candidate.launch import clear_failures, failure_note, launch, write_spec_file
 from qualify.candidate.spec import make_spec
@@ -197,6 +198,7 @@ def judge_case(layout: RunLayout, case: Case, bounds: dict, before: dict, matrix
     rows += own_loss_rows(case.name, case.role, matrix, cand, inputs)
     rows += derived_rows(case.name, case.role, matrix, cand, inputs, scored=formula == "full" or not truncates,
                          starts=starts)
+    rows += layout_rows(case.name, case.role, cand[0].meta)
     rows += evidence_rows(case.name, case.role, cand[0].meta)
     rows += precision_rows(case.name, case.role, cand, own_ref)
     # TPn against TP1 and DPn against DP1 (the same case at the lower degree), when that case ran

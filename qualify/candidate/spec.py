@@ -47,9 +47,11 @@ class CaseSpec:
     dp: int = 1
     """Data-parallel degree: the launch has tp x dp ranks, rank = dp_rank x tp + tp_rank."""
     determinism: str = "bounded"
+    """candidates.determinism of the engine: 'bitwise' holds its TP > 1 and DP > 1 cases to bitwise equality."""
     vocab_tile: int | None = None
     """candidates.vocab_tile: torch-tp's deterministic vocab-parallel logprob path with tiles of this width."""
-    """candidates.determinism of the engine: 'bitwise' holds its TP > 1 and DP > 1 cases to bitwise equality."""
+    layout_invariant: bool = False
+    """The engine is among candidates.layout_invariant: its layout probe is judged (qualify.candidate.layout_probe)."""
 
     @property
     def world_size(self) -> int:
@@ -58,7 +60,8 @@ class CaseSpec:
     def to_json(self) -> dict[str, Any]:
         """The spec as JSON; grpo and dp only when set, so a PPO DP1 spec (and its resume key) reads as before."""
         data = to_dict(self)
-        for key, default in (("grpo", None), ("dp", 1), ("determinism", "bounded"), ("vocab_tile", None)):
+        for key, default in (("grpo", None), ("dp", 1), ("determinism", "bounded"), ("vocab_tile", None),
+                             ("layout_invariant", False)):
             if data[key] == default:
                 del data[key]
         return data
@@ -74,7 +77,8 @@ def make_spec(matrix: Matrix, case: Case, *, model_dir: Path, rollout_dir: Path,
                     logprob_formula=matrix.candidates.logprob_formula, top_k=matrix.rollout.top_k,
                     top_p=matrix.rollout.top_p, min_p=matrix.rollout.min_p, grpo=matrix.grpo, dp=case.dp,
                     determinism=matrix.candidates.determinism.get(case.engine, "bounded"),
-                    vocab_tile=matrix.candidates.vocab_tile)
+                    vocab_tile=matrix.candidates.vocab_tile,
+                    layout_invariant=case.engine in matrix.candidates.layout_invariant)
 
 
 def read_spec(path: Path) -> CaseSpec:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from qualify.candidate.agreement import agree_case
 from qualify.candidate.derived import sampler_check
 from qualify.candidate.dp import dp_group, gather_outputs, rank_rows
+from qualify.candidate.layout_probe import merge_ranks, probe_layouts
 from qualify.candidate.imported import KEY as IMPORTED_KEY
 from qualify.candidate.imported import record as record_imported
 from qualify.candidate.launch import record_failure
@@ -176,10 +177,12 @@ def run_case(spec: CaseSpec, rank: int) -> None:
     padded_before = {k: v.detach().clone() for k, v in engine.padded_rows().items()}
     padding = {"found": padding_found(engine, before, spec.vocab_size, spec.tp, ctx.tp_rank),
                "exposed": exposed_rows(padded_before)}
-    steps, grad_dtypes, params, sampler = [], {}, {}, []
+    steps, grad_dtypes, params, sampler, layout = [], {}, {}, [], None
     for step in step_rows(rollout["input_ids_BT"].shape[0], spec.ppo.epochs, spec.ppo.minibatches):
         rows, offset = rank_rows(step, spec.dp, ctx.dp_rank)
         batch = Batch(input_ids_BT=rollout["input_ids_BT"][rows], response_mask_BT=rollout["response_mask_BT"][rows])
+        if layout is None:  # before the first step: the step-0 rows in other layouts, no gradient
+            layout = probe_layouts(engine, batch)
         share = step_share(spec, rows_of(targets, rows), batch.response_mask_BT, offset, group)
         scores_BT = engine.score(batch)
         sampler.append(own_logits_check(engine, spec, scores_BT, batch, offset))
@@ -200,6 +203,7 @@ def run_case(spec: CaseSpec, rank: int) -> None:
     padded = gather_by_rank(padded_rows_report(padded_before, engine.padded_rows()))
     padding_by_rank = gather_all(padding)
     sampler_by_rank = gather_all(sampler)
+    layout_by_rank = gather_all(layout or {})
     engine.close()
     if rank == 0:
         out = Path(spec.case_dir)
@@ -210,7 +214,7 @@ def run_case(spec: CaseSpec, rank: int) -> None:
                                                              for n, t in state.get("exp_avg", {}).items()},
                 "replica_max_abs": replicas, "padded_rows": padded, "padding": padding_by_rank, "extra_params": sorted(set(params) - set(before)),
                 "num_steps": len(steps), "own_objective": hasattr(engine, "objective"), "contract": contract,
-                "sampler_derivation": worst_by_step(sampler_by_rank),
+                "sampler_derivation": worst_by_step(sampler_by_rank), "layout": merge_ranks(layout_by_rank),
                 "case": spec.to_json(), "seconds": round(time.monotonic() - started, 3), **provenance()}
         write_json(out / "meta.json", json_safe(meta))
         key = (spec.resume_key or {}) | {IMPORTED_KEY: record_imported(work_dir(spec.case_dir))}

@@ -243,3 +243,29 @@ class NoDecayOnNorms(TorchTPEngine):
 
 def no_decay_on_norms() -> TorchTPEngine:
     return NoDecayOnNorms()
+
+
+class SplitKHead(TorchTPEngine):
+    """Splits the critic's value head matmul over the hidden dimension into a number of parts that follows the row
+    count (as a GEMM library picks its split-K by shape): each row's value then depends on how many rows share its
+    batch. Correct to fp32 rounding, so it passes the bounds; it must fail a declared layout invariance. The actor is
+    torch-tp's own."""
+
+    def setup(self, ctx):
+        super().setup(ctx)
+        if ctx.role != "critic":
+            return
+        head = self.compute.score
+
+        def split_k(x, head=head):
+            x, weight = local(x), local(head.weight)
+            parts = 1 + (x.shape[0] * x.shape[1]) % 3
+            out = sum(torch.nn.functional.linear(x[..., c], weight[:, c])
+                      for c in torch.arange(x.shape[-1]).chunk(parts))
+            return out + local(head.bias) if head.bias is not None else out
+
+        head.forward = split_k
+
+
+def split_k_head() -> TorchTPEngine:
+    return SplitKHead()

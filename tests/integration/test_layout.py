@@ -1,0 +1,36 @@
+"""The micro-batch-layout invariance tier (qualify.candidate.layout_probe) on real launches: an engine that scores each
+row on its own, declared invariant, passes with every token bitwise in every layout; a value head whose split-K follows
+the row count, declared invariant, fails naming the layouts; an undeclared engine's probe is reported, never judged."""
+
+from __future__ import annotations
+
+import pytest
+
+from qualify.candidate.run import run_candidates
+from tests.integration._support import matrix_with, plugins_importable  # noqa: F401  (autouse fixture)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.engines]
+ROWWISE, SPLIT_K = "qualify.examples.rowwise:engine", "tests.integration.plugins:split_k_head"
+
+
+def test_declared_layout_invariance_is_judged_and_undeclared_is_reported(run_copy):
+    m = matrix_with(run_copy.parent, engines=[ROWWISE, SPLIT_K, "torch-tp"], precisions=["fp32"], tp=[1],
+                    roles=["actor", "critic"], layout_invariant=[ROWWISE, SPLIT_K])
+    verdict = run_candidates(m, run_copy).to_json()
+    layout = {r["case"]: r for r in verdict["rows"] if r["comparison"] == "layout"}
+    assert set(layout) == set(verdict["cases"])
+    for case, row in layout.items():
+        if "rowwise" in case:
+            assert row["passed"] and float(row["value"]) == 0 and float(row["bound"]) == 0
+            assert row["note"].startswith("layout-invariant (micro-batch 1: 0 of")
+            assert verdict["cases"][case]["passed"]
+        elif "split_k" in case and case.endswith("critic"):
+            assert not row["passed"] and float(row["value"]) > 0, row
+            assert row["note"].startswith("not layout-invariant (") and "micro-batch 1:" in row["note"]
+        elif "split_k" in case:  # its actor is torch-tp's own
+            assert row["bound"] == 0
+        else:  # torch-tp does not declare it: whatever it measures here is reported with an infinite bound
+            assert row["passed"] and row["bound"] == "inf" and "reported, not judged" in row["rule"]
+    split_critic = next(c for c in verdict["cases"] if "split_k" in c and c.endswith("critic"))
+    failing = [r for r in verdict["rows"] if r["case"] == split_critic and not r["passed"]]
+    assert [r["comparison"] for r in failing] == ["layout"], failing[:3]  # within every bound: only the tier fails
