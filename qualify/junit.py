@@ -29,8 +29,8 @@ def step_of(row: dict[str, Any]) -> int | None:
 
 def check_group(row: dict[str, Any]) -> str:
     """The tensor family (outputs, grads, updates, moments; over all steps) or check group (evidence, run, and the
-    derivation checks apart from every bound row: derived)."""
-    if row["comparison"] in ("run", "evidence", "derived"):
+    derivation checks apart from every bound row: derived; the layout tier: layout)."""
+    if row["comparison"] in ("run", "evidence", "derived", "layout"):
         return row["comparison"]
     return STEP_PREFIX.sub("", row["tensor"]).split("/", 1)[0]
 
@@ -43,7 +43,7 @@ def rule_of(row: dict[str, Any]) -> str:
         return "every check of the rounds run must pass (its verdict.json names them)"
     if row["comparison"] == "evidence":
         return "must be exactly 0 (structural evidence of the candidate run)"
-    if row["comparison"] in ("derived", "own outputs") and row.get("rule"):
+    if row["comparison"] in ("derived", "own outputs", "layout") and row.get("rule"):
         return f"recomputed from the case's own values, {row['rule']}"
     m = FAMILY_IN_COMPARISON.search(row["comparison"])
     family = m["family"] if m else "?"
