@@ -8,6 +8,8 @@ computation, not to the reference's control-calibrated bound.
     logprobs_BT   the sampler formula (fp32 log_softmax of logits / T over the full vocabulary) of the case's own
                   logits (the engine's logits() hook; computed on its rank, where the logits are, and recorded in the
                   case's meta.json); an engine without the hook is told so in a row, not skipped silently
+    clip_frac     the actor's clip decisions of its own ratio and advantages (fp32, as the objective takes them),
+                  aggregated by the matrix's definition (PPO's normalizer; GRPO's aggregation or token mean)
     grad_norm     the L2 norm of the case's own gradients
     updates       AdamW's step of the case's own moments and start parameters (the declared lr, betas, eps, weight
                   decay: every parameter decayed, norms included)
@@ -43,6 +45,8 @@ KL_RULE = "<= 2^-24 x (the estimator's fp32 rounding at that token: exp, subtrac
 ADV_RULE = ("<= 2^-24 x ((G - 1) x mean |r| / (std + eps) + ((G + 1) / 2 + 3) x |A|) per row: fp32 group mean, std, "
             "subtraction and division")
 NORM_RULE = "<= 2^-24 x (2 log2(elements) + 8) x norm: fp32 sums of squares in any order"
+CLIP_RULE = ("<= 2^-24 x (active tokens + 4) x clip_frac: the fp32 sum of the clip indicators of the case's own ratio "
+             "and advantages, aggregated by the matrix's clip_frac definition")
 UPDATE_RULE = ("<= 3u x (|p| + |p'|) + 2^-24 x (8 |adam term| + 2 |decay term|) per element (u: the unit roundoff of "
                "the optimizer state's dtype): AdamW of the case's own moments and start; the parameter is rounded up to "
                "three times (the decay factor cast to the state's dtype, the decayed parameter, the new one: torch's "
@@ -167,6 +171,26 @@ def token_place(mask: torch.Tensor) -> Callable[[int], str]:
     return lambda i: f"row {int(where[i][0])} position {int(where[i][1])}"
 
 
+def clip_frac_derivation(ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, matrix: Any) -> Derivation:
+    """The clip fraction of the case's own ratio and advantages (B, T, fp32 as reported): the strict comparison of the
+    clipped and unclipped terms in fp32 (as the objective decides), aggregated in float64 by the matrix's definition."""
+    from qualify.ppo.grpo import count_normalizers, per_sequence_loss
+    from qualify.ppo.math import masked_mean
+
+    eps = matrix.ppo.clip_eps
+    a = torch.where(mask, adv.float(), 0.0)
+    r = torch.where(mask, ratio.float(), 1.0)
+    clipped = ((-a * r.clamp(1.0 - eps, 1.0 + eps)) > (-a * r)).double()
+    if matrix.grpo is None:
+        value = masked_mean(clipped, mask, matrix.ppo.token_normalizer, matrix.ppo.normalizer_constant)
+    else:
+        g = matrix.grpo
+        how, constant = ("token_mean", None) if g.clip_frac == "token_mean" else (g.aggregation, g.constant)
+        value = per_sequence_loss(clipped, mask, how, count_normalizers(mask), constant).sum()
+    value = value.reshape(1).double()
+    return value, U * (int(mask.sum()) + 4) * value.abs()
+
+
 def step_rows(case: str, role: str, matrix: Any, k: int, outputs: dict[str, torch.Tensor],
               targets: dict[str, torch.Tensor], mask: torch.Tensor, device: str = "cpu",
               scored: bool = True) -> list[Row]:
@@ -187,6 +211,17 @@ def step_rows(case: str, role: str, matrix: Any, k: int, outputs: dict[str, torc
             rows.append(worst_row(case, role, k, f"step{k}/outputs/kl_BT", outputs["kl_BT"][mask],
                                   kl_derivation(own, f64["ref_logprobs_BT"], estimator, ratio),
                                   f"{KL_RULE}; estimator {estimator}", place))
+    adv = None
+    if role == "actor" and matrix.grpo is None:
+        adv = targets.get("advantages_BT")
+    elif role == "actor" and "advantages_B" in outputs:
+        adv = outputs["advantages_B"][:, None].expand(mask.shape)
+    ratio_out = outputs.get("ratio_BT")
+    if adv is not None and ratio_out is not None and "clip_frac" in outputs and ratio_out.shape == mask.shape \
+            and adv.shape == mask.shape:
+        rows.append(worst_row(case, role, k, f"step{k}/outputs/clip_frac", outputs["clip_frac"].reshape(1),
+                              clip_frac_derivation(ratio_out, adv, mask, matrix), CLIP_RULE,
+                              lambda i: f"{int(mask.sum())} tokens"))
     if matrix.grpo is not None and "advantages_B" in outputs and "score_B" in targets:
         rewards = targets["score_B"].double()
         if outputs["advantages_B"].shape == rewards.shape and rewards.numel() % matrix.grpo.group_size == 0:

@@ -208,3 +208,31 @@ def test_logprobs_derived_from_the_engines_own_logits():
     [told] = sampler_rows("c", "actor", [RunTensors(outputs={}, grads={}, updates={}, moments={}, meta={})])
     assert told.passed and told.metric == "not_derived" and "no logits() hook" in told.note
     assert sampler_rows("c", "critic", [RunTensors(outputs={}, grads={}, updates={}, moments={}, meta={})]) == []
+
+
+def test_clip_frac_is_derived_by_the_matrix_definition():
+    """The clip fraction of the case's own ratio and advantages: the objective's own value passes; a token mean
+    reported where the matrix's GRPO clip_frac is loss-weighted under a sequence-mean aggregation fails."""
+    from qualify.candidate.derived import clip_frac_derivation
+    from qualify.ppo.grpo import count_normalizers, grpo_loss
+
+    B, T = 8, 10
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    for b in range(B):
+        mask[b, 2:3 + b] = True
+    logp = -torch.rand(B, T, generator=gen) * 2
+    old = logp + torch.randn(B, T, generator=gen) * 0.3
+    adv_B = torch.randn(B, generator=gen)
+    adv = adv_B[:, None].expand(B, T)
+    grpo = SimpleNamespace(clip_frac="loss_weighted", aggregation="seq_mean_token_mean", constant=None)
+    matrix = SimpleNamespace(ppo=SimpleNamespace(clip_eps=0.2), grpo=grpo)
+    out = grpo_loss(logp, old, None, adv, mask, clip_eps=0.2, kl_coef=0.0, aggregation="seq_mean_token_mean",
+                    normalizers=count_normalizers(mask))
+    ratio = torch.where(mask, out.ratio_BT, 0.0)
+    derivation = clip_frac_derivation(ratio, adv, mask, matrix)
+    assert judged(out.clip_frac.reshape(1), derivation).passed
+    token = grpo_loss(logp, old, None, adv, mask, clip_eps=0.2, kl_coef=0.0, aggregation="seq_mean_token_mean",
+                      normalizers=count_normalizers(mask), clip_frac="token_mean")
+    assert not judged(token.clip_frac.reshape(1), derivation).passed
+    grpo.clip_frac = "token_mean"
+    assert judged(token.clip_frac.reshape(1), clip_frac_derivation(ratio, adv, mask, matrix)).passed
