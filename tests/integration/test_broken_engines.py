@@ -67,7 +67,7 @@ def test_old_logprobs_from_another_source_fail_their_derivation_by_far(run_copy)
     assert "derived from its own inputs" in worst["note"]
     derived = [r for r in verdict["rows"] if r["case"] == correct and r["comparison"] == "derived"]
     assert {r["tensor"].split("/", 1)[1] for r in derived} == {"outputs/ratio_BT", "outputs/kl_BT", "outputs/grad_norm",
-                                                                "outputs/logprobs_BT", "updates"}
+                                                                "outputs/logprobs_BT", "outputs/clip_frac", "updates"}
     assert all(r["passed"] and float(r["ratio"]) < 0.5 for r in derived), derived
 
 
