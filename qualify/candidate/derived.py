@@ -130,6 +130,14 @@ def sampler_check(logits_BTV: torch.Tensor, ids_BT: torch.Tensor, scores_BT: tor
     return worst
 
 
+def _num(v: Any) -> float:
+    """A number recorded in meta.json (non-finite ones are written as 'nan' or 'inf' strings)."""
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return math.nan
+
+
 def sampler_rows(case: str, role: str, cand: list[RunTensors]) -> list[Row]:
     """The logprobs derived from the case's own logits, one row per step (recorded by the worker in meta.json)."""
     if role != "actor" or not cand:
@@ -139,10 +147,10 @@ def sampler_rows(case: str, role: str, cand: list[RunTensors]) -> list[Row]:
         return [Row(case, role, DERIVED, "outputs/logprobs_BT", "not_derived", 0.0, math.inf, True, NOT_DERIVED)]
     rows = []
     for k, w in enumerate(found):
-        value, bound = float(w["value"]), float(w["bound"])
+        value, bound = _num(w["value"]), _num(w["bound"])
         passed = w["row"] is None or (math.isfinite(value) and value <= bound)
-        note = "" if passed else (f"row {w['row']} position {w['position']}: the case has {w['case']:.9g}, the "
-                                  f"sampler formula of its own logits {w['derived']:.9g}")
+        note = "" if passed else (f"row {w['row']} position {w['position']}: the case has {_num(w['case']):.9g}, "
+                                  f"the sampler formula of its own logits {_num(w['derived']):.9g}")
         rows.append(Row(case, role, DERIVED, f"step{k}/outputs/logprobs_BT", "derived_abs", value, bound, passed,
                         note, step=k, rule=SAMPLER_RULE))
     return rows

@@ -236,3 +236,13 @@ def test_clip_frac_is_derived_by_the_matrix_definition():
     assert not judged(token.clip_frac.reshape(1), derivation).passed
     grpo.clip_frac = "token_mean"
     assert judged(token.clip_frac.reshape(1), clip_frac_derivation(ratio, adv, mask, matrix)).passed
+
+
+def test_a_non_finite_score_recorded_in_meta_fails_with_its_note():
+    """meta.json writes non-finite numbers as strings: a NaN score is a failing row that still names its token."""
+    from qualify.candidate.derived import sampler_rows
+
+    w = {"value": "inf", "bound": 1e-7, "ratio": "inf", "row": 2, "position": 5, "case": "nan", "derived": -1.5}
+    [row] = sampler_rows("c", "actor", [RunTensors(outputs={}, grads={}, updates={}, moments={},
+                                                   meta={"sampler_derivation": [w]})])
+    assert not row.passed and "row 2 position 5: the case has nan" in row.note
