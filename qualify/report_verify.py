@@ -313,8 +313,8 @@ def rounds_problems(layout: RunLayout, tp: int, doc: Any, acceptance: dict[str, 
         return []  # the acceptance's own absence is the problem (acceptance_problems)
     used = (doc.get("bound") or {}).get("acceptance_digest") if isinstance(doc.get("bound"), dict) else None
     if used != acceptance.get("digest"):
-        return [f"rounds vllm-tp{tp}: ran on acceptance {used}, not on the frozen {acceptance.get('digest')} (its "
-                "logprob bound is not the frozen one)"]
+        return [(f"rounds vllm-tp{tp}: ran on acceptance {used}, not on the frozen {acceptance.get('digest')} (its "
+                 "logprob bound is not the frozen one)")]
     return [f"rounds vllm-tp{tp}: {p}" for p in rederive_problems(where, doc, bound)]
 
 

@@ -27,9 +27,9 @@ from qualify.candidate.decided import (
 )
 from qualify.candidate.derived import derived_rows
 from qualify.candidate.formula import declared_formula, explain_formula, formula_bounds, formula_steps
-from qualify.candidate.layout_probe import layout_rows
 from qualify.candidate.judge import evidence_rows, judge_steps, precision_rows
 from qualify.candidate.launch import clear_failures, failure_note, launch, write_spec_file
+from qualify.candidate.layout_probe import layout_rows
 from qualify.candidate.spec import make_spec
 from qualify.candidate.tiers import bitwise_rows, tensor_tiers, tier_summary
 from qualify.compare import load_steps, params_before_steps

@@ -23,13 +23,18 @@ import torch.distributed as dist
 from qualify.candidate.agreement import agree_case
 from qualify.candidate.derived import sampler_check
 from qualify.candidate.dp import dp_group, gather_outputs, rank_rows
-from qualify.candidate.layout_probe import merge_ranks, probe_layouts
 from qualify.candidate.imported import KEY as IMPORTED_KEY
 from qualify.candidate.imported import record as record_imported
 from qualify.candidate.launch import record_failure
+from qualify.candidate.layout_probe import merge_ranks, probe_layouts
 from qualify.candidate.padding import exposed_rows, padding_found
-from qualify.candidate.plugin_contract import ContractError, check_grads, check_loss, check_objective_signature, \
-    check_outputs
+from qualify.candidate.plugin_contract import (
+    ContractError,
+    check_grads,
+    check_loss,
+    check_objective_signature,
+    check_outputs,
+)
 from qualify.candidate.spec import CaseSpec, engine_context, read_spec
 from qualify.compare import step_dir, write_step
 from qualify.engines.base import Batch

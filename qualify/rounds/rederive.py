@@ -68,7 +68,7 @@ RULES: list[tuple[re.Pattern[str], Callable[[re.Match[str], Any, Any], bool]]] =
      and _num(v) <= _num(b)),
     (re.compile(r"> (\S+)"), lambda m, v, b: _num(v) is not None and _num(v) > (_num(b) if _num(b) is not None
                                                                                else float(m[1]))),
-    (re.compile(r"== (.*)", re.S), lambda m, v, b: str(v) == m[1]),
+    (re.compile(r"== (.*)", re.DOTALL), lambda m, v, b: str(v) == m[1]),
     (re.compile(re.escape(FAILURE)), lambda m, v, b: False),
 ]
 
@@ -174,8 +174,8 @@ def install_problems(where: Path, rnd: int, row: dict[str, Any] | None) -> list[
     except (KeyError, TypeError, AttributeError):
         return [f"{label}: install.json holds no readable acknowledgments"]
     if row.get("passed") is not accepted or row.get("value") != observed:
-        return [f"{label}: the verdict says passed={row.get('passed')} with {row.get('value')}; the sealed "
-                f"acknowledgments give passed={accepted} with {observed}"]
+        return [(f"{label}: the verdict says passed={row.get('passed')} with {row.get('value')}; the sealed "
+                 f"acknowledgments give passed={accepted} with {observed}")]
     return []
 
 

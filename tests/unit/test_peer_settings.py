@@ -34,6 +34,7 @@ def test_whitening_is_verls_masked_whiten_and_leaves_the_returns_alone():
     values = torch.randn(B, T, generator=gen) * MASK
     adv, ret = masked_gae(rewards, values, MASK, 1.0, 0.95)
     white = whiten_advantages(adv, MASK)
+    assert torch.equal(ret, torch.where(MASK, adv + values, 0.0))  # the returns are made from the raw advantages
     want = verl_masked_whiten(adv.double(), MASK)
     assert torch.allclose(white[MASK].double(), want[MASK], rtol=1e-6, atol=1e-6)
     assert (white[~MASK] == 0).all()
