@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from qualify.acceptance import ACCEPTANCE_SCHEMA
-from qualify.bounds.control_error import MeansOf, ReplayOf, TermsOf, family_bounds
+from qualify.bounds.control_error import ReplayOf, family_bounds
 from qualify.bounds.layers import layer_bound_files
+from qualify.bounds.records import means_of, terms_of
 from qualify.bounds.rule import FAMILIES, RULE
 from qualify.errors import EvidenceError, FrozenError
 from qualify.hashing import file_digest
@@ -113,28 +114,6 @@ def verified_reference(layout: RunLayout) -> tuple[dict[str, Any], Any]:
             for role in matrix.roles:
                 require_complete(layout.scores(precision, control, role), f"reference {precision} {control} {role}")
     return summary, matrix
-
-
-def terms_of(matrix: Any, role: str, inputs: Any) -> TermsOf:
-    """terms(step, run) for family_bounds: the run's per-token loss contributions at that step."""
-    from qualify.ppo.decisions import loss_terms
-
-    def terms(step: int, run: Any) -> Any:
-        if step >= len(inputs.masks):
-            return None
-        return loss_terms(role, matrix.ppo, matrix.grpo, run.outputs, inputs.targets[step], inputs.masks[step])
-    return terms
-
-
-def means_of(matrix: Any, role: str, inputs: Any) -> MeansOf:
-    """means(step, run) for family_bounds: the run's per-token contributions to its scalar means at that step."""
-    from qualify.ppo.decisions import mean_terms
-
-    def means(step: int, run: Any) -> dict[str, Any]:
-        if step >= len(inputs.masks):
-            return {}
-        return mean_terms(role, matrix.ppo, matrix.grpo, run.outputs, inputs.targets[step], inputs.masks[step])
-    return means
 
 
 def replays_of(matrix: Any, layout: RunLayout, role: str, inputs: Any, summary: dict[str, Any]) -> ReplayOf:

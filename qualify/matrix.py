@@ -360,6 +360,11 @@ class Reference:
     offload: Literal["host"] | None = None
     """host: the FP32 master, its gradients and the AdamW state stay in host memory, only the compute copy is on the
     device (fits a model whose optimizer state one GPU cannot hold); unset: everything on the device."""
+    evidence: Literal["summary", "full"] = "summary"
+    """What the reference keeps of each control (every run but a precision's r0, against which candidates are judged):
+    summary: its outputs and the control errors freeze needs, measured while it ran (qualify.bounds.records), so the
+    evidence grows with the model and the steps, not with the number of controls; full: every tensor of every
+    control, for a reviewer who measures them again. The bounds are the same either way."""
 
     def __post_init__(self) -> None:
         _distinct("precisions", self.precisions)

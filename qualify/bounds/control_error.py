@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from qualify.bounds.records import read_record
 from qualify.bounds.rule import BOUNDS_SCHEMA, RULE, BoundRule, family_pairs, quantum
 from qualify.compare import StepFiles, merge_max, pair_metrics, params_before_steps, replay_metrics, with_step
 from qualify.errors import EvidenceError
@@ -53,15 +54,27 @@ def family_bounds(layout: RunLayout, role: str, family: str, controls: list[str]
     (qualify.ppo.decisions.mean_terms), which raise theirs to the random-sign scale of their differences.
     replay_of(base, control): where the reference sealed base replayed on the control's clip decisions
     (qualify.reference.forced.control_replay), None where the control decided as base: each control is compared
-    with base on its own decisions, as a case is."""
+    with base on its own decisions, as a case is.
+
+    A control the reference kept as a summary (qualify.bounds.records: its control errors, computed by the same
+    functions while it ran, instead of its gradients, updates and moments) enters through its sealed record; a
+    control kept in full is measured here."""
     base_name, others = family_pairs(family, controls)
     base_steps = StepFiles(layout.scores(*base_name.split("-", 1), role))  # read step by step, not held whole
-    runs = {name: StepFiles(layout.scores(*name.split("-", 1), role)) for name in others}
+    recorded = {name: read_record(layout.scores(*name.split("-", 1), role)) for name in others}
+    runs = {name: StepFiles(layout.scores(*name.split("-", 1), role)) for name in others if recorded[name] is None}
+    for name, record in recorded.items():
+        if record is not None:
+            runs_steps = len(record["families"].get(family, {}).get("steps", []))
+            if family not in record["families"] or runs_steps != len(base_steps):
+                raise EvidenceError(f"{role} {family}: the control record of {name} holds {runs_steps} step(s) "
+                                    f"against {base_name}, which took {len(base_steps)}")
     if any(len(steps) != len(base_steps) for steps in runs.values()):
         raise EvidenceError(f"{role} {family}: controls took different numbers of steps than {base_name}")
     aligned: dict[str, Any] = {}
-    replays: dict[str, str] = {}
-    for name in others:
+    compared: dict[str, str] = {name: rec["families"][family]["compared_with"]
+                                for name, rec in recorded.items() if rec is not None}
+    for name in runs:
         where = None if replay_of is None else replay_of(base_name, name)
         if where is None:
             aligned[name] = base_steps
@@ -71,81 +84,81 @@ def family_bounds(layout: RunLayout, role: str, family: str, controls: list[str]
         aligned[name] = StepFiles(where)
         if len(aligned[name]) != len(base_steps):
             raise EvidenceError(f"{where}: {len(aligned[name])} steps, {base_name} took {len(base_steps)}")
-        replays[name] = str(where.relative_to(layout.reference))
-    starts = {name: params_before_steps(steps, params_before) for name, steps in [(base_name, base_steps),
-                                                                                 *runs.items()]}
+        compared[name] = str(where.relative_to(layout.reference))
+    base_starts = params_before_steps(base_steps, params_before)
+    starts = {name: params_before_steps(steps, params_before) for name, steps in runs.items()}
     bounds: dict[str, dict[str, Any]] = {}
     rule = BoundRule(k, floors, floor_ulps, "fp32" if family == "fp32-repeat" else "bf16", use_quantum)
     for step, base in enumerate(base_steps):
-        others_at = {name: steps[step] for name, steps in runs.items()}
-        step_bounds = step_family_bounds(base, others_at, rule, {name: starts[name][step] for name in starts},
-                                         base_name, optimizer, step + 1,
-                                         None if terms is None else (lambda run, s=step: terms(s, run)),
-                                         {name: aligned[name][step] for name in others},
-                                         None if means is None else (lambda run, s=step: means(s, run)))
+        records = {}
+        for name in others:
+            if name in runs:
+                records[name] = pair_record(runs[name][step], aligned[name][step], starts[name][step], optimizer,
+                                            step + 1, None if terms is None else (lambda run, s=step: terms(s, run)),
+                                            None if means is None else (lambda run, s=step: means(s, run)))
+            else:
+                records[name] = recorded[name]["families"][family]["steps"][step]
+        step_bounds = bounds_from_records(base, records, rule, base_starts[step], optimizer, step + 1)
         bounds.update(with_step(step, step_bounds))
     return {"schema": BOUNDS_SCHEMA, "role": role, "family": family, "reference_run": base_name,
-            "control_runs": others, "compared_with": {name: replays.get(name, base_name) for name in others},
+            "control_runs": others, "compared_with": {name: compared.get(name, base_name) for name in others},
             "num_steps": len(base_steps), "k": k, "floors": floors, "floor_ulps": floor_ulps,
             "rule": RULE, "bounds": bounds}
 
 
-def grad_difference_error(pairs: list[tuple[Any, Any]], errors: dict[str, dict[str, float]]) -> bool:
-    """Raise the grad norm's control error to the largest norm of a control's whole-gradient difference from the run
-    it is compared with (pairs: (control, base)); True when every pair holds the same gradients (names and shapes)."""
-    if not pairs or any(not base.grads or {n: g.shape for n, g in run.grads.items()} !=
-                        {n: g.shape for n, g in base.grads.items()} for run, base in pairs):
-        return False
-    l2 = max(math.sqrt(sum(float((run.grads[n].double() - g.double()).square().sum()) for n, g in base.grads.items()))
-             for run, base in pairs)
-    errors[NORM_KEY]["max_abs"] = max(errors[NORM_KEY]["max_abs"], l2)
-    return True
+def grad_difference(run: Any, base: Any) -> float | None:
+    """The norm of a control's whole-gradient difference from the run it is compared with; None unless both hold the
+    same gradients (names and shapes)."""
+    if not base.grads or {n: g.shape for n, g in run.grads.items()} != {n: g.shape for n, g in base.grads.items()}:
+        return None
+    return math.sqrt(sum(float((run.grads[n].double() - g.double()).square().sum()) for n, g in base.grads.items()))
 
 
-def loss_terms_error(pairs: list[tuple[Any, Any]], terms: Callable[[Any], Any],
-                     errors: dict[str, dict[str, float]]) -> bool:
-    """Raise the loss's control error to the largest sum of |per-token contribution differences| of a control from
-    the run it is compared with (pairs: (control, base)); True when every pair's contributions could be read."""
-    both = [(terms(run), terms(base)) for run, base in pairs]
-    if not both or any(t is None or m is None or t.shape != m.shape for t, m in both):
-        return False
-    l1 = max(float((t - m).abs().sum()) for t, m in both)
-    errors[LOSS_KEY]["max_abs"] = max(errors[LOSS_KEY]["max_abs"], l1)
-    return True
+def terms_difference(mine: Any, theirs: Any) -> float | None:
+    """The sum of |per-token loss contribution differences|; None unless both could be read, with one shape."""
+    if mine is None or theirs is None or mine.shape != theirs.shape:
+        return None
+    return float((mine - theirs).abs().sum())
 
 
-def means_scale_error(pairs: list[tuple[Any, Any]], means: Callable[[Any], dict[str, Any]],
-                      errors: dict[str, dict[str, float]]) -> list[str]:
-    """Raise each scalar mean's control error (MEAN_KEYS) to the largest random-sign scale of a control's per-token
-    contribution differences from the run it is compared with (pairs: (control, base)): the L2 norm of the
-    differences, what a sum of independent per-token errors amounts to. Returns the keys raised (a mean whose
-    contributions some pair lacks is left as it is)."""
-    both = [(means(run), means(base)) for run, base in pairs]
-    raised = []
+def means_scales(mine: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float]:
+    """Per scalar mean (MEAN_KEYS) both hold with one shape: the L2 norm of its per-token contribution differences."""
+    out = {}
     for key in MEAN_KEYS:
         name = key.removeprefix("outputs/")
-        if "max_abs" not in errors.get(key, {}) or not both or any(
-                name not in a or name not in b or a[name].shape != b[name].shape for a, b in both):
-            continue
-        scale = max(float((a[name] - b[name]).square().sum().sqrt()) for a, b in both)
-        errors[key]["max_abs"] = max(errors[key]["max_abs"], scale)
-        raised.append(key)
-    return raised
+        if name in mine and name in theirs and mine[name].shape == theirs[name].shape:
+            out[key] = float((mine[name] - theirs[name]).square().sum().sqrt())
+    return out
 
 
-def step_family_bounds(base: Any, runs: dict[str, Any], rule: BoundRule, starts: dict[str, dict], base_name: str,
-                       optimizer: Any, adam_step: int, terms: Callable[[Any], Any] | None = None,
-                       bases: dict[str, Any] | None = None,
-                       means: Callable[[Any], dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
-    """Bounds of one family at one step (keys without the step prefix). bases[name]: what control name is compared
-    with (base replayed on its decisions); base itself where not given. Magnitudes are base's."""
+def pair_record(run: Any, other: Any, start: dict, optimizer: Any, adam_step: int,
+                terms: Callable[[Any], Any] | None = None,
+                means: Callable[[Any], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Everything one control contributes to its family's bounds at one step, against the run it is compared with
+    (other: the family's r0, or r0 replayed on the control's decisions): its metrics against it, the loss's and the
+    means' per-token difference scales, its whole-gradient difference, and its own AdamW replay from its own start.
+    What a control's summary keeps (qualify.bounds.records); bounds_from_records takes the largest over controls."""
+    return {"metrics": pair_metrics(run, other),
+            "loss_terms": None if terms is None else terms_difference(terms(run), terms(other)),
+            "grad_difference": grad_difference(run, other),
+            "means": {} if means is None else means_scales(means(run), means(other)),
+            "replay": replay_metrics(run, start, optimizer, adam_step)}
+
+
+def bounds_from_records(base: Any, records: dict[str, dict[str, Any]], rule: BoundRule, base_start: dict,
+                        optimizer: Any, adam_step: int) -> dict[str, dict[str, Any]]:
+    """Bounds of one family at one step (keys without the step prefix) from each control's pair_record: a metric's
+    control error is the largest over controls; the loss, the grad norm and the scalar means take at least their
+    difference scales where every control has one. Magnitudes and the base's own AdamW replay are base's."""
     errors: dict[str, dict[str, float]] = {}
-    pairs = [(run, (bases or {}).get(name, base)) for name, run in runs.items()]
-    for run, other in pairs:
-        merge_max(errors, pair_metrics(run, other))
-    by_terms = terms is not None and "max_abs" in errors.get(LOSS_KEY, {}) and loss_terms_error(pairs, terms, errors)
-    by_grads = "max_abs" in errors.get(NORM_KEY, {}) and grad_difference_error(pairs, errors)
-    by_means = [] if means is None else means_scale_error(pairs, means, errors)
+    for record in records.values():
+        merge_max(errors, record["metrics"])
+    recs = list(records.values())
+    by_terms = "max_abs" in errors.get(LOSS_KEY, {}) and raise_to(errors, LOSS_KEY, [r["loss_terms"] for r in recs])
+    by_grads = "max_abs" in errors.get(NORM_KEY, {}) and raise_to(errors, NORM_KEY,
+                                                                  [r["grad_difference"] for r in recs])
+    by_means = [key for key in MEAN_KEYS if "max_abs" in errors.get(key, {})
+                and raise_to(errors, key, [r["means"].get(key) for r in recs])]
     mags = magnitudes(base)
     bounds = {key: {m: rule.entry(key, m, v, mags[key]) for m, v in ms.items()} for key, ms in errors.items()}
     if by_terms:
@@ -155,13 +168,57 @@ def step_family_bounds(base: Any, runs: dict[str, Any], rule: BoundRule, starts:
     for key in by_means:
         bounds[key]["max_abs"]["control_error_of"] = MEANS_TEXT
     # an update is judged against what AdamW makes of the run's own moments and start (qualify.compare.pair_metrics)
-    replay: dict[str, dict[str, float]] = {}
-    for name, run in [(base_name, base), *runs.items()]:
-        merge_max(replay, replay_metrics(run, starts[name], optimizer, adam_step))
+    replay = replay_metrics(base, base_start, optimizer, adam_step)
+    for record in recs:
+        merge_max(replay, record["replay"])
     for key, ms in replay.items():
         # updates are fp32 master arithmetic: new - old carries one fp32 rounding step of the parameter
-        p = starts[base_name].get(key.removeprefix("updates/"))
+        p = base_start.get(key.removeprefix("updates/"))
         q = quantum("fp32", "max_abs", float(p.abs().max())) if rule.use_quantum and p is not None else 0.0
         bounds.setdefault(key, {}).update({m: rule.entry(key, m, v, mags.get(key, 0.0), "update", q)
                                            for m, v in ms.items()})
     return bounds
+
+
+def raise_to(errors: dict[str, dict[str, float]], key: str, scales: list[float | None]) -> bool:
+    """Raise errors[key]['max_abs'] to the largest scale when every control has one (and there is a control)."""
+    if not scales or any(s is None for s in scales):
+        return False
+    errors[key]["max_abs"] = max(errors[key]["max_abs"], *scales)
+    return True
+
+
+def grad_difference_error(pairs: list[tuple[Any, Any]], errors: dict[str, dict[str, float]]) -> bool:
+    """Raise the grad norm's control error to the largest norm of a control's whole-gradient difference from the run
+    it is compared with (pairs: (control, base)); True when every pair holds the same gradients (names and shapes)."""
+    return raise_to(errors, NORM_KEY, [grad_difference(run, base) for run, base in pairs])
+
+
+def loss_terms_error(pairs: list[tuple[Any, Any]], terms: Callable[[Any], Any],
+                     errors: dict[str, dict[str, float]]) -> bool:
+    """Raise the loss's control error to the largest sum of |per-token contribution differences| of a control from
+    the run it is compared with (pairs: (control, base)); True when every pair's contributions could be read."""
+    return raise_to(errors, LOSS_KEY, [terms_difference(terms(run), terms(base)) for run, base in pairs])
+
+
+def means_scale_error(pairs: list[tuple[Any, Any]], means: Callable[[Any], dict[str, Any]],
+                      errors: dict[str, dict[str, float]]) -> list[str]:
+    """Raise each scalar mean's control error (MEAN_KEYS) to the largest random-sign scale of a control's per-token
+    contribution differences from the run it is compared with (pairs: (control, base)): the L2 norm of the
+    differences, what a sum of independent per-token errors amounts to. Returns the keys raised (a mean whose
+    contributions some pair lacks is left as it is)."""
+    scales = [means_scales(means(run), means(base)) for run, base in pairs]
+    return [key for key in MEAN_KEYS if "max_abs" in errors.get(key, {})
+            and raise_to(errors, key, [s.get(key) for s in scales])]
+
+
+def step_family_bounds(base: Any, runs: dict[str, Any], rule: BoundRule, starts: dict[str, dict], base_name: str,
+                       optimizer: Any, adam_step: int, terms: Callable[[Any], Any] | None = None,
+                       bases: dict[str, Any] | None = None,
+                       means: Callable[[Any], dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+    """Bounds of one family at one step (keys without the step prefix) from controls held in full. bases[name]: what
+    control name is compared with (base replayed on its decisions); base itself where not given. Magnitudes are
+    base's."""
+    records = {name: pair_record(run, (bases or {}).get(name, base), starts[name], optimizer, adam_step, terms, means)
+               for name, run in runs.items()}
+    return bounds_from_records(base, records, rule, starts[base_name], optimizer, adam_step)

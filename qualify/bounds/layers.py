@@ -22,6 +22,7 @@ import torch
 
 from qualify import metrics
 from qualify.bounds.files import LAYER_BOUNDS_SCHEMA
+from qualify.bounds.records import layer_record, read_record
 from qualify.bounds.rule import FAMILIES, RULE, BoundRule, family_pairs, quantum
 from qualify.store import dumps_json, read_tensors
 
@@ -127,8 +128,11 @@ def family_layer_bounds(layout: Any, role: str, family: str, controls: list[str]
     base_acts, base_grads = run_layers(layout.scores(*base_name.split("-", 1), role))
     errors: dict[str, dict[str, float]] = {}
     for name in others:
-        acts, grads = run_layers(layout.scores(*name.split("-", 1), role))
-        for key, ms in layer_metrics(acts, base_acts, grads, base_grads).items():
+        recorded = layer_record(read_record(layout.scores(*name.split("-", 1), role)), family)
+        if recorded is None:  # kept in full: measured here
+            acts, grads = run_layers(layout.scores(*name.split("-", 1), role))
+            recorded = layer_metrics(acts, base_acts, grads, base_grads)
+        for key, ms in recorded.items():
             slot = errors.setdefault(key, {})
             for metric, value in ms.items():
                 slot[metric] = max(slot.get(metric, 0.0), value)
@@ -144,9 +148,14 @@ def family_layer_bounds(layout: Any, role: str, family: str, controls: list[str]
 
 
 def has_layers(layout: Any, controls: list[str], precisions: list[str], roles: tuple[str, ...]) -> bool:
-    """Every scored run of the reference (each of the matrix's roles) holds its layer activations."""
-    return all((layout.scores(p, c, role) / LAYERS_FILE).is_file()
-               for p in precisions for c in controls for role in roles)
+    """Every scored run of the reference (each of the matrix's roles) holds its layer activations, or (a control kept
+    as a summary) their metrics against each of its families' r0."""
+    def held(role_dir: Path) -> bool:
+        if (role_dir / LAYERS_FILE).is_file():
+            return True
+        record = read_record(role_dir)
+        return record is not None and all("layers" in f for f in record["families"].values())
+    return all(held(layout.scores(p, c, role)) for p in precisions for c in controls for role in roles)
 
 
 def layer_bound_files(layout: Any, matrix: Any, controls: list[str]) -> dict[str, bytes]:

@@ -49,11 +49,13 @@ def main(
         typer.echo(f"rollout captured under {run_dir}/reference/rollout")
         return
     from qualify.hardware import describe
-    from qualify.reference.mismatch_text import mismatch_lines
+    from qualify.reference.mismatch_text import evidence_line, mismatch_lines
 
     typer.echo(f"reference complete: {run_dir}/reference  rollout {summary['rollout_digest'][:19]}  "
                f"controls {', '.join(summary['controls'])}")
     typer.echo(f"  platform: {describe(summary.get('platform'))}")
+    if summary.get("evidence"):
+        typer.echo(evidence_line(summary["evidence"]))
     for tp, agreement in summary["tp_agreement"].items():
         typer.echo(f"  {tp}: tokens equal {agreement['tokens_equal']}, logprob max |delta| {agreement['logprob_max_abs']}")
     for precision, mm in summary["rollout_mismatch"].items():

@@ -27,6 +27,8 @@ def model_config(model_dir: Path) -> dict[str, Any]:
 def scoring_settings(matrix: Matrix, rollout_digest: str) -> str:
     """Fingerprint of what targets and scores depend on: the rollout and the numerics sections of the matrix."""
     m = to_dict(matrix)
+    # what is kept of the controls changes no number: a run's fingerprint is the same under either
+    m["reference"] = {k: v for k, v in m["reference"].items() if k != "evidence"}
     grpo = ("algorithm", "grpo") if matrix.algorithm == "grpo" else ()  # a PPO matrix's fingerprint is unchanged
     return fingerprint({"rollout": rollout_digest,
                         **{k: m[k] for k in ("models", "ppo", "optimizer", "reference", *grpo)}})
@@ -38,12 +40,17 @@ def load_targets(layout: RunLayout, expected_digest: str | None = None) -> dict[
     return read_tensors(layout.targets / TARGETS_FILE)
 
 
-def write_role(out: Path, result: dict[str, Any], info: dict[str, Any]) -> None:
-    """Seal one role's K steps: step<k>/{outputs,grads,updates,moments}.safetensors, and meta.json."""
+def write_role(out: Path, result: dict[str, Any], info: dict[str, Any], record: dict[str, Any] | None = None) -> None:
+    """Seal one role's K steps: step<k>/{outputs,grads,updates,moments}.safetensors, and meta.json (and, for a run
+    that is also a control measured while it ran, its record: qualify.bounds.records)."""
+    from qualify.bounds.records import write_record
+
     prepare_stage(out)
     for k, step in enumerate(result["steps"]):
         write_step(out / step_dir(k), step)
     if "layers" in result:  # step 1's per-layer activations, for qualify diagnose (qualify.bounds.layers)
         write_tensors(out / LAYERS_FILE, result["layers"])
+    if record is not None:
+        write_record(out, record)
     write_json(out / "meta.json", result["meta"] | info)
     complete_stage(out, info)

@@ -116,14 +116,26 @@ def recorded_decisions(matrix: Matrix, role: str, directory: Path, inputs: StepI
     """The clip decisions of every step of a sealed run, from its recorded outputs alone."""
     from qualify.store import read_tensors
 
-    out = []
-    for k in range(num_steps(directory)):
-        if k >= len(inputs.masks):
-            out.append(None)
-            continue
-        outputs = read_tensors(Path(directory) / step_dir(k) / "outputs.safetensors")
-        out.append(decisions(role, matrix.ppo, matrix.grpo, outputs, inputs.targets[k], inputs.masks[k]))
-    return out
+    return step_decisions(matrix, role, [read_tensors(Path(directory) / step_dir(k) / "outputs.safetensors")
+                                         for k in range(num_steps(directory))], inputs)
+
+
+def step_decisions(matrix: Matrix, role: str, outputs: list[dict[str, torch.Tensor]],
+                   inputs: StepInputs) -> list[Decisions | None]:
+    """The clip decisions of every step from each step's outputs (None for a step past the inputs' steps)."""
+    return [None if k >= len(inputs.masks) else
+            decisions(role, matrix.ppo, matrix.grpo, out, inputs.targets[k], inputs.masks[k])
+            for k, out in enumerate(outputs)]
+
+
+def replay_needed_for(mine: list[Decisions | None], theirs: list[Decisions | None]) -> list[torch.Tensor] | None:
+    """The decisions to impose on r0 so that it decides as a control did (mine); None when the control decided as
+    r0 (theirs) at every step, or some step's decisions cannot be read (it is then compared with r0 itself)."""
+    if any(d is None for d in mine + theirs) or len(mine) != len(theirs):
+        return None
+    if not any(differing(a, b) for a, b in zip(mine, theirs)):
+        return None
+    return [d.clipped_BT for d in mine]
 
 
 def control_replay(matrix: Matrix, layout: RunLayout, role: str, base: str, control: str, inputs: StepInputs,
@@ -134,15 +146,9 @@ def control_replay(matrix: Matrix, layout: RunLayout, role: str, base: str, cont
     precision, name = base.split("-", 1)
     if name != "r0":
         raise ValueError(f"a replay is of an r0 run, not {base}")
-    mine = recorded_decisions(matrix, role, layout.scores(*control.split("-", 1), role), inputs)
-    theirs = recorded_decisions(matrix, role, layout.scores(precision, "r0", role), inputs)
-    if any(d is None for d in mine + theirs) or len(mine) != len(theirs):
-        return None
-    if not any(differing(a, b) for a, b in zip(mine, theirs)):
-        return None
-    decided = [d.clipped_BT for d in mine]
-    return replay_dir(layout.reference, precision, role, decided, settings), decided
-
+    decided = replay_needed_for(recorded_decisions(matrix, role, layout.scores(*control.split("-", 1), role), inputs),
+                                recorded_decisions(matrix, role, layout.scores(precision, "r0", role), inputs))
+    return None if decided is None else (replay_dir(layout.reference, precision, role, decided, settings), decided)
 
 
 def control_replays(matrix: Matrix, layout: RunLayout, controls: list[str], rollout_digest: str, targets_digest: str,
@@ -151,6 +157,7 @@ def control_replays(matrix: Matrix, layout: RunLayout, controls: list[str], roll
     differ from r0's (qualify.bounds.rule.family_pairs). step(text) wraps each computation (a StageLog step)."""
     from contextlib import nullcontext
 
+    from qualify.bounds.records import read_record
     from qualify.bounds.rule import FAMILIES, family_pairs
     from qualify.reference.evidence import scoring_settings
 
@@ -160,6 +167,8 @@ def control_replays(matrix: Matrix, layout: RunLayout, controls: list[str], roll
         for family in FAMILIES:
             base, others = family_pairs(family, controls)
             for other in others:
+                if read_record(layout.scores(*other.split("-", 1), role)) is not None:
+                    continue  # kept as a summary: measured against its replay while it ran (qualify.reference.summary)
                 found = control_replay(matrix, layout, role, base, other, inputs, settings)
                 if found is None:
                     continue

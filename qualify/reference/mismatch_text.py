@@ -21,3 +21,13 @@ def mismatch_lines(precision: str, mm: dict) -> list[str]:
               f"{'-inf (outside its kept set)' if t['processed'] is None else format(t['processed'], '.7g')}"
               for t in differs["tokens"]]
     return lines
+
+
+def evidence_line(e: dict) -> str:
+    """One line on the reference's evidence size (qualify.reference.summary.evidence_sizes)."""
+    mb = 1e6
+    per = e.get("bytes_per_parameter_step")
+    return (f"  evidence ({e['mode']}): {e['reference_bytes'] / mb:.1f} MB; {e['full_runs']} run(s) kept in full "
+            f"{e['full_runs_bytes'] / mb:.1f} MB" + (f" ({per:g} bytes per parameter per step)" if per else "")
+            + f", {e['summaries']} control(s) kept as summaries {e['summaries_bytes'] / mb:.1f} MB, replays "
+            f"{e['replays_bytes'] / mb:.1f} MB")

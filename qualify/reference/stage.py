@@ -119,40 +119,71 @@ def make_targets(matrix: Matrix, layout: RunLayout, models: dict[str, Path], dig
 
 
 def score_all(matrix: Matrix, layout: RunLayout, models: dict[str, Path], digest: str, log: StageLog) -> list[str]:
-    """Every precision x control x role; returns the control names."""
-    import torch
-
-    from qualify.models.hf import load_model
-    from qualify.reference.step import controls_of, run_role
+    """Every precision x control x role, every precision's r0 first (a control kept as a summary is measured against
+    its families' r0 while it runs: qualify.reference.summary); returns the control names."""
+    from qualify.reference.step import controls_of
 
     tdigest = make_targets(matrix, layout, models, digest, log)
-    rollout = load_rollout(layout.rollout(matrix.rollout.vllm_tp[0]), digest)
-    targets = load_targets(layout, tdigest)
-    vocab = model_config(models["actor"])["vocab_size"]
     controls = controls_of(matrix)
-    for precision in matrix.reference.precisions:
-        for control in controls:
-            for role in matrix.roles:
-                out = layout.scores(precision, control.name, role)
-                if reuse_complete(out, scoring_settings(matrix, digest), f"reference {precision} {control.name} {role}"):
-                    log.skip(f"score {precision} {control.name} {role}")
-                    continue
-                with log.step(f"score {precision} {control.name} {role}"):
-                    started = time.monotonic()
-                    master = load_model(models[role], role, control.attn_impl)
-                    with torch.enable_grad():
-                        result = run_role(matrix, role, precision, control, master, rollout, targets, vocab,
-                                          models[role])
-                    write_role(out, result, {"precision": precision, "control": control.name, "role": role,
-                                             "attn_impl": control.attn_impl, "microbatches": control.microbatches,
-                                             "reverse_rows": control.reverse_rows, "tp_split": control.tp,
-                                             "seconds": round(time.monotonic() - started, 3),
-                                             "rollout_digest": digest, "targets_digest": tdigest,
-                                             "settings": scoring_settings(matrix, digest)}
-                              | ({"fused_projections": True} if control.fused else {})
-                              | ({"optimizer_order": "reordered"} if control.reordered_adam else {})
-                              | ({"fused_norm": True} if control.fused_norm else {}))
+    r0_first = sorted(matrix.reference.precisions, key=lambda p: p != "fp32")  # fp32-r0 is every family's base
+    order = [(controls[0], p) for p in r0_first] + [(c, p) for c in controls[1:] for p in matrix.reference.precisions]
+    scoring = Scoring(matrix, layout, models, digest, tdigest, [c.name for c in controls])
+    for control, precision in order:
+        for role in matrix.roles:
+            what = f"reference {precision} {control.name} {role}"
+            if reuse_complete(layout.scores(precision, control.name, role), scoring_settings(matrix, digest), what):
+                log.skip(f"score {precision} {control.name} {role}")
+                continue
+            summarized = matrix.reference.evidence == "summary" and control is not controls[0]
+            with log.step(f"score {precision} {control.name} {role}" + (" (kept as a summary)" if summarized else "")):
+                scoring.score(control, precision, role)
     return [c.name for c in controls]
+
+
+class Scoring:
+    """One reference run scored and sealed: in full, or (a control) as a summary."""
+
+    def __init__(self, matrix: Matrix, layout: RunLayout, models: dict[str, Path], digest: str, tdigest: str,
+                 controls: list[str]) -> None:
+        self.matrix, self.layout, self.models, self.controls = matrix, layout, models, controls
+        self.digest, self.tdigest = digest, tdigest
+        self.rollout = load_rollout(layout.rollout(matrix.rollout.vllm_tp[0]), digest)
+        self.targets = load_targets(layout, tdigest)
+        self.vocab = model_config(models["actor"])["vocab_size"]
+
+    def score(self, control: Any, precision: str, role: str) -> None:
+        """Score and seal one run. Under reference.evidence summary, a run that is a control of some family is
+        measured against it while in memory (its record); a control other than r0 is then kept as that summary
+        alone (qualify.reference.summary), an r0 in full with its record."""
+        import torch
+
+        from qualify.models.checkpoint import checkpoint_tensors
+        from qualify.models.hf import load_model
+        from qualify.reference.step import run_role
+        from qualify.reference.summary import control_record, recorded_families, write_summarized_role
+
+        m, started = self.matrix, time.monotonic()
+        master = load_model(self.models[role], role, control.attn_impl)
+        with torch.enable_grad():
+            result = run_role(m, role, precision, control, master, self.rollout, self.targets, self.vocab,
+                              self.models[role])
+        info = {"precision": precision, "control": control.name, "role": role, "attn_impl": control.attn_impl,
+                "microbatches": control.microbatches, "reverse_rows": control.reverse_rows, "tp_split": control.tp,
+                "seconds": round(time.monotonic() - started, 3), "rollout_digest": self.digest,
+                "targets_digest": self.tdigest, "settings": scoring_settings(m, self.digest)} \
+            | ({"fused_projections": True} if control.fused else {}) \
+            | ({"optimizer_order": "reordered"} if control.reordered_adam else {}) \
+            | ({"fused_norm": True} if control.fused_norm else {})
+        out, name = self.layout.scores(precision, control.name, role), f"{precision}-{control.name}"
+        if m.reference.evidence != "summary" or not recorded_families(name, self.controls):
+            write_role(out, result, info)
+            return
+        record = control_record(m, self.layout, role, name, result, self.controls,
+                                checkpoint_tensors(self.models[role]), (self.digest, self.tdigest))
+        if control.name == self.controls[0]:
+            write_role(out, result, info, record)
+        else:
+            write_summarized_role(out, result, info, record)
 
 
 def rollout_mismatch(layout: RunLayout, matrix: Matrix, controls: list[str]) -> dict[str, Any]:
@@ -227,6 +258,8 @@ def run_reference(matrix: Matrix, run_dir: Path, stage: str = "all", rollout: Pa
     replays = sorted({str(p.relative_to(layout.reference)) for p in control_replays(
         matrix, layout, controls, digest, stage_info(layout.targets)["digest"], log.step)})
     mismatch = rollout_mismatch(layout, matrix, controls)
+    from qualify.reference.summary import evidence_sizes
+
     require_sampled_tokens(mismatch, layout.rollout(primary))
     summary = {"matrix": to_dict(matrix), "matrix_digest": matrix_digest, "rollout_digest": digest, "primary_vllm_tp": primary,
                "rollout_digests": {f"tp{tp}": stage_info(layout.rollout(tp))["digest"]
@@ -235,7 +268,8 @@ def run_reference(matrix: Matrix, run_dir: Path, stage: str = "all", rollout: Pa
                "controls": controls, "control_replays": replays, "precisions": list(matrix.reference.precisions),
                "rollout_mismatch": mismatch, "git": git_state(),
                "rollout_platform": read_json(layout.rollout(primary) / "rollout.json").get("platform"),
-               "rollout_source": None if rollout is None else str(rollout), **provenance()}
+               "rollout_source": None if rollout is None else str(rollout),
+               "evidence": evidence_sizes(layout, matrix, controls), **provenance()}
     if not layout.reference_summary.is_file():
         write_json(layout.reference_summary, summary)
     return read_json(layout.reference_summary)

@@ -1,0 +1,170 @@
+"""A reference control kept as a summary (qualify.bounds.records): measured while it is in memory, then sealed with
+its outputs, meta and record, without its gradients, updates, moments and layer activations.
+
+The record holds, per family the control belongs to (qualify.bounds.rule.family_pairs) and per step, what
+qualify.bounds.control_error.pair_record measures against the family's r0, or against r0 replayed on the control's
+clip decisions where it decided a token otherwise (the replay is made in a scratch directory beside the reference,
+used, and removed). The r0 runs are scored first, so every control finds its families' r0 sealed.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from qualify.bounds.control_error import pair_record
+from qualify.bounds.layers import LAYERS_FILE, layer_metrics, run_layers
+from qualify.bounds.records import means_of, terms_of, write_record
+from qualify.bounds.rule import FAMILIES, family_pairs
+from qualify.compare import RunTensors, StepFiles, next_params, step_dir
+from qualify.errors import EvidenceError
+from qualify.layout import RunLayout, work_dir
+from qualify.matrix import Matrix
+from qualify.reference.inputs import StepInputs
+from qualify.stages import complete_stage, prepare_stage, stage_is_complete
+from qualify.store import write_json, write_tensors
+
+
+def in_memory_steps(result: dict[str, Any]) -> list[RunTensors]:
+    """run_role's result as the steps freeze reads from a role directory."""
+    return [RunTensors(s["outputs"], s["grads"], s["updates"], s["moments"], result["meta"]) for s in result["steps"]]
+
+
+def scratch_replays(layout: RunLayout) -> Path:
+    """Where a summarized control's replay of r0 is made and removed: beside the reference, never inside it."""
+    return work_dir(layout.reference) / "replays"
+
+
+def starts_of(steps: list[RunTensors], initial: dict) -> Iterator[dict]:
+    """Each step's start parameters (fp64), one held at a time."""
+    current = {n: t.double() for n, t in initial.items()}
+    for run in steps:
+        yield current
+        current = next_params(current, run)
+
+
+def remove_scratch(scratch: Path) -> None:
+    """Remove a scratch replay (its key's directory) and the scratch folders it leaves empty."""
+    shutil.rmtree(scratch.parent, ignore_errors=True)
+    for empty in (scratch.parent.parent, scratch.parent.parent.parent):
+        try:
+            empty.rmdir()
+        except OSError:
+            break
+
+
+def aligned_base(matrix: Matrix, layout: RunLayout, role: str, base_name: str, steps: list[RunTensors],
+                 inputs: StepInputs, digests: tuple[str, str]) -> tuple[StepFiles, str, Path | None]:
+    """(what the control is compared with, its name in the bound file, a scratch directory to remove): the family's
+    sealed r0, or r0 replayed on the control's clip decisions where they differ (made here, in scratch)."""
+    from qualify.reference.evidence import scoring_settings
+    from qualify.reference.forced import (
+        make_replay,
+        recorded_decisions,
+        replay_dir,
+        replay_needed_for,
+        step_decisions,
+    )
+
+    precision = base_name.split("-", 1)[0]
+    base_dir = layout.scores(precision, "r0", role)
+    if not stage_is_complete(base_dir):  # scored and sealed before any control (qualify.reference.stage.score_all)
+        raise EvidenceError(f"{base_dir} is not sealed: a control is summarized against its family's r0")
+    decided = replay_needed_for(step_decisions(matrix, role, [s.outputs for s in steps], inputs),
+                                recorded_decisions(matrix, role, base_dir, inputs))
+    if decided is None:
+        return StepFiles(base_dir), base_name, None
+    where = replay_dir(layout.reference, precision, role, decided, scoring_settings(matrix, digests[0]))
+    scratch = scratch_replays(layout) / where.parent.name / role
+    if scratch.exists():
+        shutil.rmtree(scratch)
+    make_replay(matrix, layout, precision, role, decided, scratch, *digests)
+    # named as freeze names a replay it reads (the bound files are the same under either evidence); not kept here
+    return StepFiles(scratch), str(where.relative_to(layout.reference)), scratch
+
+
+def control_record(matrix: Matrix, layout: RunLayout, role: str, run_name: str, result: dict[str, Any],
+                   controls: list[str], before: dict, digests: tuple[str, str]) -> dict[str, Any]:
+    """The record of control run_name ('<precision>-<control>') of role: per family it belongs to, each step's
+    pair_record against the run it is compared with, and its layer metrics against the family's r0."""
+    steps = in_memory_steps(result)
+    inputs = StepInputs.read(matrix, layout, *digests)
+    terms, means = terms_of(matrix, role, inputs), means_of(matrix, role, inputs)
+    families = {}
+    for family in FAMILIES:
+        base_name, others = family_pairs(family, controls)
+        if run_name not in others:
+            continue
+        aligned, compared_with, scratch = aligned_base(matrix, layout, role, base_name, steps, inputs, digests)
+        try:
+            if len(aligned) != len(steps):
+                raise EvidenceError(f"{run_name} {role} took {len(steps)} step(s), {compared_with} {len(aligned)}")
+            records = [pair_record(run, aligned[k], start, matrix.optimizer, k + 1,
+                                   lambda r, s=k: terms(s, r), lambda r, s=k: means(s, r))
+                       for k, (run, start) in enumerate(zip(steps, starts_of(steps, before)))]
+        finally:
+            if scratch is not None:
+                remove_scratch(scratch)
+        families[family] = {"compared_with": compared_with, "replay_kept": False, "steps": records}
+        base_dir = layout.scores(*base_name.split("-", 1), role)
+        if "layers" in result and (base_dir / LAYERS_FILE).is_file():
+            base_acts, base_grads = run_layers(base_dir)
+            families[family]["layers"] = layer_metrics(result["layers"], base_acts, steps[0].grads, base_grads)
+    return {"run": run_name, "role": role, "families": families}
+
+
+def recorded_families(run_name: str, controls: list[str]) -> list[str]:
+    """The families run_name is a control of (an r0 is one too: bf16-r0 in fp32-vs-bf16)."""
+    return [f for f in FAMILIES if run_name in family_pairs(f, controls)[1]]
+
+
+def write_summarized_role(out: Path, result: dict[str, Any], info: dict[str, Any], record: dict[str, Any]) -> None:
+    """Seal a control kept as a summary: step<k>/outputs.safetensors, meta.json and its record (no gradients,
+    updates, moments or layer activations)."""
+    prepare_stage(out)
+    for k, step in enumerate(result["steps"]):
+        write_tensors(out / step_dir(k) / "outputs.safetensors", step["outputs"])
+    write_record(out, record)
+    write_json(out / "meta.json", result["meta"] | info | {"evidence": "summary"})
+    complete_stage(out, info | {"evidence": "summary"})
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of every file under path (0 when it does not exist)."""
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file()) if Path(path).exists() else 0
+
+
+def evidence_sizes(layout: RunLayout, matrix: Matrix, controls: list[str]) -> dict[str, Any]:
+    """What the reference's evidence weighs: the whole, the runs kept in full (the r0 runs, and every control under
+    reference.evidence full) with their tensor bytes per parameter per optimizer step, the controls kept as summaries
+    and the replays."""
+    from safetensors import safe_open
+
+    full, summaries, tensor_bytes, parameter_steps, counts = 0, 0, 0, 0, [0, 0]
+    for precision in matrix.reference.precisions:
+        for control in controls:
+            for role in matrix.roles:
+                role_dir = layout.scores(precision, control, role)
+                size = tree_bytes(role_dir)
+                if (role_dir / step_dir(0) / "grads.safetensors").is_file():
+                    full, counts[0] = full + size, counts[0] + 1
+                    steps = sorted(role_dir.glob("step*"))
+                    with safe_open(str(role_dir / step_dir(0) / "grads.safetensors"), framework="pt") as f:
+                        params = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118
+                    tensor_bytes += sum(tree_bytes(s) - (s / "outputs.safetensors").stat().st_size for s in steps)
+                    parameter_steps += params * len(steps)
+                else:
+                    summaries, counts[1] = summaries + size, counts[1] + 1
+    return {"reference_bytes": tree_bytes(layout.reference), "full_runs": counts[0], "full_runs_bytes": full,
+            "summaries": counts[1], "summaries_bytes": summaries, "replays_bytes": tree_bytes(layout.reference / "replays"),
+            "mode": matrix.reference.evidence,
+            "bytes_per_parameter_step": round(tensor_bytes / parameter_steps, 3) if parameter_steps else None}
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
