@@ -10,7 +10,7 @@ the step: 'step<k>/<group>/<name>'.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ import torch
 
 from qualify import metrics
 from qualify.layout import step_dir
-from qualify.store import read_json, read_tensors
+from qualify.store import TensorFile, read_json, read_tensors, tensor_spec
 
 GROUPS = ("outputs", "grads", "updates", "moments")
 DISTRIBUTION_GROUPS = ("outputs", "grads")
@@ -28,12 +28,13 @@ DISTRIBUTION_GROUPS = ("outputs", "grads")
 
 @dataclass(frozen=True, slots=True)
 class RunTensors:
-    """One role's evidence from one run."""
+    """One role's evidence from one run (read from disk, the gradients, updates and moments are read-only mappings
+    that read a tensor when it is used)."""
 
     outputs: dict[str, torch.Tensor]
-    grads: dict[str, torch.Tensor]
-    updates: dict[str, torch.Tensor]
-    moments: dict[str, torch.Tensor]
+    grads: Mapping[str, torch.Tensor]
+    updates: Mapping[str, torch.Tensor]
+    moments: Mapping[str, torch.Tensor]
     meta: dict[str, Any]
 
 
@@ -46,10 +47,11 @@ def write_step(directory: Path, step: dict[str, dict[str, torch.Tensor]]) -> Non
 
 
 def load_run(directory: Path, step: int = 0) -> RunTensors:
-    """Read one step of a role directory written by the reference or a candidate."""
-    d = Path(directory)
-    return RunTensors(*(read_tensors(d / step_dir(step) / f"{g}.safetensors") for g in GROUPS),
-                      read_json(d / "meta.json"))
+    """One step of a role directory written by the reference or a candidate: its outputs read, its gradients,
+    updates and moments read tensor by tensor when used (qualify.store.TensorFile), never a whole group at once."""
+    d = Path(directory) / step_dir(step)
+    return RunTensors(read_tensors(d / "outputs.safetensors"),
+                      *(TensorFile(d / f"{g}.safetensors") for g in GROUPS[1:]), read_json(Path(directory) / "meta.json"))
 
 
 def num_steps(directory: Path) -> int:
@@ -80,16 +82,10 @@ def next_params(current: dict[str, torch.Tensor], run: RunTensors) -> dict[str, 
 
 
 def params_before_steps(steps: Sequence[RunTensors], initial: dict[str, torch.Tensor]) -> Sequence[dict[str, torch.Tensor]]:
-    """The parameters each step of a run started from: the initial ones plus that run's own earlier updates (fp64).
-    For StepFiles, a sequence that advances step by step and holds only the latest start."""
-    if isinstance(steps, StepFiles):
-        return StepStarts(steps, initial)
-    current = {n: t.double() for n, t in initial.items()}
-    out = []
-    for run in steps:
-        out.append(current)
-        current = next_params(current, run)
-    return out
+    """The parameters each step of a run started from: the initial ones plus that run's own earlier updates (fp64),
+    as a sequence that advances step by step and holds only the latest start (one fp64 copy of the parameters, not
+    one per step)."""
+    return StepStarts(steps, initial)
 
 
 class StepFiles(Sequence[RunTensors]):
@@ -118,10 +114,10 @@ class StepFiles(Sequence[RunTensors]):
 
 
 class StepStarts(Sequence[dict]):
-    """params_before_steps of StepFiles: step k's start, advanced from the latest one (or from the initial
-    parameters when an earlier step is asked for)."""
+    """params_before_steps: step k's start, advanced from the latest one (or from the initial parameters when an
+    earlier step is asked for)."""
 
-    def __init__(self, steps: StepFiles, initial: dict[str, torch.Tensor]) -> None:
+    def __init__(self, steps: Sequence[RunTensors], initial: dict[str, torch.Tensor]) -> None:
         self.steps, self.initial = steps, initial
         self._at: tuple[int, dict[str, torch.Tensor]] | None = None
 
@@ -152,10 +148,11 @@ def structure_problems(candidate: RunTensors, reference: RunTensors) -> list[tup
         for name in sorted(set(c) - set(r)):
             problems.append((f"{group}/{name}", "not in reference"))
         for name in sorted(set(c) & set(r)):
-            if c[name].shape != r[name].shape:
-                problems.append((f"{group}/{name}", f"shape {tuple(c[name].shape)} != {tuple(r[name].shape)}"))
-            elif c[name].dtype != r[name].dtype:
-                problems.append((f"{group}/{name}", f"dtype {c[name].dtype} != {r[name].dtype}"))
+            (cs, cd), (rs, rd) = tensor_spec(c, name), tensor_spec(r, name)
+            if cs != rs:
+                problems.append((f"{group}/{name}", f"shape {cs} != {rs}"))
+            elif cd != rd:
+                problems.append((f"{group}/{name}", f"dtype {cd} != {rd}"))
     return problems
 
 
@@ -169,22 +166,22 @@ def pair_metrics(candidate: RunTensors, reference: RunTensors) -> dict[str, dict
     run's own moments and start (replay_metrics).
     """
     out: dict[str, dict[str, float]] = {}
-    bad = {k for k, _ in structure_problems(candidate, reference)}
+    device = metrics.metrics_device()
     for group in GROUPS:
+        if group == "updates":
+            continue
         c, r = getattr(candidate, group), getattr(reference, group)
         for name in sorted(set(c) & set(r)):
-            key = f"{group}/{name}"
-            if key in bad:
-                continue
-            if group == "updates":
-                continue
-            out[key] = {"max_abs": metrics.max_abs(c[name], r[name])}
+            a, b = c[name], r[name]  # one tensor of each side read at a time
+            if a.shape != b.shape or a.dtype != b.dtype:
+                continue  # a structure problem (structure_problems), not measured
+            names = ("max_abs",)
             if group in ("grads", "moments"):
-                out[key]["rel_l2"] = metrics.rel_l2(c[name], r[name])
-            if group in DISTRIBUTION_GROUPS and c[name].numel() > 1:
+                names += ("rel_l2",)
+            if group in DISTRIBUTION_GROUPS and a.numel() > 1:
                 # the error's distribution: a shift of every element under one noisy outlier's max_abs still fails
-                out[key]["mean_abs"] = metrics.mean_abs(c[name], r[name])
-                out[key]["p99_abs"] = metrics.p99_abs(c[name], r[name])
+                names += ("mean_abs", "p99_abs")
+            out[f"{group}/{name}"] = metrics.pair_values(a, b, names, device)
     return out
 
 

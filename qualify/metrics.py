@@ -71,6 +71,50 @@ def p99_abs(candidate: torch.Tensor, reference: torch.Tensor) -> float:
     return quantile_abs(candidate, reference, P99)
 
 
+PAIR_METRICS = ("max_abs", "rel_l2", "mean_abs", "p99_abs")
+
+
+def metrics_device() -> torch.device | None:
+    """Where a pair's metrics are computed: the GPU when there is one (QUALIFY_METRICS_DEVICE=cpu keeps them on the
+    host), else None (where the tensors are). max_abs and p99_abs are exact anywhere; a sum (rel_l2, mean_abs) may
+    round differently in its last float64 bits on another device."""
+    import os
+
+    want = os.environ.get("QUALIFY_METRICS_DEVICE", "auto")
+    if want == "auto":
+        return torch.device("cuda") if torch.cuda.is_available() else None
+    return torch.device(want)
+
+
+def pair_values(candidate: torch.Tensor, reference: torch.Tensor, names: tuple[str, ...],
+                device: torch.device | None = None) -> dict[str, float]:
+    """The metrics named (of PAIR_METRICS) of one tensor pair, with |c - r| formed once, on device when given: the
+    same values as max_abs, rel_l2, mean_abs and p99_abs one by one (the same float64 operations)."""
+    if device is not None:
+        candidate, reference = candidate.to(device), reference.to(device)
+    if not _finite(candidate):
+        return {n: INF for n in names}
+    n = candidate.numel()
+    if n == 0:
+        return {name: 0.0 for name in names}
+    diff = (candidate.double() - reference.double()).abs().flatten()
+    out = {}
+    for name in names:
+        if name == "max_abs":
+            out[name] = float(diff.max())
+        elif name == "mean_abs":
+            out[name] = float(diff.mean())
+        elif name == "p99_abs":
+            out[name] = float(diff.kthvalue(min(n, max(1, math.ceil(P99 * n)))).values)
+        elif name == "rel_l2":
+            norm = float(torch.linalg.vector_norm(reference.double()))
+            d = float(torch.linalg.vector_norm(diff))
+            out[name] = d / norm if norm > 0 else d
+        else:
+            raise ValueError(f"unknown metric {name!r} (known: {', '.join(PAIR_METRICS)})")
+    return out
+
+
 def bf16_exact_counts(t: torch.Tensor) -> tuple[int, int]:
     """(elements bf16 represents exactly, elements counted): the finite elements other than 0 and powers of two (a
     ratio of exactly 1, a clip fraction of 0.5 are bf16 values for exact reasons). NaN counts as not finite (judged

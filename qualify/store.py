@@ -12,7 +12,7 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -171,3 +171,71 @@ def read_tensors(path: Path) -> dict[str, Any]:
         return load_file(str(path))
     except SafetensorError as exc:
         raise EvidenceError(f"{path}: not a readable safetensors file: {exc}") from exc
+
+
+def _safetensors_dtypes() -> dict[str, Any]:
+    import torch
+
+    return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+            "BOOL": torch.bool}
+
+
+SAFETENSORS_DTYPES: dict[str, Any] = {}
+
+
+def tensor_spec(tensors: Mapping[str, Any], name: str) -> tuple[tuple[int, ...], Any]:
+    """(shape, dtype) of tensors[name]: from the header of a TensorFile (nothing read), else from the tensor."""
+    if isinstance(tensors, TensorFile):
+        return tensors.spec(name)
+    t = tensors[name]
+    return tuple(t.shape), t.dtype
+
+
+class TensorFile(Mapping):
+    """A safetensors file read one tensor at a time, on access, never whole: a run's gradients, updates and moments
+    at a real shape are many GB, and every check walks them tensor by tensor. Reading the header checks the file."""
+
+    def __init__(self, path: Path) -> None:
+        from safetensors import SafetensorError, safe_open
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise EvidenceError(f"missing tensor file: {path}")
+        try:
+            with safe_open(str(self.path), framework="pt") as f:
+                # in the file's order, as read_tensors (load_file) returns them: sums over a group add in one order
+                self._keys = list(f.offset_keys() if hasattr(f, "offset_keys") else f.keys())
+                self._specs = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in self._keys}
+        except SafetensorError as exc:
+            raise EvidenceError(f"{path}: not a readable safetensors file: {exc}") from exc
+        self._index = frozenset(self._keys)
+
+    def __getitem__(self, name: str) -> Any:
+        from safetensors import SafetensorError, safe_open
+
+        if name not in self._index:
+            raise KeyError(name)
+        try:
+            with safe_open(str(self.path), framework="pt") as f:
+                return f.get_tensor(name)
+        except SafetensorError as exc:
+            raise EvidenceError(f"{self.path}: tensor {name} is not readable: {exc}") from exc
+
+    def spec(self, name: str) -> tuple[tuple[int, ...], Any]:
+        """(shape, torch dtype) of a tensor, from the file's header (nothing read)."""
+        import torch
+
+        if not SAFETENSORS_DTYPES:
+            SAFETENSORS_DTYPES.update(_safetensors_dtypes())
+        shape, dtype = self._specs[name]
+        return shape, SAFETENSORS_DTYPES.get(dtype) or getattr(torch, dtype.lower(), dtype)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._index
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)

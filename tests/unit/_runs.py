@@ -178,3 +178,15 @@ def synthetic_reference(run_dir: Path, matrix: Matrix, coverage: dict | None = N
         "versions": {"torch": torch.__version__}, "host": {"name": "unit"}, "git": {"commit": None, "dirty": None},
         "platform": {"cpu": "unit"}, "rollout_platform": {"cpu": "capture"}})
     return layout
+
+
+def eager_starts(steps, initial):
+    """Each step's start parameters computed eagerly, all at once (fp64 initial + that run's earlier updates): the
+    expected values for qualify.compare.StepStarts, sharing none of its code."""
+    current = {n: t.double() for n, t in initial.items()}
+    out = []
+    for run in steps:
+        out.append(current)
+        current = {n: t + run.updates[n].double() if n in run.updates and run.updates[n].shape == t.shape else t
+                   for n, t in current.items()}
+    return out

@@ -2,7 +2,7 @@
 
 The index bounds of both sequences (negative indices down to -len for StepFiles, len refused by StepStarts), the
 index an IndexError names, and slices of StepStarts. Expected values are the eagerly loaded steps and their starts
-(load_steps, params_before_steps on a list), which share none of the indexing code.
+(load_steps, and the starts computed eagerly in tests/unit/_runs.eager_starts), which share none of the indexing code.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from qualify.compare import StepFiles, StepStarts, load_steps, params_before_steps
-from tests.unit._runs import params, role_steps, write_steps
+from tests.unit._runs import eager_starts, params, role_steps, write_steps
 
 
 def _same_run(a, b) -> bool:
@@ -35,7 +35,7 @@ def test_step_starts_refuse_len_and_slice_like_a_list(tmp_path):
     write_steps(tmp_path, role_steps("actor", 0.0, 3))
     lazy = params_before_steps(StepFiles(tmp_path), params())
     assert isinstance(lazy, StepStarts) and len(lazy) == 3
-    eager = params_before_steps(load_steps(tmp_path), params())
+    eager = eager_starts(load_steps(tmp_path), params())
     with pytest.raises(IndexError) as at_len:
         lazy[3]
     assert at_len.value.args == (3,)
@@ -52,7 +52,7 @@ def test_step_starts_refuse_len_and_slice_like_a_list(tmp_path):
 
 def test_step_starts_asked_out_of_order_are_the_eager_starts(tmp_path):
     write_steps(tmp_path, role_steps("actor", 0.0, 4))
-    eager = params_before_steps(load_steps(tmp_path), params())
+    eager = eager_starts(load_steps(tmp_path), params())
     assert not any(torch.equal(eager[i]["w"], eager[j]["w"]) for i in range(4) for j in range(i))
     # a fresh sequence asked for its last start first (several steps advanced at once), then backwards, then the same
     # index twice

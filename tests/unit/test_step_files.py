@@ -8,7 +8,7 @@ import torch
 
 from qualify import compare
 from qualify.compare import StepFiles, load_steps, params_before_steps
-from tests.unit._runs import params, role_steps, write_steps
+from tests.unit._runs import eager_starts, params, role_steps, write_steps
 
 
 def test_step_files_are_the_loaded_steps_and_their_starts_read_step_by_step(tmp_path, monkeypatch):
@@ -18,7 +18,7 @@ def test_step_files_are_the_loaded_steps_and_their_starts_read_step_by_step(tmp_
     reads = []
     real = compare.load_run
     monkeypatch.setattr(compare, "load_run", lambda d, k=0: reads.append(k) or real(d, k))
-    starts_eager, starts_lazy = params_before_steps(eager, params()), params_before_steps(lazy, params())
+    starts_eager, starts_lazy = eager_starts(eager, params()), params_before_steps(lazy, params())
     for k in range(3):
         step = lazy[k]
         for group in ("outputs", "grads", "updates", "moments"):
