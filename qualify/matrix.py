@@ -360,6 +360,10 @@ class Reference:
     offload: Literal["host"] | None = None
     """host: the FP32 master, its gradients and the AdamW state stay in host memory, only the compute copy is on the
     device (fits a model whose optimizer state one GPU cannot hold); unset: everything on the device."""
+    layer_activations: bool = True
+    """Keep step 1's per-layer activations of every reference run (what `qualify diagnose` localizes a failing case
+    with, and its per-layer bounds are frozen from); false leaves them out (at Qwen3-0.6B they are 2.7 GB of each r0
+    run's 12.2 GB) and diagnose then refuses, naming this field."""
     evidence: Literal["summary", "full"] = "summary"
     """What the reference keeps of each control (every run but a precision's r0, against which candidates are judged):
     summary: its outputs and the control errors freeze needs, measured while it ran (qualify.bounds.records), so the

@@ -42,8 +42,9 @@ def layer_bounds_named(acceptance_path: Path, document: dict[str, Any]) -> dict[
     named = document.get("layer_bounds")
     if not named:
         raise EvidenceError(f"the acceptance {acceptance_path} has no layer bounds (it was frozen from a reference "
-                            "scored without per-layer activations): re-freeze is needed; run 'qualify reference' into a "
-                            "new run directory and 'qualify freeze' it to diagnose layer by layer")
+                            "scored without per-layer activations, or under reference.layer_activations: false): run "
+                            "'qualify reference' with layer_activations true into a new run directory and 'qualify "
+                            "freeze' it to diagnose layer by layer")
     return named
 
 

@@ -27,8 +27,8 @@ def model_config(model_dir: Path) -> dict[str, Any]:
 def scoring_settings(matrix: Matrix, rollout_digest: str) -> str:
     """Fingerprint of what targets and scores depend on: the rollout and the numerics sections of the matrix."""
     m = to_dict(matrix)
-    # what is kept of the controls changes no number: a run's fingerprint is the same under either
-    m["reference"] = {k: v for k, v in m["reference"].items() if k != "evidence"}
+    # what is kept (of the controls, of the layer activations) changes no number: the fingerprint is the same
+    m["reference"] = {k: v for k, v in m["reference"].items() if k not in ("evidence", "layer_activations")}
     grpo = ("algorithm", "grpo") if matrix.algorithm == "grpo" else ()  # a PPO matrix's fingerprint is unchanged
     return fingerprint({"rollout": rollout_digest,
                         **{k: m[k] for k in ("models", "ppo", "optimizer", "reference", *grpo)}})

@@ -161,7 +161,8 @@ def run_role(matrix: Matrix, role: str, precision: str, control: Control, master
     # per-layer activations of step 1's forward, split and ordered as this control runs it (qualify diagnose)
     rows0 = step_rows(batch["input_ids_BT"].shape[0], matrix.ppo.epochs, matrix.ppo.minibatches)[0]
     layers = {k: v.cpu() for k, v in capture_layer_outputs(model, batch["input_ids_BT"][rows0], control.microbatches,
-                                                            control.reverse_rows).items()}
+                                                            control.reverse_rows).items()} \
+        if matrix.reference.layer_activations else None
     o, p = matrix.optimizer, matrix.ppo
     names = [n for n, _ in master.named_parameters()]
     params = list(master.parameters())
@@ -208,7 +209,7 @@ def run_role(matrix: Matrix, role: str, precision: str, control: Control, master
             "grad_dtypes": master_grad_dtypes, "master_dtype": "float32",
             "state_dtypes": {n: str(opt.state[q]["exp_avg"].dtype).removeprefix("torch.") for n, q in zip(names, params)},
             "num_steps": len(steps), "coverage": coverage}
-    return {"steps": steps, "meta": meta, "layers": layers}
+    return {"steps": steps, "meta": meta} | ({} if layers is None else {"layers": layers})
 
 
 def _forward_backward(matrix: Matrix, role: str, control: Control, model: torch.nn.Module,
