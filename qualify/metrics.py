@@ -156,7 +156,11 @@ def adamw_update(param_before: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: 
 
 def replay_max_abs(update: torch.Tensor, param_before: torch.Tensor, exp_avg: torch.Tensor,
                    exp_avg_sq: torch.Tensor, **adamw: Any) -> float:
-    """max |update - AdamW(own moments)|: the optimizer step was the declared one."""
+    """max |update - AdamW(own moments)|: the optimizer step was the declared one (computed on the metrics device,
+    metrics_device(), when there is one: max of exact-enough float64 arithmetic, the same on either)."""
+    device = metrics_device()
+    if device is not None:
+        update, param_before, exp_avg, exp_avg_sq = (t.to(device) for t in (update, param_before, exp_avg, exp_avg_sq))
     if not (_finite(update) and _finite(exp_avg) and _finite(exp_avg_sq)):
         return INF
     expected = adamw_update(param_before, exp_avg, exp_avg_sq, **adamw)
