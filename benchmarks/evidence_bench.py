@@ -1,7 +1,8 @@
 """The reference's evidence kept as summaries vs in full (reference.evidence), side by side in one run.
 
 The same matrix (default: the embedded default) is scored twice from one committed rollout, once per mode, each in
-its own run directory, then frozen: evidence bytes, the reference's and freeze's wall time of each, the ratios, and whether the bound files are byte-identical. The real CLI runs (`.venv/bin/qualify`).
+its own run directory, then frozen: evidence bytes, the reference's and freeze's wall time of each, the ratios,
+and whether the bound files are byte-identical. The real CLI runs (`.venv/bin/qualify`).
 
     .venv/bin/python benchmarks/evidence_bench.py [--matrix matrices/tiny-qwen3.yaml]
         [--rollout manifests/tiny-qwen3/reference/rollout] [--dir /tmp] [--keep]
