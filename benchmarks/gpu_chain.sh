@@ -10,7 +10,8 @@
 # deepspeed (`pip wheel deepspeed==0.19.8 --no-deps -w .whl`), hjson, py-cpuinfo, msgpack, einops.
 # STAGES (default all of them: reference freeze candidate verify report) runs some of them, for a chain split over
 # several calls of at most 10 minutes on one warm machine (the run directory stays in /tmp between calls).
-# Usage: [STAGES="..."] bash benchmarks/gpu_chain.sh OUT_DIR [MATRIX] [RUN_DIR] [ROLLOUT_DIR]
+# CASES (a glob) runs only the cases it matches.
+# Usage: [STAGES="..."] [CASES=GLOB] bash benchmarks/gpu_chain.sh OUT_DIR [MATRIX] [RUN_DIR] [ROLLOUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: gpu_chain.sh OUT_DIR [MATRIX] [RUN_DIR] [ROLLOUT_DIR]}
@@ -36,7 +37,7 @@ for stage in $stages; do
   case $stage in
     reference) cmd=(reference "$matrix" --run "$run"); [ -z "$rollout" ] || cmd+=(--rollout "$rollout") ;;
     freeze) cmd=(freeze "$run") ;;
-    candidate) cmd=(candidate "$matrix" --run "$run") ;;
+    candidate) cmd=(candidate "$matrix" --run "$run"); [ -z "${CASES:-}" ] || cmd+=(--only "$CASES") ;;
     verify) cmd=(verify "$run/acceptance/acceptance.json") ;;
     report) cmd=(report "$run" --format markdown) ;;
     *) echo "gpu_chain.sh: unknown stage $stage" >&2; exit 2 ;;
