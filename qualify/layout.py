@@ -49,6 +49,12 @@ class RunLayout:
         return self.reference / "rollout" / f"tp{tp}"
 
     @property
+    def scratch_replays(self) -> Path:
+        """Where a control kept as a summary has r0 replayed on its decisions, used and removed while it is scored
+        (qualify.reference.summary): beside the reference, never inside the evidence an acceptance covers."""
+        return work_dir(self.reference) / REPLAYS
+
+    @property
     def targets(self) -> Path:
         return self.reference / "targets"
 

@@ -20,7 +20,7 @@ from qualify.bounds.records import means_of, terms_of, write_record
 from qualify.bounds.rule import FAMILIES, family_pairs
 from qualify.compare import RunTensors, StepFiles, next_params, step_dir
 from qualify.errors import EvidenceError
-from qualify.layout import RunLayout, work_dir
+from qualify.layout import RunLayout
 from qualify.matrix import Matrix
 from qualify.reference.inputs import StepInputs
 from qualify.stages import complete_stage, prepare_stage, stage_is_complete
@@ -30,11 +30,6 @@ from qualify.store import write_json, write_tensors
 def in_memory_steps(result: dict[str, Any]) -> list[RunTensors]:
     """run_role's result as the steps freeze reads from a role directory."""
     return [RunTensors(s["outputs"], s["grads"], s["updates"], s["moments"], result["meta"]) for s in result["steps"]]
-
-
-def scratch_replays(layout: RunLayout) -> Path:
-    """Where a summarized control's replay of r0 is made and removed: beside the reference, never inside it."""
-    return work_dir(layout.reference) / "replays"
 
 
 def starts_of(steps: list[RunTensors], initial: dict) -> Iterator[dict]:
@@ -77,7 +72,7 @@ def aligned_base(matrix: Matrix, layout: RunLayout, role: str, base_name: str, s
     if decided is None:
         return StepFiles(base_dir), base_name, None
     where = replay_dir(layout.reference, precision, role, decided, scoring_settings(matrix, digests[0]))
-    scratch = scratch_replays(layout) / where.parent.name / role
+    scratch = layout.scratch_replays / where.parent.name / role
     if scratch.exists():
         shutil.rmtree(scratch)
     make_replay(matrix, layout, precision, role, decided, scratch, *digests)
