@@ -14,9 +14,9 @@ from typing import Any
 from qualify.errors import EvidenceError
 from qualify.hardware import describe
 from qualify.layout import RunLayout
-from qualify.reference.mismatch_text import mismatch_lines
+from qualify.reference.mismatch_text import evidence_line, mismatch_lines
 from qualify.report_verify import CASE_NAME, Verification, discover_rounds, readable, verify_run
-from qualify.store import read_json, read_json_object
+from qualify.store import read_json, read_json_object, tree_bytes
 
 PASSED, FAILED, NOT_VERIFIED, NO_VERDICT = "PASSED", "FAILED", "NOT VERIFIED", "NO VERDICT"
 WORST_KEYS = ("comparison", "tensor", "metric", "value", "bound", "ratio")
@@ -100,6 +100,14 @@ def candidates_summary(verdict: Any) -> dict[str, Any] | None:
             "cases": {name: _case_summary(name, c) for name, c in verdict["cases"].items()}}
 
 
+def evidence_summary(docs: RunDocs) -> dict[str, Any]:
+    """What the run's evidence weighs on disk: the reference as its stage recorded it (qualify.reference.summary
+    .evidence_sizes) and each case of the verdict, measured now."""
+    cases = sorted(docs.verdict["cases"]) if readable(docs.verdict) else []
+    return {"reference": docs.reference.get("evidence"),
+            "cases": {name: tree_bytes(docs.layout.case(name)) for name in cases}}
+
+
 def rounds_summary(rounds: dict[int, Any]) -> list[dict[str, Any]]:
     return [{"vllm_tp": tp, "passed": doc.get("passed") if isinstance(doc, dict) else None,
              "num_checks": doc.get("num_checks") if isinstance(doc, dict) else None,
@@ -137,6 +145,7 @@ def summarize_docs(docs: RunDocs, verification: Verification) -> dict[str, Any]:
                                                 "k": acc.get("rule", {}).get("k"),
                                                 "bounds": sorted(acc.get("bounds", {}))},
         "candidates": candidates_summary(docs.verdict),
+        "evidence": evidence_summary(docs),
         "steps": steps_summary(docs.verdict),
         "coverage": (acc or {}).get("coverage"),
         "rounds": rounds_summary(docs.rounds),
@@ -197,6 +206,12 @@ def to_markdown(summary: dict[str, Any]) -> str:
     platform = summary["provenance"].get("platform")
     if platform:
         lines.append(f"- platform: {describe(platform)}")
+    evidence = summary.get("evidence") or {}
+    if evidence.get("reference"):
+        lines.append(f"- {evidence_line(evidence['reference']).strip()}")
+    if evidence.get("cases"):
+        lines.append("- cases' evidence: " + ", ".join(f"{name} {size / 1e6:.1f} MB"
+                                                         for name, size in evidence["cases"].items()))
     acc = summary["acceptance"]
     if acc is None:
         lines.append("- acceptance: not frozen")

@@ -239,3 +239,9 @@ class TensorFile(Mapping):
 
     def __len__(self) -> int:
         return len(self._keys)
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of every file under path (0 when it does not exist)."""
+    path = Path(path)
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0

@@ -24,7 +24,7 @@ from qualify.layout import RunLayout
 from qualify.matrix import Matrix
 from qualify.reference.inputs import StepInputs
 from qualify.stages import complete_stage, prepare_stage, stage_is_complete
-from qualify.store import write_json, write_tensors
+from qualify.store import tree_bytes, write_json, write_tensors
 
 
 def in_memory_steps(result: dict[str, Any]) -> list[RunTensors]:
@@ -124,11 +124,6 @@ def write_summarized_role(out: Path, result: dict[str, Any], info: dict[str, Any
     write_record(out, record)
     write_json(out / "meta.json", result["meta"] | info | {"evidence": "summary"})
     complete_stage(out, info | {"evidence": "summary"})
-
-
-def tree_bytes(path: Path) -> int:
-    """Bytes of every file under path (0 when it does not exist)."""
-    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file()) if Path(path).exists() else 0
 
 
 def evidence_sizes(layout: RunLayout, matrix: Matrix, controls: list[str]) -> dict[str, Any]:
