@@ -14,6 +14,7 @@ so a frozen bound can never be widened.
 from __future__ import annotations
 
 import hashlib
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from qualify.acceptance import ACCEPTANCE_SCHEMA
 from qualify.bounds.control_error import ReplayOf, family_bounds
 from qualify.bounds.layers import layer_bound_files
 from qualify.bounds.records import means_of, terms_of
-from qualify.bounds.rule import FAMILIES, RULE
+from qualify.bounds.rule import BOUNDS_SCHEMA, FAMILIES, RULE
 from qualify.errors import EvidenceError, FrozenError
 from qualify.hashing import file_digest
 from qualify.layout import ROLES_ALL, RunLayout
@@ -31,7 +32,7 @@ from qualify.models.family import model_dir
 from qualify.ppo.coverage import inert
 from qualify.reference.inputs import StepInputs
 from qualify.schema import from_dict
-from qualify.stages import require_complete, stage_info
+from qualify.stages import fingerprint, require_complete, stage_info
 from qualify.store import atomic_write_bytes, dumps_json, read_json, read_json_object
 
 
@@ -131,9 +132,56 @@ def replays_of(matrix: Any, layout: RunLayout, role: str, inputs: Any, summary: 
     return replay_of
 
 
-def freeze(run_dir: Path, name: str | None = None) -> dict[str, Any]:
-    """Freeze the reference of run_dir; returns the acceptance document (refuses to change a frozen one)."""
+class FreezeWork:
+    """The bound files an interrupted freeze finished, under acceptance.work/, keyed by everything they are made from
+    (freeze_key): a freeze run again on the same evidence with the same code takes them instead of computing them
+    again; any other key discards them."""
+
+    KEY_FILE = "key.json"
+
+    def __init__(self, layout: RunLayout, key: str, log: Any) -> None:
+        self.root, self.key = layout.freeze_work, key
+        kept = read_json(self.root / self.KEY_FILE).get("key") if (self.root / self.KEY_FILE).is_file() else None
+        if kept != key and self.root.exists():
+            log.note(f"discarding {self.root}: an interrupted freeze of other evidence or other code")
+            shutil.rmtree(self.root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        if kept != key:
+            atomic_write_bytes(self.root / self.KEY_FILE, dumps_json({"key": key}).encode("ascii"))
+
+    def get(self, name: str) -> bytes | None:
+        path = self.root / name
+        return path.read_bytes() if path.is_file() else None
+
+    def put(self, name: str, data: bytes) -> None:
+        atomic_write_bytes(self.root / name, data)
+
+    def clear(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def freeze_key(layout: RunLayout, summary: dict[str, Any]) -> str:
+    """What a bound file is made from: the bound schema, the sealed matrix, rollout and targets, every scored run's and
+    replay's seal (which names the digest of each of its files), qualify's own code and torch's version."""
+    import torch
+
+    from qualify.stages import MARKER
+
+    seals = {str(p.relative_to(layout.reference)): file_digest(p) for p in sorted(layout.reference.rglob(MARKER))}
+    package = Path(__file__).resolve().parent
+    code = {str(p.relative_to(package)): file_digest(p) for p in sorted(package.rglob("*.py"))}
+    return fingerprint({"schema": BOUNDS_SCHEMA, "matrix": summary["matrix_digest"],
+                        "rollout": summary["rollout_digest"], "targets": summary["targets_digest"], "seals": seals,
+                        "code": code, "torch": torch.__version__})
+
+
+def freeze(run_dir: Path, name: str | None = None, log: Any = None) -> dict[str, Any]:
+    """Freeze the reference of run_dir; returns the acceptance document (refuses to change a frozen one). Each bound
+    file is kept as it is made (FreezeWork): an interrupted freeze resumes where it stopped."""
+    from qualify.stagelog import StageLog
+
     layout = RunLayout(run_dir_of(run_dir))
+    log = log or StageLog("freeze")
     summary, matrix = verified_reference(layout)
     controls = summary["controls"]
     coverage = reference_coverage(layout, controls[0], matrix.roles)
@@ -143,17 +191,29 @@ def freeze(run_dir: Path, name: str | None = None) -> dict[str, Any]:
                           + "; ".join(missing))
     files: dict[str, bytes] = {}
     inputs = StepInputs.load(matrix, layout)
+    work = FreezeWork(layout, freeze_key(layout, summary), log)
     for role in matrix.roles:
-        before = checkpoint_tensors(model_dir(matrix, layout.models, role))
+        before = None
         for family in FAMILIES:
-            doc = family_bounds(layout, role, family, controls, matrix.freeze.k, dict(matrix.freeze.floors), before,
-                                matrix.optimizer, matrix.freeze.quantum, matrix.freeze.floor_ulps,
-                                terms_of(matrix, role, inputs), replays_of(matrix, layout, role, inputs, summary),
-                                means_of(matrix, role, inputs))
-            files[f"{role}-{family}.json"] = dumps_json(doc).encode("ascii")
-    layers = layer_bound_files(layout, matrix, controls)  # {} for a reference scored without layer activations
+            file = f"{role}-{family}.json"
+            kept = work.get(file)
+            if kept is not None:
+                log.skip(f"bounds {role} {family} (made by an interrupted freeze of this evidence)")
+                files[file] = kept
+                continue
+            with log.step(f"bounds {role} {family}"):
+                before = before if before is not None else checkpoint_tensors(model_dir(matrix, layout.models, role))
+                doc = family_bounds(layout, role, family, controls, matrix.freeze.k, dict(matrix.freeze.floors),
+                                    before, matrix.optimizer, matrix.freeze.quantum, matrix.freeze.floor_ulps,
+                                    terms_of(matrix, role, inputs), replays_of(matrix, layout, role, inputs, summary),
+                                    means_of(matrix, role, inputs))
+                files[file] = dumps_json(doc).encode("ascii")
+                work.put(file, files[file])
+    with log.step("layer bounds"):
+        layers = layer_bound_files(layout, matrix, controls)  # {} for a reference scored without layer activations
     document = acceptance_document(layout, name or matrix.name, files, summary | {"coverage": coverage}, matrix, layers)
     _write_once(layout, files, document, layers)
+    work.clear()
     return document
 
 

@@ -49,6 +49,12 @@ class RunLayout:
         return self.reference / "rollout" / f"tp{tp}"
 
     @property
+    def freeze_work(self) -> Path:
+        """acceptance.work/: the bound files an interrupted freeze had finished, kept for the next freeze to resume
+        from (qualify.freeze); removed once the acceptance is written."""
+        return work_dir(self.acceptance_dir)
+
+    @property
     def scratch_replays(self) -> Path:
         """Where a control kept as a summary has r0 replayed on its decisions, used and removed while it is scored
         (qualify.reference.summary): beside the reference, never inside the evidence an acceptance covers."""

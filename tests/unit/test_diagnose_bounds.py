@@ -1,7 +1,7 @@
 """Per-layer metrics and the layer bounds freeze writes: against slow loops, on a sealed synthetic reference.
 
 An acceptance frozen from a reference without layer activations has no layer bounds, verifies as before, and
-diagnose (library and CLI) says that a re-freeze is needed.
+diagnose (library and CLI) says that a new reference and freeze are needed.
 """
 
 from __future__ import annotations
@@ -131,7 +131,8 @@ def test_acceptance_without_layer_bounds_verifies_and_diagnose_asks_for_a_refree
     assert "layer_bounds" not in doc and not (layout.acceptance_dir / "layers").exists()
     assert check_acceptance(layout.acceptance) == []
     assert "layer_bounds" not in read_json(layout.acceptance)
-    with pytest.raises(EvidenceError, match="has no layer bounds .*re-freeze is needed"):
+    with pytest.raises(EvidenceError, match="has no layer bounds .*reference.layer_activations: false.*into a new run "
+                                            "directory and 'qualify freeze' it"):
         diagnose(layout.root, "torch-tp-fp32-tp1-actor")
     result = CliRunner().invoke(app, ["diagnose", str(layout.root), "--case", "torch-tp-fp32-tp1-actor"])
     assert result.exit_code == 2, result.output
