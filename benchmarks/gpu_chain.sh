@@ -61,6 +61,6 @@ for stage in $stages; do
   [ $src = 0 ] || [ "$stage" = candidate ] || [ "$stage" = verify ] || break
 done
 cat "$table"
-cp "$run/candidates/verdict.json" "$out/" 2>/dev/null || true
+cp "$run"/candidates/verdict*.json "$out/" 2>/dev/null || true
 tar -C "$run" -czf "$out/candidate-logs.tgz" $(cd "$run" && ls -d candidates/*.work 2>/dev/null) 2>/dev/null || true
 exit $rc
