@@ -110,3 +110,29 @@ def test_structure_problems_read_from_the_header_name_a_reshaped_gradient(tmp_pa
     problems = structure_problems(load_run(tmp_path / "c"), load_run(tmp_path / "r"))
     assert ("grads/w", "shape (4, 6) != (6, 4)") in problems
     assert "grads/w" not in pair_metrics(load_run(tmp_path / "c"), load_run(tmp_path / "r"))
+
+
+def test_judging_a_run_read_from_disk_never_reads_a_whole_tensor_group(tmp_path, monkeypatch):
+    """The judge's pair (structure, metrics, AdamW replay) reads gradients, moments and updates one tensor at a time:
+    loading a whole group file is refused here, and the rows are still all made."""
+    from safetensors import torch as st
+
+    from qualify.candidate.judge import judge_pair
+    from tests.unit._runs import OPT
+
+    run_on_disk(tmp_path, "c", 1)
+    run_on_disk(tmp_path, "r", 2)
+    cand, ref = load_run(tmp_path / "c"), load_run(tmp_path / "r")
+    real = st.load_file
+
+    def only_outputs(path, *args, **kwargs):
+        assert str(path).endswith("outputs.safetensors"), f"a whole group was read: {path}"
+        return real(path, *args, **kwargs)
+    monkeypatch.setattr(st, "load_file", only_outputs)
+    bounds = {"grads/w": {"max_abs": {"bound": 1.0}}, "moments/exp_avg/w": {"max_abs": {"bound": 1.0}},
+              "updates/w": {"replay_max_abs": {"bound": 1.0}}}
+    start = {"w": torch.zeros(6, 4), "b": torch.zeros(4)}
+    rows = judge_pair("c", "actor", "cmp", cand, ref, bounds, start, OPT)
+    assert {(r.tensor, r.metric) for r in rows} == {("grads/w", "max_abs"), ("moments/exp_avg/w", "max_abs"),
+                                                    ("updates/w", "replay_max_abs")}
+    assert all(math.isfinite(r.value) for r in rows)
