@@ -122,13 +122,13 @@ def test_judging_a_run_read_from_disk_never_reads_a_whole_tensor_group(tmp_path,
 
     run_on_disk(tmp_path, "c", 1)
     run_on_disk(tmp_path, "r", 2)
-    cand, ref = load_run(tmp_path / "c"), load_run(tmp_path / "r")
     real = st.load_file
 
     def only_outputs(path, *args, **kwargs):
         assert str(path).endswith("outputs.safetensors"), f"a whole group was read: {path}"
         return real(path, *args, **kwargs)
     monkeypatch.setattr(st, "load_file", only_outputs)
+    cand, ref = load_run(tmp_path / "c"), load_run(tmp_path / "r")
     bounds = {"grads/w": {"max_abs": {"bound": 1.0}}, "moments/exp_avg/w": {"max_abs": {"bound": 1.0}},
               "updates/w": {"replay_max_abs": {"bound": 1.0}}}
     start = {"w": torch.zeros(6, 4), "b": torch.zeros(4)}
