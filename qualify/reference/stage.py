@@ -160,9 +160,19 @@ class Scoring:
         from qualify.models.checkpoint import checkpoint_tensors
         from qualify.models.hf import load_model
         from qualify.reference.step import run_role
-        from qualify.reference.summary import control_record, recorded_families, write_summarized_role
+        from qualify.reference.summary import (
+            control_record,
+            expected_run_bytes,
+            recorded_families,
+            require_space,
+            write_summarized_role,
+        )
 
-        m, started = self.matrix, time.monotonic()
+        m, name = self.matrix, f"{precision}-{control.name}"
+        out = self.layout.scores(precision, control.name, role)
+        need, basis = expected_run_bytes(self.layout, self.models[role], role, m.ppo.epochs * m.ppo.minibatches)
+        require_space(out, need, basis, f"scoring {name} {role}")
+        started = time.monotonic()
         master = load_model(self.models[role], role, control.attn_impl)
         with torch.enable_grad():
             result = run_role(m, role, precision, control, master, self.rollout, self.targets, self.vocab,
@@ -174,7 +184,6 @@ class Scoring:
             | ({"fused_projections": True} if control.fused else {}) \
             | ({"optimizer_order": "reordered"} if control.reordered_adam else {}) \
             | ({"fused_norm": True} if control.fused_norm else {})
-        out, name = self.layout.scores(precision, control.name, role), f"{precision}-{control.name}"
         if m.reference.evidence != "summary" or not recorded_families(name, self.controls):
             write_role(out, result, info)
             return

@@ -158,3 +158,29 @@ def _numel(shape: list[int]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def expected_run_bytes(layout: RunLayout, model_dir: Path, role: str, steps: int) -> tuple[int, str]:
+    """(bytes a run of role may write, how that was found): a run of the same role already kept in full, else four
+    fp32 copies of the model a step (gradients, update, two AdamW moments). A control kept as a summary needs as much
+    while it is measured: r0 replayed on its decisions is written to scratch, used and removed."""
+    for done in sorted(layout.reference.glob(f"scores/*/{role}")):
+        if (done / step_dir(0) / "grads.safetensors").is_file() and (done / "_complete.json").is_file():
+            return tree_bytes(done), f"the size of {done.relative_to(layout.reference)}"
+    model = tree_bytes(model_dir)
+    return 4 * steps * model, f"4 x {steps} step(s) x the {role} model's {model / 1e9:.2f} GB"
+
+
+def require_space(where: Path, need: int, basis: str, what: str) -> None:
+    """Refuse to start writing what when the file system holding where has less than need bytes free: a run that
+    fills the disk half-way is lost, a refusal before it costs nothing."""
+    from qualify.errors import QualifyError
+
+    probe = Path(where)
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < need:
+        raise QualifyError(f"{what} needs about {need / 1e9:.2f} GB ({basis}), but only {free / 1e9:.2f} GB are free "
+                           f"under {probe}: free space, run in another --run directory, or keep less "
+                           "(reference.layer_activations: false; reference.evidence: summary)")
