@@ -90,6 +90,36 @@ class EngineContext:
         return Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
 
 
+class OutputScoring:
+    """score() from full (unsharded) model outputs, shared by the built-in adapters: it keeps the last outputs'
+    logprobs in the declared formula and the actor's logits for the logprobs() and logits() hooks."""
+
+    ctx: EngineContext
+    last_logits: torch.Tensor | None = None
+    declared_BT: torch.Tensor | None = None
+    """The last score()'s logprobs in the declared formula (None until score() runs, or for a subclass whose own
+    score() does not set it: the worker then judges score()'s values)."""
+
+    def scores_from(self, out_BTX: torch.Tensor, ids_BT: torch.Tensor) -> torch.Tensor:
+        """(B, T) fp32 scores on CPU (qualify.models.hf.scores_from_outputs) of full outputs (B, T, V or 1) of
+        ids_BT, keeping what the hooks report."""
+        from qualify.models.hf import declared_logprobs, scores_from_outputs
+
+        self.declared_BT = declared_logprobs(self.ctx, out_BTX.detach(), ids_BT)
+        self.last_logits = out_BTX.detach() if self.ctx.role == "actor" else None
+        return scores_from_outputs(self.ctx.role, out_BTX, ids_BT, self.ctx.temperature,
+                                   self.ctx.logprob_chunk_tokens, self.ctx.vocab_size).cpu()
+
+    def logprobs(self) -> torch.Tensor | None:
+        """The last score()'s logprobs in the declared formula (None: score()'s own, the full formula)."""
+        return self.declared_BT
+
+    def logits(self) -> torch.Tensor | None:
+        """The last score()'s full-vocabulary logits, as computed (qualify.candidate.derived: the logprobs are derived
+        from them); None for the critic."""
+        return self.last_logits
+
+
 class TrainEngine(Protocol):
     """A training engine qualified by qualify (built in or a user's plugin)."""
 

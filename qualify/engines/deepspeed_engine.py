@@ -42,9 +42,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from qualify.engines.base import Batch, EngineContext
+from qualify.engines.base import Batch, EngineContext, OutputScoring
 from qualify.errors import EngineError
-from qualify.models.hf import declared_logprobs, dtype_name, load_model, scores_from_outputs
+from qualify.models.hf import dtype_name, load_model
 
 # Relative difference between DeepSpeed's global norm and the exported gradients' norm above which
 # the log says so (summation order alone gives ~1e-7).
@@ -101,12 +101,10 @@ def gather_dim(local: torch.Tensor, dim: int, sizes: tuple[int, ...]) -> torch.T
     return torch.cat([part.narrow(dim, 0, size) for part, size in zip(parts, sizes)], dim)
 
 
-class DeepSpeedEngine:
+class DeepSpeedEngine(OutputScoring):
     """The deepspeed engine (see module docstring)."""
 
     name = "deepspeed"
-    last_logits: torch.Tensor | None = None
-    declared_BT: torch.Tensor | None = None  # the last score()'s logprobs in the declared formula (logprobs())
     gradient_clipping_from_matrix = True
     """False leaves gradient_clipping unset: DeepSpeed's default of 1.0."""
     masters_from_checkpoint = True
@@ -207,20 +205,7 @@ class DeepSpeedEngine:
     def score(self, batch: Batch) -> torch.Tensor:
         device = next(self.engine.module.parameters()).device
         ids_BT = batch.input_ids_BT.to(device)
-        out_BTX = self.engine(input_ids=ids_BT, use_cache=False).logits
-        self.declared_BT = declared_logprobs(self.ctx, out_BTX.detach(), ids_BT)
-        self.last_logits = out_BTX.detach() if self.ctx.role == "actor" else None
-        return scores_from_outputs(self.ctx.role, out_BTX, ids_BT, self.ctx.temperature,
-                                 self.ctx.logprob_chunk_tokens, self.ctx.vocab_size).cpu()
-
-    def logprobs(self) -> torch.Tensor | None:
-        """The last score()'s logprobs in the declared formula (None: score()'s own, the full formula)."""
-        return self.declared_BT
-
-    def logits(self) -> torch.Tensor | None:
-        """The last score()'s full-vocabulary logits, as computed (qualify.candidate.derived: the logprobs are derived
-        from them); None for the critic."""
-        return self.last_logits
+        return self.scores_from(self.engine(input_ids=ids_BT, use_cache=False).logits, ids_BT)
 
     def layer_outputs(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Full fp32 outputs of every decoder layer's modules and the final norm (qualify diagnose): AutoTP keeps

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qualify.engines.base import Batch, EngineContext
+from qualify.engines.base import Batch, EngineContext, OutputScoring
 from qualify.engines.megatron_convert import (
     Qwen3Layout,
     conversion_plan,
@@ -31,7 +31,6 @@ from qualify.engines.megatron_convert import (
     padded_rows,
 )
 from qualify.errors import EngineError
-from qualify.models.hf import declared_logprobs, scores_from_outputs
 
 VOCAB_DIVISIBLE_BY = 128  # Megatron-LM's default make_vocab_size_divisible_by
 
@@ -74,12 +73,10 @@ def rope_theta(hf_config: Any) -> float:
     return float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
 
 
-class MegatronEngine:
+class MegatronEngine(OutputScoring):
     """The megatron engine (see module docstring)."""
 
     name = "megatron"
-    last_logits: torch.Tensor | None = None
-    declared_BT: torch.Tensor | None = None  # the last score()'s logprobs in the declared formula (logprobs())
 
     def setup(self, ctx: EngineContext) -> None:
         if not ctx.device.startswith("cuda"):
@@ -177,19 +174,7 @@ class MegatronEngine:
         pos_BT = torch.arange(ids_BT.shape[1], device=ids_BT.device).expand_as(ids_BT)
         out_BTX = self.model(input_ids=ids_BT, position_ids=pos_BT, attention_mask=None,
                              runtime_gather_output=True)
-        self.declared_BT = declared_logprobs(self.ctx, out_BTX.detach(), ids_BT)
-        self.last_logits = out_BTX.detach() if self.ctx.role == "actor" else None
-        return scores_from_outputs(self.ctx.role, out_BTX, ids_BT, self.ctx.temperature,
-                                 self.ctx.logprob_chunk_tokens, self.ctx.vocab_size).cpu()
-
-    def logprobs(self) -> torch.Tensor | None:
-        """The last score()'s logprobs in the declared formula (None: score()'s own, the full formula)."""
-        return self.declared_BT
-
-    def logits(self) -> torch.Tensor | None:
-        """The last score()'s full-vocabulary logits, as computed (qualify.candidate.derived: the logprobs are derived
-        from them); None for the critic."""
-        return self.last_logits
+        return self.scores_from(out_BTX, ids_BT)
 
     def layer_outputs(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Full fp32 (B, T, H) outputs of every decoder layer's modules and the final norm under HF names (qualify

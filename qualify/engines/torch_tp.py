@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from qualify.engines.base import Batch, EngineContext
-from qualify.models.hf import declared_logprobs, dtype_name, load_model, scores_from_outputs
+from qualify.engines.base import Batch, EngineContext, OutputScoring
+from qualify.models.hf import dtype_name, load_model
 from qualify.models.precision import torch_dtype
 
 GRAD_ALLREDUCE_SUFFIXES = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
@@ -48,14 +48,10 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().cpu().clone()
 
 
-class TorchTPEngine:
+class TorchTPEngine(OutputScoring):
     """The torch-tp engine (see module docstring)."""
 
     name = "torch-tp"
-    last_logits: torch.Tensor | None = None
-    declared_BT: torch.Tensor | None = None
-    """The last score()'s logprobs in the declared formula (None until score() runs, or for a subclass whose own
-    score() does not set it: the worker then judges score()'s values)."""
     grad_allreduce_suffixes = GRAD_ALLREDUCE_SUFFIXES
 
     def setup(self, ctx: EngineContext) -> None:
@@ -87,11 +83,7 @@ class TorchTPEngine:
         ids_BT = batch.input_ids_BT.to(self.ctx.device)
         if self.vocab_parallel:
             return self.vocab_parallel_scores(ids_BT)
-        out_BTX = self.compute(input_ids=ids_BT, use_cache=False).logits
-        self.declared_BT = declared_logprobs(self.ctx, local(out_BTX).detach(), ids_BT)
-        self.last_logits = local(out_BTX).detach() if self.ctx.role == "actor" else None
-        return scores_from_outputs(self.ctx.role, local(out_BTX), ids_BT, self.ctx.temperature,
-                                 self.ctx.logprob_chunk_tokens, self.ctx.vocab_size).cpu()
+        return self.scores_from(local(self.compute(input_ids=ids_BT, use_cache=False).logits), ids_BT)
 
     def vocab_parallel_scores(self, ids_BT: torch.Tensor) -> torch.Tensor:
         """(B, T) logprobs by the deterministic vocab-parallel path (qualify.ppo.vocab_parallel) from this rank's
@@ -109,15 +101,6 @@ class TorchTPEngine:
                                         group=self.mesh.get_group(), **kw)
         self.declared_BT = None  # the full formula (the matrix refuses vocab_tile with another)
         return torch.nn.functional.pad(logp_BT1, (1, 0)).cpu()
-
-    def logprobs(self) -> torch.Tensor | None:
-        """The last score()'s logprobs in the declared formula (None: score()'s own, the full formula)."""
-        return self.declared_BT
-
-    def logits(self) -> torch.Tensor | None:
-        """The last score()'s full-vocabulary logits, as computed (qualify.candidate.derived: the logprobs are derived
-        from them); None for the critic."""
-        return self.last_logits
 
     def layer_outputs(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Full fp32 outputs of every decoder layer's modules and the final norm (qualify diagnose)."""
