@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from qualify.errors import QualifyError
-from qualify.ppo.math import choose, clipped_fraction_mask, policy_decided
+from qualify.ppo.math import check_mode, clipped_surrogate
 from qualify.ppo.vocab_parallel import tree_sum
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
@@ -190,15 +190,6 @@ def all_reduce_normalizers(local: Normalizers, group=None) -> Normalizers:
     return Normalizers(num_active_tokens=counts_2[0], num_active_sequences=counts_2[1])
 
 
-def _check_aggregation(aggregation: str, constant: float | None) -> None:
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"unknown loss aggregation {aggregation!r}; known: {', '.join(AGGREGATIONS)}")
-    if (aggregation == "seq_mean_token_sum_norm") != (constant is not None):
-        raise ValueError("constant is required with aggregation 'seq_mean_token_sum_norm' and only then")
-    if constant is not None and not constant > 0:
-        raise ValueError(f"constant must be > 0, got {constant}")
-
-
 def per_sequence_loss(
     x_BT: torch.Tensor,
     mask_BT: torch.Tensor,
@@ -206,7 +197,8 @@ def per_sequence_loss(
     normalizers: Normalizers,
     constant: float | None = None,
 ) -> torch.Tensor:
-    """Each row's contribution c (B,) to the aggregated loss: loss = sum_b c[b]. With s_b = sum_t m*x,
+    """Each row's contribution c (B,) to the aggregated loss: loss = sum_b c[b] (the global loss, or on a DP rank its
+    share of it). With s_b = sum_t m*x,
     n_b = sum_t m, N_tok and N_seq the *global* normalizers (each clamped to >= 1):
 
         'token_mean':              c_b = s_b / N_tok
@@ -217,7 +209,8 @@ def per_sequence_loss(
     it is bitwise the same on any DP split. No active token at all gives c = 0 and a zero gradient, never
     NaN (the clamps divide 0 by 1).
     """
-    _check_aggregation(aggregation, constant)
+    check_mode("aggregation", aggregation, AGGREGATIONS, "seq_mean_token_sum_norm", constant,
+               kind_in_full="loss aggregation")
     dtype = x_BT.dtype
     # A fixed pairwise tree of elementwise adds, not torch.sum: torch may split one long row over threads
     # when a rank holds few rows, which would make s_b depend on how many rows the rank holds.
@@ -229,17 +222,6 @@ def per_sequence_loss(
         return s_B / (constant * num_seq)
     n_B = mask_BT.sum(-1)
     return torch.where(n_B > 0, s_B / n_B.clamp_min(1).to(dtype), 0.0) / num_seq
-
-
-def aggregate_loss(
-    x_BT: torch.Tensor,
-    mask_BT: torch.Tensor,
-    aggregation: str,
-    normalizers: Normalizers,
-    constant: float | None = None,
-) -> torch.Tensor:
-    """Scalar sum_b per_sequence_loss(...)[b]: the global loss, or on a DP rank its share of it."""
-    return per_sequence_loss(x_BT, mask_BT, aggregation, normalizers, constant).sum()
 
 
 # --- the GRPO objective --------------------------------------------------------------------------------------
@@ -284,7 +266,7 @@ def grpo_loss(
         ratio_t = exp(logp_t - logp_old_t)
         pg_t    = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - clip_eps, 1 + clip_eps_high))
         loss_t  = pg_t + kl_coef * kl_estimate(logp_t, logp_ref_t)
-        loss    = aggregate_loss(loss_t, mask, aggregation, normalizers, constant)
+        loss    = sum_b per_sequence_loss(loss_t, mask, aggregation, normalizers, constant)[b]
 
     clip_frac: 'loss_weighted' aggregates 1[clipped] as the loss is aggregated; 'token_mean' is its mean over the
     step's active tokens (verl, TRL), whatever the aggregation.
@@ -295,30 +277,24 @@ def grpo_loss(
     if logp_ref_BT is None and kl_coef != 0:
         raise ValueError("a reference logprob is required when kl_coef is not 0")
     high = clip_eps if clip_eps_high is None else clip_eps_high
-    log_ratio_BT = torch.where(mask_BT, logp_BT - logp_old_BT, 0.0)
-    adv_BT = torch.where(mask_BT, advantages_BT, 0.0)
-    ratio_BT = torch.exp(log_ratio_BT)
-    unclipped_BT = -adv_BT * ratio_BT
-    clipped_BT = -adv_BT * torch.clamp(ratio_BT, 1.0 - clip_eps, 1.0 + high)
-    decided = policy_decided(decided_BT, ratio_BT, adv_BT, clip_eps, high)
-    pg_BT = choose(unclipped_BT, clipped_BT, decided)
+    s = clipped_surrogate(logp_BT, logp_old_BT, advantages_BT, mask_BT, clip_eps, high, decided_BT)
+    pg_BT = s.term_BT
     if logp_ref_BT is None:
         kl_BT = torch.zeros_like(pg_BT)
     else:
-        kl_BT = kl_estimate(logp_BT, logp_ref_BT, mask_BT, kl_estimator, ratio_BT)
+        kl_BT = kl_estimate(logp_BT, logp_ref_BT, mask_BT, kl_estimator, s.ratio_BT)
     loss_BT = pg_BT + kl_coef * kl_BT
 
     def agg(x_BT: torch.Tensor) -> torch.Tensor:
         return per_sequence_loss(x_BT, mask_BT, aggregation, normalizers, constant)
 
     per_sequence_B = agg(loss_BT)
-    is_clipped_BT = clipped_fraction_mask(unclipped_BT, clipped_BT, decided).detach().to(logp_BT.dtype)
     return GRPOLoss(
         loss=per_sequence_B.sum(),
         policy_loss=agg(pg_BT).sum(),
         kl=agg(kl_BT).sum(),
-        clip_frac=(agg(is_clipped_BT) if clip_frac == "loss_weighted"
-                   else per_sequence_loss(is_clipped_BT, mask_BT, "token_mean", normalizers)).sum(),
+        clip_frac=(agg(s.is_clipped_BT) if clip_frac == "loss_weighted"
+                   else per_sequence_loss(s.is_clipped_BT, mask_BT, "token_mean", normalizers)).sum(),
         per_sequence_B=per_sequence_B,
-        ratio_BT=ratio_BT,
+        ratio_BT=s.ratio_BT,
     )

@@ -16,6 +16,19 @@ import torch
 NORMALIZERS = ("global", "per_sequence", "constant")
 
 
+def check_mode(kind: str, mode: str, known: tuple[str, ...], with_constant: str, constant: float | None, *,
+               kind_in_full: str | None = None) -> None:
+    """Refuses a normalization mode (a masked_mean normalizer, a GRPO loss aggregation) not among known, a constant
+    given with another mode than with_constant or missing with it, and a constant not > 0. kind_in_full names the
+    kind in the unknown-mode message where it differs from kind."""
+    if mode not in known:
+        raise ValueError(f"unknown {kind_in_full or kind} {mode!r}; known: {', '.join(known)}")
+    if (mode == with_constant) != (constant is not None):
+        raise ValueError(f"constant is required with {kind} {with_constant!r} and only then")
+    if constant is not None and not constant > 0:
+        raise ValueError(f"constant must be > 0, got {constant}")
+
+
 def masked_sum(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
     """Sum of x over active tokens: sum_{b,t: mask[b,t]} x[b,t]. Returns a scalar."""
     return torch.where(mask_BT, x_BT, 0.0).sum()
@@ -34,12 +47,7 @@ def masked_mean(
     No active token at all gives 0, not NaN, and keeps the graph: the gradient is then 0.
     `constant` is required with 'constant' and only then (the matrix's rule).
     """
-    if normalizer not in NORMALIZERS:
-        raise ValueError(f"unknown normalizer {normalizer!r}; known: {', '.join(NORMALIZERS)}")
-    if (normalizer == "constant") != (constant is not None):
-        raise ValueError("constant is required with normalizer 'constant' and only then")
-    if constant is not None and not constant > 0:
-        raise ValueError(f"constant must be > 0, got {constant}")
+    check_mode("normalizer", normalizer, NORMALIZERS, "constant", constant)
     xm_BT = torch.where(mask_BT, x_BT, 0.0)
     if normalizer == "global":
         # clamp_min(1): with no active token the sum is 0, so 0 / 1 = 0 instead of 0 / 0 = NaN.
@@ -172,6 +180,38 @@ def policy_decided(decided_BT: torch.Tensor | None, ratio_BT: torch.Tensor, adv_
     return Decided(decided_BT, (r > 1.0 + high) | (r < 1.0 - low), -adv_BT * edge_BT)
 
 
+class Surrogate(NamedTuple):
+    """PPO's clipped surrogate per token, before any reduction."""
+
+    ratio_BT: torch.Tensor
+    """(B, T) exp(logp - logp_old) on active tokens, 1 elsewhere."""
+    term_BT: torch.Tensor
+    """(B, T) max(-A * ratio, -A * clip(ratio, 1 - low, 1 + high)), or the imposed decision's term (choose)."""
+    is_clipped_BT: torch.Tensor
+    """(B, T) 1.0 where the clipped term is taken (clipped_fraction_mask) in logp's dtype, no gradient."""
+
+
+def clipped_surrogate(logp_BT: torch.Tensor, logp_old_BT: torch.Tensor, advantages_BT: torch.Tensor,
+                      mask_BT: torch.Tensor, low: float, high: float, decided_BT: torch.Tensor | None) -> Surrogate:
+    """The per-token clipped surrogate of clipped_policy_loss (low = high = clip_eps) and GRPO's (clip-higher):
+
+        ratio_t = exp(logp_t - logp_old_t)                                    (1 on inactive tokens)
+        term_t  = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - low, 1 + high))
+
+    The comparison is strict; decided_BT (bool, optional) imposes the decision instead of the max (choose).
+    """
+    # Zero the log-ratio and advantage off the mask first, so exp() of garbage there cannot turn
+    # the backward into 0 * inf = NaN.
+    log_ratio_BT = torch.where(mask_BT, logp_BT - logp_old_BT, 0.0)
+    adv_BT = torch.where(mask_BT, advantages_BT, 0.0)
+    ratio_BT = torch.exp(log_ratio_BT)
+    unclipped_BT = -adv_BT * ratio_BT
+    clipped_BT = -adv_BT * torch.clamp(ratio_BT, 1.0 - low, 1.0 + high)
+    decided = policy_decided(decided_BT, ratio_BT, adv_BT, low, high)
+    is_clipped_BT = clipped_fraction_mask(unclipped_BT, clipped_BT, decided).detach().to(logp_BT.dtype)
+    return Surrogate(ratio_BT, choose(unclipped_BT, clipped_BT, decided), is_clipped_BT)
+
+
 def clipped_policy_loss(
     logp_BT: torch.Tensor,
     logp_old_BT: torch.Tensor,
@@ -193,18 +233,10 @@ def clipped_policy_loss(
     float tensor without gradient. decided_BT (bool, optional) imposes the decision instead of the max: the clipped
     term where True, the unclipped one elsewhere (a reference replayed on a candidate's decisions, qualify.ppo.decisions).
     """
-    # Zero the log-ratio and advantage off the mask first, so exp() of garbage there cannot turn
-    # the backward into 0 * inf = NaN.
-    log_ratio_BT = torch.where(mask_BT, logp_BT - logp_old_BT, 0.0)
-    adv_BT = torch.where(mask_BT, advantages_BT, 0.0)
-    ratio_BT = torch.exp(log_ratio_BT)
-    unclipped_BT = -adv_BT * ratio_BT
-    clipped_BT = -adv_BT * torch.clamp(ratio_BT, 1.0 - clip_eps, 1.0 + clip_eps)
-    decided = policy_decided(decided_BT, ratio_BT, adv_BT, clip_eps, clip_eps)
-    loss = masked_mean(choose(unclipped_BT, clipped_BT, decided), mask_BT, normalizer, constant)
-    is_clipped_BT = clipped_fraction_mask(unclipped_BT, clipped_BT, decided).detach().to(logp_BT.dtype)
-    clip_frac = masked_mean(is_clipped_BT, mask_BT, normalizer, constant)
-    return loss, ratio_BT, clip_frac
+    s = clipped_surrogate(logp_BT, logp_old_BT, advantages_BT, mask_BT, clip_eps, clip_eps, decided_BT)
+    loss = masked_mean(s.term_BT, mask_BT, normalizer, constant)
+    clip_frac = masked_mean(s.is_clipped_BT, mask_BT, normalizer, constant)
+    return loss, s.ratio_BT, clip_frac
 
 
 def clipped_value_loss(

@@ -23,7 +23,6 @@ from qualify.ppo.grpo import (
     KL_ESTIMATORS,
     DataParallelError,
     Normalizers,
-    aggregate_loss,
     all_gather_rewards,
     all_reduce_normalizers,
     count_normalizers,
@@ -259,10 +258,10 @@ def test_kl_ignores_garbage_off_mask():
 
 
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
-def test_aggregate_loss_matches_slow_loop(aggregation):
+def test_aggregated_loss_matches_slow_loop(aggregation):
     mask_BT = make_mask(3)
     x_BT = randn(4, NUM_ROWS, NUM_POS)
-    got = aggregate_loss(x_BT, mask_BT, normalizers=count_normalizers(mask_BT), **agg_args(aggregation))
+    got = per_sequence_loss(x_BT, mask_BT, normalizers=count_normalizers(mask_BT), **agg_args(aggregation)).sum()
     terms = [[x_BT[b, t] if mask_BT[b, t] else None for t in range(NUM_POS)] for b in range(NUM_ROWS)]
     assert math.isclose(got.item(), slow_aggregate(terms, aggregation).item(), rel_tol=1e-13)
 

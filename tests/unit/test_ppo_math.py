@@ -431,3 +431,13 @@ def test_losses_ignore_garbage_off_the_mask(normalizer):
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(clip_frac)
     assert torch.isfinite(values_BT.grad).all() and (values_BT.grad[~mask_BT] == 0).all()
+
+
+def test_check_mode_names_the_kind_in_full_only_where_the_mode_is_unknown():
+    from qualify.ppo.math import check_mode
+
+    check_mode("aggregation", "b", ("a", "b"), "b", 2.0)
+    with pytest.raises(ValueError, match=r"^unknown loss aggregation 'c'; known: a, b$"):
+        check_mode("aggregation", "c", ("a", "b"), "b", None, kind_in_full="loss aggregation")
+    with pytest.raises(ValueError, match=r"^constant is required with aggregation 'b' and only then$"):
+        check_mode("aggregation", "a", ("a", "b"), "b", 1.0, kind_in_full="loss aggregation")
