@@ -1,6 +1,7 @@
 """JUnit XML of a verdict, for CI systems: one testcase per case x tensor family (or check group).
 
-A testcase fails when any of its rows fails; its failure lists every failing row with tensor,
+The verdict's rows are read as typed rows (qualify.verdict.Row: its group, bound family and step), never parsed
+from their text. A testcase fails when any of its rows fails; its failure lists every failing row with tensor,
 metric, value, bound and the rule that set the bound. `qualify report --format junit` adds a
 testcase for the verification of the evidence and one per rounds run, so a report that does not
 verify fails in CI too. Written with the standard library (xml.etree), in the de-facto schema
@@ -15,49 +16,33 @@ from collections import defaultdict
 from typing import Any
 
 from qualify.bounds.rule import FORMULA
+from qualify.verdict import Row
 
 BOUND_RULE = f"value <= bound; {FORMULA}, frozen per (role, tensor, metric)"
-FAMILY_IN_COMPARISON = re.compile(r"\[(?P<family>[^\]]+)\]$")
-STEP_PREFIX = re.compile(r"^step(?P<step>[0-9]+)/")
 
 
-def step_of(row: dict[str, Any]) -> int | None:
-    """The optimizer step a row judges ('step<k>/' tensors of a multi-step case), None for a step-less row."""
-    m = STEP_PREFIX.match(row["tensor"])
-    return None if m is None else int(m["step"])
-
-
-def check_group(row: dict[str, Any]) -> str:
-    """The tensor family (outputs, grads, updates, moments; over all steps) or check group (evidence, run, and the
-    derivation checks apart from every bound row: derived; the layout tier: layout)."""
-    if row["comparison"] in ("run", "evidence", "derived", "layout"):
-        return row["comparison"]
-    return STEP_PREFIX.sub("", row["tensor"]).split("/", 1)[0]
-
-
-def rule_of(row: dict[str, Any]) -> str:
+def rule_of(row: Row) -> str:
     """The rule a row was judged by, naming the bound family that set its bound."""
-    if row["comparison"] == "run":
+    if row.comparison == "run":
         return "the case must run to completion"
-    if row["comparison"] == "rounds":
+    if row.comparison == "rounds":
         return "every check of the rounds run must pass (its verdict.json names them)"
-    if row["comparison"] == "evidence":
+    if row.comparison == "evidence":
         return "must be exactly 0 (structural evidence of the candidate run)"
-    if row["comparison"] in ("derived", "own outputs", "layout") and row.get("rule"):
-        return f"recomputed from the case's own values, {row['rule']}"
-    m = FAMILY_IN_COMPARISON.search(row["comparison"])
-    family = m["family"] if m else "?"
-    if row["metric"] == "structure":
+    if row.comparison in ("derived", "own outputs", "layout") and row.rule:
+        return f"recomputed from the case's own values, {row.rule}"
+    family = row.family or "?"
+    if row.metric == "structure":
         return f"candidate tensors must match the reference's names, shapes and dtypes ({family})"
     return f"{BOUND_RULE}; family {family}"
 
 
-def failure_line(row: dict[str, Any]) -> str:
-    if row["comparison"] == "verification":
-        return f"does not verify: {row['value']}"
-    note = f" [{row['note']}]" if row.get("note") else ""
-    return (f"{row['tensor']} {row['metric']}: value {row['value']} > bound {row['bound']} "
-            f"({row['comparison']}; rule: {rule_of(row)}){note}")
+def failure_line(row: Row) -> str:
+    if row.comparison == "verification":
+        return f"does not verify: {row.value}"
+    note = f" [{row.note}]" if row.note else ""
+    return (f"{row.tensor} {row.metric}: value {row.value} > bound {row.bound} "
+            f"({row.comparison}; rule: {rule_of(row)}){note}")
 
 
 NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
@@ -70,20 +55,20 @@ def xml_text(text: str) -> str:
     return NOT_XML.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}", text)
 
 
-def _testcase(suite: ET.Element, classname: str, name: str, rows: list[dict[str, Any]]) -> bool:
+def _testcase(suite: ET.Element, classname: str, name: str, rows: list[Row]) -> bool:
     """Add one testcase; returns True when it failed."""
     case = ET.SubElement(suite, "testcase", classname=xml_text(classname), name=xml_text(name))
-    failing = [r for r in rows if not r["passed"]]
+    failing = [r for r in rows if not r.passed]
     ET.SubElement(case, "system-out").text = f"{len(rows)} checks, {len(failing)} failed"
     if failing:
         message = f"{len(failing)} of {len(rows)} checks failed; first: {failure_line(failing[0])}"
         ET.SubElement(case, "failure", message=xml_text(message),
-                      type=xml_text(failing[0]["comparison"].split(" ", 1)[0])).text = \
+                      type=xml_text(failing[0].comparison.split(" ", 1)[0])).text = \
             xml_text("\n".join(failure_line(r) for r in failing))
     return bool(failing)
 
 
-def _suite(root: ET.Element, name: str, cases: list[tuple[str, str, list[dict[str, Any]]]]) -> tuple[int, int]:
+def _suite(root: ET.Element, name: str, cases: list[tuple[str, str, list[Row]]]) -> tuple[int, int]:
     suite = ET.SubElement(root, "testsuite", name=xml_text(name))
     failures = sum(_testcase(suite, classname, tc, rows) for classname, tc, rows in cases)
     suite.set("tests", str(len(cases)))
@@ -93,16 +78,16 @@ def _suite(root: ET.Element, name: str, cases: list[tuple[str, str, list[dict[st
     return len(cases), failures
 
 
-def verdict_cases(verdict: dict[str, Any]) -> list[tuple[str, str, list[dict[str, Any]]]]:
-    """(classname, name, rows): one per case x check group, in case order; a case without rows is one failure."""
-    grouped: dict[str, dict[str, list[dict[str, Any]]]] = {name: defaultdict(list) for name in verdict["cases"]}
-    for row in verdict["rows"]:
-        grouped[row["case"]][check_group(row)].append(row)
+def verdict_cases(verdict: dict[str, Any]) -> list[tuple[str, str, list[Row]]]:
+    """(classname, name, rows): one per case x check group (Row.group), in case order; a case without rows is one
+    failure."""
+    grouped: dict[str, dict[str, list[Row]]] = {name: defaultdict(list) for name in verdict["cases"]}
+    for row in map(Row.from_json, verdict["rows"]):
+        grouped[row.case][row.group].append(row)
     out = []
     for case, groups in grouped.items():
         if not groups:
-            out.append((case, "checks", [{"tensor": "case", "metric": "num_checks", "value": 0, "bound": 0,
-                                          "comparison": "run", "passed": False, "note": "no checks recorded"}]))
+            out.append((case, "checks", [Row(case, "", "run", "case", "num_checks", 0, 0, False, "no checks recorded")]))
         out += [(case, group, rows) for group, rows in sorted(groups.items())]
     return out
 
@@ -112,20 +97,17 @@ def to_junit(verdict: dict[str, Any] | None, *, name: str, problems: list[str] |
     """The JUnit XML document (UTF-8 bytes). problems: the report's verification (None: not verified here)."""
     root = ET.Element("testsuites", name=xml_text(f"qualify {name}"))
     totals = [0, 0]
-    suites: list[tuple[str, list[tuple[str, str, list[dict[str, Any]]]]]] = []
+    suites: list[tuple[str, list[tuple[str, str, list[Row]]]]] = []
     if problems is not None:
-        rows = [{"tensor": "evidence", "metric": "problem", "value": p, "bound": "none", "comparison": "verification",
-                 "passed": False} for p in problems]
-        ok = [{"tensor": "evidence", "metric": "verifies", "value": 0, "bound": 0, "comparison": "verification",
-               "passed": True}]
+        rows = [Row("", "", "verification", "evidence", "problem", p, None, False) for p in problems]
+        ok = [Row("", "", "verification", "evidence", "verifies", 0, 0, True)]
         suites.append((f"qualify {name}: verification", [("verification", "evidence verifies", rows or ok)]))
     if verdict is not None:
         suites.append((f"qualify {name}: candidates", verdict_cases(verdict)))
     if rounds:
         suites.append((f"qualify {name}: rounds", [
-            ("rounds", f"vllm-tp{r['vllm_tp']}", [{"tensor": f"rounds vllm-tp{r['vllm_tp']}", "metric": "num_failed",
-                                                  "value": r["num_failed"], "bound": 0, "comparison": "rounds",
-                                                  "passed": r["passed"] is True}]) for r in rounds]))
+            ("rounds", f"vllm-tp{r['vllm_tp']}", [Row("", "", "rounds", f"rounds vllm-tp{r['vllm_tp']}", "num_failed",
+                                                      r["num_failed"], 0, r["passed"] is True)]) for r in rounds]))
     for suite_name, cases in suites:
         tests, failures = _suite(root, suite_name, cases)
         totals[0] += tests

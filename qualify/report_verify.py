@@ -228,9 +228,11 @@ def compare_rows(name: str, judged: list[dict[str, Any]], recorded: list[dict[st
         problems.append(f"case {name}: the verdict has checks its evidence does not give: {_listed(sorted(surplus))}")
     differ = [" ".join(k[:3]) for k in sorted(mine.keys() & theirs.keys())
               if mine[k]["passed"] != theirs[k]["passed"] or not _same_number(mine[k]["value"], theirs[k]["value"])
-              or not _same_number(mine[k]["bound"], theirs[k]["bound"])]
+              or not _same_number(mine[k]["bound"], theirs[k]["bound"]) or mine[k].get("step") != theirs[k].get("step")]
     if differ:
-        problems.append(f"case {name}: value, bound or outcome differs from what its evidence gives: {_listed(differ)}")
+        # the step too: the reports read it as the row's step (qualify.verdict.Row.step), not from the tensor's name
+        problems.append(f"case {name}: value, bound, step or outcome differs from what its evidence gives: "
+                        f"{_listed(differ)}")
     return problems
 
 
@@ -240,11 +242,12 @@ def rejudge_problems(layout: RunLayout, reference: dict[str, Any], acceptance: d
     from qualify.candidate.run import judge_case
     from qualify.matrix import Case, Matrix
     from qualify.models.checkpoint import checkpoint_tensors
-    from qualify.models.family import model_dirs
+    from qualify.reference.context import ScoringContext
     from qualify.schema import from_dict
 
     matrix = from_dict(Matrix, reference["matrix"], str(layout.reference_summary))
-    bounds, models = load_bounds(layout, acceptance), model_dirs(matrix, layout.models)
+    ctx = ScoringContext.of(matrix, layout, reference["rollout_digest"], reference["targets_digest"])
+    bounds, models = load_bounds(layout, acceptance), ctx.models
     befores: dict[str, Any] = {}
     problems = []
     for name in names:
@@ -255,7 +258,7 @@ def rejudge_problems(layout: RunLayout, reference: dict[str, Any], acceptance: d
         if case.role not in befores:
             befores[case.role] = checkpoint_tensors(models[case.role])
         try:
-            judged = [r.to_json() for r in judge_case(layout, case, bounds, befores[case.role], matrix,
+            judged = [r.to_json() for r in judge_case(ctx, case, bounds, befores[case.role],
                                                       frozenset(names))]  # sealed_problems verified every named case
         except EvidenceError as exc:  # a replay the judge reads is not sealed: nothing is computed here
             problems.append(f"{name}: cannot be judged again: {exc}")

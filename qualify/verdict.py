@@ -9,11 +9,22 @@ A row passes only when its rule holds; a verdict passes only when every row pass
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 VERDICT_SCHEMA = "qualify.verdict/1"
 ROUNDS_SCHEMA = "qualify.rounds/1"
+CHECK_GROUPS = ("run", "evidence", "derived", "layout")
+"""Comparisons that are check groups of their own (a report's testcase or table), not a tensor family's."""
+COMPARISON_FAMILY = re.compile(r"\[(?P<family>[^\]]+)\]$")
+"""How a comparison names its bound family: 'vs ref fp32-r0 [fp32-repeat]', 'vs tp1 [bitwise]'."""
+
+
+def comparison_family(comparison: str) -> str | None:
+    """The bound family a comparison names, None where it names none ('evidence', 'run', 'derived', 'rounds')."""
+    m = COMPARISON_FAMILY.search(comparison)
+    return None if m is None else m["family"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +48,28 @@ class Row:
     """The optimizer step (0-based) of a case, or the round of a rounds run; None when not per step."""
     rule: str = ""
     """The rule the value was held to, in words ('<= 4 x control + floor ...', '== [0, 0]')."""
+    family: str | None = None
+    """The bound family the value was judged in ('fp32-repeat', 'fp32-vs-bf16', 'bitwise'), None for a row judged in
+    none (evidence, run, derived, rounds). Not written: the file carries it as the comparison's '[family]' suffix
+    (COMPARISON_FAMILY), so it is checked against the comparison when given and read from it when not (Row.from_json,
+    and constructors that do not pass it)."""
+
+    def __post_init__(self) -> None:
+        found = comparison_family(self.comparison)
+        if self.family is None:
+            object.__setattr__(self, "family", found)
+        elif self.family != found:
+            raise ValueError(f"row family {self.family!r} is not the one its comparison {self.comparison!r} names "
+                             f"({found!r})")
+
+    @property
+    def group(self) -> str:
+        """The check group of a check row (CHECK_GROUPS: the comparison), else the tensor family, over all steps:
+        the first part of the tensor key after its 'step<k>/' ('outputs', 'grads', 'updates', 'moments', ...)."""
+        if self.comparison in CHECK_GROUPS:
+            return self.comparison
+        key = self.tensor if self.step is None else self.tensor.removeprefix(f"step{self.step}/")
+        return key.split("/", 1)[0]
 
     @property
     def ratio(self) -> float:
@@ -58,6 +91,7 @@ class Row:
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
+        del d["family"]  # the comparison names it
         d["ratio"] = self.ratio
         for k in ("value", "bound", "ratio"):
             if isinstance(d[k], float) and not math.isfinite(d[k]):

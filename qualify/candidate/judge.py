@@ -22,28 +22,34 @@ EVIDENCE_RULE = "== 0"
 
 
 def judge_steps(case: str, role: str, comparison: str, candidate: list[RunTensors], reference: list[RunTensors],
-                bounds: dict[str, dict[str, dict[str, Any]]], starts: list[dict], optimizer: Any) -> list[Row]:
+                bounds: dict[str, dict[str, dict[str, Any]]], starts: list[dict], optimizer: Any,
+                family: str | None = None) -> list[Row]:
     """Every step's bounds ('step<k>/...') applied to that step of candidate vs reference; rows name the step.
 
-    starts[k] are the parameters the candidate's step k started from (for the AdamW replay check).
+    starts[k] are the parameters the candidate's step k started from (for the AdamW replay check). family: the
+    bound family of bounds, which comparison names (Row.family; None: read from comparison).
     """
     rows = []
     if len(candidate) != len(reference):
         rows.append(Row(case, role, comparison, "steps", "num_steps", float(len(candidate)), float(len(reference)),
-                        False, f"the candidate took {len(candidate)} optimizer steps, the reference {len(reference)}"))
+                        False, f"the candidate took {len(candidate)} optimizer steps, the reference {len(reference)}",
+                        family=family))
     for k in range(min(len(candidate), len(reference))):
         prefix = f"step{k}/"
         step_bounds = {key.removeprefix(prefix): b for key, b in bounds.items() if key.startswith(prefix)}
         rows += [replace(r, tensor=prefix + r.tensor, step=k) for r in judge_pair(
-            case, role, comparison, candidate[k], reference[k], step_bounds, starts[k], optimizer, adam_step=k + 1)]
+            case, role, comparison, candidate[k], reference[k], step_bounds, starts[k], optimizer, adam_step=k + 1,
+            family=family)]
     return rows
 
 
 def judge_pair(case: str, role: str, comparison: str, candidate: RunTensors, reference: RunTensors,
                bounds: dict[str, dict[str, dict[str, Any]]], params_before: dict, optimizer: Any,
-               adam_step: int = 1) -> list[Row]:
-    """Every bound of a family (one step's, keys without the step) applied to candidate vs reference."""
-    rows = [Row(case, role, comparison, key, "structure", math.inf, 0.0, False, problem, rule=STRUCTURE_RULE)
+               adam_step: int = 1, family: str | None = None) -> list[Row]:
+    """Every bound of a family (one step's, keys without the step) applied to candidate vs reference (family: as in
+    judge_steps)."""
+    rows = [Row(case, role, comparison, key, "structure", math.inf, 0.0, False, problem, rule=STRUCTURE_RULE,
+                family=family)
             for key, problem in structure_problems(candidate, reference)]
     broken = {r.tensor for r in rows}
     values = pair_metrics(candidate, reference)
@@ -56,11 +62,12 @@ def judge_pair(case: str, role: str, comparison: str, candidate: RunTensors, ref
             value = values.get(key, {}).get(metric)
             if value is None:
                 rows.append(Row(case, role, comparison, key, metric, math.inf, b["bound"], False, "not measured",
-                                rule=bound_rule(b)))
+                                rule=bound_rule(b), family=family))
                 continue
             ok = math.isfinite(value) and value <= b["bound"]
             rows.append(Row(case, role, comparison, key, metric, value, b["bound"], ok,
-                            "" if math.isfinite(value) else "NaN or Inf in candidate", rule=bound_rule(b)))
+                            "" if math.isfinite(value) else "NaN or Inf in candidate", rule=bound_rule(b),
+                            family=family))
     return rows
 
 

@@ -65,5 +65,5 @@ def bitwise_rows(case: str, role: str, axis: str, cand: list[Any], base: list[An
                     float((x.double() - y.double()).abs().max().nan_to_num(math.inf))
                 rows.append(Row(case, role, f"vs {axis} [bitwise]", f"step{k}/{group}/{name}", "max_abs", value, 0.0,
                                 equal, note="" if equal else "not bitwise (signed zeros or NaN bits if max_abs is 0)",
-                                step=k, rule=BITWISE_RULE.format(axis=axis)))
+                                step=k, rule=BITWISE_RULE.format(axis=axis), family="bitwise"))
     return rows

@@ -31,7 +31,7 @@ def to_html(docs: RunDocs, summary: dict[str, Any], page_dir: Path | None = None
     verified = summary["verification"]["ok"]
     # numbers of a verdict that does not verify are neither plotted nor tabled: they are not evidence
     all_rows = docs.verdict["rows"] if verified and readable(docs.verdict) else []
-    rows = [r for r in all_rows if data.readable_row(r)]
+    rows = data.readable_rows(all_rows)
     parts = [page.banner(summary), page.verification(summary["verification"])]
     if cases and verified:
         grid_rows, grid_cols, cells = data.heatmap_cells(cases)

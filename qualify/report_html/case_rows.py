@@ -36,7 +36,7 @@ def count(n: int, what: str) -> str:
 
 def shown_text(group: Group) -> str:
     """What a group's table holds, in words: 'grads: 3000 rows, 3000 failing; shown: the 20 failing rows ...'."""
-    shown_failed = sum(not r["passed"] for r in group.shown)
+    shown_failed = sum(not r.passed for r in group.shown)
     shown_passing = len(group.shown) - shown_failed
     parts = []
     if group.num_failed:

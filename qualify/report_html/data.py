@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 
 from qualify.bounds.files import dominant_term
-from qualify.junit import FAMILY_IN_COMPARISON, check_group
 from qualify.report import RunDocs
 from qualify.report_verify import ROW_KEYS, number
+from qualify.verdict import Row
 
 TENSOR_FAMILIES = ("outputs", "grads", "updates", "moments")
 TEXT_KEYS = ("case", "role", "comparison", "tensor", "metric")
@@ -18,10 +18,14 @@ TEXT_KEYS = ("case", "role", "comparison", "tensor", "metric")
 
 def readable_row(row: Any) -> bool:
     """A row the page can table and plot: the verdict's fields, text where text is due, a number for value and
-    bound (a float, or 'inf'/'nan'), a bool for passed. A forged verdict may hold anything else."""
+    bound (a float, or 'inf'/'nan'), a bool for passed, an int or nothing for step. A forged verdict may hold
+    anything else."""
     if not isinstance(row, dict) or any(k not in row for k in ROW_KEYS):
         return False
     if not all(isinstance(row[k], str) for k in TEXT_KEYS) or not isinstance(row["passed"], bool):
+        return False
+    step = row.get("step")
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
         return False
     try:
         number(row["value"]), number(row["bound"])
@@ -30,10 +34,15 @@ def readable_row(row: Any) -> bool:
     return True
 
 
-def ratio_of(row: dict[str, Any]) -> float:
+def readable_rows(rows: list[Any]) -> list[Row]:
+    """The readable rows of a verdict (readable_row) as typed rows."""
+    return [Row.from_json(r) for r in rows if readable_row(r)]
+
+
+def ratio_of(row: Row) -> float:
     """value/bound of a readable row, as qualify.verdict.Row.ratio gives it: at a zero bound 0 for a zero value and
     inf for any other; computed, not read, so a row's recorded 'ratio' never has to be a number."""
-    value, bound = number(row["value"]), number(row["bound"])
+    value, bound = number(row.value), number(row.bound)
     if bound > 0:
         return value / bound
     return 0.0 if value == 0 else math.inf
@@ -58,13 +67,12 @@ def heatmap_cells(cases: dict[str, dict[str, Any]]) -> tuple[list[str], list[str
     return rows, cols, cells
 
 
-def family_ratios(rows: list[dict[str, Any]]) -> tuple[list[str], dict[tuple[str, str], float]]:
+def family_ratios(rows: list[Row]) -> tuple[list[str], dict[tuple[str, str], float]]:
     """Largest value/bound per (case, tensor family) over rows with a bound."""
     out: dict[tuple[str, str], float] = {}
     for r in rows:
-        family = check_group(r)
-        if family in TENSOR_FAMILIES and number(r["bound"]) > 0:
-            key = (r["case"], family)
+        if r.group in TENSOR_FAMILIES and number(r.bound) > 0:
+            key = (r.case, r.group)
             out[key] = max(out.get(key, 0.0), ratio_of(r))
     return [f for f in TENSOR_FAMILIES if any(k[1] == f for k in out)], out
 
@@ -78,24 +86,23 @@ def bound_docs(docs: RunDocs) -> dict[tuple[str, str], dict[str, Any]]:
     return read_bound_files(docs.layout.acceptance_dir, docs.acceptance.get("bounds", {}), missing_ok=True)
 
 
-def set_by(row: dict[str, Any], bounds: dict[tuple[str, str], dict[str, Any]]) -> str:
+def set_by(row: Row, bounds: dict[tuple[str, str], dict[str, Any]]) -> str:
     """The bound family and the term of the rule (qualify.bounds.rule.FORMULA) that dominates."""
-    m = FAMILY_IN_COMPARISON.search(row["comparison"])
-    if m is None:
-        return "evidence: exact" if row["comparison"] == "evidence" else ""
-    doc = bounds.get((row["role"], m["family"]))
-    entry = (doc or {}).get("bounds", {}).get(row["tensor"], {}).get(row["metric"])
+    if row.family is None:
+        return "evidence: exact" if row.comparison == "evidence" else ""
+    doc = bounds.get((row.role, row.family))
+    entry = (doc or {}).get("bounds", {}).get(row.tensor, {}).get(row.metric)
     if entry is None:
-        return m["family"]
+        return row.family
     top = dominant_term(doc, entry)
     controls = ", ".join(doc.get("control_runs", []))
-    return f"{m['family']}: {top}" + (f" (controls {controls} vs {doc['reference_run']})" if top == "k x control"
-                                       else "")
+    return f"{row.family}: {top}" + (f" (controls {controls} vs {doc['reference_run']})" if top == "k x control"
+                                      else "")
 
 
-def row_view(row: dict[str, Any], bounds: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
-    """A verdict row with the ratio as a number and what set its bound."""
-    return {**row, "ratio_value": ratio_of(row), "set_by": set_by(row, bounds)}
+def row_view(row: Row, bounds: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
+    """A verdict row as the verdict writes it, with the ratio as a number and what set its bound."""
+    return {**row.to_json(), "ratio_value": ratio_of(row), "set_by": set_by(row, bounds)}
 
 
 def rollout_deltas(docs: RunDocs) -> dict[str, np.ndarray]:

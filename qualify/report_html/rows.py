@@ -8,10 +8,9 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Any
 
-from qualify.junit import check_group
 from qualify.report_html.data import ratio_of
+from qualify.verdict import Row
 
 MAX_FAILING = 20  # failing rows tabled per (case, family), furthest past the bound first
 MAX_PASSING = 10  # passing rows tabled per (case, family), nearest the bound first
@@ -24,7 +23,7 @@ class Group:
     """The tabled rows of one case's tensor family (or check group: evidence, run, decisions) and its counts."""
 
     family: str
-    shown: list[dict[str, Any]]
+    shown: list[Row]
     """Failing rows, then passing rows; each part worst (largest value/bound) first."""
     num_rows: int
     num_failed: int
@@ -34,7 +33,7 @@ class Group:
         return self.num_rows - len(self.shown)
 
 
-def severity(row: dict[str, Any]) -> float:
+def severity(row: Row) -> float:
     """value/bound for ordering; NaN (a value that is not a number fails) counts as furthest past the bound."""
     ratio = ratio_of(row)
     return math.inf if math.isnan(ratio) else ratio
@@ -53,24 +52,25 @@ def family_key(family: str) -> tuple[int, str]:
     return (FAMILY_ORDER.index(family) if family in FAMILY_ORDER else len(FAMILY_ORDER), family)
 
 
-def group_rows(rows: list[dict[str, Any]], cases: list[str]) -> dict[str, dict[str, list[dict[str, Any]]]]:
-    """Readable rows by case (only the cases listed, in their order) and family (FAMILY_ORDER, others after)."""
-    by_case: dict[str, dict[str, list[dict[str, Any]]]] = {c: {} for c in cases}
+def group_rows(rows: list[Row], cases: list[str]) -> dict[str, dict[str, list[Row]]]:
+    """Readable rows by case (only the cases listed, in their order) and family (Row.group: FAMILY_ORDER, others
+    after)."""
+    by_case: dict[str, dict[str, list[Row]]] = {c: {} for c in cases}
     for r in rows:
-        if r["case"] in by_case:
-            by_case[r["case"]].setdefault(check_group(r), []).append(r)
+        if r.case in by_case:
+            by_case[r.case].setdefault(r.group, []).append(r)
     return {c: dict(sorted(fams.items(), key=lambda kv: family_key(kv[0]))) for c, fams in by_case.items()}
 
 
-def select_group(family: str, rows: list[dict[str, Any]], caps: tuple[int, int]) -> Group:
+def select_group(family: str, rows: list[Row], caps: tuple[int, int]) -> Group:
     """The worst failing and the worst passing rows of one group, up to caps; ties keep the verdict's order."""
-    failing = [r for r in rows if not r["passed"]]
-    passing = [r for r in rows if r["passed"]]
+    failing = [r for r in rows if not r.passed]
+    passing = [r for r in rows if r.passed]
     shown = heapq.nlargest(caps[0], failing, key=severity) + heapq.nlargest(caps[1], passing, key=severity)
     return Group(family, shown, len(rows), len(failing))
 
 
-def select_rows(rows: list[dict[str, Any]], cases: list[str]) -> tuple[dict[str, list[Group]], tuple[int, int]]:
+def select_rows(rows: list[Row], cases: list[str]) -> tuple[dict[str, list[Group]], tuple[int, int]]:
     """Per case (in the order given), its groups with the rows to table (every row of a listed case counted), and
     the (failing, passing) caps that applied."""
     grouped = group_rows(rows, cases)

@@ -6,11 +6,10 @@ Many steps are binned into at most MAX_STEP_COLUMNS columns of consecutive steps
 from __future__ import annotations
 
 import math
-from typing import Any
 
-from qualify.junit import step_of
 from qualify.report_html.data import ratio_of
 from qualify.report_verify import number
+from qualify.verdict import Row
 
 MAX_STEP_COLUMNS = 12  # more steps than this share columns ('steps a-b'), each the worst of its steps
 
@@ -24,21 +23,20 @@ def step_columns(steps: list[int]) -> dict[int, str]:
     return {s: f"steps {chunk[0]}-{chunk[-1]}" for chunk in chunks for s in chunk}
 
 
-def step_cells(rows: list[dict[str, Any]]) -> tuple[list[str], list[str], dict[tuple[str, str], tuple[float, bool]]]:
+def step_cells(rows: list[Row]) -> tuple[list[str], list[str], dict[tuple[str, str], tuple[float, bool]]]:
     """Rows: cases; columns: 'step k' (or 'steps a-b'); cells: (largest value/bound among bounded rows, every row
-    passed). Rows are readable verdict rows (qualify.report_html.data.readable_row).
+    passed). Rows are readable verdict rows (qualify.report_html.data.readable_rows); a row's step is its Row.step.
 
     Empty when no case took more than one step (the case heatmap already says everything then).
     """
     worst: dict[tuple[str, int], float] = {}
     passed: dict[tuple[str, int], bool] = {}
     for r in rows:
-        step = step_of(r)
-        if step is None:
+        if r.step is None:
             continue
-        key = (r["case"], step)
-        passed[key] = passed.get(key, True) and r["passed"]
-        ratio = ratio_of(r) if number(r["bound"]) > 0 else 0.0
+        key = (r.case, r.step)
+        passed[key] = passed.get(key, True) and r.passed
+        ratio = ratio_of(r) if number(r.bound) > 0 else 0.0
         worst[key] = max(worst.get(key, 0.0), ratio)
     steps = sorted({k[1] for k in worst})
     if len(steps) < 2:

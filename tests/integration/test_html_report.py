@@ -15,6 +15,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -26,7 +27,6 @@ import pytest
 from typer.testing import CliRunner
 
 from qualify.cli.app import app
-from qualify.junit import STEP_PREFIX
 from qualify.layout import RunLayout
 from tests.integration._support import matrix_with
 
@@ -267,8 +267,11 @@ def test_report_junit_includes_the_verification(candidate_run, tmp_path):
 
 # ---- false passes: evidence changed after the verdict -------------------------------------------------
 
+STEP_PREFIX = re.compile(r"^step[0-9]+/")
+
+
 def family_tensor(text: str) -> str:
-    """A tensor name (or a failure line) without the 'step<k>/' prefix of multi-step cases."""
+    """A tensor name (or a JUnit failure line) without the 'step<k>/' prefix of multi-step cases."""
     return STEP_PREFIX.sub("", text)
 
 

@@ -6,15 +6,17 @@ import xml.etree.ElementTree as ET
 
 from junitparser import Failure, JUnitXml
 
-from qualify.junit import check_group, rule_of, to_junit
+from qualify.junit import rule_of, to_junit
+from qualify.verdict import Row
 
 CASES = ("torch-tp-fp32-tp1-actor", "torch-tp-bf16-tp2-critic")
 
 
-def row(case: str, comparison: str, tensor: str, metric: str, value: float, bound: float, note: str = "") -> dict:
+def row(case: str, comparison: str, tensor: str, metric: str, value: float, bound: float, note: str = "",
+        step: int | None = None) -> dict:
     return {"case": case, "role": case.rsplit("-", 1)[1], "comparison": comparison, "tensor": tensor,
             "metric": metric, "value": value, "bound": bound, "ratio": value / bound if bound else 0.0,
-            "passed": value <= bound, "note": note}
+            "passed": value <= bound, "note": note, "step": step}
 
 
 def sample_verdict() -> dict:
@@ -98,15 +100,22 @@ def test_the_document_follows_the_junit_shape(tmp_path):
 
 
 def test_groups_and_rules():
-    assert check_group({"comparison": "vs tp1 [bf16-repeat]", "tensor": "moments/exp_avg/x"}) == "moments"
-    assert check_group({"comparison": "run", "tensor": "case"}) == "run"
-    assert "run to completion" in rule_of({"comparison": "run", "metric": "exit"})
-    assert "names, shapes and dtypes" in rule_of({"comparison": "vs ref bf16-r0 [bf16-repeat]", "metric": "structure"})
+    def typed(comparison: str, tensor: str, metric: str = "max_abs", step: int | None = None) -> Row:
+        return Row("c", "actor", comparison, tensor, metric, 0.0, 0.0, True, step=step)
+
+    assert typed("vs tp1 [bf16-repeat]", "moments/exp_avg/x").group == "moments"
+    assert typed("vs tp1 [bf16-repeat]", "step3/moments/exp_avg/x", step=3).group == "moments"
+    assert typed("run", "case").group == "run"
+    assert "run to completion" in rule_of(typed("run", "case", "exit"))
+    structure = rule_of(typed("vs ref bf16-r0 [bf16-repeat]", "grads/x", "structure"))
+    assert "names, shapes and dtypes" in structure and "(bf16-repeat)" in structure
+    assert rule_of(typed("vs tp1 [bitwise]", "grads/x")).endswith("; family bitwise")
+    assert rule_of(typed("vs tp1", "grads/x")).endswith("; family ?")
 
 
 def test_steps_are_grouped_into_their_tensor_family(tmp_path):
     a = CASES[0]
-    rows = [row(a, "vs ref fp32-r0 [fp32-repeat]", f"step{k}/grads/lm_head.weight", "max_abs", v, 1e-6)
+    rows = [row(a, "vs ref fp32-r0 [fp32-repeat]", f"step{k}/grads/lm_head.weight", "max_abs", v, 1e-6, step=k)
             for k, v in ((0, 1e-7), (1, 5e-6))]
     xml = parse(to_junit({"cases": {a: {"passed": False}}, "rows": rows}, name="tiny"), tmp_path)
     (tc,) = list(next(iter(xml)))

@@ -84,13 +84,15 @@ def test_unverified_numbers_are_not_plotted_and_garbage_does_not_crash(tmp_path)
 
 
 def test_per_step_heatmap_cells_only_for_multi_step_cases():
+    from qualify.report_html.data import readable_rows
     from qualify.report_html.steps import step_cells
 
     def r(step, value, bound=1.0, passed=True, case=CASE):
-        return row(value, bound, passed, tensor=f"step{step}/grads/w", case=case)
+        return row(value, bound, passed, tensor=f"step{step}/grads/w", case=case, step=step)
 
-    assert step_cells([row(0.5), r(0, 0.5)]) == ([], [], {})  # one step: the case heatmap says it all
-    cases, steps, cells = step_cells([r(0, 0.5), r(0, 0.25), r(1, 2.0, passed=False), r(1, 3.0) | {"bound": 0.0, "ratio": "inf"}])
+    assert step_cells(readable_rows([row(0.5), r(0, 0.5)])) == ([], [], {})  # one step: the case heatmap says it all
+    cases, steps, cells = step_cells(readable_rows([r(0, 0.5), r(0, 0.25), r(1, 2.0, passed=False),
+                                                    r(1, 3.0) | {"bound": 0.0, "ratio": "inf"}]))
     assert cases == [CASE] and steps == ["step 0", "step 1"]
     assert cells == {(CASE, "step 0"): (0.5, True), (CASE, "step 1"): (2.0, False)}  # bound-0 rows: not a ratio
 
@@ -125,7 +127,8 @@ def large_rows(case: str, num_layers: int = 28, num_steps: int = 4) -> list[dict
              for c in COMPARISONS]
     ratios = np.random.default_rng(len(case) + sum(map(ord, case))).random(len(keys)) * 0.9
     rows = [{"case": case, "role": role, "comparison": c, "tensor": t, "metric": m, "value": r * 1e-3, "bound": 1e-3,
-             "ratio": r, "passed": True, "note": ""} for (t, c, m), r in zip(keys, ratios.tolist())]
+             "ratio": r, "passed": True, "note": "", "step": int(t[4:t.index("/")])}
+            for (t, c, m), r in zip(keys, ratios.tolist())]
     return rows + [{"case": case, "role": role, "comparison": "evidence", "tensor": "structure", "metric": "equal",
                     "value": 0.0, "bound": 0.0, "ratio": 0.0, "passed": True, "note": ""}]
 
@@ -177,15 +180,15 @@ def page_groups(html: str) -> dict[tuple[str, str], dict]:
 
 
 def test_large_run_page_stays_small_and_names_every_failing_group(tmp_path):
-    from qualify.junit import check_group
     from qualify.report_html.rows import MAX_FAILING, MAX_PASSING
+    from qualify.verdict import Row
 
     html, v = large_page(tmp_path)
     assert len(v["rows"]) > 480_000
     assert len(html.encode()) < 2_000_000
     counts: dict[tuple[str, str], list[int]] = {}  # (case, family) -> [rows, failed], by the obvious loop
     for r in v["rows"]:
-        slot = counts.setdefault((r["case"], check_group(r)), [0, 0])
+        slot = counts.setdefault((r["case"], Row.from_json(r).group), [0, 0])
         slot[0] += 1
         slot[1] += not r["passed"]
     note_tag = re.search(r'<p id="rows-note"[^>]*>', html)[0]
@@ -210,26 +213,29 @@ def test_large_run_page_stays_small_and_names_every_failing_group(tmp_path):
 
 
 def test_selected_rows_are_the_worst_of_each_group_against_a_sort():
-    from qualify.junit import check_group
+    from qualify.report_html.data import readable_rows
     from qualify.report_html.rows import row_caps, select_rows, severity
 
     rng = np.random.default_rng(1)
-    fams = ("outputs/loss", "step0/grads/w", "step1/grads/w", "updates/w", "moments/w")
+    fams = (("outputs/loss", None), ("step0/grads/w", 0), ("step1/grads/w", 1), ("updates/w", None),
+            ("moments/w", None))
     rows = []
     for i in range(3000):
         value, bound = float(rng.random() * 2) * (i % 11 != 0), float(rng.choice([1.0, 1.0, 0.0]))
-        rows.append(row(value, 1.0, case=CASE if i % 3 else "deepspeed-fp32-tp1-actor", tensor=fams[i % 5],
+        tensor, step = fams[i % 5]
+        rows.append(row(value, 1.0, case=CASE if i % 3 else "deepspeed-fp32-tp1-actor", tensor=tensor, step=step,
                         metric=f"m{i}") | {"bound": bound, "passed": value <= bound, "ratio": "not read"})
     rows[7] |= {"value": "nan", "passed": False}
+    rows = readable_rows(rows)
     groups, caps = select_rows(rows, [CASE, "deepspeed-fp32-tp1-actor", "torch-tp-bf16-tp1-actor"])
     assert caps == row_caps(8) and groups["torch-tp-bf16-tp1-actor"] == []
     for case, gs in groups.items():
         assert [g.family for g in gs] == [f for f in ("outputs", "grads", "updates", "moments")
-                                          if any(r["case"] == case and check_group(r) == f for r in rows)]
+                                          if any(r.case == case and r.group == f for r in rows)]
         for g in gs:
-            mine = [r for r in rows if r["case"] == case and check_group(r) == g.family]
-            failing = sorted((r for r in mine if not r["passed"]), key=severity, reverse=True)
-            passing = sorted((r for r in mine if r["passed"]), key=severity, reverse=True)
+            mine = [r for r in rows if r.case == case and r.group == g.family]
+            failing = sorted((r for r in mine if not r.passed), key=severity, reverse=True)
+            passing = sorted((r for r in mine if r.passed), key=severity, reverse=True)
             assert g.shown == failing[:caps[0]] + passing[:caps[1]]
             assert (g.num_rows, g.num_failed, g.num_left_out) == (len(mine), len(failing), len(mine) - len(g.shown))
     assert severity(rows[7]) == float("inf")  # a value that is not a number is worst
@@ -246,11 +252,12 @@ def test_row_caps_keep_the_tables_bounded_and_never_empty():
 
 
 def test_many_steps_share_heatmap_columns():
+    from qualify.report_html.data import readable_rows
     from qualify.report_html.steps import MAX_STEP_COLUMNS, step_cells
 
-    rows = [row(s / 1024, tensor=f"step{s}/grads/w") for s in range(100)]
-    rows[57] = row(3.0, tensor="step57/grads/w")
-    cases, steps, cells = step_cells(rows)
+    rows = [row(s / 1024, tensor=f"step{s}/grads/w", step=s) for s in range(100)]
+    rows[57] = row(3.0, tensor="step57/grads/w", step=57)
+    cases, steps, cells = step_cells(readable_rows(rows))
     assert cases == [CASE] and len(steps) <= MAX_STEP_COLUMNS
     assert steps[0] == "steps 0-8" and steps[-1] == "steps 99-99"
     assert cells[(CASE, "steps 54-62")] == (3.0, False) and cells[(CASE, "steps 0-8")] == (8 / 1024, True)

@@ -125,6 +125,9 @@ def test_compare_rows_names_lacking_surplus_and_changed_checks():
     assert "differs" in compare_rows(CASE, judged, changed)[0]
     widened = [row(0.5, bound=10.0), judged[1]]
     assert "differs" in compare_rows(CASE, judged, widened)[0]
+    moved = [row(0.5, tensor="step1/outputs/loss", step=1)]  # the reports read the step from the row, not the name
+    assert "step or outcome differs" in compare_rows(CASE, moved, [moved[0] | {"step": 0}])[0]
+    assert compare_rows(CASE, moved, [dict(moved[0])]) == []
     assert compare_rows(CASE, [row(math.inf, passed=False) | {"value": "inf"}],
                         [row(math.inf, passed=False) | {"value": "inf"}]) == []
 
