@@ -12,26 +12,31 @@ Pure functions on numbers: the measurements come from qualify.bounds.layers.laye
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 from typing import Any
 
 from qualify.bounds.layers import layer_index
 from qualify.models.hooks import FINAL_NORM, PARTS
+from qualify.verdict import Row
 
 MISSING = "missing in candidate"
+LAYERS = "layers"
+"""The comparison of a layer row: the candidate's layer against the reference's, held to the frozen layer bound."""
+LAYER_RULE = "value <= the frozen layer bound of its (layer key, metric) (qualify.bounds.layers)"
 
 
-@dataclass(frozen=True, slots=True)
-class LayerRow:
-    """One (layer key, metric) judged against its frozen layer bound."""
+class LayerRow(Row):
+    """One (layer key, metric) judged against its frozen layer bound: a verdict Row whose tensor is the layer key
+    ('act/<module>' or 'grads/<group>'), viewed by phase and layer. A value that is not a number is infinitely far
+    past its bound (ratio inf), so it is the worst of its key."""
 
-    key: str
-    """'act/<module>' or 'grads/<group>'."""
-    metric: str
-    value: float
-    bound: float
-    passed: bool
-    note: str = ""
+    __slots__ = ()
+
+    def __init__(self, key: str, metric: str, value: float, bound: float, passed: bool, note: str = "") -> None:
+        Row.__init__(self, "", "", LAYERS, key, metric, value, bound, passed, note, rule=LAYER_RULE)
+
+    @property
+    def key(self) -> str:
+        return self.tensor
 
     @property
     def phase(self) -> str:
@@ -48,14 +53,14 @@ class LayerRow:
 
     @property
     def ratio(self) -> float:
-        if math.isnan(self.value):
-            return math.inf
-        return self.value / self.bound if self.bound > 0 else (0.0 if self.value == 0 else math.inf)
+        return math.inf if math.isnan(self.value) else Row.ratio.fget(self)
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.update(phase=self.phase, layer=self.layer, ratio=self.ratio)
-        return {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
+        """The diagnosis's row: key, metric, value, bound, passed, note, phase, layer and ratio (non-finite numbers
+        as strings, as in a verdict row)."""
+        d = Row.to_json(self)
+        return {"key": d["tensor"], **{k: d[k] for k in ("metric", "value", "bound", "passed", "note")},
+                "phase": self.phase, "layer": self.layer, "ratio": d["ratio"]}
 
 
 def order_key(key: str) -> tuple[int, int, int]:

@@ -106,3 +106,19 @@ def test_a_zero_bound_passes_only_an_exact_value():
     assert judge_layers({"act/model.norm": {"max_abs": 0.0}}, b)[0].passed
     row = judge_layers({"act/model.norm": {"max_abs": 1e-30}}, b)[0]
     assert not row.passed and row.ratio == math.inf
+
+
+def test_a_layer_row_is_a_verdict_row_and_writes_the_diagnosis_shape():
+    from qualify.diagnose.localize import LAYERS, LayerRow
+    from qualify.verdict import Row, worst_row
+
+    b = bounds_for(1)
+    measured = all_within(b)
+    measured["act/model.layers.0.mlp"] = {"max_abs": math.inf, "rel_l2": 2.0}
+    rows = judge_layers(measured, b)
+    assert all(isinstance(r, Row) and r.comparison == LAYERS and r.tensor == r.key for r in rows)
+    row = next(r for r in rows if r.key == "act/model.layers.0.mlp" and r.metric == "max_abs")
+    assert row.to_json() == {"key": "act/model.layers.0.mlp", "metric": "max_abs", "value": "inf", "bound": 1.0,
+                             "passed": False, "note": "", "phase": "forward", "layer": "0", "ratio": "inf"}
+    assert worst_row(rows) == row  # the verdict's own helpers read layer rows
+    assert LayerRow("grads/head", "rel_l2", 0.5, 1.0, True).to_json()["layer"] == "head"
