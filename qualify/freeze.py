@@ -27,9 +27,10 @@ from qualify.errors import EvidenceError, FrozenError
 from qualify.hashing import file_digest
 from qualify.layout import ROLES_ALL, RunLayout
 from qualify.manifest import build_manifest
+from qualify.matrix import Freeze
 from qualify.models.checkpoint import checkpoint_tensors
-from qualify.models.family import model_dir
 from qualify.ppo.coverage import inert
+from qualify.reference.context import ScoringContext
 from qualify.reference.inputs import StepInputs
 from qualify.schema import from_dict
 from qualify.stages import fingerprint, require_complete, stage_info
@@ -37,15 +38,17 @@ from qualify.store import atomic_write_bytes, dumps_json, read_json, read_json_o
 
 
 def acceptance_document(layout: RunLayout, name: str, bound_files: dict[str, bytes], summary: dict[str, Any],
-                        matrix: Any, layer_files: dict[str, bytes] | None = None) -> dict[str, Any]:
-    """The manifest of the reference evidence plus rule, digests and provenance (and the layer bounds' digests)."""
+                        matrix_name: str, rule: Freeze, algorithm: str,
+                        layer_files: dict[str, bytes] | None = None) -> dict[str, Any]:
+    """The manifest of the reference evidence plus the rule (the matrix's freeze section), digests and provenance (and
+    the layer bounds' digests)."""
     extra = {
         "schema_version": ACCEPTANCE_SCHEMA,
         "name": name,
-        "matrix": matrix.name,
-        "rule": {"text": RULE, "k": matrix.freeze.k, "floors": dict(matrix.freeze.floors),
-                 "floor_ulps": matrix.freeze.floor_ulps,
-                 "quantum": matrix.freeze.quantum, "families": list(FAMILIES)},
+        "matrix": matrix_name,
+        "rule": {"text": RULE, "k": rule.k, "floors": dict(rule.floors),
+                 "floor_ulps": rule.floor_ulps,
+                 "quantum": rule.quantum, "families": list(FAMILIES)},
         "matrix_digest": summary["matrix_digest"],
         "rollout_digest": summary["rollout_digest"],
         "targets_digest": summary["targets_digest"],
@@ -53,12 +56,12 @@ def acceptance_document(layout: RunLayout, name: str, bound_files: dict[str, byt
         "versions": summary["versions"],
         "host": summary["host"],
         "platform": summary.get("platform"),
-        "coverage": {"required": list(matrix.freeze.require), "steps": summary["coverage"]},
+        "coverage": {"required": list(rule.require), "steps": summary["coverage"]},
         "rollout_platform": summary.get("rollout_platform"),
         "git": summary["git"],
         "evidence": "../reference",
     }
-    if matrix.algorithm == "grpo":  # the actor's bound files alone (qualify.acceptance.check_acceptance)
+    if algorithm == "grpo":  # the actor's bound files alone (qualify.acceptance.check_acceptance)
         extra["algorithm"] = "grpo"
     if layer_files:  # qualify diagnose's per-layer bounds (qualify.bounds.layers); absent when none were frozen
         extra["layer_bounds"] = {f: "sha256:" + hashlib.sha256(d).hexdigest() for f, d in sorted(layer_files.items())}
@@ -94,7 +97,7 @@ def verified_reference(layout: RunLayout) -> tuple[dict[str, Any], Any]:
         raise EvidenceError(f"the matrix snapshot {layout.matrix_snapshot / 'matrix.json'} is not the file sealed as "
                             f"{sealed_as}: it was changed and sealed again")
     matrix = from_dict(Matrix, read_json(layout.matrix_snapshot / "matrix.json"), str(layout.matrix_snapshot))
-    declared = [c.name for c in controls_of(matrix)]
+    declared = [c.name for c in controls_of(matrix.reference, matrix.candidates.tp)]
     if summary["controls"] != declared:  # the list is the sealed snapshot's; reference.json is only checked against it
         raise EvidenceError(f"{layout.reference_summary} lists controls {summary['controls']}, but the sealed matrix "
                             f"snapshot declares {declared}: the summary was changed, or made from another matrix")
@@ -117,17 +120,14 @@ def verified_reference(layout: RunLayout) -> tuple[dict[str, Any], Any]:
     return summary, matrix
 
 
-def replays_of(matrix: Any, layout: RunLayout, role: str, inputs: Any, summary: dict[str, Any]) -> ReplayOf:
+def replays_of(ctx: ScoringContext, role: str, inputs: StepInputs) -> ReplayOf:
     """replay_of(base, control) for family_bounds: where the reference sealed base replayed on the control's clip
     decisions, None where the control decided as base (decided here from the recorded outputs, not from the
     unsealed summary)."""
-    from qualify.reference.evidence import scoring_settings
     from qualify.reference.forced import control_replay
 
-    settings = scoring_settings(matrix, summary["rollout_digest"])
-
     def replay_of(base: str, control: str) -> Path | None:
-        found = control_replay(matrix, layout, role, base, control, inputs, settings)
+        found = control_replay(ctx, role, base, control, inputs)
         return None if found is None else found[0]
     return replay_of
 
@@ -183,16 +183,17 @@ def freeze(run_dir: Path, name: str | None = None, log: Any = None) -> dict[str,
     layout = RunLayout(run_dir_of(run_dir))
     log = log or StageLog("freeze")
     summary, matrix = verified_reference(layout)
-    controls = summary["controls"]
-    coverage = reference_coverage(layout, controls[0], matrix.roles)
-    missing = inert(matrix.freeze.require, coverage)
+    controls, rule, ctx = summary["controls"], matrix.freeze, ScoringContext.of(matrix, layout)
+    objective = ctx.objective
+    coverage = reference_coverage(layout, controls[0], objective.roles)
+    missing = inert(rule.require, coverage)
     if missing:
         raise FrozenError(f"the reference left {len(missing)} required branch(es) inert (freeze.require): "
                           + "; ".join(missing))
     files: dict[str, bytes] = {}
-    inputs = StepInputs.load(matrix, layout)
+    inputs = ctx.inputs()
     work = FreezeWork(layout, freeze_key(layout, summary), log)
-    for role in matrix.roles:
+    for role in objective.roles:
         before = None
         for family in FAMILIES:
             file = f"{role}-{family}.json"
@@ -202,16 +203,18 @@ def freeze(run_dir: Path, name: str | None = None, log: Any = None) -> dict[str,
                 files[file] = kept
                 continue
             with log.step(f"bounds {role} {family}"):
-                before = before if before is not None else checkpoint_tensors(model_dir(matrix, layout.models, role))
-                doc = family_bounds(layout, role, family, controls, matrix.freeze.k, dict(matrix.freeze.floors),
-                                    before, matrix.optimizer, matrix.freeze.quantum, matrix.freeze.floor_ulps,
-                                    terms_of(matrix, role, inputs), replays_of(matrix, layout, role, inputs, summary),
-                                    means_of(matrix, role, inputs))
+                before = before if before is not None else checkpoint_tensors(ctx.models[role])
+                doc = family_bounds(layout, role, family, controls, rule.k, dict(rule.floors), before,
+                                    objective.optimizer, rule.quantum, rule.floor_ulps,
+                                    terms_of(objective, role, inputs), replays_of(ctx, role, inputs),
+                                    means_of(objective, role, inputs))
                 files[file] = dumps_json(doc).encode("ascii")
                 work.put(file, files[file])
     with log.step("layer bounds"):
-        layers = layer_bound_files(layout, matrix, controls)  # {} for a reference scored without layer activations
-    document = acceptance_document(layout, name or matrix.name, files, summary | {"coverage": coverage}, matrix, layers)
+        # {} for a reference scored without layer activations
+        layers = layer_bound_files(layout, rule, ctx.reference.precisions, objective.roles, controls)
+    document = acceptance_document(layout, name or matrix.name, files, summary | {"coverage": coverage}, matrix.name,
+                                   rule, objective.algorithm, layers)
     _write_once(layout, files, document, layers)
     work.clear()
     return document

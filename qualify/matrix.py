@@ -554,6 +554,45 @@ class Case:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class Objective:
+    """What one training step computes: the algorithm with its PPO and GRPO settings, and AdamW. The reference's step,
+    the decisions, the loss terms and the judge's derivations read this section of the matrix, never the whole of it
+    (Matrix.objective makes it)."""
+
+    algorithm: Algorithm
+    ppo: PPO
+    grpo: GRPO | None
+    optimizer: Optimizer
+
+    @property
+    def roles(self) -> tuple[Role, ...]:
+        """The trained roles: actor and critic under ppo, the actor alone under grpo."""
+        return ("actor",) if self.algorithm == "grpo" else ("actor", "critic")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class CaseSettings:
+    """What a case's ranks are told of the matrix (qualify.candidate.spec.make_spec): the objective, the rollout's
+    sampling settings, the reference's logprob chunking and device, and the candidates section (logprob formula,
+    determinism, vocabulary tiles, layout invariance). Matrix.case_settings makes it."""
+
+    objective: Objective
+    rollout: Rollout
+    reference: Reference
+    candidates: Candidates
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Capture:
+    """What sampling the rollout reads: the rollout section, the responses per prompt (GRPO's group size, else 1) and
+    the prompts file resolved against the matrix file's directory (Matrix.capture makes it)."""
+
+    rollout: Rollout
+    group_size: int = 1
+    prompts_file: Path | None = None
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class Matrix:
     """A whole qualification matrix."""
 
@@ -608,7 +647,7 @@ class Matrix:
                                  "holds an equal, contiguous slice and no row is dropped")
         if self.models.tiny is not None:
             t = self.models.tiny
-            check_family(t.num_heads, t.num_kv_heads, t.intermediate_size, t.vocab_size, self, "models.tiny")
+            self.check_family(t.num_heads, t.num_kv_heads, t.intermediate_size, t.vocab_size, "models.tiny")
             if self.rollout.max_model_len > t.max_position_embeddings:
                 raise ValueError(f"rollout.max_model_len {self.rollout.max_model_len} exceeds "
                                  f"models.tiny.max_position_embeddings {t.max_position_embeddings}")
@@ -651,9 +690,27 @@ class Matrix:
         return self.rollout.num_prompts * (self.grpo.group_size if self.grpo is not None else 1)
 
     @property
+    def objective(self) -> Objective:
+        """The objective's sections (algorithm, ppo, grpo, optimizer): what a step computes."""
+        return Objective(algorithm=self.algorithm, ppo=self.ppo, grpo=self.grpo, optimizer=self.optimizer)
+
+    @property
+    def case_settings(self) -> CaseSettings:
+        """The sections a case's spec is made from."""
+        return CaseSettings(objective=self.objective, rollout=self.rollout, reference=self.reference,
+                            candidates=self.candidates)
+
+    @property
+    def capture(self) -> Capture:
+        """The rollout's sampling: its section, GRPO's group size and the resolved prompts file."""
+        r = self.rollout
+        return Capture(rollout=r, group_size=self.grpo.group_size if self.grpo is not None else 1,
+                       prompts_file=None if r.prompts_file is None else self.resolve(r.prompts_file))
+
+    @property
     def roles(self) -> tuple[Role, ...]:
         """The trained roles the reference scores: actor and critic under ppo, the actor alone under grpo."""
-        return ("actor",) if self.algorithm == "grpo" else ("actor", "critic")
+        return self.objective.roles
 
     def cases(self) -> list[Case]:
         """Every case of the candidate matrix, in a stable order (DP degrees after TP's, DP1 first)."""
@@ -667,75 +724,72 @@ class Matrix:
         p = Path(path).expanduser()
         return p if p.is_absolute() else (Path(self.source).parent / p)
 
+    def check_family(self, num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_size: int,
+                     where: str) -> None:
+        """Every TP degree (candidates.tp, rollout.vllm_tp) shards the heads and the MLP evenly; EOS is in the vocab."""
+        degrees = [("candidates.tp", tp) for tp in self.candidates.tp] + [("rollout.vllm_tp", tp)
+                                                                             for tp in self.rollout.vllm_tp]
+        degrees += [("rounds.train_tp", self.rounds.train_tp)] + (
+            [("rounds.vllm_tp", self.rounds.vllm_tp)] if self.rounds.vllm_tp is not None else [])
+        for key, tp in degrees:
+            for name, size in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
+                               ("intermediate_size", intermediate_size)):
+                if size % tp:
+                    raise ValueError(f"{key} {tp} does not divide {where}.{name} {size} "
+                                     f"(every TP degree must divide num_heads, num_kv_heads and intermediate_size)")
+        tile = self.candidates.vocab_tile
+        for tp in self.candidates.tp if tile is not None else ():
+            if vocab_size % (tp * tile):
+                raise ValueError(f"candidates.vocab_tile {tile} x candidates.tp {tp} does not divide {where} "
+                                 f"vocab_size {vocab_size} (every TP rank holds whole tiles of the vocabulary)")
+        eos = self.rollout.eos_token_id
+        if eos is not None and eos >= vocab_size:
+            raise ValueError(f"rollout.eos_token_id {eos} is not in the vocabulary (must be < {where} vocab_size "
+                             f"{vocab_size})")
 
-def check_family(num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_size: int, matrix: Matrix,
-                 where: str) -> None:
-    """Every TP degree (candidates.tp, rollout.vllm_tp) shards the heads and the MLP evenly; EOS is in the vocab."""
-    degrees = [("candidates.tp", tp) for tp in matrix.candidates.tp] + [("rollout.vllm_tp", tp)
-                                                                         for tp in matrix.rollout.vllm_tp]
-    degrees += [("rounds.train_tp", matrix.rounds.train_tp)] + (
-        [("rounds.vllm_tp", matrix.rounds.vllm_tp)] if matrix.rounds.vllm_tp is not None else [])
-    for key, tp in degrees:
-        for name, size in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
-                           ("intermediate_size", intermediate_size)):
-            if size % tp:
-                raise ValueError(f"{key} {tp} does not divide {where}.{name} {size} "
-                                 f"(every TP degree must divide num_heads, num_kv_heads and intermediate_size)")
-    tile = matrix.candidates.vocab_tile
-    for tp in matrix.candidates.tp if tile is not None else ():
-        if vocab_size % (tp * tile):
-            raise ValueError(f"candidates.vocab_tile {tile} x candidates.tp {tp} does not divide {where} vocab_size "
-                             f"{vocab_size} (every TP rank holds whole tiles of the vocabulary)")
-    eos = matrix.rollout.eos_token_id
-    if eos is not None and eos >= vocab_size:
-        raise ValueError(f"rollout.eos_token_id {eos} is not in the vocabulary (must be < {where} vocab_size "
-                         f"{vocab_size})")
+    def check_checkpoint_family(self) -> None:
+        """For checkpoint models, check the TP degrees and EOS against the actor's config.json when it is there.
 
+        A missing directory is not an error here (the matrix may be written before the checkpoints are copied):
+        the reference stage reports it when it needs the files.
+        """
+        config_path = self.resolve(self.models.checkpoints.actor) / "config.json"
+        if not config_path.is_file():
+            return
+        try:
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError) as exc:
+            raise MatrixError(f"{self.source}: models.checkpoints.actor: cannot read {config_path}: "
+                              f"{type(exc).__name__}") from exc
+        keys = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+        values = [config.get(k) if isinstance(config, dict) else None for k in keys]
+        if not all(type(v) is int and v > 0 for v in values):
+            raise MatrixError(f"{self.source}: models.checkpoints.actor: {config_path} lacks positive integers "
+                              f"{', '.join(keys)}")
+        try:
+            self.check_family(*values, "models.checkpoints.actor config.json")
+        except ValueError as exc:
+            raise MatrixError(f"{self.source}: {exc}") from exc
 
-def checkpoint_family(matrix: Matrix) -> None:
-    """For checkpoint models, check the TP degrees and EOS against the actor's config.json when it is there.
-
-    A missing directory is not an error here (the matrix may be written before the checkpoints are copied):
-    the reference stage reports it when it needs the files.
-    """
-    config_path = matrix.resolve(matrix.models.checkpoints.actor) / "config.json"
-    if not config_path.is_file():
-        return
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as exc:
-        raise MatrixError(f"{matrix.source}: models.checkpoints.actor: cannot read {config_path}: "
-                          f"{type(exc).__name__}") from exc
-    keys = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
-    values = [config.get(k) if isinstance(config, dict) else None for k in keys]
-    if not all(type(v) is int and v > 0 for v in values):
-        raise MatrixError(f"{matrix.source}: models.checkpoints.actor: {config_path} lacks positive integers "
-                          f"{', '.join(keys)}")
-    try:
-        check_family(*values, matrix, "models.checkpoints.actor config.json")
-    except ValueError as exc:
-        raise MatrixError(f"{matrix.source}: {exc}") from exc
-
-
-def missing_here(matrix: Matrix) -> list[str]:
-    """What the matrix names that is not on this machine (checkpoint directories without config.json, the prompts
-    file): the reference stage would stop on each."""
-    out = []
-    if matrix.models.checkpoints is not None:
-        for role in ("actor", "reference", "critic", "reward"):
-            where = getattr(matrix.models.checkpoints, role)
-            if not (matrix.resolve(where) / "config.json").is_file():
-                out.append(f"models.checkpoints.{role} {where} (no config.json there)")
-    if matrix.rollout.prompts_file is not None and not matrix.resolve(matrix.rollout.prompts_file).is_file():
-        out.append(f"rollout.prompts_file {matrix.rollout.prompts_file} (not a file)")
-    return out
+    def missing_here(self) -> list[str]:
+        """What the matrix names that is not on this machine (checkpoint directories without config.json, the prompts
+        file): the reference stage would stop on each."""
+        out = []
+        if self.models.checkpoints is not None:
+            for role in ("actor", "reference", "critic", "reward"):
+                where = getattr(self.models.checkpoints, role)
+                if not (self.resolve(where) / "config.json").is_file():
+                    out.append(f"models.checkpoints.{role} {where} (no config.json there)")
+        if self.rollout.prompts_file is not None and not self.resolve(self.rollout.prompts_file).is_file():
+            out.append(f"rollout.prompts_file {self.rollout.prompts_file} (not a file)")
+        return out
 
 
 def load_matrix(path: Path | str) -> Matrix:
     """Read and validate a matrix YAML file (for checkpoint models, against the actor's config.json too)."""
     matrix = load_yaml_file(Matrix, path, "matrix file", {"source": str(path)})
     if matrix.models.checkpoints is not None:
-        checkpoint_family(matrix)
+        matrix.check_checkpoint_family()
     return matrix
 
 

@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 GiB = 1 << 30
@@ -107,10 +109,10 @@ def shape_from_config(config: dict[str, Any], role: str) -> Shape:
                  tied=role == "actor" and bool(config.get("tie_word_embeddings", False)))
 
 
-def matrix_shapes(matrix: Any) -> dict[str, Shape] | None:
-    """Actor and critic shapes of a matrix: from models.tiny, or the checkpoints' config.json (None when a
-    checkpoint directory is not there: then nothing can be checked)."""
-    tiny = matrix.models.tiny
+def matrix_shapes(models: Any, resolve: Callable[[str], Path]) -> dict[str, Shape] | None:
+    """Actor and critic shapes of a matrix's models section: from models.tiny, or the checkpoints' config.json
+    (resolve: Matrix.resolve; None when a checkpoint directory is not there: then nothing can be checked)."""
+    tiny = models.tiny
     if tiny is not None:
         return {role: Shape(vocab_size=tiny.vocab_size, hidden_size=tiny.hidden_size,
                             intermediate_size=tiny.intermediate_size, num_layers=tiny.num_layers,
@@ -119,7 +121,7 @@ def matrix_shapes(matrix: Any) -> dict[str, Shape] | None:
                 for role in ("actor", "critic")}
     shapes = {}
     for role in ("actor", "critic"):
-        path = matrix.resolve(getattr(matrix.models.checkpoints, role)) / "config.json"
+        path = resolve(getattr(models.checkpoints, role)) / "config.json"
         if not path.is_file():
             return None
         shapes[role] = shape_from_config(json.loads(path.read_text()), role)
@@ -146,25 +148,36 @@ class Need:
         return f"{self.what} needs {self.gpu_gib():.1f} GiB a GPU ({parts}); host {self.host_bytes / GiB:.1f} GiB"
 
 
-def _tokens(matrix: Any) -> int:
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """What sizes a step's memory, from the matrix's rollout, ppo and reference sections (Workload.of)."""
+
+    tokens: int
     """Tokens of one optimizer step's forward: the step's rows x the padded sequence length."""
-    rows = math.ceil(matrix.rollout.num_prompts / matrix.ppo.minibatches)
-    return rows * (matrix.rollout.prompt_len + matrix.rollout.max_new_tokens)
+    steps: int
+    """Optimizer steps (epochs x minibatches): each keeps its evidence."""
+    chunk_tokens: int
+    """reference.logprob_chunk_tokens: the logprobs' chunk."""
+
+    @classmethod
+    def of(cls, rollout: Any, ppo: Any, reference: Any) -> Workload:
+        rows = math.ceil(rollout.num_prompts / ppo.minibatches)
+        return cls(tokens=rows * (rollout.prompt_len + rollout.max_new_tokens), steps=ppo.epochs * ppo.minibatches,
+                   chunk_tokens=reference.logprob_chunk_tokens)
 
 
-def _activations(matrix: Any, shape: Shape, precision: str, checkpointing: bool, tp: int = 1) -> dict[str, int]:
-    tokens, b = _tokens(matrix), COMPUTE_BYTES[precision]
+def _activations(work: Workload, shape: Shape, precision: str, checkpointing: bool, tp: int = 1) -> dict[str, int]:
+    tokens, b = work.tokens, COMPUTE_BYTES[precision]
     out = {"activations": shape.activation_elements(tokens, checkpointing) * b // tp, "logits": 0}
     if shape.lm_head:
-        chunk = min(matrix.reference.logprob_chunk_tokens, tokens)
+        chunk = min(work.chunk_tokens, tokens)
         out["logits"] = 2 * tokens * shape.vocab_size * b + LOGPROB_CHUNK_BUFFERS * chunk * shape.vocab_size * 4
     return out
 
 
-def reference_needs(matrix: Any, shapes: dict[str, Shape]) -> list[Need]:
+def reference_needs(ref: Any, work: Workload, shapes: dict[str, Shape]) -> list[Need]:
     """One Need per precision and role of the reference's scoring (the reference job runs them one at a time)."""
-    ref = matrix.reference
-    steps = matrix.ppo.epochs * matrix.ppo.minibatches
+    steps = work.steps
     offload = ref.offload == "host"
     needs = []
     for precision in ref.precisions:
@@ -172,29 +185,29 @@ def reference_needs(matrix: Any, shapes: dict[str, Shape]) -> list[Need]:
             p = shape.params
             state = (OFFLOAD_DEVICE if offload else REFERENCE_STATE)[precision] * p
             host = (EVIDENCE_PER_STEP * steps + (OFFLOAD_HOST if offload else 4)) * p
-            parts = {"state": state, **_activations(matrix, shape, precision, ref.gradient_checkpointing)}
+            parts = {"state": state, **_activations(work, shape, precision, ref.gradient_checkpointing)}
             needs.append(Need(what=f"reference {precision} {role}" + (" (offload: host)" if offload else ""),
                               gpu_bytes=sum(parts.values()), host_bytes=host, parts=parts))
     return needs
 
 
-def candidate_need(matrix: Any, shapes: dict[str, Shape], case: Any) -> Need:
+def candidate_need(work: Workload, shapes: dict[str, Shape], case: Any) -> Need:
     """What one candidate case needs on each of its TP GPUs (the engines keep an FP32 master and AdamW state on
     every rank for its shard) and on the host of rank 0 (the evidence, gathered whole)."""
     shape = shapes[case.role]
     replicated = shape.replicated_params(case.engine)
     per_rank = (shape.params - replicated) // case.tp + replicated
-    steps = matrix.ppo.epochs * matrix.ppo.minibatches
+    steps = work.steps
     parts = {"state": CANDIDATE_STATE[case.precision] * per_rank,
-             **_activations(matrix, shape, case.precision, False, case.tp)}
+             **_activations(work, shape, case.precision, False, case.tp)}
     return Need(what=f"case {case.name}", gpu_bytes=sum(parts.values()),
                 host_bytes=(EVIDENCE_PER_STEP * steps + 8) * shape.params, parts=parts)
 
 
-def vllm_need(matrix: Any, shapes: dict[str, Shape], tp: int) -> Need:
+def vllm_need(rollout: Any, shapes: dict[str, Shape], tp: int) -> Need:
     """The reference job's vLLM capture on each of its TP GPUs: the weights' shard and the KV-cache budget."""
     p = shapes["actor"].params
-    parts = {"state": COMPUTE_BYTES[matrix.rollout.dtype] * p // tp, "kv_cache": matrix.rollout.kv_cache_memory_bytes}
+    parts = {"state": COMPUTE_BYTES[rollout.dtype] * p // tp, "kv_cache": rollout.kv_cache_memory_bytes}
     return Need(what=f"vLLM TP{tp} capture", gpu_bytes=sum(parts.values()), host_bytes=0, parts=parts)
 
 
@@ -211,19 +224,19 @@ def misfits(matrix: Any, cases: list[Any], gpu_bytes: int,
     absent: not checked). Returns (lines, shapes); shapes None when the checkpoints' config.json is not there
     (then nothing was checked).
     """
-    shapes = matrix_shapes(matrix)
+    shapes = matrix_shapes(matrix.models, matrix.resolve)
     if shapes is None:
         return [], None
-    limits = host_bytes or {}
-    checks = [(n, "reference") for n in reference_needs(matrix, shapes)]
-    checks += [(vllm_need(matrix, shapes, tp), "vllm") for tp in matrix.rollout.vllm_tp]
-    checks += [(candidate_need(matrix, shapes, c), c.name) for c in cases]
+    limits, work = host_bytes or {}, Workload.of(matrix.rollout, matrix.ppo, matrix.reference)
+    checks = [(n, "reference") for n in reference_needs(matrix.reference, work, shapes)]
+    checks += [(vllm_need(matrix.rollout, shapes, tp), "vllm") for tp in matrix.rollout.vllm_tp]
+    checks += [(candidate_need(work, shapes, c), c.name) for c in cases]
     lines = []
     for need, job in checks:
         if not gpu_fits(need, gpu_bytes):
             hint = ""
             if need.what.startswith("reference") and matrix.reference.offload != "host":
-                offloaded = _with_offload(matrix, shapes, need.what)
+                offloaded = _with_offload(matrix.reference, work, shapes, need.what)
                 hint = f"; with reference.offload: host it needs {offloaded.gpu_gib():.1f} GiB"
             lines.append(f"{need.describe()}, over the {gpu_bytes / GiB:.1f} GiB of one GPU "
                          f"(less {CONTEXT_BYTES / GiB:.0f} GiB kept free){hint}")
@@ -232,10 +245,9 @@ def misfits(matrix: Any, cases: list[Any], gpu_bytes: int,
     return lines, shapes
 
 
-def _with_offload(matrix: Any, shapes: dict[str, Shape], what: str) -> Need:
+def _with_offload(reference: Any, work: Workload, shapes: dict[str, Shape], what: str) -> Need:
     import dataclasses
 
-    ref = dataclasses.replace(matrix.reference, offload="host")
-    offloaded = reference_needs(dataclasses.replace(matrix, reference=ref), shapes)
+    offloaded = reference_needs(dataclasses.replace(reference, offload="host"), work, shapes)
     key = what.split(" (")[0]
     return next(n for n in offloaded if n.what.startswith(key))

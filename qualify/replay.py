@@ -32,10 +32,11 @@ from qualify.hardware import platform_differences
 from qualify.hashing import sha256_file
 from qualify.layout import RunLayout
 from qualify.manifest import default_evidence, load_manifest, verify_manifest
+from qualify.matrix import PPO
 from qualify.metrics import max_abs
 from qualify.models.checkpoint import checkpoint_tensors
-from qualify.models.family import model_dir
 from qualify.ppo.decisions import differing
+from qualify.reference.context import ScoringContext
 from qualify.reference.forced import ensure_replay, sealed_replay
 from qualify.reference.inputs import StepInputs
 from qualify.rollout.capture import load_rollout
@@ -149,13 +150,15 @@ def bound_rows(acceptance_path: Path, doc: dict[str, Any], layout: RunLayout,
     from qualify.matrix import Matrix
 
     matrix = from_dict(Matrix, summary["matrix"], str(layout.reference_summary))
+    ctx = ScoringContext.of(matrix, layout, summary["rollout_digest"], summary["targets_digest"])
+    objective = ctx.objective
     acc = Acceptance.load(acceptance_path, partial=True)  # the committed evidence beside it, and its bound files
     rows = model_rows(doc, layout)
-    fresh_inputs = StepInputs.load(matrix, layout)
-    committed_inputs = committed_step_inputs(acceptance_path, doc, matrix, layout)
+    fresh_inputs = ctx.inputs()
+    committed_inputs = committed_step_inputs(acceptance_path, doc, objective.ppo, ctx.primary_tp, layout)
     decided: dict[str, Any] = {}
     for role in ROLES:
-        before = checkpoint_tensors(model_dir(matrix, layout.models, role))
+        before = checkpoint_tensors(ctx.models[role])
         for precision in matrix.reference.precisions:
             family = f"{precision}-repeat"
             ref_run = acc.reference_run(role, family)
@@ -164,12 +167,12 @@ def bound_rows(acceptance_path: Path, doc: dict[str, Any], layout: RunLayout,
             require_complete(fresh_dir, f"fresh reference {ref_run} {role}")
             comparison = f"fresh vs committed {ref_run} [{family}]"
             bounds = acc.bounds(role, family)
-            fresh, first, where = on_committed_decisions(matrix, layout, role, ref_run, load_steps(fresh_dir),
-                                                         committed, fresh_inputs, committed_inputs)
-            mine = run_decisions(matrix, role, fresh, fresh_inputs)
-            theirs = run_decisions(matrix, role, committed, committed_inputs)
+            fresh, first, where = on_committed_decisions(ctx, role, ref_run, load_steps(fresh_dir), committed,
+                                                         fresh_inputs, committed_inputs)
+            mine = run_decisions(objective, role, fresh, fresh_inputs)
+            theirs = run_decisions(objective, role, committed, committed_inputs)
             rows += judge_steps("replay", role, comparison, fresh, committed, bounds,
-                                params_before_steps(fresh, before), matrix.optimizer)
+                                params_before_steps(fresh, before), objective.optimizer)
             rows += [replace(r, note=f"{r.note}; {where}" if r.note else where) if r.step == first else r
                      for r in decision_rows("replay", role, comparison, mine, theirs, bounds)]
             decided[f"{role} {ref_run}"] = {
@@ -179,30 +182,32 @@ def bound_rows(acceptance_path: Path, doc: dict[str, Any], layout: RunLayout,
     return rows, {"targets_max_abs": target_drift(acceptance_path, doc, layout), "decisions": decided}
 
 
-def committed_step_inputs(acceptance_path: Path, doc: dict[str, Any], matrix: Any, layout: RunLayout) -> StepInputs:
+def committed_step_inputs(acceptance_path: Path, doc: dict[str, Any], ppo: PPO, primary_tp: int,
+                          layout: RunLayout) -> StepInputs:
     """Each step's targets and response mask as the committed run saw them: the committed targets (verified against
     the acceptance's digests) cut into the steps' rows, with the rollout's response mask."""
     targets = read_tensors(committed_run(acceptance_path, doc, "targets") / "targets.safetensors")
-    mask = load_rollout(layout.rollout(matrix.rollout.vllm_tp[0]), doc["rollout_digest"])["response_mask_BT"]
-    return StepInputs.split(matrix, targets, mask)
+    mask = load_rollout(layout.rollout(primary_tp), doc["rollout_digest"])["response_mask_BT"]
+    return StepInputs.split(ppo, targets, mask)
 
 
-def on_committed_decisions(matrix: Any, layout: RunLayout, role: str, ref_run: str, fresh: list, committed: list,
+def on_committed_decisions(ctx: ScoringContext, role: str, ref_run: str, fresh: list, committed: list,
                            fresh_inputs: StepInputs, committed_inputs: StepInputs) -> tuple[list, int | None, str]:
     """(the fresh steps to judge against the committed ones, the first step the fresh run decided a token otherwise
     or None, where the replay is and why or ''): the fresh run itself when it decided as the committed run at every
     step; else its steps before that first step, then this platform's reference replayed on the committed run's
     decisions from that step on (before it the replay follows the same decisions as the fresh run), with the fresh
     run's own per-token outputs at that step."""
-    mine = run_decisions(matrix, role, fresh, fresh_inputs)
-    theirs = run_decisions(matrix, role, committed, committed_inputs)
+    layout = ctx.layout
+    mine = run_decisions(ctx.objective, role, fresh, fresh_inputs)
+    theirs = run_decisions(ctx.objective, role, committed, committed_inputs)
     first = first_divergence(mine, theirs)
     if first is None or any(d is None for d in mine + theirs) or len(fresh) != len(committed):
         return fresh, None, ""
     precision = ref_run.split("-", 1)[0]
     decided = [d.clipped_BT for d in theirs if d is not None]
-    ensure_replay(matrix, layout, precision, role, decided, into=layout.platform_replay)
-    replay, out = sealed_replay(matrix, layout, precision, role, decided, into=layout.platform_replay)
+    ensure_replay(ctx, precision, role, decided, into=layout.platform_replay)
+    replay, out = sealed_replay(ctx, precision, role, decided, into=layout.platform_replay)
     flips = differing(mine[first], theirs[first])
     shown = ", ".join(f"row {r} token {t}" for r, t in flips[:SHOWN])
     where = (f"this platform's {ref_run} decided {len(flips)} token(s) otherwise than the committed one at step "

@@ -158,17 +158,18 @@ def has_layers(layout: Any, controls: list[str], precisions: list[str], roles: t
     return all(held(layout.scores(p, c, role)) for p in precisions for c in controls for role in roles)
 
 
-def layer_bound_files(layout: Any, matrix: Any, controls: list[str]) -> dict[str, bytes]:
+def layer_bound_files(layout: Any, rule: Any, precisions: tuple[str, ...], roles: tuple[str, ...],
+                      controls: list[str]) -> dict[str, bytes]:
     """{'<role>.json': canonical JSON} of the layer bounds of every role the matrix scores; empty when the reference
     has no layer activations."""
-    if not has_layers(layout, controls, list(matrix.reference.precisions), tuple(matrix.roles)):
+    if not has_layers(layout, controls, list(precisions), tuple(roles)):
         return {}
     files = {}
-    k, floors, floor_ulps = matrix.freeze.k, dict(matrix.freeze.floors), matrix.freeze.floor_ulps
-    for role in matrix.roles:  # GRPO: the actor alone (no critic is scored)
+    k, floors, floor_ulps = rule.k, dict(rule.floors), rule.floor_ulps
+    for role in roles:  # GRPO: the actor alone (no critic is scored)
         doc = {"schema": LAYER_BOUNDS_SCHEMA, "role": role, "step": 0, "k": k, "floors": floors,
                "floor_ulps": floor_ulps, "rule": RULE,
-               "families": {f: family_layer_bounds(layout, role, f, controls, k, floors, matrix.freeze.quantum,
+               "families": {f: family_layer_bounds(layout, role, f, controls, k, floors, rule.quantum,
                                                    floor_ulps) for f in FAMILIES}}
         files[f"{role}.json"] = dumps_json(doc).encode("ascii")
     return files

@@ -56,18 +56,18 @@ def layer_record(record: dict[str, Any] | None, family: str) -> dict[str, Any] |
     return record["families"].get(family, {}).get("layers")
 
 
-def terms_of(matrix: Any, role: str, inputs: Any) -> Any:
+def terms_of(objective: Any, role: str, inputs: Any) -> Any:
     """terms(step, run): the run's per-token loss contributions at that step (qualify.ppo.decisions.loss_terms)."""
     from qualify.ppo.decisions import loss_terms
 
     def terms(step: int, run: Any) -> Any:
         if step >= len(inputs.masks):
             return None
-        return loss_terms(role, matrix.ppo, matrix.grpo, run.outputs, inputs.targets[step], inputs.masks[step])
+        return loss_terms(role, objective.ppo, objective.grpo, run.outputs, inputs.targets[step], inputs.masks[step])
     return terms
 
 
-def means_of(matrix: Any, role: str, inputs: Any) -> Any:
+def means_of(objective: Any, role: str, inputs: Any) -> Any:
     """means(step, run): the run's per-token contributions to its scalar means at that step
     (qualify.ppo.decisions.mean_terms)."""
     from qualify.ppo.decisions import mean_terms
@@ -75,5 +75,5 @@ def means_of(matrix: Any, role: str, inputs: Any) -> Any:
     def means(step: int, run: Any) -> dict[str, Any]:
         if step >= len(inputs.masks):
             return {}
-        return mean_terms(role, matrix.ppo, matrix.grpo, run.outputs, inputs.targets[step], inputs.masks[step])
+        return mean_terms(role, objective.ppo, objective.grpo, run.outputs, inputs.targets[step], inputs.masks[step])
     return means

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from qualify.compare import RunTensors
-from qualify.layout import RunLayout
-from qualify.matrix import Matrix
+from qualify.matrix import Objective
 from qualify.ppo.decisions import Decisions, decisions, differing
+from qualify.reference.context import ScoringContext
 from qualify.reference.inputs import StepInputs
 from qualify.verdict import Row
 
@@ -27,8 +27,9 @@ DECISION_RULE = "decided as the reference, or where the reference is within its 
 SHOWN = 4
 
 
-def run_decisions(matrix: Matrix, role: str, steps: list[RunTensors], inputs: StepInputs) -> list[Decisions | None]:
-    return [decisions(role, matrix.ppo, matrix.grpo, s.outputs, inputs.targets[k], inputs.masks[k])
+def run_decisions(objective: Objective, role: str, steps: list[RunTensors],
+                  inputs: StepInputs) -> list[Decisions | None]:
+    return [decisions(role, objective.ppo, objective.grpo, s.outputs, inputs.targets[k], inputs.masks[k])
             if k < len(inputs.masks) else None for k, s in enumerate(steps)]
 
 
@@ -79,22 +80,22 @@ def replay_needed(mine: list[Decisions | None], theirs: list[Decisions | None], 
     return [d.clipped_BT for d in mine if d is not None]
 
 
-def aligned_reference(matrix: Matrix, layout: RunLayout, inputs: StepInputs, case: str, role: str, comparison: str,
+def aligned_reference(ctx: ScoringContext, inputs: StepInputs, case: str, role: str, comparison: str,
                       precision: str, cand: list[RunTensors], ref: list[RunTensors],
                       bounds: dict[str, Any]) -> tuple[list[RunTensors], list[Row]]:
     """(the reference to compare the case's tensors with, the decision rows): ref itself when the case decided as
     it did at every step, else ref replayed on the case's decisions (whose own decisions the rows judge against),
     read from where the candidate stage sealed it before judging (nothing is computed here)."""
-    mine, theirs = run_decisions(matrix, role, cand, inputs), run_decisions(matrix, role, ref, inputs)
+    mine, theirs = run_decisions(ctx.objective, role, cand, inputs), run_decisions(ctx.objective, role, ref, inputs)
     decided = replay_needed(mine, theirs, cand, ref)
     if decided is None:
         return ref, decision_rows(case, role, comparison, mine, theirs, bounds)
     from qualify.reference.forced import sealed_replay
 
-    replay, where = sealed_replay(matrix, layout, precision, role, decided)
+    replay, where = sealed_replay(ctx, precision, role, decided)
     # the replay follows the case's decisions, so from the first flip on its steps are the ones the case's decisions
     # are judged against (its own deciding quantity, step by step)
-    rows = decision_rows(case, role, comparison, mine, run_decisions(matrix, role, replay, inputs), bounds)
+    rows = decision_rows(case, role, comparison, mine, run_decisions(ctx.objective, role, replay, inputs), bounds)
     out = []
     for row, a, b in zip(rows, mine, theirs):
         flips = differing(a, b) if a is not None and b is not None else []
@@ -116,10 +117,10 @@ def first_divergence(mine: list[Decisions | None], theirs: list[Decisions | None
     return None
 
 
-def comparable_steps(matrix: Matrix, role: str, cand: list[RunTensors], base: list[RunTensors],
+def comparable_steps(objective: Objective, role: str, cand: list[RunTensors], base: list[RunTensors],
                      inputs: StepInputs) -> tuple[int, list[Decisions | None], list[Decisions | None]]:
     """How many leading steps of two cases follow the same decisions (all when they never differ)."""
-    mine, theirs = run_decisions(matrix, role, cand, inputs), run_decisions(matrix, role, base, inputs)
+    mine, theirs = run_decisions(objective, role, cand, inputs), run_decisions(objective, role, base, inputs)
     k = first_divergence(mine, theirs)
     return (min(len(cand), len(base)) if k is None else k), mine, theirs
 
@@ -129,7 +130,7 @@ FP32_UNIT = 2.0 ** -24
 OWN_LOSS_RULE = "<= (active tokens + 4) x 2^-24 x sum |per-token contribution|: fp32 rounding of the loss's sum"
 
 
-def own_loss_rows(case: str, role: str, matrix: Matrix, cand: list[RunTensors], inputs: StepInputs) -> list[Row]:
+def own_loss_rows(case: str, role: str, objective: Objective, cand: list[RunTensors], inputs: StepInputs) -> list[Row]:
     """One row per step: the case's loss against the matrix's objective evaluated (float64) on the case's own
     recorded outputs (qualify.ppo.decisions.loss_terms), within what fp32 rounding of the sum allows. A loss that is
     not the objective of the outputs it reports (a wrong normalizer, a term dropped from the loss but not from the
@@ -140,7 +141,7 @@ def own_loss_rows(case: str, role: str, matrix: Matrix, cand: list[RunTensors], 
     for k, step in enumerate(cand):
         if k >= len(inputs.masks) or "loss" not in step.outputs:
             continue
-        terms = loss_terms(role, matrix.ppo, matrix.grpo, step.outputs, inputs.targets[k], inputs.masks[k])
+        terms = loss_terms(role, objective.ppo, objective.grpo, step.outputs, inputs.targets[k], inputs.masks[k])
         if terms is None:
             continue
         loss = float(step.outputs["loss"].double().reshape(()))

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from qualify.compare import RunTensors
+from qualify.matrix import Objective
 from qualify.verdict import Row
 
 U = 2.0 ** -24
@@ -179,27 +180,28 @@ def token_place(mask: torch.Tensor) -> Callable[[int], str]:
     return lambda i: f"row {int(where[i][0])} position {int(where[i][1])}"
 
 
-def clip_frac_derivation(ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, matrix: Any) -> Derivation:
+def clip_frac_derivation(ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                         objective: Objective) -> Derivation:
     """The clip fraction of the case's own ratio and advantages (B, T, fp32 as reported): the strict comparison of the
     clipped and unclipped terms in fp32 (as the objective decides), aggregated in float64 by the matrix's definition."""
     from qualify.ppo.grpo import count_normalizers, per_sequence_loss
     from qualify.ppo.math import masked_mean
 
-    eps = matrix.ppo.clip_eps
+    eps = objective.ppo.clip_eps
     a = torch.where(mask, adv.float(), 0.0)
     r = torch.where(mask, ratio.float(), 1.0)
     clipped = ((-a * r.clamp(1.0 - eps, 1.0 + eps)) > (-a * r)).double()
-    if matrix.grpo is None:
-        value = masked_mean(clipped, mask, matrix.ppo.token_normalizer, matrix.ppo.normalizer_constant)
+    if objective.grpo is None:
+        value = masked_mean(clipped, mask, objective.ppo.token_normalizer, objective.ppo.normalizer_constant)
     else:
-        g = matrix.grpo
+        g = objective.grpo
         how, constant = ("token_mean", None) if g.clip_frac == "token_mean" else (g.aggregation, g.constant)
         value = per_sequence_loss(clipped, mask, how, count_normalizers(mask), constant).sum()
     value = value.reshape(1).double()
     return value, U * (int(mask.sum()) + 4) * value.abs()
 
 
-def step_rows(case: str, role: str, matrix: Any, k: int, outputs: dict[str, torch.Tensor],
+def step_rows(case: str, role: str, objective: Objective, k: int, outputs: dict[str, torch.Tensor],
               targets: dict[str, torch.Tensor], mask: torch.Tensor, device: str = "cpu",
               scored: bool = True) -> list[Row]:
     """The derivation rows of one step's outputs (each only where the case reports the quantity). scored: the
@@ -215,12 +217,12 @@ def step_rows(case: str, role: str, matrix: Any, k: int, outputs: dict[str, torc
             rows.append(worst_row(case, role, k, f"step{k}/outputs/ratio_BT", outputs["ratio_BT"][mask], ratio,
                                   ratio_rule(device) + "; old logprobs: the frozen rollout's", place))
         if "kl_BT" in outputs and outputs["kl_BT"].shape == mask.shape and "ref_logprobs_BT" in f64:
-            estimator = "k1" if matrix.grpo is None else matrix.grpo.kl_estimator
+            estimator = "k1" if objective.grpo is None else objective.grpo.kl_estimator
             rows.append(worst_row(case, role, k, f"step{k}/outputs/kl_BT", outputs["kl_BT"][mask],
                                   kl_derivation(own, f64["ref_logprobs_BT"], estimator, ratio),
                                   f"{KL_RULE}; estimator {estimator}", place))
     adv = None
-    if role == "actor" and matrix.grpo is None:
+    if role == "actor" and objective.grpo is None:
         adv = targets.get("advantages_BT")
     elif role == "actor" and "advantages_B" in outputs:
         adv = outputs["advantages_B"][:, None].expand(mask.shape)
@@ -228,13 +230,13 @@ def step_rows(case: str, role: str, matrix: Any, k: int, outputs: dict[str, torc
     if adv is not None and ratio_out is not None and "clip_frac" in outputs and ratio_out.shape == mask.shape \
             and adv.shape == mask.shape:
         rows.append(worst_row(case, role, k, f"step{k}/outputs/clip_frac", outputs["clip_frac"].reshape(1),
-                              clip_frac_derivation(ratio_out, adv, mask, matrix), CLIP_RULE,
+                              clip_frac_derivation(ratio_out, adv, mask, objective), CLIP_RULE,
                               lambda i: f"{int(mask.sum())} tokens"))
-    if matrix.grpo is not None and "advantages_B" in outputs and "score_B" in targets:
+    if objective.grpo is not None and "advantages_B" in outputs and "score_B" in targets:
         rewards = targets["score_B"].double()
-        if outputs["advantages_B"].shape == rewards.shape and rewards.numel() % matrix.grpo.group_size == 0:
+        if outputs["advantages_B"].shape == rewards.shape and rewards.numel() % objective.grpo.group_size == 0:
             rows.append(worst_row(case, role, k, f"step{k}/outputs/advantages_B", outputs["advantages_B"],
-                                  advantage_derivation(rewards, matrix.grpo), ADV_RULE, lambda i: f"row {i}"))
+                                  advantage_derivation(rewards, objective.grpo), ADV_RULE, lambda i: f"row {i}"))
     return rows
 
 
@@ -284,19 +286,19 @@ def update_row(case: str, role: str, k: int, step: RunTensors, start: dict[str, 
                                  f"(|difference| {diff:.3g}, allowed {tol:.3g})", step=k, rule=UPDATE_RULE)
 
 
-def derived_rows(case: str, role: str, matrix: Any, cand: list[RunTensors], inputs: Any,
+def derived_rows(case: str, role: str, objective: Objective, cand: list[RunTensors], inputs: Any,
                  scored: bool = True, starts: list[dict[str, torch.Tensor]] | None = None) -> list[Row]:
     """Every derivation row of a case, step by step (scored: see step_rows)."""
     device = (cand[0].meta.get("case") or {}).get("device", "cpu") if cand else "cpu"
     rows = sampler_rows(case, role, cand)
     for k, step in enumerate(cand):
         if k < len(inputs.masks):
-            rows += step_rows(case, role, matrix, k, step.outputs, inputs.targets[k], inputs.masks[k], device, scored)
+            rows += step_rows(case, role, objective, k, step.outputs, inputs.targets[k], inputs.masks[k], device, scored)
         norm = norm_row(case, role, k, step)
         if norm is not None:
             rows.append(norm)
         if starts is not None and k < len(starts):
-            update = update_row(case, role, k, step, starts[k], matrix.optimizer,
+            update = update_row(case, role, k, step, starts[k], objective.optimizer,
                                 (cand[0].meta.get("state_dtypes") or {}) if cand else {})
             if update is not None:
                 rows.append(update)

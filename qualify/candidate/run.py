@@ -30,15 +30,15 @@ from qualify.candidate.formula import declared_formula, explain_formula, formula
 from qualify.candidate.judge import evidence_rows, judge_steps, precision_rows
 from qualify.candidate.launch import clear_failures, failure_note, launch, write_spec_file
 from qualify.candidate.layout_probe import layout_rows
-from qualify.candidate.spec import make_spec
+from qualify.candidate.spec import CaseSpec, make_spec
 from qualify.candidate.tiers import bitwise_rows, tensor_tiers, tier_summary
 from qualify.compare import load_steps, params_before_steps
 from qualify.engines.registry import require_engine
 from qualify.errors import EvidenceError, QualifyError
 from qualify.layout import RunLayout, launch_log, work_dir
-from qualify.matrix import Case, Matrix
+from qualify.matrix import Candidates, Case, Matrix, Reference
 from qualify.models.checkpoint import checkpoint_tensors
-from qualify.models.family import model_dirs
+from qualify.reference.context import ScoringContext
 from qualify.stagelog import StageLog
 from qualify.stages import stage_info, stage_is_complete
 from qualify.store import read_json, write_json
@@ -59,8 +59,9 @@ def require_frozen_matrix(matrix: Matrix, layout: RunLayout) -> None:
                            f"{' ...' if len(changed) > 3 else ''} (only 'candidates' may change after a freeze)")
 
 
-def device_of(matrix: Matrix) -> str:
-    want = matrix.reference.device
+def device_of(reference: Reference) -> str:
+    """Where a case's ranks run: the reference section's device, auto = CUDA when present."""
+    want = reference.device
     if want != "auto":
         return want
     import torch
@@ -68,19 +69,15 @@ def device_of(matrix: Matrix) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def check_engines(matrix: Matrix) -> None:
-    for name in matrix.candidates.engines:
-        require_engine(name, where=f" in {matrix.source}")
+def check_engines(candidates: Candidates, source: str) -> None:
+    """Every engine the candidates section names is one the registry can build (source: the matrix file)."""
+    for name in candidates.engines:
+        require_engine(name, where=f" in {source}")
 
 
-def write_spec(matrix: Matrix, layout: RunLayout, case: Case, models: dict[str, Path], doc: dict[str, Any],
-               device: str) -> Path:
-    """The case's spec.json in its work directory (next to the evidence directory, outside it)."""
-    vocab = read_json(models["actor"] / "config.json")["vocab_size"]
-    out = layout.case(case.name)
-    spec = make_spec(matrix, case, model_dir=models[case.role], rollout_dir=layout.rollout(matrix.rollout.vllm_tp[0]),
-                     targets_dir=layout.targets, rollout_digest=doc["rollout_digest"],
-                     targets_digest=doc["targets_digest"], case_dir=out, vocab_size=vocab, device=device)
+def write_spec(spec: CaseSpec, doc: dict[str, Any]) -> Path:
+    """The case's spec.json, with its resume key, in its work directory (next to the evidence directory, outside
+    it)."""
     return write_spec_file(replace(spec, resume_key=resume_key(spec, doc)))
 
 
@@ -107,11 +104,11 @@ def stale_reason(case_dir: Path, key: dict[str, str]) -> str | None:
     return f"{', '.join(changed)} changed since it was sealed" if changed else None
 
 
-def run_group(matrix: Matrix, layout: RunLayout, cases: list[Case], models: dict[str, Path], doc: dict[str, Any],
-              device: str, log: StageLog) -> dict[str, str]:
+def run_group(layout: RunLayout, cases: list[Case], specs_by_case: dict[Case, Path], device: str,
+              log: StageLog) -> dict[str, str]:
     """Run cases sharing engine and TP in one launch (imports are paid once); a failed launch is retried case by
-    case so that each failure carries its own log. Returns errors by case name."""
-    specs_by_case = {c: write_spec(matrix, layout, c, models, doc, device) for c in cases}
+    case so that each failure carries its own log. specs_by_case: each case's spec file (write_spec). Returns errors
+    by case name."""
     pending = []
     for c in cases:
         if not stage_is_complete(layout.case(c.name)):
@@ -155,34 +152,36 @@ def case_families(case: Case) -> list[tuple[str, str]]:
     return families
 
 
-def seal_replays(matrix: Matrix, layout: RunLayout, case: Case, inputs: StepInputs, log: StageLog) -> None:
+def seal_replays(ctx: ScoringContext, case: Case, inputs: StepInputs, log: StageLog) -> None:
     """The judge's one computation, made and sealed before any judging: for each reference run the case is compared
     with, that run replayed on the case's clip decisions where they differ from the run's (qualify.reference.forced;
     cases that decided alike share one). The judge, and `qualify report` judging again, only read it."""
     from qualify.reference.forced import ensure_replay, replay_location
 
+    layout, objective = ctx.layout, ctx.objective
     cand = load_steps(layout.case(case.name))
     for _, ref_run in case_families(case):
         precision, control = ref_run.split("-", 1)
         ref = load_steps(layout.scores(precision, control, case.role))
-        decided = replay_needed(run_decisions(matrix, case.role, cand, inputs),
-                                run_decisions(matrix, case.role, ref, inputs), cand, ref)
-        if decided is None or stage_is_complete(replay_location(matrix, layout, precision, case.role, decided)):
+        decided = replay_needed(run_decisions(objective, case.role, cand, inputs),
+                                run_decisions(objective, case.role, ref, inputs), cand, ref)
+        if decided is None or stage_is_complete(replay_location(ctx, precision, case.role, decided)):
             continue
         with log.step(f"replay {ref_run} {case.role} on {case.name}'s clip decisions"):
-            ensure_replay(matrix, layout, precision, case.role, decided)
+            ensure_replay(ctx, precision, case.role, decided)
 
 
-def judge_case(layout: RunLayout, case: Case, bounds: dict, before: dict, matrix: Matrix,
-               verified: frozenset[str] = frozenset(), inputs: StepInputs | None = None) -> list[Row]:
+def judge_case(ctx: ScoringContext, case: Case, bounds: dict, before: dict, verified: frozenset[str] = frozenset(),
+               inputs: StepInputs | None = None) -> list[Row]:
     """Every step of a case against the reference's families, its evidence checks, and TPn against TP1 (verified
     names cases whose seal this process has checked since they were last written: not hashed again).
 
     Clip decisions are judged as decisions (qualify.candidate.decided): where the case decided a token otherwise
     than the reference, its tensors are compared with the reference replayed on its decisions."""
+    layout, objective = ctx.layout, ctx.objective
     cand = load_steps(layout.case(case.name))
     starts = params_before_steps(cand, before)
-    inputs = inputs or StepInputs.load(matrix, layout)
+    inputs = inputs or ctx.inputs()
     formula, truncates = declared_formula(cand[0].meta)  # its logprobs are judged against the reference's formula
     rows, own_ref = [], None
     for family, ref_run in case_families(case):
@@ -190,13 +189,12 @@ def judge_case(layout: RunLayout, case: Case, bounds: dict, before: dict, matrix
         ref, fam = load_steps(layout.scores(precision, control, case.role)), bounds[(case.role, family)]
         own_ref = ref if own_ref is None else own_ref  # the case's own precision's r0 comes first
         comparison = f"vs ref {ref_run} [{family}]"
-        ref, decided = aligned_reference(matrix, layout, inputs, case.name, case.role, comparison, precision, cand,
-                                         ref, fam)
+        ref, decided = aligned_reference(ctx, inputs, case.name, case.role, comparison, precision, cand, ref, fam)
         judged = judge_steps(case.name, case.role, comparison, cand, formula_steps(ref, formula, truncates),
-                             formula_bounds(fam, formula, truncates), starts, matrix.optimizer)
+                             formula_bounds(fam, formula, truncates), starts, objective.optimizer)
         rows += explain_formula(judged, cand, ref, fam, formula) + decided
-    rows += own_loss_rows(case.name, case.role, matrix, cand, inputs)
-    rows += derived_rows(case.name, case.role, matrix, cand, inputs, scored=formula == "full" or not truncates,
+    rows += own_loss_rows(case.name, case.role, objective, cand, inputs)
+    rows += derived_rows(case.name, case.role, objective, cand, inputs, scored=formula == "full" or not truncates,
                          starts=starts)
     rows += layout_rows(case.name, case.role, cand[0].meta)
     rows += evidence_rows(case.name, case.role, cand[0].meta)
@@ -209,9 +207,9 @@ def judge_case(layout: RunLayout, case: Case, bounds: dict, before: dict, matrix
         base_steps = load_steps(layout.case(base.name))
         comparison = f"vs {axis} [{case.precision}-repeat]"
         fam = formula_bounds(bounds[(case.role, f"{case.precision}-repeat")], formula, truncates)
-        same, mine, theirs = comparable_steps(matrix, case.role, cand, base_steps, inputs)
+        same, mine, theirs = comparable_steps(objective, case.role, cand, base_steps, inputs)
         rows += judge_steps(case.name, case.role, comparison, cand[:same], base_steps[:same], fam, starts,
-                            matrix.optimizer)
+                            objective.optimizer)
         if same < min(len(cand), len(base_steps)):
             rows += [replace(r, note=f"{r.note}; steps {same} to {len(cand) - 1} are not compared with {axis}: the "
                                      f"two cases decided differently at step {same}, each is compared with the "
@@ -243,7 +241,7 @@ def run_candidates(matrix: Matrix, run_dir: Path, *, acceptance: Path | None = N
                    only: str | None = None, expect: str | None = None) -> Verdict:
     """Run and judge the (selected) cases; returns the verdict document."""
     layout = RunLayout(Path(run_dir))
-    check_engines(matrix)
+    check_engines(matrix.candidates, matrix.source)
     acc = Acceptance.load(Path(acceptance) if acceptance else layout.acceptance, layout.reference)
     if expect is not None and acc.digest != expect:  # an anchor kept outside the run (README: what it protects)
         raise EvidenceError(f"the acceptance {acc.path} has digest {acc.digest}, not the expected {expect}")
@@ -253,30 +251,36 @@ def run_candidates(matrix: Matrix, run_dir: Path, *, acceptance: Path | None = N
     cases = [c for c in matrix.cases() if only is None or fnmatch.fnmatch(c.name, only)]
     if not cases:
         raise QualifyError(f"no case matches {only!r} (cases: {', '.join(c.name for c in matrix.cases())})")
-    models, device, log = model_dirs(matrix, layout.models), device_of(matrix), StageLog("candidate")
+    ctx, device, log = ScoringContext.of(matrix, layout), device_of(matrix.reference), StageLog("candidate")
+    models, settings = ctx.models, matrix.case_settings
+    vocab = read_json(models["actor"] / "config.json")["vocab_size"]
+    specs = {c: write_spec(make_spec(settings, c, model_dir=models[c.role], rollout_dir=layout.rollout(ctx.primary_tp),
+                                     targets_dir=layout.targets, rollout_digest=doc["rollout_digest"],
+                                     targets_digest=doc["targets_digest"], case_dir=layout.case(c.name),
+                                     vocab_size=vocab, device=device), doc) for c in cases}
     errors: dict[str, str] = {}
     for _, group in itertools.groupby(sorted(cases, key=lambda c: (c.tp, c.dp, c.engine)),
                                       key=lambda c: (c.engine, c.tp, c.dp)):
-        errors |= run_group(matrix, layout, list(group), models, doc, device, log)
+        errors |= run_group(layout, list(group), specs, device, log)
     befores = {role: checkpoint_tensors(path) for role, path in models.items()}
     rows: list[Row] = []
     verified = frozenset(c.name for c in cases if c.name not in errors)  # run_group checked each seal
-    inputs = StepInputs.load(matrix, layout)
+    inputs = ctx.inputs()
     for case in cases:
         if case.name not in errors:
-            seal_replays(matrix, layout, case, inputs, log)
+            seal_replays(ctx, case, inputs, log)
     for case in cases:
         if case.name in errors:
             rows.append(Row(case.name, case.role, "run", "case", "exit", 1.0, 0.0, False, errors[case.name],
                             rule="the case runs to completion and seals its evidence"))
         else:
-            rows += judge_case(layout, case, bounds, befores[case.role], matrix, verified, inputs)
+            rows += judge_case(ctx, case, bounds, befores[case.role], verified, inputs)
     extra = case_platforms(layout, cases, doc.get("platform"))
     for case in cases:  # the invariance tier of every tensor of a TP > 1 or DP > 1 case
         invariance = case_invariance(layout, case, rows) if case.name not in errors else {}
         if invariance:
             extra.setdefault(case.name, {})["invariance"] = invariance
-    verdict = verdict_document(matrix, doc, cases, rows, complete=only is None, platforms=extra)
+    verdict = verdict_document(matrix.name, doc, cases, rows, complete=only is None, platforms=extra)
     write_json(layout.verdict if only is None else layout.selection_verdict(selection_name(only)),
                verdict.to_json())
     return verdict
@@ -304,11 +308,11 @@ def case_platforms(layout: RunLayout, cases: list[Case], reference_platform: dic
     return out
 
 
-def verdict_document(matrix: Matrix, doc: dict[str, Any], cases: list[Case], rows: list[Row],
+def verdict_document(matrix_name: str, doc: dict[str, Any], cases: list[Case], rows: list[Row],
                      complete: bool, platforms: dict[str, Any] | None = None) -> Verdict:
     """The verdict: per case, every row, and the platforms (a case run elsewhere than its reference says so)."""
     from qualify.hardware import describe
 
-    return make_verdict(VERDICT_SCHEMA, matrix.name, rows, [c.name for c in cases], extra=platforms, details={
+    return make_verdict(VERDICT_SCHEMA, matrix_name, rows, [c.name for c in cases], extra=platforms, details={
         "acceptance_digest": doc["digest"], "rollout_digest": doc["rollout_digest"], "complete": complete,
         "reference_platform": describe(doc.get("platform"))})

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from qualify.matrix import GRPO, PPO, Case, Matrix, Optimizer
+from qualify.matrix import GRPO, PPO, Case, CaseSettings, Optimizer
 from qualify.schema import from_dict, to_dict
 from qualify.store import read_json
 
@@ -67,18 +67,18 @@ class CaseSpec:
         return data
 
 
-def make_spec(matrix: Matrix, case: Case, *, model_dir: Path, rollout_dir: Path, targets_dir: Path,
+def make_spec(settings: CaseSettings, case: Case, *, model_dir: Path, rollout_dir: Path, targets_dir: Path,
               rollout_digest: str, targets_digest: str, case_dir: Path, vocab_size: int, device: str) -> CaseSpec:
+    """The spec a case's ranks read: the case, where its inputs are (with their digests), and the settings."""
+    o, r, c = settings.objective, settings.rollout, settings.candidates
     return CaseSpec(engine=case.engine, role=case.role, precision=case.precision, tp=case.tp, name=case.name,
                     model_dir=str(model_dir), rollout_dir=str(rollout_dir), targets_dir=str(targets_dir),
                     rollout_digest=rollout_digest, targets_digest=targets_digest, case_dir=str(case_dir),
-                    temperature=matrix.rollout.temperature, logprob_chunk_tokens=matrix.reference.logprob_chunk_tokens,
-                    vocab_size=vocab_size, ppo=matrix.ppo, optimizer=matrix.optimizer, device=device,
-                    logprob_formula=matrix.candidates.logprob_formula, top_k=matrix.rollout.top_k,
-                    top_p=matrix.rollout.top_p, min_p=matrix.rollout.min_p, grpo=matrix.grpo, dp=case.dp,
-                    determinism=matrix.candidates.determinism.get(case.engine, "bounded"),
-                    vocab_tile=matrix.candidates.vocab_tile,
-                    layout_invariant=case.engine in matrix.candidates.layout_invariant)
+                    temperature=r.temperature, logprob_chunk_tokens=settings.reference.logprob_chunk_tokens,
+                    vocab_size=vocab_size, ppo=o.ppo, optimizer=o.optimizer, device=device,
+                    logprob_formula=c.logprob_formula, top_k=r.top_k, top_p=r.top_p, min_p=r.min_p, grpo=o.grpo,
+                    dp=case.dp, determinism=c.determinism.get(case.engine, "bounded"), vocab_tile=c.vocab_tile,
+                    layout_invariant=case.engine in c.layout_invariant)
 
 
 def read_spec(path: Path) -> CaseSpec:

@@ -17,7 +17,8 @@ from qualify.cli.render import echo_json
 from qualify.errors import MatrixError
 
 HELP = "List, show and validate matrix files."
-EPILOG = "Examples:  qualify matrices list  |  qualify matrices show matrices/tiny-qwen3.yaml  |  qualify matrices validate matrices/*.yaml"
+EPILOG = ("Examples:  qualify matrices list  |  qualify matrices show matrices/tiny-qwen3.yaml  |  "
+          "qualify matrices validate matrices/tiny-qwen3*.yaml")
 app = typer.Typer(no_args_is_help=True, help=HELP, epilog=EPILOG)
 DirOpt = Annotated[Path, typer.Option("--dir", help="Directory of matrix files.")]
 MatrixFileArg = Annotated[Path, typer.Argument(help="Matrix YAML file.", show_default=False)]
@@ -57,16 +58,16 @@ def show(matrix: MatrixFileArg, format: FormatOpt = Format.text) -> None:
         typer.echo(yaml.safe_dump(data, sort_keys=False).rstrip())
 
 
-@app.command("validate", epilog="Example:  qualify matrices validate matrices/*.yaml")
+@app.command("validate", epilog="Example:  qualify matrices validate matrices/tiny-qwen3*.yaml")
 @handle_errors
 def validate(matrices: Annotated[list[Path], typer.Argument(help="Matrix YAML files.", show_default=False)]) -> None:
     """Validate matrix files and that each can run here; exit 2 naming the file and the first bad key, a required
     branch no run of it can take, or what it names that this machine lacks (checkpoints, prompts file)."""
-    from qualify.matrix import load_matrix, missing_here
+    from qualify.matrix import load_matrix
 
     for path in matrices:
         m = load_matrix(path)
-        missing = missing_here(m)
+        missing = m.missing_here()
         if missing:
             raise MatrixError(f"{path}: cannot run on this machine, it lacks {'; '.join(missing)}")
         typer.echo(f"ok {path} ({m.name}, {len(m.cases())} cases)")

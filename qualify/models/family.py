@@ -2,24 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from qualify.matrix import Matrix
+    from qualify.matrix import Models
 
 ROLES = ("actor", "reference", "critic", "reward")
 """Every role of the family: the trained actor and critic, the frozen reference policy and reward model."""
 
 
-def model_dirs(matrix: Matrix, models_dir: Path) -> dict[str, Path]:
-    """Every role's checkpoint directory (not made or checked here: qualify.reference.stage.prepare_models makes them)."""
-    if matrix.models.tiny is not None:
+def model_dirs(models: Models, models_dir: Path, resolve: Callable[[str], Path]) -> dict[str, Path]:
+    """Every role's checkpoint directory: under models_dir for a tiny family (made from its seed), else the matrix's
+    checkpoint paths resolved by resolve (Matrix.resolve: relative to the matrix file). Not made or checked here
+    (qualify.reference.stage.prepare_models makes them)."""
+    if models.tiny is not None:
         return {role: Path(models_dir) / role for role in ROLES}
-    c = matrix.models.checkpoints
-    return {role: matrix.resolve(getattr(c, role)) for role in ROLES}
-
-
-def model_dir(matrix: Matrix, models_dir: Path, role: str) -> Path:
-    """One role's checkpoint directory."""
-    return model_dirs(matrix, models_dir)[role]
+    return {role: resolve(getattr(models.checkpoints, role)) for role in ROLES}

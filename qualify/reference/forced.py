@@ -29,9 +29,10 @@ import torch
 
 from qualify.compare import RunTensors, load_steps, num_steps, step_dir
 from qualify.errors import EvidenceError
-from qualify.layout import RunLayout, replays_dir
-from qualify.matrix import Matrix
+from qualify.layout import replays_dir
+from qualify.matrix import Objective
 from qualify.ppo.decisions import Decisions, decisions, differing
+from qualify.reference.context import ScoringContext
 from qualify.reference.inputs import StepInputs
 from qualify.stages import stage_is_complete
 
@@ -46,85 +47,74 @@ def replay_dir(root: Path, precision: str, role: str, decided: list[torch.Tensor
     return replays_dir(root) / f"{precision}-r0-{h.hexdigest()[:16]}" / role
 
 
-def replay_location(matrix: Matrix, layout: RunLayout, precision: str, role: str, decided: list[torch.Tensor],
+def replay_location(ctx: ScoringContext, precision: str, role: str, decided: list[torch.Tensor],
                     into: Path | None = None) -> Path:
     """Where <precision>-r0 replayed with decided[k] imposed at step k is sealed: the reference's own replay when a
     control decided alike, else the one under into (default the candidates directory)."""
-    from qualify.reference.evidence import scoring_settings
-    from qualify.store import read_json
-
-    settings = scoring_settings(matrix, read_json(layout.reference_summary)["rollout_digest"])
-    frozen = replay_dir(layout.reference, precision, role, decided, settings)
+    frozen = replay_dir(ctx.layout.reference, precision, role, decided, ctx.settings)
     if stage_is_complete(frozen):
         return frozen
-    return replay_dir(layout.candidates if into is None else into, precision, role, decided, settings)
+    return replay_dir(ctx.layout.candidates if into is None else into, precision, role, decided, ctx.settings)
 
 
-def sealed_replay(matrix: Matrix, layout: RunLayout, precision: str, role: str, decided: list[torch.Tensor],
+def sealed_replay(ctx: ScoringContext, precision: str, role: str, decided: list[torch.Tensor],
                   into: Path | None = None) -> tuple[list[RunTensors], Path]:
     """(the steps of the sealed replay, where it is): read only, never computed here (ensure_replay makes it, as its
     own step before anything is judged); a replay that is not sealed is an EvidenceError."""
-    where = replay_location(matrix, layout, precision, role, decided, into)
+    where = replay_location(ctx, precision, role, decided, into)
     if not stage_is_complete(where):
         raise EvidenceError(f"{where} is not sealed: {precision}-r0 {role} replayed on these clip decisions is made "
                             "by 'qualify candidate' before judging (run it again on this run directory)")
     return load_steps(where), where
 
 
-def ensure_replay(matrix: Matrix, layout: RunLayout, precision: str, role: str, decided: list[torch.Tensor],
+def ensure_replay(ctx: ScoringContext, precision: str, role: str, decided: list[torch.Tensor],
                   into: Path | None = None) -> Path:
     """Where the replay is sealed, made here (the reference model scored again) when it is not."""
-    from qualify.store import read_json
-
-    where = replay_location(matrix, layout, precision, role, decided, into)
+    where = replay_location(ctx, precision, role, decided, into)
     if not stage_is_complete(where):
-        summary = read_json(layout.reference_summary)
-        make_replay(matrix, layout, precision, role, decided, where, summary["rollout_digest"],
-                    summary["targets_digest"])
+        make_replay(ctx, precision, role, decided, where)
     return where
 
 
-def make_replay(matrix: Matrix, layout: RunLayout, precision: str, role: str, decided: list[torch.Tensor], out: Path,
-                rollout_digest: str, targets_digest: str) -> Path:
+def make_replay(ctx: ScoringContext, precision: str, role: str, decided: list[torch.Tensor], out: Path) -> Path:
     """Score <precision>-r0 with decided[k] imposed at step k and seal it in out (nothing done when it is sealed)."""
-    from qualify.models.family import model_dirs
     from qualify.models.hf import load_model
-    from qualify.reference.evidence import load_targets, model_config, scoring_settings, write_role
+    from qualify.reference.evidence import load_targets, model_config, write_role
     from qualify.reference.step import Control, run_role
     from qualify.rollout.capture import load_rollout
 
     if stage_is_complete(out):
         return out
-    settings = scoring_settings(matrix, rollout_digest)
-    models = model_dirs(matrix, layout.models)
-    rollout = load_rollout(layout.rollout(matrix.rollout.vllm_tp[0]), rollout_digest)
-    targets = load_targets(layout, targets_digest)
+    models = ctx.models
+    rollout = load_rollout(ctx.layout.rollout(ctx.primary_tp), ctx.rollout_digest)
+    targets = load_targets(ctx.layout, ctx.targets_digest)
     control = Control(name="r0")
     started = time.monotonic()
     master = load_model(models[role], role, control.attn_impl)
     with torch.enable_grad():
-        result = run_role(matrix, role, precision, control, master, rollout, targets,
+        result = run_role(ctx, role, precision, control, master, rollout, targets,
                           model_config(models["actor"])["vocab_size"], models[role], decided=decided)
     write_role(out, result, {"precision": precision, "control": "r0", "role": role, "replay": "decisions",
                              "attn_impl": control.attn_impl, "seconds": round(time.monotonic() - started, 3),
-                             "rollout_digest": rollout_digest, "targets_digest": targets_digest,
-                             "settings": settings})
+                             "rollout_digest": ctx.rollout_digest, "targets_digest": ctx.targets_digest,
+                             "settings": ctx.settings})
     return out
 
 
-def recorded_decisions(matrix: Matrix, role: str, directory: Path, inputs: StepInputs) -> list[Decisions | None]:
+def recorded_decisions(objective: Objective, role: str, directory: Path, inputs: StepInputs) -> list[Decisions | None]:
     """The clip decisions of every step of a sealed run, from its recorded outputs alone."""
     from qualify.store import read_tensors
 
-    return step_decisions(matrix, role, [read_tensors(Path(directory) / step_dir(k) / "outputs.safetensors")
+    return step_decisions(objective, role, [read_tensors(Path(directory) / step_dir(k) / "outputs.safetensors")
                                          for k in range(num_steps(directory))], inputs)
 
 
-def step_decisions(matrix: Matrix, role: str, outputs: list[dict[str, torch.Tensor]],
+def step_decisions(objective: Objective, role: str, outputs: list[dict[str, torch.Tensor]],
                    inputs: StepInputs) -> list[Decisions | None]:
     """The clip decisions of every step from each step's outputs (None for a step past the inputs' steps)."""
     return [None if k >= len(inputs.masks) else
-            decisions(role, matrix.ppo, matrix.grpo, out, inputs.targets[k], inputs.masks[k])
+            decisions(role, objective.ppo, objective.grpo, out, inputs.targets[k], inputs.masks[k])
             for k, out in enumerate(outputs)]
 
 
@@ -138,20 +128,23 @@ def replay_needed_for(mine: list[Decisions | None], theirs: list[Decisions | Non
     return [d.clipped_BT for d in mine]
 
 
-def control_replay(matrix: Matrix, layout: RunLayout, role: str, base: str, control: str, inputs: StepInputs,
-                   settings: str) -> tuple[Path, list[torch.Tensor]] | None:
+def control_replay(ctx: ScoringContext, role: str, base: str, control: str,
+                   inputs: StepInputs) -> tuple[Path, list[torch.Tensor]] | None:
     """(where base, '<precision>-r0', replayed on the control's decisions is sealed in the reference, the decisions)
     when the control ('<precision>-<name>') decided a token otherwise than base at some step; None when it never did
     (or its decisions cannot be read: such a control is compared with base itself)."""
     precision, name = base.split("-", 1)
     if name != "r0":
         raise ValueError(f"a replay is of an r0 run, not {base}")
-    decided = replay_needed_for(recorded_decisions(matrix, role, layout.scores(*control.split("-", 1), role), inputs),
-                                recorded_decisions(matrix, role, layout.scores(precision, "r0", role), inputs))
-    return None if decided is None else (replay_dir(layout.reference, precision, role, decided, settings), decided)
+    layout, objective = ctx.layout, ctx.objective
+    decided = replay_needed_for(recorded_decisions(objective, role, layout.scores(*control.split("-", 1), role),
+                                                   inputs),
+                                recorded_decisions(objective, role, layout.scores(precision, "r0", role), inputs))
+    return None if decided is None else (replay_dir(layout.reference, precision, role, decided, ctx.settings),
+                                         decided)
 
 
-def control_replays(matrix: Matrix, layout: RunLayout, controls: list[str], rollout_digest: str, targets_digest: str,
+def control_replays(ctx: ScoringContext, controls: list[str],
                     step: Callable[[str], object] | None = None) -> Iterator[Path]:
     """Make every replay freeze needs: for each role and family, r0 replayed on each control's decisions where they
     differ from r0's (qualify.bounds.rule.family_pairs). step(text) wraps each computation (a StageLog step)."""
@@ -159,22 +152,18 @@ def control_replays(matrix: Matrix, layout: RunLayout, controls: list[str], roll
 
     from qualify.bounds.records import read_record
     from qualify.bounds.rule import FAMILIES, family_pairs
-    from qualify.reference.evidence import scoring_settings
-
-    inputs = StepInputs.read(matrix, layout, rollout_digest, targets_digest)
-    settings = scoring_settings(matrix, rollout_digest)
-    for role in matrix.roles:
+    inputs = ctx.inputs()
+    for role in ctx.objective.roles:
         for family in FAMILIES:
             base, others = family_pairs(family, controls)
             for other in others:
-                if read_record(layout.scores(*other.split("-", 1), role)) is not None:
+                if read_record(ctx.layout.scores(*other.split("-", 1), role)) is not None:
                     continue  # kept as a summary: measured against its replay while it ran (qualify.reference.summary)
-                found = control_replay(matrix, layout, role, base, other, inputs, settings)
+                found = control_replay(ctx, role, base, other, inputs)
                 if found is None:
                     continue
                 out, decided = found
                 if not stage_is_complete(out):
                     with (step(f"replay {base} {role} on {other}'s clip decisions") if step else nullcontext()):
-                        make_replay(matrix, layout, base.split("-", 1)[0], role, decided, out, rollout_digest,
-                                    targets_digest)
+                        make_replay(ctx, base.split("-", 1)[0], role, decided, out)
                 yield out

@@ -8,16 +8,19 @@ are captured to check that TP does not change the rollout.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from qualify.compare import step_dir
 from qualify.errors import EvidenceError, FrozenError, QualifyError
 from qualify.layout import RunLayout
-from qualify.matrix import Matrix
+from qualify.matrix import Capture, Matrix, Models
 from qualify.models.family import model_dirs
 from qualify.ppo.objective import step_rows
-from qualify.reference.evidence import load_targets, model_config, scoring_settings, write_role
+from qualify.reference.context import ScoringContext
+from qualify.reference.evidence import load_targets, model_config, write_role
 from qualify.rollout.capture import capture_rollout, load_rollout
 from qualify.schema import to_dict
 from qualify.stagelog import StageLog
@@ -36,13 +39,14 @@ from qualify.versions import git_state, provenance
 ROLES = ("actor", "critic")
 
 
-def prepare_models(matrix: Matrix, layout: RunLayout) -> dict[str, Path]:
-    """The four model directories: made from the seed (tiny) or the matrix's checkpoints."""
-    if matrix.models.tiny is not None:
+def prepare_models(models: Models, layout: RunLayout, resolve: Callable[[str], Path]) -> dict[str, Path]:
+    """The four model directories: made from the seed (tiny) or the matrix's checkpoints (paths resolved by resolve,
+    Matrix.resolve)."""
+    if models.tiny is not None:
         from qualify.models.tiny import make_tiny_family
 
-        return make_tiny_family(matrix.models.tiny, layout.models)
-    paths = model_dirs(matrix, layout.models)
+        return make_tiny_family(models.tiny, layout.models)
+    paths = model_dirs(models, layout.models, resolve)
     for role, path in paths.items():
         if not (path / "config.json").is_file():
             raise QualifyError(f"{role} checkpoint {path} has no config.json (models are never downloaded)")
@@ -69,30 +73,30 @@ def snapshot_matrix(matrix: Matrix, layout: RunLayout) -> str:
     return seal(out, main="matrix.json")
 
 
-def capture_all(matrix: Matrix, layout: RunLayout, models: dict[str, Path], log: StageLog,
+def capture_all(capture: Capture, layout: RunLayout, models: dict[str, Path], log: StageLog,
                 rollout_source: Path | None = None) -> dict[int, str]:
     """Capture the rollout at every vLLM TP degree (or reuse rollout_source/tp<N>); return digest per degree."""
     cfg = model_config(models["actor"])
     digests = {}
-    for tp in matrix.rollout.vllm_tp:
+    for tp in capture.rollout.vllm_tp:
         source = None if rollout_source is None else Path(rollout_source) / f"tp{tp}"
         if source is not None and not source.is_dir():
             raise QualifyError(f"--rollout {rollout_source} has no tp{tp}/ directory (the matrix's vllm_tp is "
-                               f"{list(matrix.rollout.vllm_tp)})")
+                               f"{list(capture.rollout.vllm_tp)})")
         what = f"capture rollout: vLLM TP{tp}" if source is None else f"reuse rollout TP{tp} from {source}"
         with log.step(what) as step:
-            digests[tp] = capture_rollout(matrix, models["actor"], tp, layout.rollout(tp), source=source,
+            digests[tp] = capture_rollout(capture, models["actor"], tp, layout.rollout(tp), source=source,
                                           vocab_size=cfg["vocab_size"], eos_token_id=cfg.get("eos_token_id"),
                                           on_reuse=step.skip)
     return digests
 
 
-def tp_agreement(matrix: Matrix, layout: RunLayout) -> dict[str, Any]:
-    """Tokens and sampler logprobs of every captured TP degree against the primary one."""
-    primary = matrix.rollout.vllm_tp[0]
+def tp_agreement(vllm_tp: tuple[int, ...], layout: RunLayout) -> dict[str, Any]:
+    """Tokens and sampler logprobs of every captured TP degree against the primary one (the first)."""
+    primary = vllm_tp[0]
     base = load_rollout(layout.rollout(primary))
     report = {}
-    for tp in matrix.rollout.vllm_tp[1:]:
+    for tp in vllm_tp[1:]:
         other = load_rollout(layout.rollout(tp))
         same_shape = other["input_ids_BT"].shape == base["input_ids_BT"].shape
         tokens_equal = same_shape and bool((other["input_ids_BT"] == base["input_ids_BT"]).all())
@@ -102,54 +106,54 @@ def tp_agreement(matrix: Matrix, layout: RunLayout) -> dict[str, Any]:
     return report
 
 
-def make_targets(matrix: Matrix, layout: RunLayout, models: dict[str, Path], digest: str, log: StageLog) -> str:
+def make_targets(ctx: ScoringContext, log: StageLog) -> str:
     """Compute and seal the targets (once); return their digest."""
     from qualify.reference.targets import TARGETS_FILE, compute_targets, targets_meta
 
-    out = layout.targets
-    settings = scoring_settings(matrix, digest)
-    if reuse_complete(out, settings, "targets"):
+    out, digest = ctx.layout.targets, ctx.rollout_digest
+    if reuse_complete(out, ctx.settings, "targets"):
         return stage_info(out)["digest"]
     with log.step("targets: reference logprobs, rewards, values, GAE (fp32)"):
-        rollout = load_rollout(layout.rollout(matrix.rollout.vllm_tp[0]), digest)
-        vocab = model_config(models["actor"])["vocab_size"]
-        targets = compute_targets(matrix, models, rollout, vocab)
-        return write_tensor_stage(out, TARGETS_FILE, targets, "targets.json", targets_meta(matrix, digest),
-                                  {"rollout_digest": digest, "settings": settings})
+        rollout = load_rollout(ctx.layout.rollout(ctx.primary_tp), digest)
+        vocab = model_config(ctx.models["actor"])["vocab_size"]
+        targets = compute_targets(ctx.objective, ctx.reference, ctx.rollout, ctx.models, rollout, vocab)
+        return write_tensor_stage(out, TARGETS_FILE, targets, "targets.json",
+                                  targets_meta(ctx.objective, ctx.rollout, digest),
+                                  {"rollout_digest": digest, "settings": ctx.settings})
 
 
-def score_all(matrix: Matrix, layout: RunLayout, models: dict[str, Path], digest: str, log: StageLog) -> list[str]:
+def score_all(ctx: ScoringContext, candidate_tp: tuple[int, ...], log: StageLog) -> tuple[ScoringContext, list[str]]:
     """Every precision x control x role, every precision's r0 first (a control kept as a summary is measured against
-    its families' r0 while it runs: qualify.reference.summary); returns the control names."""
+    its families' r0 while it runs: qualify.reference.summary); returns the context with the targets' digest and the
+    control names."""
     from qualify.reference.step import controls_of
 
-    tdigest = make_targets(matrix, layout, models, digest, log)
-    controls = controls_of(matrix)
-    r0_first = sorted(matrix.reference.precisions, key=lambda p: p != "fp32")  # fp32-r0 is every family's base
-    order = [(controls[0], p) for p in r0_first] + [(c, p) for c in controls[1:] for p in matrix.reference.precisions]
-    scoring = Scoring(matrix, layout, models, digest, tdigest, [c.name for c in controls])
+    ctx = replace(ctx, targets_digest=make_targets(ctx, log))
+    controls = controls_of(ctx.reference, candidate_tp)
+    precisions, layout = ctx.reference.precisions, ctx.layout
+    r0_first = sorted(precisions, key=lambda p: p != "fp32")  # fp32-r0 is every family's base
+    order = [(controls[0], p) for p in r0_first] + [(c, p) for c in controls[1:] for p in precisions]
+    scoring = Scoring(ctx, [c.name for c in controls])
     for control, precision in order:
-        for role in matrix.roles:
+        for role in ctx.objective.roles:
             what = f"reference {precision} {control.name} {role}"
-            if reuse_complete(layout.scores(precision, control.name, role), scoring_settings(matrix, digest), what):
+            if reuse_complete(layout.scores(precision, control.name, role), ctx.settings, what):
                 log.skip(f"score {precision} {control.name} {role}")
                 continue
-            summarized = matrix.reference.evidence == "summary" and control is not controls[0]
+            summarized = ctx.reference.evidence == "summary" and control is not controls[0]
             with log.step(f"score {precision} {control.name} {role}" + (" (kept as a summary)" if summarized else "")):
                 scoring.score(control, precision, role)
-    return [c.name for c in controls]
+    return ctx, [c.name for c in controls]
 
 
 class Scoring:
     """One reference run scored and sealed: in full, or (a control) as a summary."""
 
-    def __init__(self, matrix: Matrix, layout: RunLayout, models: dict[str, Path], digest: str, tdigest: str,
-                 controls: list[str]) -> None:
-        self.matrix, self.layout, self.models, self.controls = matrix, layout, models, controls
-        self.digest, self.tdigest = digest, tdigest
-        self.rollout = load_rollout(layout.rollout(matrix.rollout.vllm_tp[0]), digest)
-        self.targets = load_targets(layout, tdigest)
-        self.vocab = model_config(models["actor"])["vocab_size"]
+    def __init__(self, ctx: ScoringContext, controls: list[str]) -> None:
+        self.ctx, self.layout, self.models, self.controls = ctx, ctx.layout, ctx.models, controls
+        self.rollout = load_rollout(ctx.layout.rollout(ctx.primary_tp), ctx.rollout_digest)
+        self.targets = load_targets(ctx.layout, ctx.targets_digest)
+        self.vocab = model_config(ctx.models["actor"])["vocab_size"]
 
     def score(self, control: Any, precision: str, role: str) -> None:
         """Score and seal one run. Under reference.evidence summary, a run that is a control of some family is
@@ -168,34 +172,34 @@ class Scoring:
             write_summarized_role,
         )
 
-        m, name = self.matrix, f"{precision}-{control.name}"
+        ctx, name = self.ctx, f"{precision}-{control.name}"
         out = self.layout.scores(precision, control.name, role)
-        need, basis = expected_run_bytes(self.layout, self.models[role], role, m.ppo.epochs * m.ppo.minibatches)
+        ppo = ctx.objective.ppo
+        need, basis = expected_run_bytes(self.layout, self.models[role], role, ppo.epochs * ppo.minibatches)
         require_space(out, need, basis, f"scoring {name} {role}")
         started = time.monotonic()
         master = load_model(self.models[role], role, control.attn_impl)
         with torch.enable_grad():
-            result = run_role(m, role, precision, control, master, self.rollout, self.targets, self.vocab,
+            result = run_role(ctx, role, precision, control, master, self.rollout, self.targets, self.vocab,
                               self.models[role])
         info = {"precision": precision, "control": control.name, "role": role, "attn_impl": control.attn_impl,
                 "microbatches": control.microbatches, "reverse_rows": control.reverse_rows, "tp_split": control.tp,
-                "seconds": round(time.monotonic() - started, 3), "rollout_digest": self.digest,
-                "targets_digest": self.tdigest, "settings": scoring_settings(m, self.digest)} \
+                "seconds": round(time.monotonic() - started, 3), "rollout_digest": ctx.rollout_digest,
+                "targets_digest": ctx.targets_digest, "settings": ctx.settings} \
             | ({"fused_projections": True} if control.fused else {}) \
             | ({"optimizer_order": "reordered"} if control.reordered_adam else {}) \
             | ({"fused_norm": True} if control.fused_norm else {})
-        if m.reference.evidence != "summary" or not recorded_families(name, self.controls):
+        if ctx.reference.evidence != "summary" or not recorded_families(name, self.controls):
             write_role(out, result, info)
             return
-        record = control_record(m, self.layout, role, name, result, self.controls,
-                                checkpoint_tensors(self.models[role]), (self.digest, self.tdigest))
+        record = control_record(ctx, role, name, result, self.controls, checkpoint_tensors(self.models[role]))
         if control.name == self.controls[0]:
             write_role(out, result, info, record)
         else:
             write_summarized_role(out, result, info, record)
 
 
-def rollout_mismatch(layout: RunLayout, matrix: Matrix, controls: list[str]) -> dict[str, Any]:
+def rollout_mismatch(ctx: ScoringContext, controls: list[str]) -> dict[str, Any]:
     """Train-vs-rollout per precision, decomposed (qualify.reference.targets.decompose_mismatch), on the rows of
     step 0 (on-policy: the rollout's weights).
 
@@ -207,19 +211,20 @@ def rollout_mismatch(layout: RunLayout, matrix: Matrix, controls: list[str]) -> 
 
     from qualify.reference.targets import KEPT_SET_FLOOR, TARGETS_FILE, decompose_mismatch
 
-    rollout = load_rollout(layout.rollout(matrix.rollout.vllm_tp[0]))
+    layout = ctx.layout
+    rollout = load_rollout(layout.rollout(ctx.primary_tp))
     targets = read_tensors(layout.targets / TARGETS_FILE)
     if "processed_logprobs_BT" not in targets:
         raise EvidenceError(f"targets in {layout.targets} predate the sampler evidence (no processed_logprobs_BT): "
                             "run the reference again in another --out directory")
-    rows = step_rows(rollout["response_mask_BT"].shape[0], matrix.ppo.epochs, matrix.ppo.minibatches)[0]
+    rows = step_rows(rollout["response_mask_BT"].shape[0], ctx.objective.ppo.epochs, ctx.objective.ppo.minibatches)[0]
     mask = rollout["response_mask_BT"][rows]
     where = torch.nonzero(mask) + torch.tensor([rows.start, 0])
     sampler = rollout["sampler_logprobs_BT"][rows][mask]
     processed_fp32, full_fp32, kept_mass = (targets[f"{name}_BT"][rows][mask]
                                             for name in ("processed_logprobs", "full_logprobs", "log_kept_mass"))
     report = {}
-    for precision in matrix.reference.precisions:
+    for precision in ctx.reference.precisions:
         first = layout.scores(precision, controls[0], "actor") / step_dir(0)
         full = read_tensors(first / "outputs.safetensors")["logprobs_BT"][mask]
         processed = processed_fp32 if precision == "fp32" else torch.where(
@@ -253,32 +258,32 @@ def run_reference(matrix: Matrix, run_dir: Path, stage: str = "all", rollout: Pa
     layout = RunLayout(Path(run_dir))
     log = StageLog("reference")
     matrix_digest = snapshot_matrix(matrix, layout)
-    models = prepare_models(matrix, layout)
+    models = prepare_models(matrix.models, layout, matrix.resolve)
     if stage in ("all", "capture"):
-        capture_all(matrix, layout, models, log, rollout)
+        capture_all(matrix.capture, layout, models, log, rollout)
     if stage == "capture":
         return {"stage": "capture", "run_dir": str(run_dir)}
     primary = matrix.rollout.vllm_tp[0]
     require_complete(layout.rollout(primary), f"rollout TP{primary} (run --stage capture first)")
     digest = stage_info(layout.rollout(primary))["digest"]
-    controls = score_all(matrix, layout, models, digest, log)
+    ctx, controls = score_all(ScoringContext.of(matrix, layout, digest, ""), matrix.candidates.tp, log)
     from qualify.reference.forced import control_replays
 
-    replays = sorted({str(p.relative_to(layout.reference)) for p in control_replays(
-        matrix, layout, controls, digest, stage_info(layout.targets)["digest"], log.step)})
-    mismatch = rollout_mismatch(layout, matrix, controls)
+    replays = sorted({str(p.relative_to(layout.reference)) for p in control_replays(ctx, controls, log.step)})
+    mismatch = rollout_mismatch(ctx, controls)
     from qualify.reference.summary import evidence_sizes
 
     require_sampled_tokens(mismatch, layout.rollout(primary))
     summary = {"matrix": to_dict(matrix), "matrix_digest": matrix_digest, "rollout_digest": digest, "primary_vllm_tp": primary,
                "rollout_digests": {f"tp{tp}": stage_info(layout.rollout(tp))["digest"]
                                    for tp in matrix.rollout.vllm_tp if stage_is_complete(layout.rollout(tp))},
-               "tp_agreement": tp_agreement(matrix, layout), "targets_digest": stage_info(layout.targets)["digest"],
+               "tp_agreement": tp_agreement(matrix.rollout.vllm_tp, layout),
+               "targets_digest": stage_info(layout.targets)["digest"],
                "controls": controls, "control_replays": replays, "precisions": list(matrix.reference.precisions),
                "rollout_mismatch": mismatch, "git": git_state(),
                "rollout_platform": read_json(layout.rollout(primary) / "rollout.json").get("platform"),
                "rollout_source": None if rollout is None else str(rollout),
-               "evidence": evidence_sizes(layout, matrix, controls), **provenance()}
+               "evidence": evidence_sizes(ctx, controls), **provenance()}
     if not layout.reference_summary.is_file():
         write_json(layout.reference_summary, summary)
     return read_json(layout.reference_summary)

@@ -17,17 +17,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from qualify.matrix import Matrix
+from qualify.matrix import Reference
 from qualify.models.hf import actor_scores, compute_copy, critic_values, enable_checkpointing
 from qualify.models.hooks import capture_layer_outputs
 from qualify.ppo.formula import PROCESSED_KEY, rollout_sampling
 from qualify.ppo.math import kl_terms, masked_mean
 from qualify.ppo.objective import DECIDED_KEY, GRPOShare, grpo_share, role_objective, rows_of, step_rows
 from qualify.reference.tp_numerics import fuse_norms, fuse_projections, split_like_tp
+
+if TYPE_CHECKING:
+    from qualify.reference.context import ScoringContext
 
 CONTROL_ATTN = {"attn_impl": "eager"}
 BASE_ATTN = "sdpa"
@@ -52,15 +55,15 @@ class Control:
     """Each RMSNorm as one fused kernel, F.rms_norm (qualify.reference.tp_numerics.fuse_norms)."""
 
 
-def controls_of(matrix: Matrix) -> list[Control]:
-    """The repeats and perturbations the matrix declares, in order (r0 first: the reference itself)."""
-    ref = matrix.reference
+def controls_of(ref: Reference, candidate_tp: tuple[int, ...]) -> list[Control]:
+    """The repeats and perturbations the reference section declares, in order (r0 first: the reference itself); the
+    tp_split and combined controls split as the candidates' TP degrees do."""
     out = [Control(name=f"r{i}") for i in range(ref.repeats)]
     for p in ref.perturbations:
         if p == "tp_split":
-            out += [Control(name=f"tp{n}_split", tp=n) for n in sorted(matrix.candidates.tp) if n > 1]
+            out += [Control(name=f"tp{n}_split", tp=n) for n in sorted(candidate_tp) if n > 1]
         elif p == "combined":
-            out.append(combined_control(ref.perturbations, max(matrix.candidates.tp)))
+            out.append(combined_control(ref.perturbations, max(candidate_tp)))
         else:
             out.append(Control(name=p, **_PERTURB[p]))
     return out
@@ -103,9 +106,9 @@ def _row_slices(B: int, n: int) -> list[slice]:
     return [slice(i, min(i + step, B)) for i in range(0, B, step)]
 
 
-def reference_device(matrix: Matrix) -> torch.device:
+def reference_device(reference: Reference) -> torch.device:
     """Where the reference's forward and backward run: reference.device, auto = CUDA when present."""
-    want = matrix.reference.device
+    want = reference.device
     if want == "auto":
         want = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(want)
@@ -149,7 +152,7 @@ def _compute_model(master: torch.nn.Module, precision: str, model_dir: Path, rol
     return model.to(device)
 
 
-def run_role(matrix: Matrix, role: str, precision: str, control: Control, master: torch.nn.Module,
+def run_role(ctx: ScoringContext, role: str, precision: str, control: Control, master: torch.nn.Module,
              batch: dict[str, torch.Tensor], targets: dict[str, torch.Tensor], vocab_size: int,
              model_dir: Path, decided: list[torch.Tensor] | None = None) -> dict[str, Any]:
     """K = epochs x minibatches optimizer steps on master; returns {'steps': [per-step tensors], 'meta': ...,
@@ -161,7 +164,7 @@ def run_role(matrix: Matrix, role: str, precision: str, control: Control, master
     """
     from qualify.ppo.coverage import step_coverage
 
-    device, offload = reference_device(matrix), matrix.reference.offload == "host"
+    device, offload = reference_device(ctx.reference), ctx.reference.offload == "host"
     if not offload:
         master.to(device)
     model = _compute_model(master, precision, model_dir, role, control.attn_impl, device, offload)
@@ -173,14 +176,14 @@ def run_role(matrix: Matrix, role: str, precision: str, control: Control, master
     batch_host, targets_host = batch, targets
     batch = {k: v.to(device) for k, v in batch.items()}
     targets = {k: v.to(device) for k, v in targets.items()}
-    if matrix.reference.gradient_checkpointing:
+    if ctx.reference.gradient_checkpointing:
         enable_checkpointing(model)
     # per-layer activations of step 1's forward, split and ordered as this control runs it (qualify diagnose)
-    rows0 = step_rows(batch["input_ids_BT"].shape[0], matrix.ppo.epochs, matrix.ppo.minibatches)[0]
+    rows0 = step_rows(batch["input_ids_BT"].shape[0], ctx.objective.ppo.epochs, ctx.objective.ppo.minibatches)[0]
     layers = {k: v.cpu() for k, v in capture_layer_outputs(model, batch["input_ids_BT"][rows0], control.microbatches,
                                                             control.reverse_rows).items()} \
-        if matrix.reference.layer_activations else None
-    o, p = matrix.optimizer, matrix.ppo
+        if ctx.reference.layer_activations else None
+    o, p = ctx.objective.optimizer, ctx.objective.ppo
     names = [n for n, _ in master.named_parameters()]
     params = list(master.parameters())
     if control.reordered_adam:
@@ -195,7 +198,7 @@ def run_role(matrix: Matrix, role: str, precision: str, control: Control, master
         step_targets = rows_of(targets, rows)
         if decided is not None:
             step_targets[DECIDED_KEY] = decided[k].to(device)
-        outputs = _forward_backward(matrix, role, control, model, mb, step_targets, vocab_size)
+        outputs = _forward_backward(ctx, role, control, model, mb, step_targets, vocab_size)
         grad_dtypes = _master_grads(master, model)
         grads = {n: (_host(q.grad) if q.grad is not None else torch.zeros(q.shape, dtype=q.dtype))
                  for n, q in zip(names, params)}
@@ -229,7 +232,7 @@ def run_role(matrix: Matrix, role: str, precision: str, control: Control, master
     return {"steps": steps, "meta": meta} | ({} if layers is None else {"layers": layers})
 
 
-def _forward_backward(matrix: Matrix, role: str, control: Control, model: torch.nn.Module,
+def _forward_backward(ctx: ScoringContext, role: str, control: Control, model: torch.nn.Module,
                       batch: dict[str, torch.Tensor], targets: dict[str, torch.Tensor],
                       vocab_size: int) -> dict[str, torch.Tensor]:
     """Forward, objective and backward of one optimizer step's rows (split into the control's micro-batches)."""
@@ -239,12 +242,12 @@ def _forward_backward(matrix: Matrix, role: str, control: Control, model: torch.
     ids_BT = batch["input_ids_BT"][order]
     mask_BT = batch["response_mask_BT"][order]
     tgt = {k: v[order] for k, v in targets.items()}
-    p = matrix.ppo
+    p, grpo = ctx.objective.ppo, ctx.objective.grpo
     parts: dict[str, list[torch.Tensor]] = {}
     totals = {key: torch.zeros((), dtype=torch.float32, device=mask_BT.device)
-              for key in ("loss", "clip_frac") + (("kl_mean", "policy_loss") if matrix.grpo else ())}
+              for key in ("loss", "clip_frac") + (("kl_mean", "policy_loss") if grpo else ())}
     # GRPO: advantages and normalizers of the whole step (rows in their own order), each micro-batch takes its share
-    share = grpo_share(matrix.grpo, targets["score_B"], batch["response_mask_BT"]) if matrix.grpo else None
+    share = grpo_share(grpo, targets["score_B"], batch["response_mask_BT"]) if grpo else None
     for rows in _row_slices(ids_BT.shape[0], control.microbatches):
         normalizer, constant, weight = (p.token_normalizer, p.normalizer_constant, 1.0)
         if control.microbatches > 1 and share is None:
@@ -252,14 +255,14 @@ def _forward_backward(matrix: Matrix, role: str, control: Control, model: torch.
         part = None if share is None else GRPOShare(share.advantages_B[order][rows], share.normalizers)
         m_BT = mask_BT[rows]
         if role == "actor":
-            scores_BT, processed_BT = actor_scores(model, ids_BT[rows], rollout_sampling(matrix.rollout),
-                                                   matrix.reference.logprob_chunk_tokens, vocab_size)
+            scores_BT, processed_BT = actor_scores(model, ids_BT[rows], rollout_sampling(ctx.rollout),
+                                                   ctx.reference.logprob_chunk_tokens, vocab_size)
             if processed_BT is not None:  # the processed formula a candidate may declare; bitwise full when untruncated
                 parts.setdefault(PROCESSED_KEY, []).append(torch.where(m_BT, processed_BT, 0.0))
         else:
             scores_BT = critic_values(model, ids_BT[rows])
         loss, out = role_objective(role, p, scores_BT, m_BT, rows_of(tgt, rows), normalizer, constant,
-                                   grpo=matrix.grpo, share=part)
+                                   grpo=grpo, share=part)
         for key in ("logprobs_BT", "ratio_BT", "values_BT", "kl_BT", "advantages_B", "seq_loss_B"):
             if key in out:
                 parts.setdefault(key, []).append(out[key])

@@ -21,7 +21,7 @@ from qualify.bounds.rule import FAMILIES, family_pairs
 from qualify.compare import RunTensors, StepFiles, next_params, step_dir
 from qualify.errors import EvidenceError
 from qualify.layout import RunLayout
-from qualify.matrix import Matrix
+from qualify.reference.context import ScoringContext
 from qualify.reference.inputs import StepInputs
 from qualify.stages import complete_stage, prepare_stage, stage_is_complete
 from qualify.store import tree_bytes, write_json, write_tensors
@@ -50,11 +50,10 @@ def remove_scratch(scratch: Path) -> None:
             break
 
 
-def aligned_base(matrix: Matrix, layout: RunLayout, role: str, base_name: str, steps: list[RunTensors],
-                 inputs: StepInputs, digests: tuple[str, str]) -> tuple[StepFiles, str, Path | None]:
+def aligned_base(ctx: ScoringContext, role: str, base_name: str, steps: list[RunTensors],
+                 inputs: StepInputs) -> tuple[StepFiles, str, Path | None]:
     """(what the control is compared with, its name in the bound file, a scratch directory to remove): the family's
     sealed r0, or r0 replayed on the control's clip decisions where they differ (made here, in scratch)."""
-    from qualify.reference.evidence import scoring_settings
     from qualify.reference.forced import (
         make_replay,
         recorded_decisions,
@@ -63,40 +62,40 @@ def aligned_base(matrix: Matrix, layout: RunLayout, role: str, base_name: str, s
         step_decisions,
     )
 
-    precision = base_name.split("-", 1)[0]
+    precision, layout = base_name.split("-", 1)[0], ctx.layout
     base_dir = layout.scores(precision, "r0", role)
     if not stage_is_complete(base_dir):  # scored and sealed before any control (qualify.reference.stage.score_all)
         raise EvidenceError(f"{base_dir} is not sealed: a control is summarized against its family's r0")
-    decided = replay_needed_for(step_decisions(matrix, role, [s.outputs for s in steps], inputs),
-                                recorded_decisions(matrix, role, base_dir, inputs))
+    decided = replay_needed_for(step_decisions(ctx.objective, role, [s.outputs for s in steps], inputs),
+                                recorded_decisions(ctx.objective, role, base_dir, inputs))
     if decided is None:
         return StepFiles(base_dir), base_name, None
-    where = replay_dir(layout.reference, precision, role, decided, scoring_settings(matrix, digests[0]))
+    where = replay_dir(layout.reference, precision, role, decided, ctx.settings)
     scratch = layout.scratch_replays / where.parent.name / role
     if scratch.exists():
         shutil.rmtree(scratch)
-    make_replay(matrix, layout, precision, role, decided, scratch, *digests)
+    make_replay(ctx, precision, role, decided, scratch)
     # named as freeze names a replay it reads (the bound files are the same under either evidence); not kept here
     return StepFiles(scratch), str(where.relative_to(layout.reference)), scratch
 
 
-def control_record(matrix: Matrix, layout: RunLayout, role: str, run_name: str, result: dict[str, Any],
-                   controls: list[str], before: dict, digests: tuple[str, str]) -> dict[str, Any]:
+def control_record(ctx: ScoringContext, role: str, run_name: str, result: dict[str, Any], controls: list[str],
+                   before: dict) -> dict[str, Any]:
     """The record of control run_name ('<precision>-<control>') of role: per family it belongs to, each step's
     pair_record against the run it is compared with, and its layer metrics against the family's r0."""
     steps = in_memory_steps(result)
-    inputs = StepInputs.read(matrix, layout, *digests)
-    terms, means = terms_of(matrix, role, inputs), means_of(matrix, role, inputs)
+    layout, inputs = ctx.layout, ctx.inputs()
+    terms, means = terms_of(ctx.objective, role, inputs), means_of(ctx.objective, role, inputs)
     families = {}
     for family in FAMILIES:
         base_name, others = family_pairs(family, controls)
         if run_name not in others:
             continue
-        aligned, compared_with, scratch = aligned_base(matrix, layout, role, base_name, steps, inputs, digests)
+        aligned, compared_with, scratch = aligned_base(ctx, role, base_name, steps, inputs)
         try:
             if len(aligned) != len(steps):
                 raise EvidenceError(f"{run_name} {role} took {len(steps)} step(s), {compared_with} {len(aligned)}")
-            records = [pair_record(run, aligned[k], start, matrix.optimizer, k + 1,
+            records = [pair_record(run, aligned[k], start, ctx.objective.optimizer, k + 1,
                                    lambda r, s=k: terms(s, r), lambda r, s=k: means(s, r))
                        for k, (run, start) in enumerate(zip(steps, starts_of(steps, before)))]
         finally:
@@ -126,16 +125,17 @@ def write_summarized_role(out: Path, result: dict[str, Any], info: dict[str, Any
     complete_stage(out, info | {"evidence": "summary"})
 
 
-def evidence_sizes(layout: RunLayout, matrix: Matrix, controls: list[str]) -> dict[str, Any]:
+def evidence_sizes(ctx: ScoringContext, controls: list[str]) -> dict[str, Any]:
     """What the reference's evidence weighs: the whole, the runs kept in full (the r0 runs, and every control under
     reference.evidence full) with their tensor bytes per parameter per optimizer step, the controls kept as summaries
     and the replays."""
     from safetensors import safe_open
 
+    layout = ctx.layout
     full, summaries, tensor_bytes, parameter_steps, counts = 0, 0, 0, 0, [0, 0]
-    for precision in matrix.reference.precisions:
+    for precision in ctx.reference.precisions:
         for control in controls:
-            for role in matrix.roles:
+            for role in ctx.objective.roles:
                 role_dir = layout.scores(precision, control, role)
                 size = tree_bytes(role_dir)
                 if (role_dir / step_dir(0) / "grads.safetensors").is_file():
@@ -149,7 +149,7 @@ def evidence_sizes(layout: RunLayout, matrix: Matrix, controls: list[str]) -> di
                     summaries, counts[1] = summaries + size, counts[1] + 1
     return {"reference_bytes": tree_bytes(layout.reference), "full_runs": counts[0], "full_runs_bytes": full,
             "summaries": counts[1], "summaries_bytes": summaries, "replays_bytes": tree_bytes(layout.reference / "replays"),
-            "mode": matrix.reference.evidence,
+            "mode": ctx.reference.evidence,
             "bytes_per_parameter_step": round(tensor_bytes / parameter_steps, 3) if parameter_steps else None}
 
 

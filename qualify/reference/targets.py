@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from qualify.matrix import Matrix
+from qualify.matrix import Objective, Reference, Rollout
 from qualify.models.hf import actor_logprobs, critic_values, load_model, reward_scores
 from qualify.ppo.logprob import processed_logprobs
 from qualify.ppo.math import masked_gae, token_rewards, whiten_advantages
@@ -30,30 +30,31 @@ KEPT_SET_FLOOR = 1e-4
 
 
 @torch.no_grad()
-def compute_targets(matrix: Matrix, models: dict[str, Path], rollout: dict[str, torch.Tensor],
-                    vocab_size: int) -> dict[str, torch.Tensor]:
+def compute_targets(objective: Objective, reference: Reference, sampling: Rollout, models: dict[str, Path],
+                    rollout: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
     """Reference logprobs, rewards, old values, advantages and returns (all fp32, (B, T) or (B,)), and the
     actor's sampler evidence (sampler_evidence)."""
     ids_BT, mask_BT = rollout["input_ids_BT"], rollout["response_mask_BT"]
     old_logp_BT = rollout["sampler_logprobs_BT"]
     ref = load_model(models["reference"], "reference")
-    ref_logp_BT = actor_logprobs(ref, ids_BT, matrix.rollout.temperature, matrix.reference.logprob_chunk_tokens,
+    ref_logp_BT = actor_logprobs(ref, ids_BT, sampling.temperature, reference.logprob_chunk_tokens,
                                  vocab_size) * mask_BT
     score_B = reward_scores(load_model(models["reward"], "reward"), ids_BT, mask_BT)
-    if matrix.algorithm == "grpo":  # no critic, no GAE: the objective makes group-relative advantages of score_B
+    if objective.algorithm == "grpo":  # no critic, no GAE: the objective makes group-relative advantages of score_B
         return {"old_logprobs_BT": old_logp_BT, "ref_logprobs_BT": ref_logp_BT, "score_B": score_B} \
-            | sampler_evidence(matrix, models["actor"], rollout, vocab_size)
+            | sampler_evidence(reference, sampling, models["actor"], rollout, vocab_size)
     old_values_BT = critic_values(load_model(models["critic"], "critic"), ids_BT) * mask_BT
-    rewards_BT = token_rewards(score_B, old_logp_BT, ref_logp_BT, mask_BT, matrix.ppo.kl_coef)
-    advantages_BT, returns_BT = masked_gae(rewards_BT, old_values_BT, mask_BT, matrix.ppo.gamma, matrix.ppo.lam)
-    if matrix.ppo.whiten_advantages:  # after the returns are made from the raw advantages, as verl does
+    p = objective.ppo
+    rewards_BT = token_rewards(score_B, old_logp_BT, ref_logp_BT, mask_BT, p.kl_coef)
+    advantages_BT, returns_BT = masked_gae(rewards_BT, old_values_BT, mask_BT, p.gamma, p.lam)
+    if p.whiten_advantages:  # after the returns are made from the raw advantages, as verl does
         advantages_BT = whiten_advantages(advantages_BT, mask_BT)
     return {"old_logprobs_BT": old_logp_BT, "ref_logprobs_BT": ref_logp_BT, "score_B": score_B,
             "old_values_BT": old_values_BT, "rewards_BT": rewards_BT, "advantages_BT": advantages_BT,
-            "returns_BT": returns_BT} | sampler_evidence(matrix, models["actor"], rollout, vocab_size)
+            "returns_BT": returns_BT} | sampler_evidence(reference, sampling, models["actor"], rollout, vocab_size)
 
 
-def sampler_evidence(matrix: Matrix, actor_dir: Path, rollout: dict[str, torch.Tensor],
+def sampler_evidence(reference: Reference, sampling: Rollout, actor_dir: Path, rollout: dict[str, torch.Tensor],
                      vocab_size: int) -> dict[str, torch.Tensor]:
     """The fp32 actor's logprobs of the rollout tokens under the rollout's sampling settings, (B, T) each:
 
@@ -63,11 +64,11 @@ def sampler_evidence(matrix: Matrix, actor_dir: Path, rollout: dict[str, torch.T
         kept_size_BT           int64 size of the kept set
     Response positions only; every other position is 0.
     """
-    r = matrix.rollout
+    r = sampling
     ids_BT, mask_BT = rollout["input_ids_BT"], rollout["response_mask_BT"]
     logits_BTV = load_model(actor_dir, "actor")(input_ids=ids_BT, use_cache=False).logits
     evidence = processed_logprobs(logits_BTV[:, :-1], ids_BT[:, 1:], temperature=r.temperature, top_k=r.top_k,
-                                  top_p=r.top_p, min_p=r.min_p, chunk_tokens=matrix.reference.logprob_chunk_tokens,
+                                  top_p=r.top_p, min_p=r.min_p, chunk_tokens=reference.logprob_chunk_tokens,
                                   vocab_size=vocab_size)
     # logp[:, t] scores token t from the logits at t - 1; position 0 has no context.
     return {f"{name}_BT": torch.where(mask_BT, torch.nn.functional.pad(x_BT, (1, 0)), 0)
@@ -75,11 +76,11 @@ def sampler_evidence(matrix: Matrix, actor_dir: Path, rollout: dict[str, torch.T
                                   strict=True)}
 
 
-def targets_meta(matrix: Matrix, rollout_digest: str) -> dict[str, Any]:
+def targets_meta(objective: Objective, sampling: Rollout, rollout_digest: str) -> dict[str, Any]:
     """What the targets were computed from."""
-    p, r = matrix.ppo, matrix.rollout
-    grpo = {} if matrix.grpo is None else {"algorithm": "grpo", "group_size": matrix.grpo.group_size,
-                                           "rewards": "score_B: the reward model's score of each row (fp32)"}
+    p, r, g = objective.ppo, sampling, objective.grpo
+    grpo = {} if g is None else {"algorithm": "grpo", "group_size": g.group_size,
+                                 "rewards": "score_B: the reward model's score of each row (fp32)"}
     return grpo | {"rollout_digest": rollout_digest, "kl_coef": p.kl_coef, "gamma": p.gamma, "lam": p.lam,
             "behaviour_logprobs": "vLLM processed_logprobs", "precision": "fp32",
             "sampling": {"temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p, "min_p": r.min_p},

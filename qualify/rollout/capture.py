@@ -21,7 +21,7 @@ from typing import Any
 
 from qualify.errors import EvidenceError, QualifyError
 from qualify.hashing import sha256_file
-from qualify.matrix import Matrix
+from qualify.matrix import Capture
 from qualify.models.precision import DTYPE_NAMES
 from qualify.stages import (
     MARKER,
@@ -41,11 +41,11 @@ SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p")
 """The sampling settings of a request; each prompt of a merged request carries its own."""
 
 
-def make_prompts(matrix: Matrix, vocab_size: int, eos_token_id: int | None) -> list[list[int]]:
+def make_prompts(capture: Capture, vocab_size: int, eos_token_id: int | None) -> list[list[int]]:
     """Prompt token ids: from prompts_file, or drawn from the rollout seed (never the EOS id)."""
-    r = matrix.rollout
-    if r.prompts_file is not None:
-        return read_prompts(matrix.resolve(r.prompts_file), r.num_prompts, vocab_size)
+    r = capture.rollout
+    if capture.prompts_file is not None:
+        return read_prompts(capture.prompts_file, r.num_prompts, vocab_size)
     import torch
 
     gen = torch.Generator().manual_seed(r.seed)
@@ -170,14 +170,14 @@ def model_digest(model_dir: Path) -> str:
     return fingerprint(parts)
 
 
-def capture_request(matrix: Matrix, model_dir: Path, tp: int, *, vocab_size: int,
+def capture_request(capture: Capture, model_dir: Path, tp: int, *, vocab_size: int,
                     eos_token_id: int | None) -> dict[str, Any]:
     """Everything the vLLM child needs to sample the rollout at TP degree tp."""
-    r = matrix.rollout
+    r = capture.rollout
     eos = r.eos_token_id if r.eos_token_id is not None else eos_token_id
-    prompts = make_prompts(matrix, vocab_size, eos)
-    if matrix.grpo is not None:  # GRPO: group_size responses per prompt, contiguous rows, each row its own seed
-        prompts = [p for p in prompts for _ in range(matrix.grpo.group_size)]
+    prompts = make_prompts(capture, vocab_size, eos)
+    if capture.group_size > 1:  # GRPO: group_size responses per prompt, contiguous rows, each row its own seed
+        prompts = [p for p in prompts for _ in range(capture.group_size)]
     # min_p only when set: a request without it is the same request as before min_p existed, so sealed
     # rollouts (the committed ones among them) keep their settings fingerprint.
     min_p = {"min_p": r.min_p} if r.min_p else {}
@@ -221,7 +221,7 @@ def capture_settings(request: dict[str, Any]) -> str:
                        | {"model": model_digest(Path(request["model_dir"]))})
 
 
-def capture_rollout(matrix: Matrix, model_dir: Path, tp: int, out_dir: Path, *, vocab_size: int,
+def capture_rollout(capture: Capture, model_dir: Path, tp: int, out_dir: Path, *, vocab_size: int,
                     eos_token_id: int | None, source: Path | None = None,
                     on_reuse: Callable[[], None] | None = None) -> str:
     """Capture the rollout at vLLM TP degree tp into out_dir (skipped when complete); return its digest.
@@ -229,7 +229,7 @@ def capture_rollout(matrix: Matrix, model_dir: Path, tp: int, out_dir: Path, *, 
     With source (a sealed rollout directory made for the same request and weights, for example
     the one committed beside an acceptance) nothing is sampled: source is checked and copied.
     """
-    request = capture_request(matrix, model_dir, tp, vocab_size=vocab_size, eos_token_id=eos_token_id)
+    request = capture_request(capture, model_dir, tp, vocab_size=vocab_size, eos_token_id=eos_token_id)
     settings = capture_settings(request)
     if reuse_complete(out_dir, settings, f"rollout TP{tp}"):
         if on_reuse is not None:

@@ -22,8 +22,7 @@ from typing import Any
 
 from qualify.errors import EvidenceError
 from qualify.layout import RunLayout
-from qualify.matrix import Matrix
-from qualify.reference.stage import prepare_models
+from qualify.matrix import Freeze
 from qualify.stages import stage_info, stage_is_complete
 from qualify.store import read_json
 
@@ -70,10 +69,11 @@ def _reference_numbers(layout: RunLayout) -> tuple[float, dict[str, Any]]:
         raise EvidenceError(f"{layout.reference_summary} has no rollout_mismatch.fp32.max_abs") from exc
 
 
-def resolve_base(matrix: Matrix, layout: RunLayout) -> Base:
-    """Base of a rounds run in layout (verifies the acceptance when there is one)."""
-    primary = layout.rollout(matrix.rollout.vllm_tp[0])
-    models = prepare_models(matrix, layout)
+def resolve_base(layout: RunLayout, primary_tp: int, models: dict[str, Path], rule: Freeze) -> Base:
+    """Base of a rounds run in layout (verifies the acceptance when there is one): the model directories (prepared),
+    the primary rollout (vLLM at primary_tp) and targets when the reference made them, and the logprob bound's rule
+    (the acceptance's, else the matrix's freeze section)."""
+    primary = layout.rollout(primary_tp)
     if layout.acceptance.is_file():
         from qualify.acceptance import Acceptance
 
@@ -87,13 +87,13 @@ def resolve_base(matrix: Matrix, layout: RunLayout) -> Base:
                     floor=float(doc["rule"]["floors"]["logprob"]), control=control,
                     source=f"acceptance {doc['digest']}: rule k x reference rollout_mismatch.fp32.max_abs + floor",
                     extra={"acceptance_digest": doc["digest"], "fp32_repeat_logprob_bound": repeat.get("bound")})
-    floors = matrix.freeze.floors
+    floors = rule.floors
     if layout.reference_summary.is_file() and stage_is_complete(primary) and stage_is_complete(layout.targets):
         control, _ = _reference_numbers(layout)
         return Base(models=models, rollout_dir=primary, rollout_digest=stage_info(primary)["digest"],
                     targets_dir=layout.targets, targets_digest=stage_info(layout.targets)["digest"],
-                    k=matrix.freeze.k, floor=floors["logprob"], control=control,
+                    k=rule.k, floor=floors["logprob"], control=control,
                     source="reference not frozen (no acceptance): matrix rule k x reference rollout_mismatch + floor")
     return Base(models=models, rollout_dir=None, rollout_digest=None, targets_dir=None, targets_digest=None,
-                k=matrix.freeze.k, floor=floors["logprob"], control=None,
+                k=rule.k, floor=floors["logprob"], control=None,
                 source="no reference: matrix rule k x control measured on round 0's own rollout + floor (not frozen)")

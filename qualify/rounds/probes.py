@@ -58,7 +58,7 @@ def stale_probes(s: Session, v0: Version) -> dict[str, Any]:
                                      "error": reply.get("error", "")})
     after = s.generate(s.cache_prompts, s.cache_seeds)
     s.add(checks.warm_row("after stale probes: cache intact", 0, [r["num_cached_tokens"] for r in after["results"]],
-                          s.matrix.rollout.block_size, "v0 cache prompts replayed after the refused installs"))
+                          s.settings.rollout.block_size, "v0 cache prompts replayed after the refused installs"))
     s.add(checks.agreement_row("after stale probes: still serves v0", 0, s.agreement(v0, after["results"]),
                                s.base.bound, 0))
     return out

@@ -16,7 +16,7 @@ import torch
 
 from qualify.errors import QualifyError, RoundsError
 from qualify.layout import rounds_case
-from qualify.matrix import Matrix
+from qualify.matrix import Capture, CaseSettings, Rollout
 from qualify.models.precision import DTYPE_NAMES, torch_dtype
 from qualify.rollout.capture import make_prompts, rollout_tensors
 from qualify.rounds.acks import ack_problems
@@ -38,9 +38,8 @@ class InstallRejected(RoundsError):
     """The harness's own verification of the acknowledgments failed."""
 
 
-def cache_prompts(matrix: Matrix, vocab_size: int, eos: int | None) -> list[list[int]]:
+def cache_prompts(r: Rollout, vocab_size: int, eos: int | None) -> list[list[int]]:
     """Prompts of 2 full KV blocks + 1 token (1 block if max_model_len is tight): long enough to hit the cache."""
-    r = matrix.rollout
     blocks = min(2, (r.max_model_len - r.max_new_tokens - 1) // r.block_size)
     if blocks < 1:
         raise QualifyError(f"max_model_len {r.max_model_len} leaves no room for a {r.block_size}-token cache block "
@@ -53,19 +52,20 @@ def cache_prompts(matrix: Matrix, vocab_size: int, eos: int | None) -> list[list
 class Session:
     """Engine, prompts and rows of one rounds run."""
 
-    def __init__(self, matrix: Matrix, base: Base, out: Path, tp: int, log: StageLog) -> None:
+    def __init__(self, settings: CaseSettings, capture: Capture, base: Base, out: Path, tp: int,
+                 log: StageLog) -> None:
         from qualify.store import read_json
 
-        self.matrix, self.base, self.out, self.tp, self.log = matrix, base, out, tp, log
+        self.settings, self.base, self.out, self.tp, self.log = settings, base, out, tp, log
         self.config = read_json(base.models["actor"] / "config.json")
         self.vocab = self.config["vocab_size"]
-        r = matrix.rollout
+        r = settings.rollout
         eos = r.eos_token_id if r.eos_token_id is not None else self.config.get("eos_token_id")
         self.sampling = {"temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p, "min_p": r.min_p,
                          "max_tokens": r.max_new_tokens, "eos_token_id": eos}
-        self.prompts = make_prompts(matrix, self.vocab, eos)
+        self.prompts = make_prompts(capture, self.vocab, eos)
         self.seeds = [r.seed + i for i in range(len(self.prompts))]
-        self.cache_prompts = cache_prompts(matrix, self.vocab, eos)
+        self.cache_prompts = cache_prompts(r, self.vocab, eos)
         self.cache_seeds = [r.seed + CACHE_SEED_OFFSET + i for i in range(NUM_CACHE_PROMPTS)]
         self.rows: list[Row] = []
         self.probes: dict[str, dict[str, Any]] = {}
@@ -79,12 +79,12 @@ class Session:
         """What every rank must hold for version (computed here from the HF tensors)."""
         if version.number not in self.expected_cache:
             self.expected_cache[version.number] = expected_shard_digests(
-                version.tensors, version.config, self.tp, torch_dtype(self.matrix.rollout.dtype))
+                version.tensors, version.config, self.tp, torch_dtype(self.settings.rollout.dtype))
         return self.expected_cache[version.number]
 
     def start(self, version: Version) -> dict[str, Any]:
         """Start the engine at version; every rank's report of what it holds must match."""
-        r = self.matrix.rollout
+        r = self.settings.rollout
         start = {"model_dir": str(version.path), "version": version.number, "expected": self.expected(version),
                  "tp": self.tp, "dtype": DTYPE_NAMES[r.dtype], "seed": r.seed,
                  "max_model_len": r.max_model_len, "kv_cache_memory_bytes": r.kv_cache_memory_bytes,
@@ -151,12 +151,12 @@ class Session:
         tensors = rollout_tensors(results)
         if self.hf_model[0] != version.number:
             self.hf_model = (version.number, load_model(version.path, "actor"))
-        model, r, ids_BT = self.hf_model[1], self.matrix.rollout, tensors["input_ids_BT"]
+        model, r, ids_BT = self.hf_model[1], self.settings.rollout, tensors["input_ids_BT"]
         with torch.no_grad():
             logits_BTV = model(input_ids=ids_BT, use_cache=False).logits
             processed_BT1 = processed_logprobs(logits_BTV[:, :-1], ids_BT[:, 1:], temperature=r.temperature,
                                                top_k=r.top_k, top_p=r.top_p, min_p=r.min_p,
-                                               chunk_tokens=self.matrix.reference.logprob_chunk_tokens,
+                                               chunk_tokens=self.settings.reference.logprob_chunk_tokens,
                                                vocab_size=self.vocab).processed
             hf_BT = torch.nn.functional.pad(processed_BT1, (1, 0))
         if save is not None:

@@ -24,6 +24,7 @@ from qualify.hashing import file_digest
 from qualify.layout import RunLayout, rounds_case
 from qualify.matrix import Matrix, Rounds
 from qualify.models.checkpoint import checkpoint_tensors
+from qualify.reference.stage import prepare_models
 from qualify.rollout.capture import ROLLOUT_FILE, load_rollout, rollout_tensors
 from qualify.rounds import checks
 from qualify.rounds.base import Base, resolve_base
@@ -50,8 +51,6 @@ def rounds_options(matrix: Matrix, *, engine: str | None = None, rounds: int | N
                    vllm_tp: int | None = None, train_tp: int | None = None,
                    probes: tuple[str, ...] | None = None) -> RoundsOptions:
     """The matrix's rounds settings, each overridden where given (the command line, or a Slurm topology)."""
-    from qualify.matrix import checkpoint_family
-
     given = {"engine": engine, "rounds": rounds, "vllm_tp": vllm_tp, "train_tp": train_tp, "probes": probes}
     try:
         options = dataclasses.replace(matrix.rounds, **{k: v for k, v in given.items() if v is not None})
@@ -60,7 +59,7 @@ def rounds_options(matrix: Matrix, *, engine: str | None = None, rounds: int | N
     except ValueError as exc:  # the section's own validation, for a value the command line gave
         raise QualifyError(f"rounds: {exc}") from exc
     if changed.models.checkpoints is not None:
-        checkpoint_family(changed)
+        changed.check_checkpoint_family()
     return options
 
 
@@ -85,9 +84,11 @@ def write_targets(s: Session, out: Path, rollout_dir: Path, digest: str) -> str:
     """Targets of a round's own rollout, from the frozen models (fp32); return their digest."""
     from qualify.reference.targets import TARGETS_FILE, compute_targets, targets_meta
 
-    targets = compute_targets(s.matrix, s.base.models, load_rollout(rollout_dir, digest), s.vocab)
-    return write_tensor_stage(out, TARGETS_FILE, targets, "targets.json", targets_meta(s.matrix, digest),
-                              {"rollout_digest": digest})
+    settings = s.settings
+    targets = compute_targets(settings.objective, settings.reference, settings.rollout, s.base.models,
+                              load_rollout(rollout_dir, digest), s.vocab)
+    return write_tensor_stage(out, TARGETS_FILE, targets, "targets.json",
+                              targets_meta(settings.objective, settings.rollout, digest), {"rollout_digest": digest})
 
 
 def cache_rows(s: Session, rnd: int, version: Version, first: dict[str, Any], what: str) -> dict[str, Any]:
@@ -95,7 +96,7 @@ def cache_rows(s: Session, rnd: int, version: Version, first: dict[str, Any], wh
     n = len(s.cache_prompts)
     first_cache = first["results"][-n:]
     replay = s.generate(s.cache_prompts, s.cache_seeds)
-    block = s.matrix.rollout.block_size
+    block = s.settings.rollout.block_size
     s.add(checks.cold_row("first request after install: nothing cached" if rnd else "fresh engine: nothing cached",
                           rnd, [r["num_cached_tokens"] for r in first["results"]], what))
     s.add(checks.warm_row("same-version replay reuses the cache", rnd,
@@ -148,7 +149,7 @@ def train_and_install(s: Session, opts: RoundsOptions, version: Version, rollout
                       targets: tuple[Path, str], rdir: Path) -> Version:
     """Train one step on the round's rollout, make v(r+1), install it on every rank."""
     with s.log.step(f"round {version.number}: train one actor step ({opts.engine}, fp32, TP{opts.train_tp})"):
-        step = train_step(s.matrix, engine=opts.engine, tp=opts.train_tp, model_dir=version.path,
+        step = train_step(s.settings, engine=opts.engine, tp=opts.train_tp, model_dir=version.path,
                           rollout_dir=rollout[0], rollout_digest=rollout[1], targets_dir=targets[0],
                           targets_digest=targets[1], out=rdir / "train", vocab_size=s.vocab)
     new = write_version(version, step["updates"], s.out / "versions" / f"v{version.number + 1}",
@@ -197,10 +198,11 @@ def run_rounds(matrix: Matrix, run_dir: Path, options: RoundsOptions | None = No
     out = layout.rounds_dir(tp)
     if stage_is_complete(out):
         return reuse(out, tp, log)
-    base = resolve_base(matrix, layout)
+    base = resolve_base(layout, matrix.rollout.vllm_tp[0],
+                        prepare_models(matrix.models, layout, matrix.resolve), matrix.freeze)
     prepare_stage(out)
     started = time.monotonic()
-    s = Session(matrix, base, out, tp, log)
+    s = Session(matrix.case_settings, matrix.capture, base, out, tp, log)
     v0 = load_version(0, base.models["actor"])
     frozen_before = frozen_digests(base, base.targets_dir / "targets.safetensors" if base.targets_dir else None)
     failure, versions = None, [v0]
@@ -217,7 +219,7 @@ def run_rounds(matrix: Matrix, run_dir: Path, options: RoundsOptions | None = No
     frozen_after = frozen_digests(base, targets0 if targets0.is_file() else None, out / "round-0" / "rollout")
     for name, digest in (frozen_before | s.made).items():
         s.add(checks.equal_row(f"{name} unchanged", None, frozen_after.get(name), digest))
-    return finish(s, opts, matrix, versions, frozen_after, failure, time.monotonic() - started)
+    return finish(s, opts, matrix.name, versions, frozen_after, failure, time.monotonic() - started)
 
 
 def reuse(out: Path, tp: int, log: StageLog) -> Verdict:
@@ -234,9 +236,9 @@ def reuse(out: Path, tp: int, log: StageLog) -> Verdict:
     return Verdict.from_json(doc)
 
 
-def finish(s: Session, opts: RoundsOptions, matrix: Matrix, versions: list[Version], frozen: dict[str, str],
+def finish(s: Session, opts: RoundsOptions, matrix_name: str, versions: list[Version], frozen: dict[str, str],
            failure: str | None, seconds: float) -> Verdict:
-    verdict = make_verdict(ROUNDS_SCHEMA, matrix.name, s.rows, [rounds_case(s.tp)], failure=failure, details={
+    verdict = make_verdict(ROUNDS_SCHEMA, matrix_name, s.rows, [rounds_case(s.tp)], failure=failure, details={
         "engine": opts.engine, "rounds": opts.rounds, "vllm_tp": s.tp, "train_tp": opts.train_tp,
         "bound": {"logprob_max_abs": s.base.bound if s.base.control is not None else None, "k": s.base.k,
                   "floor": s.base.floor, "control": s.base.control, "source": s.base.source, **s.base.extra},

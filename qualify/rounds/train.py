@@ -20,7 +20,7 @@ from qualify.compare import load_steps
 from qualify.errors import EvidenceError, RoundsError
 from qualify.hashing import file_digest
 from qualify.layout import launch_log
-from qualify.matrix import Case, Matrix
+from qualify.matrix import Case, CaseSettings
 from qualify.stages import stage_is_complete
 
 
@@ -34,14 +34,14 @@ def check_digest(path: Path, expected: str, what: str) -> None:
         raise EvidenceError(f"{what} {path} has digest {actual}, expected {expected}")
 
 
-def train_step(matrix: Matrix, *, engine: str, tp: int, model_dir: Path, rollout_dir: Path, rollout_digest: str,
+def train_step(settings: CaseSettings, *, engine: str, tp: int, model_dir: Path, rollout_dir: Path, rollout_digest: str,
                targets_dir: Path, targets_digest: str, out: Path, vocab_size: int) -> dict[str, Any]:
     """Run the actor step into out (skipped when complete); return its updates and seconds."""
     check_digest(Path(targets_dir) / "targets.safetensors", targets_digest, "targets")
     case = Case(engine=engine, precision="fp32", tp=tp, role="actor")
-    device = device_of(matrix)
+    device = device_of(settings.reference)
     if not stage_is_complete(out):
-        spec = make_spec(matrix, case, model_dir=model_dir, rollout_dir=rollout_dir, targets_dir=targets_dir,
+        spec = make_spec(settings, case, model_dir=model_dir, rollout_dir=rollout_dir, targets_dir=targets_dir,
                          rollout_digest=rollout_digest, targets_digest=targets_digest, case_dir=out,
                          vocab_size=vocab_size, device=device)
         spec_path = write_spec_file(spec)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from qualify.errors import SlurmError
-from qualify.matrix import Case, Matrix, load_matrix
+from qualify.matrix import Candidates, Case, Matrix, load_matrix
 from qualify.slurm.profile import Profile, load_profile
 from qualify.store import atomic_write_bytes
 
@@ -92,10 +92,10 @@ def case_gpus(case: Case) -> int:
     return case.tp * getattr(case, "dp", 1)  # a matrix without data parallelism: dp = 1
 
 
-def rounds_gpus(matrix: Matrix, topology: str) -> tuple[int, int, int]:
+def rounds_gpus(vllm_tp: tuple[int, ...], candidate_tp: tuple[int, ...], topology: str) -> tuple[int, int, int]:
     """(vLLM TP, trainer TP, GPUs) of the rounds job: dedicated puts vLLM and the trainer on their own GPUs,
     shared colocates them. The largest degrees of the matrix: installing into every rank of the widest vLLM."""
-    vllm, train = max(matrix.rollout.vllm_tp), max(matrix.candidates.tp)
+    vllm, train = max(vllm_tp), max(candidate_tp)
     return vllm, train, vllm + train if topology == "dedicated" else max(vllm, train)
 
 
@@ -120,14 +120,13 @@ def check_memory(matrix: Matrix, profile: Profile, cases: list[Case]) -> None:
                          + " (choose cases with --cases, a larger TP, reference.offload: host, or another profile)")
 
 
-def select_cases(matrix: Matrix, pattern: str | None) -> list[Case]:
+def select_cases(cases: list[Case], source: str, pattern: str | None) -> list[Case]:
     """The matrix's cases, or those whose name matches the glob pattern."""
-    cases = matrix.cases()
     if pattern is None:
         return cases
     chosen = [c for c in cases if fnmatch.fnmatchcase(c.name, pattern)]
     if not chosen:
-        raise SlurmError(f"--cases {pattern!r} matches no case of {matrix.source} "
+        raise SlurmError(f"--cases {pattern!r} matches no case of {source} "
                          f"(cases: {', '.join(c.name for c in cases)})")
     return chosen
 
@@ -136,7 +135,7 @@ def render_chain(matrix_path: Path, profile_path: Path, *, run: Path, out: Path,
                  topology: str | None = None, cases: str | None = None) -> Chain:
     """Render every job of the chain (nothing is written; see write_chain)."""
     matrix, profile = load_matrix(matrix_path), load_profile(profile_path)
-    topologies = _topologies(matrix, topology)
+    topologies = _topologies(matrix.candidates, matrix.source, topology)
     for label, path in (("matrix", matrix_path), ("run directory", run)):
         if shlex.quote(str(path)) != str(path):
             raise SlurmError(f"{label} path {str(path)!r} needs shell quoting; use a path without spaces or quotes")
@@ -144,7 +143,7 @@ def render_chain(matrix_path: Path, profile_path: Path, *, run: Path, out: Path,
     ctx = _Context(matrix=matrix, profile=profile, templates=templates, run=str(run),
                    matrix_path=str(matrix_path), profile_path=comment_safe(str(profile_path)),
                    matrix_sha256=hashlib.sha256(Path(matrix_path).read_bytes()).hexdigest())
-    selected = select_cases(matrix, cases)
+    selected = select_cases(matrix.cases(), matrix.source, cases)
     vllm = max(matrix.rollout.vllm_tp)
     jobs = [ctx.job("reference", "reference", (), (), share(profile, gpus=vllm, procs=vllm, what="reference")),
             ctx.job("freeze", "freeze", ("reference",), (), share(profile, gpus=0, procs=1, what="freeze"))]
@@ -205,12 +204,12 @@ def fill(template: Path, values: dict[str, str]) -> str:
     return _SLOT.sub(lambda m: values[m.group(1)], text)
 
 
-def _topologies(matrix: Matrix, topology: str | None) -> tuple[str, ...]:
-    allowed = matrix.candidates.topologies
+def _topologies(candidates: Candidates, source: str, topology: str | None) -> tuple[str, ...]:
+    allowed = candidates.topologies
     if topology is None:
         return tuple(allowed)
     if topology not in allowed:
-        raise SlurmError(f"topology {topology!r} is not in {matrix.source}'s candidates.topologies {list(allowed)}")
+        raise SlurmError(f"topology {topology!r} is not in {source}'s candidates.topologies {list(allowed)}")
     return (topology,)
 
 
@@ -219,7 +218,7 @@ def _rounds_jobs(ctx: _Context, topologies: tuple[str, ...]) -> list[Job]:
     after another: every topology's rounds write RUN/rounds/vllm-tp<N>."""
     jobs: list[Job] = []
     for topology in topologies:
-        vllm, train, gpus = rounds_gpus(ctx.matrix, topology)
+        vllm, train, gpus = rounds_gpus(ctx.matrix.rollout.vllm_tp, ctx.matrix.candidates.tp, topology)
         need = share(ctx.profile, gpus=gpus, procs=gpus, what=f"rounds ({topology}: vLLM TP{vllm}, trainer TP{train})")
         after = (jobs[-1].key,) if jobs else ("freeze",)
         jobs.append(ctx.job(f"rounds-{topology}", "rounds", after, (), need,

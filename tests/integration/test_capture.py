@@ -32,7 +32,7 @@ def test_two_concurrent_captures_are_bitwise_identical(tiny_matrix, tmp_path):
     outs = [tmp_path / "a" / "tp1", tmp_path / "b" / "tp1"]
     with ThreadPoolExecutor(2) as pool:
         digests = list(pool.map(lambda out: capture_rollout(
-            tiny_matrix, models["actor"], 1, out, vocab_size=cfg["vocab_size"],
+            tiny_matrix.capture, models["actor"], 1, out, vocab_size=cfg["vocab_size"],
             eos_token_id=cfg.get("eos_token_id")), outs))
     assert all(stage_is_complete(out) for out in outs)
     assert digests[0] == digests[1]
@@ -50,7 +50,7 @@ def test_tp2_capture_samples_the_same_prompts(tiny_matrix, frozen_run, tmp_path)
     layout = RunLayout(tmp_path / "run")
     models = make_tiny_family(tiny_matrix.models.tiny, layout.models)
     cfg = model_config(models["actor"])
-    digest = capture_rollout(tiny_matrix, models["actor"], 2, layout.rollout(2), vocab_size=cfg["vocab_size"],
+    digest = capture_rollout(tiny_matrix.capture, models["actor"], 2, layout.rollout(2), vocab_size=cfg["vocab_size"],
                              eos_token_id=cfg.get("eos_token_id"))
     tp2 = load_rollout(layout.rollout(2), digest)
     committed = load_rollout(RunLayout(frozen_run).rollout(1))
@@ -69,7 +69,7 @@ def test_a_failing_vllm_child_is_one_line_with_its_log(tiny_matrix, tmp_path):
     layout = RunLayout(tmp_path / "run")
     models = make_tiny_family(tiny_matrix.models.tiny, layout.models)
     cfg = model_config(models["actor"])
-    request = capture_request(tiny_matrix, models["actor"], 1, vocab_size=cfg["vocab_size"],
+    request = capture_request(tiny_matrix.capture, models["actor"], 1, vocab_size=cfg["vocab_size"],
                               eos_token_id=cfg.get("eos_token_id")) | {"max_model_len": 4}  # prompts are 16 tokens
     with pytest.raises(QualifyError) as info:
         run_vllm(request)

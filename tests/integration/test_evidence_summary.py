@@ -154,7 +154,7 @@ def test_each_control_is_measured_against_r0_replayed_on_its_own_decisions(full_
     from tests.conftest import TINY
 
     layout, matrix = RunLayout(full_run), load_matrix(TINY)
-    inputs = StepInputs.load(matrix, layout)
+    inputs = StepInputs.load(matrix.ppo, layout, matrix.rollout.vllm_tp[0])
     summary = read_json(layout.reference_summary)
     assert summary["control_replays"], "the embedded default's bf16 controls decide some tokens otherwise than r0"
     replayed = 0

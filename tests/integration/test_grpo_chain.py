@@ -86,6 +86,7 @@ def test_a_rank_launched_with_another_normalizer_stops_the_case(grpo_run, grpo_m
 
     from qualify.candidate.launch import run_ranks
     from qualify.candidate.run import write_spec
+    from qualify.candidate.spec import make_spec
     from qualify.models.family import model_dirs
 
     layout = RunLayout(grpo_run)
@@ -94,7 +95,12 @@ def test_a_rank_launched_with_another_normalizer_stops_the_case(grpo_run, grpo_m
     doc = read_json(layout.acceptance)
     specs = []
     for r, matrix in enumerate((grpo_matrix, other)):
-        spec = json.loads(write_spec(matrix, layout, case, model_dirs(matrix, layout.models), doc, "cpu").read_text())
+        models = model_dirs(matrix.models, layout.models, matrix.resolve)
+        made = make_spec(matrix.case_settings, case, model_dir=models[case.role], rollout_dir=layout.rollout(1),
+                         targets_dir=layout.targets, rollout_digest=doc["rollout_digest"],
+                         targets_digest=doc["targets_digest"], case_dir=layout.case(case.name), vocab_size=read_json(
+                             models["actor"] / "config.json")["vocab_size"], device="cpu")
+        spec = json.loads(write_spec(made, doc).read_text())
         spec["case_dir"] = str(tmp_path / f"case{r}")
         specs.append(tmp_path / f"spec{r}.json")
         specs[-1].write_text(json.dumps(spec))

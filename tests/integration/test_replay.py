@@ -71,7 +71,7 @@ def cross_an_edge(run: Path, here: Path, precision: str, *, within: bool, step: 
         f"step{step}/outputs/ratio_BT"]["max_abs"]["bound"]
     d = RunLayout(run).scores(precision, "r0", "actor")
     outputs = read_tensors(d / f"step{step}" / "outputs.safetensors")
-    inputs = StepInputs.load(matrix, RunLayout(run))
+    inputs = StepInputs.load(matrix.ppo, RunLayout(run), matrix.rollout.vllm_tp[0])
     dec = decisions("actor", matrix.ppo, None, outputs, inputs.targets[step], inputs.masks[step])
     free = torch.isfinite(dec.margin_BT) & ~dec.clipped_BT
     margin = torch.where(free, dec.margin_BT, math.inf if within else -math.inf)

@@ -16,6 +16,7 @@ from qualify.compare import load_steps
 from qualify.errors import EvidenceError
 from qualify.layout import RunLayout
 from qualify.matrix import Case
+from qualify.reference.context import ScoringContext
 from qualify.reference.inputs import StepInputs
 from qualify.stagelog import StageLog
 from qualify.stages import complete_stage, stage_is_complete
@@ -29,10 +30,10 @@ def flipped_case(run, matrix) -> None:
     nearest the edge, as a correct engine's rounding moves it)."""
     layout = RunLayout(run)
     shutil.copytree(layout.scores("bf16", "r0", "actor"), layout.case(CASE.name))
-    inputs = StepInputs.load(matrix, layout)
+    inputs = StepInputs.load(matrix.ppo, layout, matrix.rollout.vllm_tp[0])
     path = layout.case(CASE.name) / "step1" / "outputs.safetensors"
     outputs = read_tensors(path)
-    (dec,) = run_decisions(matrix, "actor", [load_steps(layout.case(CASE.name))[1]], StepInputs(
+    (dec,) = run_decisions(matrix.objective, "actor", [load_steps(layout.case(CASE.name))[1]], StepInputs(
         inputs.targets[1:2], inputs.masks[1:2]))
     margin = torch.where(torch.isfinite(dec.margin_BT) & ~dec.clipped_BT, dec.margin_BT, torch.inf)
     r, t = divmod(int(margin.argmin()), margin.shape[1])
@@ -48,7 +49,7 @@ def test_the_judge_reads_the_sealed_replay_and_never_makes_it(run_copy, tiny_mat
 
     layout = RunLayout(run_copy)
     flipped_case(run_copy, tiny_matrix)
-    inputs = StepInputs.load(tiny_matrix, layout)
+    inputs = StepInputs.load(tiny_matrix.ppo, layout, tiny_matrix.rollout.vllm_tp[0])
     cand, ref = load_steps(layout.case(CASE.name)), load_steps(layout.scores("bf16", "r0", "actor"))
     bounds = read_json(layout.acceptance.parent / "bounds" / "actor-bf16-repeat.json")["bounds"]
 
@@ -58,14 +59,15 @@ def test_the_judge_reads_the_sealed_replay_and_never_makes_it(run_copy, tiny_mat
     monkeypatch.setattr(forced, "make_replay", no_model)
     with pytest.raises(EvidenceError, match="is not sealed: bf16-r0 actor replayed on these clip decisions is made by "
                                             "'qualify candidate' before judging"):
-        aligned_reference(tiny_matrix, layout, inputs, CASE.name, "actor", "vs ref", "bf16", list(cand), ref, bounds)
+        aligned_reference(ScoringContext.of(tiny_matrix, layout), inputs, CASE.name, "actor", "vs ref", "bf16",
+                          list(cand), ref, bounds)
     monkeypatch.undo()
     seal_replays(tiny_matrix, layout, CASE, inputs, StageLog("candidate", quiet=True))  # the stage's own step
     [sealed] = list((layout.candidates / "replays").glob("bf16-r0-*/actor"))
     assert stage_is_complete(sealed)
     monkeypatch.setattr(forced, "make_replay", no_model)
     seal_replays(tiny_matrix, layout, CASE, inputs, StageLog("candidate", quiet=True))  # sealed already: nothing made
-    got, rows = aligned_reference(tiny_matrix, layout, inputs, CASE.name, "actor", "vs ref", "bf16", list(cand), ref,
+    got, rows = aligned_reference(ScoringContext.of(tiny_matrix, layout), inputs, CASE.name, "actor", "vs ref", "bf16", list(cand), ref,
                                   bounds)
     assert [s.grads.keys() for s in got] == [s.grads.keys() for s in load_steps(sealed)]
     assert torch.equal(got[1].grads["lm_head.weight"], load_steps(sealed)[1].grads["lm_head.weight"])

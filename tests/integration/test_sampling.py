@@ -35,7 +35,7 @@ def sweep(tmp_path_factory):
     matrices = [load_matrix(path) for path in FILES]
     models = make_tiny_family(matrices[0].models.tiny, tmp_path_factory.mktemp("sweep") / "models")
     cfg = model_config(models["actor"])
-    requests = [capture_request(m, models["actor"], 1, vocab_size=cfg["vocab_size"],
+    requests = [capture_request(m.capture, models["actor"], 1, vocab_size=cfg["vocab_size"],
                                 eos_token_id=cfg.get("eos_token_id")) for m in matrices]
     parts = split_results(run_vllm(merge_requests(requests)), requests)
     return {path.stem: (m, models["actor"], cfg["vocab_size"], rollout_tensors(part))
@@ -52,7 +52,7 @@ def test_the_sweep_covers_the_issue():
 def test_reference_processed_logprobs_agree_with_vllm(sweep, stem, record_property):
     matrix, actor, vocab, rollout = sweep[stem]
     mask_BT = rollout["response_mask_BT"]
-    evidence = sampler_evidence(matrix, actor, rollout, vocab)
+    evidence = sampler_evidence(matrix.reference, matrix.rollout, actor, rollout, vocab)
     sampler_N = rollout["sampler_logprobs_BT"][mask_BT]
     processed_N, full_N = evidence["processed_logprobs_BT"][mask_BT], evidence["full_logprobs_BT"][mask_BT]
     report = decompose_mismatch(sampler_N, processed_N, full_N, torch.nonzero(mask_BT), KEPT_SET_FLOOR)

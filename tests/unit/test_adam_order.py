@@ -79,6 +79,6 @@ def test_the_matrix_names_the_control(tmp_path):
     matrix = synthetic_matrix(tmp_path)
     matrix = dataclasses.replace(matrix, reference=dataclasses.replace(matrix.reference,
                                                                        perturbations=("optimizer_order",)))
-    names = {c.name: c for c in controls_of(matrix)}
+    names = {c.name: c for c in controls_of(matrix.reference, matrix.candidates.tp)}
     assert names["optimizer_order"] == Control(name="optimizer_order", reordered_adam=True)
     assert not any(c.reordered_adam for n, c in names.items() if n != "optimizer_order")

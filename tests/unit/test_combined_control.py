@@ -25,7 +25,7 @@ def _with(matrix, perturbations, tp=None):
 def test_combined_sets_every_other_perturbation_and_the_largest_tp(tmp_path):
     matrix = _with(load_matrix(REPO / "matrices" / "tiny-qwen3.yaml"), ("microbatch_split", "attn_impl", "tp_split", "optimizer_order",
                                                 "combined"), tp=(2, 1))
-    controls = {c.name: c for c in controls_of(matrix)}
+    controls = {c.name: c for c in controls_of(matrix.reference, matrix.candidates.tp)}
     assert list(controls) == ["r0", "r1", "microbatch_split", "attn_impl", "tp2_split",
                               "optimizer_order", "combined"]
     assert controls["combined"] == Control(name="combined", microbatches=2, attn_impl=CONTROL_ATTN["attn_impl"],
@@ -93,6 +93,6 @@ def test_split_then_fused_model_computes_the_same_function_in_float64():
 
 def test_fused_norm_is_a_control_and_part_of_combined(tmp_path):
     matrix = _with(synthetic_matrix(tmp_path), ("fused_norm", "optimizer_order", "combined"))
-    controls = {c.name: c for c in controls_of(matrix)}
+    controls = {c.name: c for c in controls_of(matrix.reference, matrix.candidates.tp)}
     assert controls["fused_norm"] == Control(name="fused_norm", fused_norm=True)
     assert controls["combined"] == Control(name="combined", fused_norm=True, reordered_adam=True)

@@ -16,6 +16,7 @@ from qualify.bounds.rule import BoundRule
 from qualify.compare import RunTensors
 from qualify.errors import EvidenceError
 from qualify.layout import RunLayout
+from qualify.reference.context import ScoringContext
 from qualify.reference.forced import control_replay, recorded_decisions, replay_dir
 from qualify.reference.inputs import StepInputs
 from tests.unit._runs import COEF, FLOORS, OPT, K, params, role_steps, synthetic_matrix, write_steps
@@ -142,17 +143,18 @@ def test_control_replay_is_found_from_the_recorded_decisions(tmp_path):
     inside = r0 + 1e-4
     for name, values in (("r0", r0), ("crossed", crossed), ("inside", inside)):
         write_steps(layout.scores("fp32", name, "critic"), [_critic_run(values)])
-    mine = recorded_decisions(matrix, "critic", layout.scores("fp32", "crossed", "critic"), inputs)
+    mine = recorded_decisions(matrix.objective, "critic", layout.scores("fp32", "crossed", "critic"), inputs)
     assert mine[0].clipped_BT.tolist() == [[True, False, False, False]]
-    found = control_replay(matrix, layout, "critic", "fp32-r0", "fp32-crossed", inputs, "settings")
+    ctx = ScoringContext.of(matrix, layout, "sha256:rollout", "sha256:targets")
+    found = control_replay(ctx, "critic", "fp32-r0", "fp32-crossed", inputs)
     assert found is not None
     where, decided = found
     assert [d.tolist() for d in decided] == [[[True, False, False, False]]]
-    assert where == replay_dir(layout.reference, "fp32", "critic", decided, "settings")
+    assert where == replay_dir(layout.reference, "fp32", "critic", decided, ctx.settings)
     assert where.parent.parent == layout.reference / "replays" and where.name == "critic"
-    assert control_replay(matrix, layout, "critic", "fp32-r0", "fp32-inside", inputs, "settings") is None
+    assert control_replay(ctx, "critic", "fp32-r0", "fp32-inside", inputs) is None
     with pytest.raises(ValueError, match="a replay is of an r0 run, not fp32-inside"):
-        control_replay(matrix, layout, "critic", "fp32-inside", "fp32-crossed", inputs, "settings")
+        control_replay(ctx, "critic", "fp32-inside", "fp32-crossed", inputs)
 
 
 def test_a_control_whose_decisions_cannot_be_read_has_no_replay(tmp_path):
@@ -166,8 +168,9 @@ def test_a_control_whose_decisions_cannot_be_read_has_no_replay(tmp_path):
     blind = RunTensors({"loss": torch.zeros(())}, {"w": torch.zeros(2)}, {"w": torch.zeros(2)},
                        {"exp_avg/w": torch.zeros(2), "exp_avg_sq/w": torch.zeros(2)}, {})
     write_steps(layout.scores("fp32", "blind", "critic"), [blind])
-    assert recorded_decisions(matrix, "critic", layout.scores("fp32", "blind", "critic"), inputs) == [None]
-    assert control_replay(matrix, layout, "critic", "fp32-r0", "fp32-blind", inputs, "settings") is None
+    assert recorded_decisions(matrix.objective, "critic", layout.scores("fp32", "blind", "critic"), inputs) == [None]
+    ctx = ScoringContext.of(matrix, layout, "sha256:rollout", "sha256:targets")
+    assert control_replay(ctx, "critic", "fp32-r0", "fp32-blind", inputs) is None
 
 
 def _crossing_reference(tmp_path):
@@ -190,7 +193,7 @@ def test_freeze_finds_a_control_replay_under_the_scoring_settings_of_the_recorde
     from qualify.reference.evidence import scoring_settings
 
     matrix, layout, inputs = _crossing_reference(tmp_path)
-    replay_of = replays_of(matrix, layout, "critic", inputs, {"rollout_digest": "sha256:abc"})
+    replay_of = replays_of(ScoringContext.of(matrix, layout, "sha256:abc", "sha256:t"), "critic", inputs)
     decided = [torch.tensor([[True, False, False, False]])]
     expect = replay_dir(layout.reference, "fp32", "critic", decided, scoring_settings(matrix, "sha256:abc"))
     assert replay_of("fp32-r0", "fp32-crossed") == expect
@@ -204,7 +207,7 @@ def test_terms_of_gives_each_steps_loss_contributions_and_none_past_the_last_ste
 
     matrix, _layout, inputs = _crossing_reference(tmp_path)
     run = _critic_run(torch.tensor([[0.3, 0.05, -0.05, 0.0]]))
-    terms = terms_of(matrix, "critic", inputs)
+    terms = terms_of(matrix.objective, "critic", inputs)
     got = terms(0, run)
     expect = loss_terms("critic", matrix.ppo, matrix.grpo, run.outputs, inputs.targets[0], inputs.masks[0])
     assert got is not None and torch.equal(got, expect)

@@ -11,12 +11,14 @@ import pytest
 import torch
 
 from qualify.candidate.decided import decision_rows
+from qualify.layout import RunLayout
 from qualify.matrix import load_matrix
 from qualify.models import hf
 from qualify.models.tiny import build_tiny_model
 from qualify.ppo.decisions import decisions, differing
 from qualify.ppo.grpo import count_normalizers, grpo_loss, token_advantages
 from qualify.ppo.math import clipped_policy_loss, clipped_value_loss
+from qualify.reference.context import ScoringContext
 from qualify.reference.step import Control, run_role
 
 PPO = SimpleNamespace(clip_eps=0.2, value_clip_eps=0.2)
@@ -131,7 +133,7 @@ def test_the_reference_replayed_on_its_own_decisions_is_bitwise_itself_and_a_fli
 
     def run(decided=None):
         with torch.enable_grad():
-            return run_role(matrix, role, "fp32", Control(name="r0"), hf.load_model(tmp_path, role), batch, targets,
+            return run_role(ScoringContext.of(matrix, RunLayout(tmp_path), "sha256:r", "sha256:t"), role, "fp32", Control(name="r0"), hf.load_model(tmp_path, role), batch, targets,
                             spec.vocab_size, tmp_path, decided=decided)["steps"]
 
     mask = batch["response_mask_BT"]

@@ -90,12 +90,12 @@ def test_grad_norm_of_the_reported_gradients_passes_and_one_left_out_fails():
     grads = {f"w{i}": torch.randn(300, 40, generator=gen) * 10 ** -i for i in range(4)}
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
     inputs = SimpleNamespace(masks=[], targets=[])
-    matrix = SimpleNamespace(grpo=None)
-    [good] = derived_rows("c", "critic", matrix, [step_of(grads, float(norm))], inputs)
+    objective = SimpleNamespace(grpo=None)
+    [good] = derived_rows("c", "critic", objective, [step_of(grads, float(norm))], inputs)
     assert good.tensor == "step0/outputs/grad_norm" and good.passed and ratio_of(good) < 0.5
     partial = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for n, g in grads.items()
                                                     if n != "w1"]))
-    [bad] = derived_rows("c", "critic", matrix, [step_of(grads, float(partial))], inputs)
+    [bad] = derived_rows("c", "critic", objective, [step_of(grads, float(partial))], inputs)
     assert not bad.passed and ratio_of(bad) > 10
 
 
@@ -225,17 +225,17 @@ def test_clip_frac_is_derived_by_the_matrix_definition():
     adv_B = torch.randn(B, generator=gen)
     adv = adv_B[:, None].expand(B, T)
     grpo = SimpleNamespace(clip_frac="loss_weighted", aggregation="seq_mean_token_mean", constant=None)
-    matrix = SimpleNamespace(ppo=SimpleNamespace(clip_eps=0.2), grpo=grpo)
+    objective = SimpleNamespace(ppo=SimpleNamespace(clip_eps=0.2), grpo=grpo)
     out = grpo_loss(logp, old, None, adv, mask, clip_eps=0.2, kl_coef=0.0, aggregation="seq_mean_token_mean",
                     normalizers=count_normalizers(mask))
     ratio = torch.where(mask, out.ratio_BT, 0.0)
-    derivation = clip_frac_derivation(ratio, adv, mask, matrix)
+    derivation = clip_frac_derivation(ratio, adv, mask, objective)
     assert judged(out.clip_frac.reshape(1), derivation).passed
     token = grpo_loss(logp, old, None, adv, mask, clip_eps=0.2, kl_coef=0.0, aggregation="seq_mean_token_mean",
                       normalizers=count_normalizers(mask), clip_frac="token_mean")
     assert not judged(token.clip_frac.reshape(1), derivation).passed
     grpo.clip_frac = "token_mean"
-    assert judged(token.clip_frac.reshape(1), clip_frac_derivation(ratio, adv, mask, matrix)).passed
+    assert judged(token.clip_frac.reshape(1), clip_frac_derivation(ratio, adv, mask, objective)).passed
 
 
 def test_a_non_finite_score_recorded_in_meta_fails_with_its_note():

@@ -159,7 +159,7 @@ def test_a_case_run_against_another_acceptance_is_refused(tmp_path):
     add_layers(layout)
     freeze(layout.root)
     case = matrix.cases()[0]
-    write_spec_file(make_spec(matrix, case, model_dir=layout.model(case.role), rollout_dir=layout.rollout(1),
+    write_spec_file(make_spec(matrix.case_settings, case, model_dir=layout.model(case.role), rollout_dir=layout.rollout(1),
                               targets_dir=layout.targets, rollout_digest="r", targets_digest="t",
                               case_dir=layout.case(case.name), vocab_size=64, device="cpu"))
     prepare_stage(layout.case(case.name))

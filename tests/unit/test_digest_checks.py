@@ -70,7 +70,7 @@ def frozen_run(tmp_path):
 
 def spec_for(matrix, layout: RunLayout, tmp_path, rollout_digest: str, targets_digest: str):
     case = matrix.cases()[0]
-    return make_spec(matrix, case, model_dir=layout.model(case.role), rollout_dir=layout.rollout(1),
+    return make_spec(matrix.case_settings, case, model_dir=layout.model(case.role), rollout_dir=layout.rollout(1),
                      targets_dir=layout.targets, rollout_digest=rollout_digest, targets_digest=targets_digest,
                      case_dir=tmp_path / "case", vocab_size=64, device="cpu")
 

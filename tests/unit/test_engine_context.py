@@ -25,7 +25,7 @@ def grpo_spec(tmp_path):
     m = load_matrix(path)
     case = next(c for c in m.cases() if c.dp == 2)
     kw = {k: tmp_path for k in ("model_dir", "rollout_dir", "targets_dir", "case_dir")}
-    return make_spec(m, case, rollout_digest="r", targets_digest="t", vocab_size=512, device="cpu", **kw)
+    return make_spec(m.case_settings, case, rollout_digest="r", targets_digest="t", vocab_size=512, device="cpu", **kw)
 
 
 def test_every_shared_field_comes_from_the_spec(tmp_path):
@@ -54,7 +54,7 @@ def test_diagnose_finds_a_moved_run_and_refuses_a_path_as_a_case(tmp_path):
 
     m = load_matrix(MATRICES / "tiny-qwen3.yaml")
     old = tmp_path / "old" / "run"
-    spec = make_spec(m, m.cases()[0], model_dir=old / "reference" / "models" / "actor",
+    spec = make_spec(m.case_settings, m.cases()[0], model_dir=old / "reference" / "models" / "actor",
                      rollout_dir=old / "reference" / "rollout" / "tp1", targets_dir=Path("/ckpt/targets"),
                      case_dir=old / "candidates" / m.cases()[0].name, rollout_digest="r", targets_digest="t",
                      vocab_size=512, device="cpu")

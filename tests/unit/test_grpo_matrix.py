@@ -113,7 +113,7 @@ def test_capture_requests_group_size_responses_per_prompt_each_with_its_own_seed
     m = load_matrix(MATRICES / "tiny-qwen3-grpo.yaml")
     model = tmp_path / "model"
     model.mkdir()
-    request = capture_request(m, model, 1, vocab_size=512, eos_token_id=None)
+    request = capture_request(m.capture, model, 1, vocab_size=512, eos_token_id=None)
     prompts, seeds, g = request["prompts"], request["seeds"], m.grpo.group_size
     assert len(prompts) == m.num_rows == len(seeds) == len(set(seeds))
     assert seeds == [m.rollout.seed + i for i in range(m.num_rows)]
@@ -127,11 +127,11 @@ def test_spec_of_a_ppo_dp1_case_reads_as_before(tmp_path):
 
     m = load_matrix(MATRICES / "tiny-qwen3.yaml")
     kw = {k: tmp_path for k in ("model_dir", "rollout_dir", "targets_dir", "case_dir")}
-    spec = make_spec(m, m.cases()[0], rollout_digest="r", targets_digest="t", vocab_size=512, device="cpu", **kw)
+    spec = make_spec(m.case_settings, m.cases()[0], rollout_digest="r", targets_digest="t", vocab_size=512, device="cpu", **kw)
     assert "grpo" not in spec.to_json() and "dp" not in spec.to_json()  # the PPO resume key is what it was
     g = load_matrix(MATRICES / "tiny-qwen3-grpo.yaml")
     case = [c for c in g.cases() if c.dp == 2][0]
-    gspec = make_spec(g, case, rollout_digest="r", targets_digest="t", vocab_size=512, device="cpu", **kw)
+    gspec = make_spec(g.case_settings, case, rollout_digest="r", targets_digest="t", vocab_size=512, device="cpu", **kw)
     assert gspec.to_json()["dp"] == 2 and gspec.to_json()["grpo"]["group_size"] == 4
     (tmp_path / "spec.json").write_text(__import__("json").dumps(gspec.to_json()))
     assert read_spec(tmp_path / "spec.json") == gspec

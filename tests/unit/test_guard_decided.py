@@ -29,8 +29,9 @@ from qualify.compare import RunTensors
 from qualify.ppo.decisions import Decisions
 from qualify.reference.inputs import StepInputs
 
-MATRIX = SimpleNamespace(ppo=SimpleNamespace(clip_eps=0.2, value_clip_eps=0.2, token_normalizer="global",
-                                             normalizer_constant=None), grpo=None)
+OBJECTIVE = SimpleNamespace(ppo=SimpleNamespace(clip_eps=0.2, value_clip_eps=0.2, token_normalizer="global",
+                                                normalizer_constant=None), grpo=None)
+CTX = SimpleNamespace(objective=OBJECTIVE)  # what aligned_reference reads of a ScoringContext (and hands to the replay)
 RULE = "decided as the reference, or where the reference is within its values_BT bound of the clip edge"
 
 
@@ -53,7 +54,7 @@ def dec(clipped, margin=0.5) -> Decisions:
 
 def test_run_decisions_are_each_steps_decisions_and_none_past_the_inputs():
     steps = [critic_step([0.5, -0.5]), critic_step([0.1, 0.5]), critic_step([0.5, 0.5])]
-    got = run_decisions(MATRIX, "critic", steps, inputs_of(2))
+    got = run_decisions(OBJECTIVE, "critic", steps, inputs_of(2))
     assert got[2] is None and len(got) == 3
     assert got[0].clipped_BT.tolist() == [[True, False]] and got[1].clipped_BT.tolist() == [[False, True]]
     assert got[0].quantity == "values_BT" and got[0].name == "value_clip"
@@ -70,12 +71,12 @@ def test_first_divergence_skips_steps_without_decisions():
 def test_comparable_steps_are_the_leading_steps_decided_alike():
     base = [critic_step([0.5, -0.5]), critic_step([0.1, 0.1]), critic_step([0.1, 0.1])]
     cand = [critic_step([0.5, -0.5]), critic_step([0.5, 0.1]), critic_step([0.1, 0.1])]
-    k, mine, theirs = comparable_steps(MATRIX, "critic", cand, base, inputs_of(3))
+    k, mine, theirs = comparable_steps(OBJECTIVE, "critic", cand, base, inputs_of(3))
     assert k == 1
     assert [d.clipped_BT.tolist() for d in mine] == [[[True, False]], [[True, False]], [[False, False]]]
     assert [d.clipped_BT.tolist() for d in theirs] == [[[True, False]], [[False, False]], [[False, False]]]
-    assert comparable_steps(MATRIX, "critic", base[:2], base, inputs_of(3))[0] == 2  # never: the shorter run's length
-    assert comparable_steps(MATRIX, "critic", base, base[:2], inputs_of(3))[0] == 2
+    assert comparable_steps(OBJECTIVE, "critic", base[:2], base, inputs_of(3))[0] == 2  # never: the shorter's length
+    assert comparable_steps(OBJECTIVE, "critic", base, base[:2], inputs_of(3))[0] == 2
 
 
 def test_decision_rows_name_at_most_four_tokens_and_skip_steps_without_decisions():
@@ -122,17 +123,17 @@ def _no_replay(monkeypatch):
 def test_the_case_decided_as_the_reference_is_compared_with_the_reference_itself(monkeypatch):
     calls = _no_replay(monkeypatch)
     ref = [critic_step([0.5, -0.5]), critic_step([0.1, 0.5])]
-    got, rows = aligned_reference(MATRIX, None, inputs_of(2), "c", "critic", "vs ref", "fp32", list(ref), ref, {})
+    got, rows = aligned_reference(CTX, inputs_of(2), "c", "critic", "vs ref", "fp32", list(ref), ref, {})
     assert got is ref and [(r.tensor, r.passed, r.note) for r in rows] == [
         ("step0/decisions/value_clip", True, ""), ("step1/decisions/value_clip", True, "")]
     # a step whose decisions cannot be read, or another number of steps: the reference itself, no replay
     unreadable = [ref[0], RunTensors({}, {}, {}, {}, {})]
     flipped = [critic_step([0.1, -0.5]), critic_step([0.1, 0.5])]
-    assert aligned_reference(MATRIX, None, inputs_of(2), "c", "critic", "vs ref", "fp32", unreadable, ref, {})[0] is ref
-    assert aligned_reference(MATRIX, None, inputs_of(2), "c", "critic", "vs ref", "fp32", flipped[:1], ref, {})[0] is ref
+    assert aligned_reference(CTX, inputs_of(2), "c", "critic", "vs ref", "fp32", unreadable, ref, {})[0] is ref
+    assert aligned_reference(CTX, inputs_of(2), "c", "critic", "vs ref", "fp32", flipped[:1], ref, {})[0] is ref
     # a reference step whose decisions cannot be read does not stop the comparison with the reference itself
     ref_unreadable = [RunTensors({}, {}, {}, {}, {}), ref[1]]
-    got, rows = aligned_reference(MATRIX, None, inputs_of(2), "c", "critic", "vs ref", "fp32", flipped, ref_unreadable,
+    got, rows = aligned_reference(CTX, inputs_of(2), "c", "critic", "vs ref", "fp32", flipped, ref_unreadable,
                                   {})
     assert got is ref_unreadable and [(r.case, r.role, r.comparison, r.tensor) for r in rows] == [
         ("c", "critic", "vs ref", "step1/decisions/value_clip")]
@@ -141,7 +142,7 @@ def test_the_case_decided_as_the_reference_is_compared_with_the_reference_itself
 
 def test_grpo_steps_are_decided_and_their_loss_judged_with_the_matrixs_grpo():
     grpo = SimpleNamespace(kl_coef=0.5, aggregation="token_mean", constant=None)
-    matrix = SimpleNamespace(ppo=MATRIX.ppo, grpo=grpo)
+    grpo_objective = SimpleNamespace(ppo=OBJECTIVE.ppo, grpo=grpo)
     # A = 1 for the row; ratios 1.5 (clipped to 1.2: -1.2 > -1.5) and 1.0; kl 0.25 and 0.5
     outputs = {"ratio_BT": torch.tensor([[1.5, 1.0]]), "advantages_B": torch.tensor([1.0]),
                "kl_BT": torch.tensor([[0.25, 0.5]])}
@@ -149,9 +150,9 @@ def test_grpo_steps_are_decided_and_their_loss_judged_with_the_matrixs_grpo():
     outputs["loss"] = torch.tensor(objective)
     step = RunTensors(outputs, {}, {}, {}, {})
     inputs = StepInputs([{}], [torch.ones(1, 2, dtype=torch.bool)])
-    (d,) = run_decisions(matrix, "actor", [step], inputs)
+    (d,) = run_decisions(grpo_objective, "actor", [step], inputs)
     assert d.clipped_BT.tolist() == [[True, False]] and d.quantity == "ratio_BT"
-    (row,) = own_loss_rows("g", "actor", matrix, [step], inputs)
+    (row,) = own_loss_rows("g", "actor", grpo_objective, [step], inputs)
     assert row.passed and row.tensor == "step0/outputs/loss" and row.value < 1e-7
 
 
@@ -163,11 +164,11 @@ def test_a_case_decided_otherwise_is_compared_with_the_reference_replayed_on_its
     forced = types.ModuleType("qualify.reference.forced")
     forced.sealed_replay = lambda *a: calls.append(a) or (replay, Path("/runs/x/replays/abc123/sealed"))
     monkeypatch.setitem(sys.modules, "qualify.reference.forced", forced)
-    matrix, layout = MATRIX, object()
-    got, rows = aligned_reference(matrix, layout, inputs_of(2, 6), "c", "critic", "vs ref", "bf16", cand, ref, {})
+    ctx = SimpleNamespace(objective=OBJECTIVE, layout=object())
+    got, rows = aligned_reference(ctx, inputs_of(2, 6), "c", "critic", "vs ref", "bf16", cand, ref, {})
     assert got is replay
-    ((m, lay, precision, role, decided),) = calls
-    assert m is matrix and lay is layout and (precision, role) == ("bf16", "critic")
+    ((c, precision, role, decided),) = calls
+    assert c is ctx and (precision, role) == ("bf16", "critic")
     assert [d.tolist() for d in decided] == [[[False] * 6], [[True] * 5 + [False]]]
     assert [(r.tensor, r.passed, r.note) for r in rows[:1]] == [("step0/decisions/value_clip", True, "")]
     # step 1: judged against the replay's decisions (one token otherwise, no bound: unexplained), and the note says
@@ -178,7 +179,7 @@ def test_a_case_decided_otherwise_is_compared_with_the_reference_replayed_on_its
         "compared with bf16-r0 replayed on this case's decisions (abc123)")
     assert [(r.case, r.role, r.comparison) for r in rows] == [("c", "critic", "vs ref")] * 2
     replay[1] = critic_step([0.5, 0.5, 0.5, 0.5, 0.5, 0.1])  # the replay decided as the case: only the comparison
-    _, rows = aligned_reference(matrix, layout, inputs_of(2, 6), "c", "critic", "vs ref", "bf16", cand, ref, {})
+    _, rows = aligned_reference(ctx, inputs_of(2, 6), "c", "critic", "vs ref", "bf16", cand, ref, {})
     assert rows[1].passed and rows[1].note == (
         "5 decided otherwise than bf16-r0 (row 0 token 0, row 0 token 1, row 0 token 2, row 0 token 3 and 1 more): "
         "compared with bf16-r0 replayed on this case's decisions (abc123)")
@@ -194,7 +195,7 @@ def test_own_loss_rows_hold_the_loss_to_its_objective_within_fp32_rounding():
     targets = {"old_values_BT": torch.zeros(1, 2), "returns_BT": torch.ones(1, 2)}
     zero = {"old_values_BT": torch.zeros(1, 2), "returns_BT": torch.zeros(1, 2)}
     inputs = StepInputs([targets, targets, targets, targets, zero, targets], [torch.ones(1, 2, dtype=torch.bool)] * 6)
-    rows = own_loss_rows("c", "critic", MATRIX, steps, inputs)
+    rows = own_loss_rows("c", "critic", OBJECTIVE, steps, inputs)
     # step 2 has no loss, step 3 no values, step 6 no inputs: no rows
     assert [r.step for r in rows] == [0, 1, 4, 5]
     rule = "<= (active tokens + 4) x 2^-24 x sum |per-token contribution|: fp32 rounding of the loss's sum"
@@ -218,7 +219,7 @@ def test_a_replayed_case_with_four_flips_and_an_unreadable_reference_step(monkey
     forced = types.ModuleType("qualify.reference.forced")
     forced.sealed_replay = lambda *a: (replay, Path("/runs/x/replays/r4/sealed"))
     monkeypatch.setitem(sys.modules, "qualify.reference.forced", forced)
-    got, rows = aligned_reference(MATRIX, None, inputs_of(2, 5), "c", "critic", "vs ref", "fp32", cand, ref, {})
+    got, rows = aligned_reference(CTX, inputs_of(2, 5), "c", "critic", "vs ref", "fp32", cand, ref, {})
     assert got is replay
     # step 0: the reference's decisions cannot be read: no flips named; step 1: the four, without "and ... more"
     assert [(r.tensor, r.passed, r.note) for r in rows] == [

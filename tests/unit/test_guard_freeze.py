@@ -36,7 +36,8 @@ def layout(tmp_path):
 
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
 def test_the_acceptance_document_names_rule_digests_and_a_grpo_algorithm(layout, algorithm):
-    doc = acceptance_document(layout, "n", {"actor-fp32-repeat.json": b"{}"}, SUMMARY, _matrix(algorithm),
+    m = _matrix(algorithm)
+    doc = acceptance_document(layout, "n", {"actor-fp32-repeat.json": b"{}"}, SUMMARY, m.name, m.freeze, m.algorithm,
                               {"actor.json": b"[]"})
     assert doc["schema_version"] == ACCEPTANCE_SCHEMA and doc["name"] == "n" and doc["matrix"] == "m"
     assert doc["rule"] == {"text": RULE, "k": 3.0, "floors": {"grad": 0.25}, "floor_ulps": 2.0, "quantum": True,
@@ -56,7 +57,8 @@ def test_the_acceptance_document_is_built_without_a_progress_bar(layout, monkeyp
         return real(*args, **kwargs)
 
     monkeypatch.setattr(freeze_module, "build_manifest", spy)
-    acceptance_document(layout, "n", {}, SUMMARY, _matrix())
+    m = _matrix()
+    acceptance_document(layout, "n", {}, SUMMARY, m.name, m.freeze, m.algorithm)
     assert calls == [((layout.reference,), {"progress": False})]
 
 

@@ -138,7 +138,7 @@ def test_terms_of_a_grpo_matrix_reads_the_grpo_objective(tmp_path):
                "kl_BT": torch.tensor([[0.0, 0.01, 0.02], [0.0, 0.03, 0.0]])}
     run = RunTensors(outputs, {}, {}, {}, {})
     inputs = StepInputs([{}], [mask])
-    got = terms_of(matrix, "actor", inputs)(0, run)
+    got = terms_of(matrix.objective, "actor", inputs)(0, run)
     expect = loss_terms("actor", matrix.ppo, matrix.grpo, outputs, {}, mask)
     assert got is not None and expect is not None and torch.equal(got, expect)
     assert loss_terms("actor", matrix.ppo, None, outputs, {}, mask) is None

@@ -10,9 +10,11 @@ import torch
 
 from qualify.bounds.files import layer_bounds_named
 from qualify.errors import EvidenceError
+from qualify.layout import RunLayout
 from qualify.matrix import load_matrix
 from qualify.models import hf
 from qualify.models.tiny import build_tiny_model
+from qualify.reference.context import ScoringContext
 from qualify.reference.evidence import scoring_settings
 from qualify.reference.step import Control, run_role
 from tests.unit.test_reference_offload import _inputs
@@ -31,7 +33,7 @@ def test_without_layer_activations_the_scored_evidence_is_bitwise_the_same(tmp_p
     for layers in (True, False):
         master = hf.load_model(tmp_path, "actor")
         with torch.enable_grad():
-            results[layers] = run_role(_matrix(layers), "actor", "fp32", Control(name="r0"), master, batch, targets,
+            results[layers] = run_role(ScoringContext.of(_matrix(layers), RunLayout(tmp_path), "sha256:r", "sha256:t"), "actor", "fp32", Control(name="r0"), master, batch, targets,
                                        spec.vocab_size, tmp_path)
     assert results[True]["layers"] and "layers" not in results[False]
     for a, b in zip(results[True]["steps"], results[False]["steps"]):

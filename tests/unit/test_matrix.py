@@ -92,15 +92,13 @@ def test_a_required_branch_no_reference_can_take_is_refused_at_load(tmp_path, ed
 
 
 def test_missing_here_names_absent_checkpoints_and_prompts(tmp_path):
-    from qualify.matrix import missing_here
-
-    assert missing_here(load_matrix(MATRICES / "tiny-qwen3.yaml")) == []
-    assert missing_here(load_matrix(MATRICES / "tiny-qwen3-pad.yaml")) == []  # its prompts file is shipped
-    gpu = missing_here(load_matrix(MATRICES / "qwen3-8b.yaml"))
+    assert load_matrix(MATRICES / "tiny-qwen3.yaml").missing_here() == []
+    assert load_matrix(MATRICES / "tiny-qwen3-pad.yaml").missing_here() == []  # its prompts file is shipped
+    gpu = load_matrix(MATRICES / "qwen3-8b.yaml").missing_here()
     assert gpu[0] == "models.checkpoints.actor /models/qwen3-8b/actor (no config.json there)" and len(gpu) == 4
     data = copy.deepcopy(TINY)
     data["rollout"]["prompts_file"] = "nowhere.json"
-    assert missing_here(load_matrix(write(tmp_path, data))) == ["rollout.prompts_file nowhere.json (not a file)"]
+    assert load_matrix(write(tmp_path, data)).missing_here() == ["rollout.prompts_file nowhere.json (not a file)"]
 
 
 def test_unedited_copy_loads(tmp_path):

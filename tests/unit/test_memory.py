@@ -13,7 +13,7 @@ import yaml
 
 from qualify.errors import SlurmError
 from qualify.matrix import load_matrix
-from qualify.memory import (GiB, Shape, candidate_need, gpu_fits, matrix_shapes, misfits, reference_needs,
+from qualify.memory import (GiB, Shape, Workload, candidate_need, gpu_fits, matrix_shapes, misfits, reference_needs,
                             shape_from_config)
 from qualify.slurm.profile import load_profile
 from qualify.slurm.render import render_chain
@@ -56,17 +56,19 @@ def _matrix(tmp_path: Path, offload: str | None = "host", config: dict = QWEN3_8
 
 def test_reference_need_by_hand(tmp_path):
     m = load_matrix(_matrix(tmp_path, offload=None))
-    shapes = matrix_shapes(m)
+    shapes = matrix_shapes(m.models, m.resolve)
     p = 8_190_735_360
     tokens = 16 * (128 + 256)  # num_prompts x (prompt_len + max_new_tokens), one minibatch
     # checkpointing: one layer input a layer and token plus one layer's saved set, 5h + 6q + 4kv + 5i elements
     act = tokens * (36 * 4096 + 5 * 4096 + 6 * 4096 + 4 * 1024 + 5 * 12288)
     logits_bf16 = 2 * tokens * 151936 * 2 + 3 * 1024 * 151936 * 4
-    need = {n.what: n for n in reference_needs(m, shapes)}
+    need = {n.what: n for n in reference_needs(m.reference, Workload.of(m.rollout, m.ppo, m.reference), shapes)}
     bf16 = need["reference bf16 actor"]
     assert bf16.parts == {"state": 24 * p, "activations": 2 * act, "logits": logits_bf16}
     assert bf16.gpu_bytes == 24 * p + 2 * act + logits_bf16 and bf16.host_bytes == (16 + 4) * p
-    offloaded = {n.what: n for n in reference_needs(load_matrix(_matrix(tmp_path)), shapes)}
+    plain = load_matrix(_matrix(tmp_path))
+    work = Workload.of(plain.rollout, plain.ppo, plain.reference)
+    offloaded = {n.what: n for n in reference_needs(plain.reference, work, shapes)}
     off = offloaded["reference bf16 actor (offload: host)"]
     assert off.parts["state"] == 4 * p and off.host_bytes == (16 + 20) * p
     assert offloaded["reference fp32 actor (offload: host)"].parts["state"] == 8 * p
@@ -74,16 +76,16 @@ def test_reference_need_by_hand(tmp_path):
 
 def test_candidate_need_shards_all_but_the_replicated_parameters(tmp_path):
     m = load_matrix(_matrix(tmp_path))
-    shapes = matrix_shapes(m)
+    shapes = matrix_shapes(m.models, m.resolve)
     cases = {c.name: c for c in m.cases()}
     p = 8_190_735_360
     norms = 36 * (2 * 4096 + 2 * 128) + 4096
     embed = 151936 * 4096
-    meg = candidate_need(m, shapes, cases["megatron-bf16-tp2-actor"])
-    ds = candidate_need(m, shapes, cases["deepspeed-bf16-tp2-actor"])
+    meg = candidate_need(Workload.of(m.rollout, m.ppo, m.reference), shapes, cases["megatron-bf16-tp2-actor"])
+    ds = candidate_need(Workload.of(m.rollout, m.ppo, m.reference), shapes, cases["deepspeed-bf16-tp2-actor"])
     assert meg.parts["state"] == 20 * ((p - norms) // 2 + norms)
     assert ds.parts["state"] == 20 * ((p - norms - embed) // 2 + norms + embed)
-    assert candidate_need(m, shapes, cases["megatron-fp32-tp1-actor"]).parts["state"] == 16 * p
+    assert candidate_need(Workload.of(m.rollout, m.ppo, m.reference), shapes, cases["megatron-fp32-tp1-actor"]).parts["state"] == 16 * p
 
 
 def test_fit_keeps_the_context_free():

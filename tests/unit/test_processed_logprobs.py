@@ -363,9 +363,9 @@ def test_truncated_sampling_loads_and_min_p_reaches_the_capture_request_only_whe
     m = load_matrix(with_rollout(tmp_path, top_k=50, top_p=0.9, min_p=0.05))
     assert (m.rollout.top_k, m.rollout.top_p, m.rollout.min_p) == (50, 0.9, 0.05)
     model = tmp_path / "actor"
-    request = capture_request(m, model, 1, vocab_size=512, eos_token_id=None)
+    request = capture_request(m.capture, model, 1, vocab_size=512, eos_token_id=None)
     assert request["min_p"] == 0.05
-    plain = capture_request(load_matrix(MATRICES / "tiny-qwen3.yaml"), model, 1, vocab_size=512, eos_token_id=None)
+    plain = capture_request(load_matrix(MATRICES / "tiny-qwen3.yaml").capture, model, 1, vocab_size=512, eos_token_id=None)
     assert "min_p" not in plain  # the committed rollouts' settings fingerprint does not change
     merged = merge_requests([plain, request])
     assert merged["prompts"] == plain["prompts"] + request["prompts"]

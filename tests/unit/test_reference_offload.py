@@ -9,9 +9,11 @@ import dataclasses
 import pytest
 import torch
 
+from qualify.layout import RunLayout
 from qualify.matrix import load_matrix
 from qualify.models import hf
 from qualify.models.tiny import build_tiny_model
+from qualify.reference.context import ScoringContext
 from qualify.reference.step import Control, reference_device, run_role
 
 
@@ -44,7 +46,7 @@ def test_offloaded_master_is_bitwise_the_plain_path(tmp_path, role, precision):
         matrix = _matrix(offload)
         master = hf.load_model(tmp_path, role)
         with torch.enable_grad():
-            results[offload] = run_role(matrix, role, precision, Control(name="r0"), master, batch, targets,
+            results[offload] = run_role(ScoringContext.of(matrix, RunLayout(tmp_path), "sha256:r", "sha256:t"), role, precision, Control(name="r0"), master, batch, targets,
                                         spec.vocab_size, tmp_path)
     plain, host = results[None], results["host"]
     assert len(plain["steps"]) == len(host["steps"]) == 2
@@ -64,7 +66,7 @@ def test_offload_keeps_the_master_on_the_host_and_the_compute_copy_apart(tmp_pat
     master = hf.load_model(tmp_path, "actor")
     before = {n: p.detach().clone() for n, p in master.named_parameters()}
     with torch.enable_grad():
-        run_role(_matrix("host"), "actor", "fp32", Control(name="r0"), master, batch, targets, spec.vocab_size, tmp_path)
+        run_role(ScoringContext.of(_matrix("host"), RunLayout(tmp_path), "sha256:r", "sha256:t"), "actor", "fp32", Control(name="r0"), master, batch, targets, spec.vocab_size, tmp_path)
     # the master itself was stepped (not a copy of it), in place on the host
     assert all(p.device.type == "cpu" for p in master.parameters())
     assert any(not torch.equal(before[n], p) for n, p in master.named_parameters())
@@ -73,6 +75,6 @@ def test_offload_keeps_the_master_on_the_host_and_the_compute_copy_apart(tmp_pat
 def test_reference_device_auto_follows_cuda_availability():
     m = load_matrix("matrices/tiny-qwen3.yaml")
     expected = "cuda" if torch.cuda.is_available() else "cpu"
-    assert reference_device(dataclasses.replace(m, reference=dataclasses.replace(m.reference, device="auto"))).type \
+    assert reference_device(dataclasses.replace(m.reference, device="auto")).type \
         == expected
-    assert reference_device(dataclasses.replace(m, reference=dataclasses.replace(m.reference, device="cpu"))).type == "cpu"
+    assert reference_device(dataclasses.replace(m.reference, device="cpu")).type == "cpu"

@@ -51,7 +51,7 @@ def test_unknown_engine_has_no_identity():
 def test_stale_reason_names_what_changed(tmp_path, plugin):
     matrix = load_matrix(TINY)
     case = matrix.cases()[0]
-    spec = make_spec(matrix, case, model_dir=tmp_path, rollout_dir=tmp_path, targets_dir=tmp_path,
+    spec = make_spec(matrix.case_settings, case, model_dir=tmp_path, rollout_dir=tmp_path, targets_dir=tmp_path,
                      rollout_digest="r", targets_digest="t", case_dir=tmp_path / "case", vocab_size=512, device="cpu")
     key = resume_key(spec, {"digest": "sha256:a"})
     prepare_stage(tmp_path / "case")

@@ -95,8 +95,8 @@ def test_reusing_the_committed_rollout_then_finding_it_complete_is_logged_as_ski
     matrix = load_matrix(TINY)
     layout = RunLayout(tmp_path / "run")
     models = make_tiny_family(matrix.models.tiny, layout.models)
-    first = capture_all(matrix, layout, models, StageLog("reference"), COMMITTED / "reference" / "rollout")
+    first = capture_all(matrix.capture, layout, models, StageLog("reference"), COMMITTED / "reference" / "rollout")
     assert "reference/rollout/tp1: done in" in capsys.readouterr().err
-    again = capture_all(matrix, layout, models, StageLog("reference"), COMMITTED / "reference" / "rollout")
+    again = capture_all(matrix.capture, layout, models, StageLog("reference"), COMMITTED / "reference" / "rollout")
     err = capsys.readouterr().err
     assert first == again and "complete, skipped" in err and "done in" not in err

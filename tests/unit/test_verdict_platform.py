@@ -31,7 +31,7 @@ def test_other_platform_is_information_not_failure(tmp_path):
     assert [d.split(":")[0] for d in diffs] == ["cpu_model", "gpus"]
     rows = [Row(c.name, c.role, "vs ref", "outputs/loss", "max_abs", 0.0, 1.0, True) for c in (same, other)]
     doc = {"digest": "sha256:" + "0" * 64, "rollout_digest": "sha256:" + "1" * 64, "platform": here}
-    verdict = verdict_document(matrix, doc, [same, other], rows, complete=False, platforms=platforms).to_json()
+    verdict = verdict_document(matrix.name, doc, [same, other], rows, complete=False, platforms=platforms).to_json()
     assert verdict["passed"] and verdict["cases"][other.name]["passed"]
     assert verdict["cases"][other.name]["differs_from_reference"] == diffs
     assert "Another CPU" in verdict["cases"][other.name]["platform"]
