@@ -14,7 +14,7 @@ NAME = "candidate"
 HELP = "Replay the engine x precision x TP x role matrix and judge every tensor against frozen bounds."
 EPILOG = ("Examples:  qualify candidate matrices/tiny-qwen3.yaml  |  "
           "qualify candidate matrices/tiny-qwen3.yaml --only 'torch-tp-*-tp2-*'  |  "
-          "qualify candidate matrices/tiny-qwen3.yaml --acceptance manifests/tiny-qwen3/acceptance/acceptance.json  |  "
+          "qualify candidate matrices/tiny-qwen3.yaml --run runs/tiny-qwen3 --format json  |  "
           "qualify candidate matrices/tiny-qwen3.yaml --junit junit.xml")
 
 

@@ -13,7 +13,7 @@ NAME = "diagnose"
 HELP = ("Compare a candidate case with the reference layer by layer at step 1 (every decoder layer's modules and the "
         "final norm in the forward, gradients by layer) against the frozen layer bounds, and name the first layer "
         "and tensor out of bound. Exit 1 when one is.")
-EPILOG = ("Examples:  qualify diagnose runs/tiny-qwen3 --case deepspeed-bf16-tp2-actor  |  "
+EPILOG = ("Examples:  qualify diagnose runs/tiny-qwen3 --case torch-tp-fp32-tp2-actor  |  "
           "qualify diagnose runs/tiny-qwen3 --case torch-tp-fp32-tp1-actor --format json --out diagnosis.json")
 
 

@@ -13,11 +13,13 @@ from qualify.errors import OutputError
 from qualify.manifest import create_manifest
 
 HELP = "Create sha256 manifests of evidence directories."
-EPILOG = "Example:  qualify manifest create runs/x/reference --out runs/x/reference.manifest.json  (then: qualify verify ...)"
+EPILOG = ("Examples:  qualify manifest create runs/tiny-qwen3/reference --out runs/tiny-qwen3/reference.manifest.json"
+          "  |  qualify verify runs/tiny-qwen3/reference.manifest.json")
 app = typer.Typer(no_args_is_help=True, help=HELP, epilog=EPILOG)
 
 
-@app.command("create", epilog="Example:  qualify manifest create runs/x/reference --out runs/x/reference.manifest.json")
+@app.command("create", epilog="Example:  qualify manifest create runs/tiny-qwen3/reference "
+                               "--out runs/tiny-qwen3/reference.manifest.json")
 @handle_errors
 def create(
     directory: Annotated[Path, typer.Argument(help="Evidence directory.", show_default=False)],

@@ -15,7 +15,7 @@ NAME = "verify"
 HELP = "Check a manifest against its evidence: every missing, extra or modified file; exit 1 if any."
 EPILOG = ("Examples:  qualify verify runs/tiny-qwen3/acceptance/acceptance.json  |  "
           "qualify verify manifests/tiny-qwen3/acceptance/acceptance.json --partial  |  "
-          "qualify verify evidence.manifest.json --format json --jobs 4")
+          "qualify verify runs/tiny-qwen3/reference.manifest.json --format json --jobs 4")
 
 
 def main(
