@@ -11,7 +11,7 @@
 #   qualify reference benchmarks/gpu-qwen3-0.6b.yaml --run RUN --stage capture; cp -r RUN/reference/rollout .gpu/q06-rollout
 # Wheels in .whl/ as for benchmarks/gpu_chain.sh (megatron-core, deepspeed, pydantic, ...).
 # Two GPUs only (the probes run on GPU 1 beside the reference on GPU 0). On one GPU, the chain at this shape is
-# benchmarks/gpu_chain.sh with benchmarks/gpu-qwen3-0.6b-1gpu.yaml (BENCHMARKS.md, "One GPU, Qwen3-0.6B shape").
+# benchmarks/gpu_chain.sh with benchmarks/gpu-qwen3-0.6b-1gpu.yaml (benchmarks/LOG.md, "One GPU, Qwen3-0.6B shape").
 # Usage: bash benchmarks/gpu_scale.sh reference|candidates OUT
 set -uo pipefail
 mode=${1:?usage: gpu_scale.sh reference|candidates OUT} out=${2:?}
@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.."
 gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
 if [ "${gpus:-0}" -lt 2 ]; then
   echo "gpu_scale.sh: needs two GPUs (found ${gpus:-0}); on one GPU run: bash benchmarks/gpu_chain.sh OUT" \
-    "benchmarks/gpu-qwen3-0.6b-1gpu.yaml RUN ROLLOUT_DIR (BENCHMARKS.md, One GPU, Qwen3-0.6B shape)" >&2
+    "benchmarks/gpu-qwen3-0.6b-1gpu.yaml RUN ROLLOUT_DIR (benchmarks/LOG.md, One GPU, Qwen3-0.6B shape)" >&2
   exit 2
 fi
 matrix=benchmarks/gpu-qwen3-0.6b.yaml
