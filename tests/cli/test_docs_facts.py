@@ -56,7 +56,7 @@ def test_benchmarks_is_current_figures_with_machine_and_date_and_links_into_the_
     for table in tables:
         header = [c.strip() for c in table.strip().splitlines()[0].strip("|").split("|")]
         assert {"machine", "date"} <= set(header), header
-    anchors = {slug(h) for h in re.findall(r"^#+ (.+)$", LOG.read_text(), flags=re.M)}
+    anchors = {slug(h) for h in re.findall(r"^#+ (.+)$", LOG.read_text(), flags=re.MULTILINE)}
     links = re.findall(r"\]\(benchmarks/LOG\.md#([^)]+)\)", BENCHMARKS)
     assert links and set(links) <= anchors, set(links) - anchors
     assert "[benchmarks/LOG.md](benchmarks/LOG.md)" in BENCHMARKS
