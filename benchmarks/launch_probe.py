@@ -2,7 +2,7 @@
 
 Driver: python benchmarks/launch_probe.py ab ENGINE TP MODEL_DIR OUT_JSONL [--repeats N]
   launches ENGINE's start-up at TP ranks, alternating QUALIFY_LAUNCHER=torchrun and the direct start
-  (qualify.candidate.launch.run_ranks, the default), N times each; every rank prints the seconds since the launch began at
+  (qualify.case.launch.run_ranks, the default), N times each; every rank prints the seconds since the launch began at
   which it reached each phase; the driver adds the launch's whole wall time (teardown included).
 Rank:   python benchmarks/launch_probe.py rank ENGINE MODEL_DIR   (started by the driver)
   phases: python up, torch imported, qualify's worker imported, the engine's framework imported, NCCL process
@@ -76,7 +76,7 @@ def rank(engine: str, model_dir: str) -> None:
 
 
 def ab(engine: str, tp: int, model_dir: str, out: str, repeats: int) -> None:
-    from qualify.candidate.launch import run_ranks
+    from qualify.case.launch import run_ranks
 
     here = os.path.abspath(__file__)
     for i in range(repeats):

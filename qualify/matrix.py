@@ -572,7 +572,7 @@ class Objective:
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class CaseSettings:
-    """What a case's ranks are told of the matrix (qualify.candidate.spec.make_spec): the objective, the rollout's
+    """What a case's ranks are told of the matrix (qualify.case.spec.make_spec): the objective, the rollout's
     sampling settings, the reference's logprob chunking and device, and the candidates section (logprob formula,
     determinism, vocabulary tiles, layout invariance). Matrix.case_settings makes it."""
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from qualify.engines.base import Batch
+from qualify.case.context import Batch
 from qualify.verdict import Row
 
 LAYOUT = "layout"

@@ -28,15 +28,16 @@ from qualify.candidate.decided import (
 from qualify.candidate.derived import derived_rows
 from qualify.candidate.formula import declared_formula, explain_formula, formula_bounds, formula_steps
 from qualify.candidate.judge import evidence_rows, judge_steps, precision_rows
-from qualify.candidate.launch import clear_failures, failure_note, launch, write_spec_file
 from qualify.candidate.layout_probe import layout_rows
-from qualify.candidate.spec import CaseSpec, make_spec
 from qualify.candidate.tiers import bitwise_rows, tensor_tiers, tier_summary
+from qualify.case.launch import clear_failures, failure_note, launch, write_spec_file
+from qualify.case.ranks import device_of
+from qualify.case.spec import CaseSpec, make_spec
 from qualify.compare import load_steps, params_before_steps
 from qualify.engines.registry import require_engine
 from qualify.errors import EvidenceError, QualifyError
 from qualify.layout import RunLayout, launch_log, work_dir
-from qualify.matrix import Candidates, Case, Matrix, Reference
+from qualify.matrix import Candidates, Case, Matrix
 from qualify.models.checkpoint import checkpoint_tensors
 from qualify.reference.context import ScoringContext
 from qualify.stagelog import StageLog
@@ -57,16 +58,6 @@ def require_frozen_matrix(matrix: Matrix, layout: RunLayout) -> None:
     if changed:
         raise QualifyError(f"the matrix differs from the one frozen in the acceptance: {'; '.join(changed[:3])}"
                            f"{' ...' if len(changed) > 3 else ''} (only 'candidates' may change after a freeze)")
-
-
-def device_of(reference: Reference) -> str:
-    """Where a case's ranks run: the reference section's device, auto = CUDA when present."""
-    want = reference.device
-    if want != "auto":
-        return want
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def check_engines(candidates: Candidates, source: str) -> None:

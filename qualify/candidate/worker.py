@@ -11,7 +11,6 @@ Usage: python -m qualify.candidate.worker SPEC.json [SPEC.json ...]
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,6 @@ from qualify.candidate.derived import sampler_check
 from qualify.candidate.dp import dp_group, gather_outputs, rank_rows
 from qualify.candidate.imported import KEY as IMPORTED_KEY
 from qualify.candidate.imported import record as record_imported
-from qualify.candidate.launch import record_failure
 from qualify.candidate.layout_probe import merge_ranks, probe_layouts
 from qualify.candidate.padding import exposed_rows, padding_found
 from qualify.candidate.plugin_contract import (
@@ -35,9 +33,11 @@ from qualify.candidate.plugin_contract import (
     check_objective_signature,
     check_outputs,
 )
-from qualify.candidate.spec import CaseSpec, engine_context, read_spec
+from qualify.case.context import Batch
+from qualify.case.launch import record_failure
+from qualify.case.ranks import init_distributed
+from qualify.case.spec import CaseSpec, engine_context, read_spec
 from qualify.compare import step_dir, write_step
-from qualify.engines.base import Batch
 from qualify.engines.registry import get_engine
 from qualify.errors import EngineError, EvidenceError
 from qualify.hashing import file_digest
@@ -48,23 +48,6 @@ from qualify.rollout.capture import load_rollout
 from qualify.stages import complete_stage, prepare_stage
 from qualify.store import json_safe, read_tensors, write_json
 from qualify.versions import provenance
-
-
-def init_distributed(spec: CaseSpec) -> int:
-    """Join the launch's process group (gloo on CPU, NCCL on GPU); return this rank."""
-    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:  # srun without torchrun
-        os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
-                          LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != spec.world_size:
-        raise EngineError(f"case {spec.name} needs {spec.world_size} ranks (tp {spec.tp} x dp {spec.dp}), "
-                          f"launched with {world}")
-    if not dist.is_initialized():
-        backend = "nccl" if spec.device == "cuda" else "gloo"
-        if spec.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend)
-    return dist.get_rank()
 
 
 def objective(engine: Any, spec: CaseSpec, scores_BT: torch.Tensor, batch: Batch,

@@ -31,7 +31,7 @@ DIAGNOSIS_SCHEMA = "qualify.diagnosis/1"
 
 def case_spec(layout: RunLayout, case: str) -> Any:
     """The sealed case's spec (written by the candidate stage beside its evidence)."""
-    from qualify.candidate.spec import read_spec
+    from qualify.case.spec import read_spec
 
     if not safe_name(case):
         raise QualifyError(f"--case {case!r} is not a case name (no path separators, not '.' or '..')")
@@ -69,8 +69,8 @@ def moved_to(spec: Any, layout: RunLayout) -> Any:
 
 
 def launch_worker(spec_path: Path, out: Path, key: str, tp: int, device: str, log_path: Path) -> int:
-    """qualify.diagnose.worker's tp ranks, started the way the candidate stage starts a case's (qualify.candidate.launch)."""
-    from qualify.candidate.launch import run_ranks
+    """qualify.diagnose.worker's tp ranks, started the way the candidate stage starts a case's (qualify.case.launch)."""
+    from qualify.case.launch import run_ranks
 
     env = dict(os.environ)
     if device == "cpu":
@@ -85,7 +85,7 @@ def launch_worker(spec_path: Path, out: Path, key: str, tp: int, device: str, lo
 def candidate_layers(layout: RunLayout, case: str, spec: Any, log: StageLog) -> tuple[dict[str, Any], bool]:
     """(activations, whether the engine has the layer_outputs hook), launching the engine unless a sealed
     capture made from the same case evidence exists."""
-    from qualify.candidate.launch import log_tail
+    from qualify.case.launch import log_tail
 
     out = layout.diagnose / case
     key = fingerprint(stage_info(layout.case(case)))

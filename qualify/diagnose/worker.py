@@ -15,9 +15,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from qualify.bounds.layers import LAYERS_FILE
-from qualify.candidate.spec import engine_context, read_spec
-from qualify.candidate.worker import init_distributed
-from qualify.engines.base import Batch
+from qualify.case.context import Batch
+from qualify.case.ranks import init_distributed
+from qualify.case.spec import engine_context, read_spec
 from qualify.engines.registry import get_engine
 from qualify.layout import work_dir
 from qualify.ppo.objective import step_rows

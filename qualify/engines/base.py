@@ -10,84 +10,15 @@ Face name, so the verdict compares name for name with the reference.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
+
+from qualify.case.context import Batch, EngineContext
 
 if TYPE_CHECKING:
     import torch
 
-    from qualify.matrix import Optimizer
-    from qualify.ppo.formula import Sampling
-
-
-@dataclass(frozen=True, slots=True)
-class Batch:
-    """The fixed rollout as model inputs. Sequences are right-padded; positions are 0..T-1.
-
-    logp_BT[b, t] is log p(input_ids[b, t] | input_ids[b, :t]), defined where response_mask_BT;
-    values_BT[b, t] is the critic's value of the state in which token t is emitted.
-    """
-
-    input_ids_BT: torch.Tensor  # (B, T) int64, prompt then response then padding
-    response_mask_BT: torch.Tensor  # (B, T) bool, True on sampled response tokens
-
-
-@dataclass(frozen=True, slots=True)
-class EngineContext:
-    """What an engine needs to build its model for one case on one rank."""
-
-    role: str
-    """'actor' (causal LM head) or 'critic' (scalar value head)."""
-    precision: str
-    """'fp32' or 'bf16' (bf16 compute with FP32 master weights and FP32 gradients)."""
-    tp: int
-    """Tensor-parallel degree (the launch has tp x dp ranks)."""
-    rank: int
-    """This process's rank in the launch: dp_rank x tp + tp_rank (TP ranks are contiguous)."""
-    device: str
-    """'cpu' or 'cuda:N'."""
-    model_dir: Path
-    """HF checkpoint of the role's trainable model."""
-    optimizer: Optimizer
-    """AdamW settings and the gradient clip of the matrix."""
-    temperature: float
-    """Sampling temperature: logits are divided by it in fp32 before the fp32 log_softmax."""
-    logprob_chunk_tokens: int
-    """Tokens per chunk of the fp32 log_softmax."""
-    vocab_size: int
-    """Real vocabulary size; rows beyond it are padding."""
-    work_dir: Path
-    """Scratch directory for this case (engine configs, logs)."""
-    logprob_formula: str = "full"
-    """candidates.logprob_formula: the formula of the logprobs the engine reports through its logprobs() hook
-    ('full' or 'processed', qualify.ppo.formula); score() stays the full formula, which the loss is built from."""
-    top_k: int = -1
-    """The rollout's top-k (-1: off), for the processed formula."""
-    top_p: float = 1.0
-    """The rollout's top-p (1.0: off), for the processed formula."""
-    min_p: float = 0.0
-    """The rollout's min-p (0.0: off), for the processed formula."""
-    dp: int = 1
-    """Data-parallel degree: each DP rank scores its own rows, and the engine sums gradients over the DP ranks (each
-    rank's loss is already its share of the step's loss: normalizers are global)."""
-
-    vocab_tile: int | None = None
-    """candidates.vocab_tile: the deterministic vocab-parallel logprob path with tiles of this width (torch-tp)."""
-
-    @property
-    def tp_rank(self) -> int:
-        return self.rank % self.tp
-
-    @property
-    def dp_rank(self) -> int:
-        return self.rank // self.tp
-
-    def sampling(self) -> Sampling:
-        """The rollout's sampling settings (temperature, top-k, top-p, min-p)."""
-        from qualify.ppo.formula import Sampling
-
-        return Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
+__all__ = ["Batch", "EngineContext", "OutputScoring", "TrainEngine"]
+"""Batch and EngineContext live with the case (qualify.case.context); an engine plugin may import them from here."""
 
 
 class OutputScoring:

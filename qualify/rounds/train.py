@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from qualify.candidate.launch import launch, log_tail, write_spec_file
-from qualify.candidate.run import device_of
-from qualify.candidate.spec import make_spec
+from qualify.case.launch import launch, log_tail, write_spec_file
+from qualify.case.ranks import device_of
+from qualify.case.spec import make_spec
 from qualify.compare import load_steps
 from qualify.errors import EvidenceError, RoundsError
 from qualify.hashing import file_digest

@@ -150,8 +150,8 @@ def test_diagnose_of_an_unknown_case_names_the_known_ones(tmp_path):
 
 
 def test_a_case_run_against_another_acceptance_is_refused(tmp_path):
-    from qualify.candidate.launch import write_spec_file
-    from qualify.candidate.spec import make_spec
+    from qualify.case.launch import write_spec_file
+    from qualify.case.spec import make_spec
     from qualify.stages import prepare_stage
 
     matrix = synthetic_matrix(tmp_path)

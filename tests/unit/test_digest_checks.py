@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from qualify.candidate.run import run_candidates
-from qualify.candidate.spec import make_spec
+from qualify.case.spec import make_spec
 from qualify.candidate.worker import run_case
 from qualify.errors import EvidenceError
 from qualify.freeze import freeze

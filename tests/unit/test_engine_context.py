@@ -1,4 +1,4 @@
-"""A case's spec becomes its engine's context in one place (qualify.candidate.spec.engine_context), so the candidate
+"""A case's spec becomes its engine's context in one place (qualify.case.spec.engine_context), so the candidate
 worker's engine and diagnose's are set up alike: every field the context shares with the spec is the spec's."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from qualify.candidate.spec import engine_context, make_spec
+from qualify.case.spec import engine_context, make_spec
 from qualify.engines.base import EngineContext
 from qualify.matrix import load_matrix
 

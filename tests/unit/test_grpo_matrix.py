@@ -123,7 +123,7 @@ def test_capture_requests_group_size_responses_per_prompt_each_with_its_own_seed
 
 
 def test_spec_of_a_ppo_dp1_case_reads_as_before(tmp_path):
-    from qualify.candidate.spec import make_spec, read_spec
+    from qualify.case.spec import make_spec, read_spec
 
     m = load_matrix(MATRICES / "tiny-qwen3.yaml")
     kw = {k: tmp_path for k in ("model_dir", "rollout_dir", "targets_dir", "case_dir")}

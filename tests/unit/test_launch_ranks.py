@@ -1,11 +1,11 @@
-"""qualify.candidate.launch.run_ranks: every rank gets torchrun's variables; the first rank to fail stops the others."""
+"""qualify.case.launch.run_ranks: every rank gets torchrun's variables; the first rank to fail stops the others."""
 
 from __future__ import annotations
 
 import sys
 import time
 
-from qualify.candidate.launch import run_ranks
+from qualify.case.launch import run_ranks
 
 SHOW = "import os; print('rank', os.environ['RANK'], os.environ['LOCAL_RANK'], os.environ['WORLD_SIZE'], " \
        "os.environ['MASTER_ADDR'], os.environ['MASTER_PORT'])"

@@ -10,7 +10,7 @@ import pytest
 
 from qualify.candidate.imported import KEY, QUALIFY, imported_files, record
 from qualify.candidate.run import resume_key, stale_reason
-from qualify.candidate.spec import make_spec
+from qualify.case.spec import make_spec
 from qualify.engines.registry import engine_identity
 from qualify.errors import EngineError
 from qualify.layout import work_dir

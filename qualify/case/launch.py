@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from qualify.candidate.spec import CaseSpec
+from qualify.case.spec import CaseSpec
 from qualify.layout import SPEC_FILE, work_dir
 from qualify.store import write_json
 
@@ -87,7 +87,7 @@ FAILURE_GLOB = "failure-rank*.json"
 
 
 def record_failure(work: Path, rank: int, exc: BaseException) -> None:
-    """What stopped this rank, for the verdict (qualify.candidate.launch.failure_note): type, message, when."""
+    """What stopped this rank, for the verdict (qualify.case.launch.failure_note): type, message, when."""
     import json
 
     work.mkdir(parents=True, exist_ok=True)

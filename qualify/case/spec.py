@@ -11,7 +11,7 @@ from qualify.schema import from_dict, to_dict
 from qualify.store import read_json
 
 if TYPE_CHECKING:
-    from qualify.engines.base import EngineContext
+    from qualify.case.context import EngineContext
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -88,7 +88,7 @@ def read_spec(path: Path) -> CaseSpec:
 def engine_context(spec: CaseSpec, rank: int, work: Path, *, dp: int | None = None) -> EngineContext:
     """The one way a case's spec becomes what its engine is set up with (the candidate worker, diagnose's and rounds'
     engine runs). dp overrides the spec's DP degree for a run launched on the case's TP ranks alone (diagnose)."""
-    from qualify.engines.base import EngineContext
+    from qualify.case.context import EngineContext
 
     return EngineContext(role=spec.role, precision=spec.precision, tp=spec.tp, rank=rank, device=spec.device,
                          model_dir=Path(spec.model_dir), optimizer=spec.optimizer, temperature=spec.temperature,

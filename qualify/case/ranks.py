@@ -1,0 +1,39 @@
+"""A case's ranks: where they run and how each joins the launch's process group."""
+
+from __future__ import annotations
+
+import os
+
+from qualify.case.spec import CaseSpec
+from qualify.errors import EngineError
+from qualify.matrix import Reference
+
+
+def device_of(reference: Reference) -> str:
+    """Where a case's ranks run: the reference section's device, auto = CUDA when present."""
+    if reference.device != "auto":
+        return reference.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_distributed(spec: CaseSpec) -> int:
+    """Join the launch's process group (gloo on CPU, NCCL on GPU); return this rank. Under srun without torchrun the
+    rank comes from Slurm's variables."""
+    import torch
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:  # srun without torchrun
+        os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
+                          LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != spec.world_size:
+        raise EngineError(f"case {spec.name} needs {spec.world_size} ranks (tp {spec.tp} x dp {spec.dp}), "
+                          f"launched with {world}")
+    if not dist.is_initialized():
+        backend = "nccl" if spec.device == "cuda" else "gloo"
+        if spec.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend)
+    return dist.get_rank()
