@@ -3,7 +3,7 @@
 `qualify sbatch` checks these needs against a cluster profile's GPU memory at render time, so a stage that cannot
 fit is refused with its numbers before it queues, not killed by the allocator hours in. The model is bytes per
 parameter of what a stage holds (FP32 master, gradients, AdamW moments, compute copy, the step's evidence) plus an
-activation estimate; BENCHMARKS.md ("GPU scale", issue 21) compares it with peaks measured at the Qwen3-0.6B shape.
+activation estimate; benchmarks/LOG.md ("GPU scale", issue 21) compares it with peaks measured at the Qwen3-0.6B shape.
 
 Bytes per parameter (P = parameters of the role's model, K = optimizer steps per case):
 
@@ -21,7 +21,7 @@ Activations (elements a token and layer keeps for backward, HF Qwen3 with SDPA):
 q = heads x head_dim, kv = kv_heads x head_dim, i = MLP width); with gradient checkpointing one layer input (h)
 a layer plus one layer's full set. The actor adds its logits and their gradient ([tokens, vocab] in the compute
 precision, twice) and the chunked fp32 log_softmax (three [chunk, vocab] fp32 buffers). This is an estimate,
-not an allocator trace: the figures it is checked against are in BENCHMARKS.md.
+not an allocator trace: the figures it is checked against are in benchmarks/LOG.md.
 """
 
 from __future__ import annotations

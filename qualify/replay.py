@@ -172,7 +172,7 @@ def bound_rows(acceptance_path: Path, doc: dict[str, Any], layout: RunLayout,
             mine = run_decisions(objective, role, fresh, fresh_inputs)
             theirs = run_decisions(objective, role, committed, committed_inputs)
             rows += judge_steps("replay", role, comparison, fresh, committed, bounds,
-                                params_before_steps(fresh, before), objective.optimizer)
+                                params_before_steps(fresh, before), objective.optimizer, family=family)
             rows += [replace(r, note=f"{r.note}; {where}" if r.note else where) if r.step == first else r
                      for r in decision_rows("replay", role, comparison, mine, theirs, bounds)]
             decided[f"{role} {ref_run}"] = {

@@ -182,7 +182,7 @@ def judge_case(ctx: ScoringContext, case: Case, bounds: dict, before: dict, veri
         comparison = f"vs ref {ref_run} [{family}]"
         ref, decided = aligned_reference(ctx, inputs, case.name, case.role, comparison, precision, cand, ref, fam)
         judged = judge_steps(case.name, case.role, comparison, cand, formula_steps(ref, formula, truncates),
-                             formula_bounds(fam, formula, truncates), starts, objective.optimizer)
+                             formula_bounds(fam, formula, truncates), starts, objective.optimizer, family=family)
         rows += explain_formula(judged, cand, ref, fam, formula) + decided
     rows += own_loss_rows(case.name, case.role, objective, cand, inputs)
     rows += derived_rows(case.name, case.role, objective, cand, inputs, scored=formula == "full" or not truncates,
@@ -200,7 +200,7 @@ def judge_case(ctx: ScoringContext, case: Case, bounds: dict, before: dict, veri
         fam = formula_bounds(bounds[(case.role, f"{case.precision}-repeat")], formula, truncates)
         same, mine, theirs = comparable_steps(objective, case.role, cand, base_steps, inputs)
         rows += judge_steps(case.name, case.role, comparison, cand[:same], base_steps[:same], fam, starts,
-                            objective.optimizer)
+                            objective.optimizer, family=f"{case.precision}-repeat")
         if same < min(len(cand), len(base_steps)):
             rows += [replace(r, note=f"{r.note}; steps {same} to {len(cand) - 1} are not compared with {axis}: the "
                                      f"two cases decided differently at step {same}, each is compared with the "

@@ -5,7 +5,7 @@ trainer's step is a candidate case), so both launch a case the same way.
 
 The ranks are started directly (RANK, WORLD_SIZE, MASTER_ADDR/PORT in their environment, as torchrun would
 set them): torchrun's agent is one more Python process that imports torch before any rank starts and tears
-down after the last, seconds a launch on the GPU host (BENCHMARKS.md, issue 21). QUALIFY_LAUNCHER=torchrun
+down after the last, seconds a launch on the GPU host (benchmarks/LOG.md, issue 21). QUALIFY_LAUNCHER=torchrun
 restores it. As with torchrun, the first rank to fail stops the others.
 """
 

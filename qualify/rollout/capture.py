@@ -94,7 +94,7 @@ def vllm_env(tp: int) -> dict[str, str]:
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(tp) if tp > 1 else "auto")
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     # vLLM's fp32 attention on GPU is a Triton kernel whose tl.dot defaults to TF32: 2e-3 off HF fp32 in the
-    # logprobs (measured on H200, BENCHMARKS.md); IEEE fp32 dots bring it to CPU-sized agreement. No effect on CPU.
+    # logprobs (measured on H200, benchmarks/LOG.md); IEEE fp32 dots bring it to CPU-sized agreement. No effect on CPU.
     env.setdefault("TRITON_F32_DEFAULT", "ieee")
     return env
 
