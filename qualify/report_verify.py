@@ -288,12 +288,11 @@ def frozen_rounds_bound(layout: RunLayout, reference: dict[str, Any], acceptance
                         ) -> float | None:
     """The logprob bound a rounds run must have used: the acceptance's rule (k, logprob floor) applied to the
     reference's vLLM-vs-HF fp32 control (qualify.rounds.base); None without a readable acceptance."""
-    from qualify.bounds.rule import bound_entry
+    from qualify.bounds.rule import logprob_bound, logprob_rule
 
     try:
-        rule = acceptance["rule"]
-        control = float(reference["rollout_mismatch"]["fp32"]["max_abs"])
-        return bound_entry("logprob", control, float(rule["k"]), {"logprob": float(rule["floors"]["logprob"])})["bound"]
+        k, floor = logprob_rule(acceptance["rule"])
+        return logprob_bound(float(reference["rollout_mismatch"]["fp32"]["max_abs"]), k, floor)
     except (KeyError, TypeError, ValueError):
         return None
 

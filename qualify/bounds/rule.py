@@ -107,6 +107,18 @@ def bound_entry(kind: str, error: float, k: float, floors: dict[str, float], q: 
     return entry
 
 
+def logprob_rule(rule: dict[str, Any]) -> tuple[float, float]:
+    """(k, the logprob floor) of an acceptance's rule section (the one reader of it: rounds and the report's check of
+    a rounds verdict); KeyError, TypeError or ValueError when it lacks them."""
+    return float(rule["k"]), float(rule["floors"]["logprob"])
+
+
+def logprob_bound(control: float, k: float, floor: float) -> float:
+    """The rounds stage's bound on vLLM-vs-HF logprobs: the rule applied to the fp32 control error (the reference's
+    rollout mismatch, or round 0's own) with the logprob floor."""
+    return bound_entry("logprob", control, k, {"logprob": floor})["bound"]
+
+
 @dataclass(frozen=True, slots=True)
 class BoundRule:
     """The rule of one family: k, the floors, and the compute precision whose rounding step may be spent."""

@@ -55,10 +55,10 @@ class Base:
     @property
     def bound(self) -> float:
         """The rule (qualify.bounds.rule) applied to the vLLM-vs-HF control error, with the logprob floor."""
-        from qualify.bounds.rule import bound_entry
+        from qualify.bounds.rule import logprob_bound
 
         assert self.control is not None, "control not measured yet"
-        return bound_entry("logprob", self.control, self.k, {"logprob": self.floor})["bound"]
+        return logprob_bound(self.control, self.k, self.floor)
 
 
 def _reference_numbers(layout: RunLayout) -> tuple[float, dict[str, Any]]:
@@ -76,15 +76,17 @@ def resolve_base(layout: RunLayout, primary_tp: int, models: dict[str, Path], ru
     primary = layout.rollout(primary_tp)
     if layout.acceptance.is_file():
         from qualify.acceptance import Acceptance
+        from qualify.bounds.rule import logprob_rule
 
         acc = Acceptance.load(layout.acceptance, layout.reference)
         doc = acc.document
+        k, floor = logprob_rule(doc["rule"])
         control, _ = _reference_numbers(layout)
         acc.require_rollout(primary)
         repeat = acc.bounds("actor", "fp32-repeat").get("step0/outputs/logprobs_BT", {}).get("max_abs", {})
         return Base(models=models, rollout_dir=primary, rollout_digest=doc["rollout_digest"],
-                    targets_dir=layout.targets, targets_digest=doc["targets_digest"], k=float(doc["rule"]["k"]),
-                    floor=float(doc["rule"]["floors"]["logprob"]), control=control,
+                    targets_dir=layout.targets, targets_digest=doc["targets_digest"], k=k,
+                    floor=floor, control=control,
                     source=f"acceptance {doc['digest']}: rule k x reference rollout_mismatch.fp32.max_abs + floor",
                     extra={"acceptance_digest": doc["digest"], "fp32_repeat_logprob_bound": repeat.get("bound")})
     floors = rule.floors
