@@ -7,7 +7,6 @@ from typing import Annotated
 
 import typer
 
-from qualify.cli.handler import EXIT_FAILED
 from qualify.cli.options import AcceptanceOpt, ExpectOpt, Format, FormatOpt, MatrixArg, OnlyOpt, RunOpt
 
 NAME = "candidate"
@@ -29,8 +28,7 @@ def main(
     expect: ExpectOpt = None,
 ) -> None:
     from qualify.candidate.run import run_candidates
-    from qualify.cli.render import echo_json
-    from qualify.cli.verdict_view import render_verdict
+    from qualify.cli.verdict_view import show_verdict
     from qualify.layout import default_run_dir
     from qualify.matrix import load_matrix
 
@@ -45,9 +43,4 @@ def main(
         from qualify.store import atomic_write_bytes
 
         atomic_write_bytes(junit, to_junit(verdict.to_json(), name=m.name))
-    if format is Format.json:
-        echo_json(verdict.to_json())
-    else:
-        render_verdict(verdict.to_json())
-    if not verdict.passed:
-        raise typer.Exit(EXIT_FAILED)
+    show_verdict(verdict.to_json(), format is Format.json)

@@ -6,7 +6,6 @@ from typing import Annotated
 
 import typer
 
-from qualify.cli.handler import EXIT_FAILED
 from qualify.cli.options import Format, FormatOpt, MatrixArg, RunOpt
 
 NAME = "rounds"
@@ -32,8 +31,7 @@ def main(
     format: FormatOpt = Format.text,
 ) -> None:
     """The settings come from the matrix's `rounds:` section; each flag overrides one of them."""
-    from qualify.cli.render import echo_json
-    from qualify.cli.verdict_view import render_verdict
+    from qualify.cli.verdict_view import show_verdict
     from qualify.layout import default_run_dir
     from qualify.matrix import load_matrix
     from qualify.rounds.stage import rounds_options, run_rounds
@@ -42,9 +40,4 @@ def main(
     probes = () if no_probes else tuple(probe) if probe else None
     opts = rounds_options(m, engine=engine, rounds=rounds, vllm_tp=vllm_tp, train_tp=train_tp, probes=probes)
     verdict = run_rounds(m, run or default_run_dir(m.name), opts)
-    if format is Format.json:
-        echo_json(verdict.to_json())
-    else:
-        render_verdict(verdict.to_json())
-    if not verdict.passed:
-        raise typer.Exit(EXIT_FAILED)
+    show_verdict(verdict.to_json(), format is Format.json)

@@ -118,3 +118,18 @@ def render_verdict(verdict: dict[str, Any], console: Console | None = None) -> N
         _rounds_footer(verdict, console)
     else:
         _cases_footer(verdict, console)
+
+
+def show_verdict(verdict: dict[str, Any], json_out: bool) -> None:
+    """Print a stage's verdict (JSON, or the table) and exit 1 when it failed: how candidate and rounds end."""
+    import typer
+
+    from qualify.cli.handler import EXIT_FAILED
+    from qualify.cli.render import echo_json
+
+    if json_out:
+        echo_json(verdict)
+    else:
+        render_verdict(verdict)
+    if not verdict["passed"]:
+        raise typer.Exit(EXIT_FAILED)
