@@ -21,7 +21,7 @@ from qualify.schema import load_yaml_file
 Precision = Literal["fp32", "bf16"]
 Role = Literal["actor", "critic"]
 Perturbation = Literal["microbatch_split", "batch_order", "attn_impl", "tp_split", "fused_projections",
-                       "optimizer_order", "fused_norm", "combined"]
+                       "optimizer_order", "fused_adam", "fused_norm", "combined"]
 TokenNormalizer = Literal["global", "per_sequence", "constant"]
 Topology = Literal["dedicated", "shared"]
 LogprobFormula = Literal["full", "processed"]
@@ -346,11 +346,13 @@ class Reference:
     orders, qualify.reference.tp_numerics; none when candidates.tp has no degree above 1), fused_projections (each
     layer's q/k/v and gate/up as one GEMM, as Megatron computes them: qualify engines that fuse with it),
     optimizer_order (AdamW's arithmetic in another order, as engines' own optimizers round it: every engine steps its
-    own optimizer, so qualify every engine with it; qualify.reference.adam_order), fused_norm (each RMSNorm as one
-    fused kernel, F.rms_norm, rounding once, as Megatron, apex and Transformer Engine compute it), combined (one more
-    control with every other listed perturbation at once, tp_split at the largest candidates.tp degree: an engine
-    differs from the reference in several of these ways together, and its error is their sum, which no single
-    control samples; needs at least two others)."""
+    own optimizer, so qualify every engine with it; qualify.reference.adam_order), fused_adam (AdamW in the form of
+    apex's and Transformer Engine's FusedAdam, which Megatron steps: the decay folded into the update and the parameter
+    rounded once, a shift common to every entry that bias and norm-weight gradients sum whole), fused_norm (each
+    RMSNorm as one fused kernel, F.rms_norm, rounding once, as Megatron, apex and Transformer Engine compute it),
+    combined (one more control with every other listed perturbation at once, tp_split at the largest candidates.tp
+    degree, of two optimizer forms the one listed last: an engine differs from the reference in several of these ways
+    together, and its error is their sum, which no single control samples; needs at least two others)."""
     logprob_chunk_tokens: int = 64
     """Tokens per chunk of the fp32 log_softmax (never a [tokens, vocab] fp32 tensor)."""
     gradient_checkpointing: bool = False

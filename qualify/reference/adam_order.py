@@ -51,3 +51,46 @@ class ReorderedAdamW(torch.optim.Optimizer):
                 decay = p * (group["lr"] * group["weight_decay"])
                 p.addcdiv_(m, v.sqrt().add_(group["eps"] * root_bc2), value=-step_size)
                 p.sub_(decay)
+
+
+class FusedFormAdamW(torch.optim.Optimizer):
+    """AdamW in the form of apex's and Transformer Engine's FusedAdam (adam_w_mode), which Megatron steps: moments by
+    multiply-add, then per element in fp32 m_hat = m / (1 - b1^t), v_hat = v / (1 - b2^t), update = m_hat /
+    (sqrt(v_hat) + eps) + wd x p, and p - lr x update: the decay folded into the update, the parameter rounded once
+    (torch's AdamW decays the parameter, then adds the step: two roundings of it). The `fused_adam` control.
+
+    Adam's first steps move every entry by about lr, so where this form rounds otherwise every parameter shifts the same
+    way; a gradient that sums a common shift over tokens (a bias, a norm weight) sees it whole, which the other
+    controls' incoherent differences do not sample (measured: the critic's score.bias gradient 2.25x its bound under
+    controls without it)."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float) -> None:
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None):  # torch.optim.Optimizer's signature
+        if closure is not None:
+            raise ValueError("FusedFormAdamW takes no closure")
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                t = float(state["step"])
+                g, m, v = p.grad, state["exp_avg"], state["exp_avg_sq"]
+                m.mul_(b1).add_(g, alpha=1.0 - b1)
+                v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+                update = (m / (1.0 - b1 ** t)) / ((v / (1.0 - b2 ** t)).sqrt() + group["eps"])
+                update.add_(p, alpha=group["weight_decay"])
+                p.sub_(update, alpha=group["lr"])
+
+
+ADAM_FORMS = {"reordered": ReorderedAdamW, "fused": FusedFormAdamW}
+"""Control.adam_form -> the optimizer a control steps in place of torch's AdamW."""

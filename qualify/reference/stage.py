@@ -187,7 +187,8 @@ class Scoring:
                 "seconds": round(time.monotonic() - started, 3), "rollout_digest": ctx.rollout_digest,
                 "targets_digest": ctx.targets_digest, "settings": ctx.settings} \
             | ({"fused_projections": True} if control.fused else {}) \
-            | ({"optimizer_order": "reordered"} if control.reordered_adam else {}) \
+            | ({"optimizer_order": "reordered"} if control.adam_form == "reordered" else {}) \
+            | ({"optimizer_form": "fused"} if control.adam_form == "fused" else {}) \
             | ({"fused_norm": True} if control.fused_norm else {})
         if ctx.reference.evidence != "summary" or not recorded_families(name, self.controls):
             write_role(out, result, info)

@@ -49,8 +49,9 @@ class Control:
     """> 1: linears computed with this TP degree's reduction orders (qualify.reference.tp_numerics)."""
     fused: bool = False
     """q/k/v and gate/up projections computed as one GEMM each (qualify.reference.tp_numerics.fuse_projections)."""
-    reordered_adam: bool = False
-    """AdamW's arithmetic in another order (qualify.reference.adam_order), as engines' own optimizers have it."""
+    adam_form: str = "torch"
+    """The AdamW the control steps: 'torch' (torch.optim.AdamW), 'reordered' (its arithmetic in another order) or
+    'fused' (FusedAdam's form: decay folded in, the parameter rounded once): qualify.reference.adam_order."""
     fused_norm: bool = False
     """Each RMSNorm as one fused kernel, F.rms_norm (qualify.reference.tp_numerics.fuse_norms)."""
 
@@ -72,12 +73,13 @@ def controls_of(ref: Reference, candidate_tp: tuple[int, ...]) -> list[Control]:
 _PERTURB: dict[str, dict[str, Any]] = {
     "microbatch_split": {"microbatches": 2}, "batch_order": {"reverse_rows": True},
     "attn_impl": {"attn_impl": CONTROL_ATTN["attn_impl"]}, "fused_projections": {"fused": True},
-    "optimizer_order": {"reordered_adam": True}, "fused_norm": {"fused_norm": True}}
+    "optimizer_order": {"adam_form": "reordered"}, "fused_adam": {"adam_form": "fused"},
+    "fused_norm": {"fused_norm": True}}
 
 
 def combined_control(perturbations: tuple[str, ...], max_tp: int) -> Control:
     """The `combined` control: every other listed perturbation at once (tp_split at max_tp, the largest candidate
-    degree). A correct engine differs from the reference in several legitimate ways together (its own reduction
+    degree; of two optimizer forms, the one listed last). A correct engine differs from the reference in several legitimate ways together (its own reduction
     orders, optimizer, attention kernel, micro-batching); each single control samples one of them, this one their
     sum."""
     settings: dict[str, Any] = {}
@@ -186,10 +188,10 @@ def run_role(ctx: ScoringContext, role: str, precision: str, control: Control, m
     o, p = ctx.objective.optimizer, ctx.objective.ppo
     names = [n for n, _ in master.named_parameters()]
     params = list(master.parameters())
-    if control.reordered_adam:
-        from qualify.reference.adam_order import ReorderedAdamW
+    if control.adam_form != "torch":
+        from qualify.reference.adam_order import ADAM_FORMS
 
-        opt = ReorderedAdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        opt = ADAM_FORMS[control.adam_form](params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     else:
         opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, foreach=False)
     steps, coverage, grad_dtypes, master_grad_dtypes = [], [], {}, {}

@@ -269,3 +269,48 @@ class SplitKHead(TorchTPEngine):
 
 def split_k_head() -> TorchTPEngine:
     return SplitKHead()
+
+
+class FusedAdamStep(torch.optim.Optimizer):
+    """AdamW in the form of apex's and Transformer Engine's FusedAdam (adam_w_mode), which Megatron uses: the moments
+    in fp32 as torch keeps them, then the bias-corrected update and the decoupled decay folded into one expression,
+    p - lr x (m_hat / (sqrt(v_hat) + eps) + wd x p), evaluated in float64 and rounded to the parameter once. Correct:
+    it differs from torch's AdamW (decay, then addcdiv: two roundings) only in where it rounds."""
+
+    def __init__(self, params, lr, betas, eps, weight_decay):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state["step"] += 1
+                m, v, k = state["exp_avg"], state["exp_avg_sq"], state["step"]
+                m.lerp_(p.grad, 1 - b1)
+                v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                m_hat, v_hat = m.double() / (1 - b1 ** k), v.double() / (1 - b2 ** k)
+                new = p.double() - group["lr"] * (m_hat / (v_hat.sqrt() + group["eps"]) + group["weight_decay"] * p.double())
+                p.copy_(new.to(p.dtype))
+
+
+class FusedAdamForm(TorchTPEngine):
+    """The correct torch-tp engine with a FusedAdam-form optimizer (FusedAdamStep): a correct twin, not a bug; it must
+    pass."""
+
+    def setup(self, ctx):
+        super().setup(ctx)
+        o = ctx.optimizer
+        self.optimizer = FusedAdamStep(self.master.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+                                       weight_decay=o.weight_decay)
+
+
+def fused_adam_form() -> TorchTPEngine:
+    return FusedAdamForm()

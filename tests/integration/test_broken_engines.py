@@ -82,3 +82,18 @@ def test_no_decay_on_norms_fails_the_update_derivation_naming_a_norm(run_copy):
             and r["tensor"].endswith("/updates")]
     assert rows and all(not r["passed"] and float(r["ratio"]) > 2 and "norm.weight element" in r["note"]
                         for r in rows), rows
+
+
+def test_a_fused_adam_form_engine_passes_every_row(run_copy):
+    """The correct twin: AdamW in FusedAdam's form (the decay folded into the update, the parameter rounded once,
+    written here from the formula in float64, tests.integration.plugins.FusedAdamStep), which shifts every entry alike
+    and failed the critic's score.bias gradient at 2.25x its bound before the reference had the fused_adam control
+    (qualify.reference.adam_order.FusedFormAdamW, apex's fp32 arithmetic: not this twin's), passes every row of every
+    case with margin."""
+    m = matrix_with(run_copy.parent, engines=[f"{PLUGINS}:fused_adam_form"], precisions=["fp32", "bf16"], tp=[1],
+                    roles=["actor", "critic"])
+    verdict = run_candidates(m, run_copy).to_json()
+    assert verdict["passed"], [(r["case"], r["tensor"], r["metric"], r["ratio"]) for r in verdict["rows"]
+                               if not r["passed"]][:5]
+    judged = [float(r["ratio"]) for r in verdict["rows"] if r["bound"] not in (None, "inf") and r["ratio"] is not None]
+    assert judged and max(judged) < 0.9

@@ -80,5 +80,54 @@ def test_the_matrix_names_the_control(tmp_path):
     matrix = dataclasses.replace(matrix, reference=dataclasses.replace(matrix.reference,
                                                                        perturbations=("optimizer_order",)))
     names = {c.name: c for c in controls_of(matrix.reference, matrix.candidates.tp)}
-    assert names["optimizer_order"] == Control(name="optimizer_order", reordered_adam=True)
-    assert not any(c.reordered_adam for n, c in names.items() if n != "optimizer_order")
+    assert names["optimizer_order"] == Control(name="optimizer_order", adam_form="reordered")
+    assert not any(c.adam_form != "torch" for n, c in names.items() if n != "optimizer_order")
+
+
+def test_fused_form_adamw_is_adamw_in_float64():
+    from qualify.reference.adam_order import FusedFormAdamW
+
+    p0 = torch.randn(40, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    grads = _grads(40, 5)
+    p = torch.nn.Parameter(p0.clone())
+    opt = FusedFormAdamW([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    assert p.detach().tolist() == pytest.approx(_adamw_loop(p0.tolist(), [g.tolist() for g in grads]), rel=1e-12,
+                                                abs=1e-15)
+    assert float(opt.state[p]["step"]) == 5.0 and set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq"}
+    with pytest.raises(ValueError, match="no closure"):
+        opt.step(lambda: 0.0)
+
+
+def test_fused_form_adamw_shifts_fp32_parameters_coherently_where_torch_rounds_twice():
+    """In fp32 the fused form rounds the parameter once where torch's AdamW rounds it twice: after two steps most
+    entries sit a few rounding steps (of |p| + lr, the step's own size) from torch's, none further."""
+    from qualify.reference.adam_order import FusedFormAdamW
+
+    p0 = torch.randn(4096, generator=torch.Generator().manual_seed(4))
+    a, b = torch.nn.Parameter(p0.clone()), torch.nn.Parameter(p0.clone())
+    ta = torch.optim.AdamW([a], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+    tb = FusedFormAdamW([b], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    for g in _grads(4096, 2):
+        a.grad, b.grad = g.float(), g.float()
+        ta.step()
+        tb.step()
+    diff = (b.detach().double() - a.detach().double())
+    ulp = torch.finfo(torch.float32).eps * (a.detach().double().abs() + LR)
+    assert not torch.equal(a, b) and float((diff.abs() / ulp).max()) <= 4  # a few rounding steps, no more
+    assert (diff != 0).float().mean() > 0.1  # most entries moved
+
+
+def test_the_fused_adam_perturbation_is_a_control_and_the_combined_takes_the_last_form(tmp_path):
+    from qualify.reference.step import combined_control
+
+    assert combined_control(("optimizer_order", "fused_adam", "combined"), 1).adam_form == "fused"
+    assert combined_control(("fused_adam", "optimizer_order", "combined"), 1).adam_form == "reordered"
+    import dataclasses
+
+    matrix = synthetic_matrix(tmp_path)
+    matrix = dataclasses.replace(matrix, reference=dataclasses.replace(matrix.reference, perturbations=("fused_adam",)))
+    names = {c.name: c for c in controls_of(matrix.reference, matrix.candidates.tp)}
+    assert names["fused_adam"] == Control(name="fused_adam", adam_form="fused")

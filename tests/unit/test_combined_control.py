@@ -29,9 +29,9 @@ def test_combined_sets_every_other_perturbation_and_the_largest_tp(tmp_path):
     assert list(controls) == ["r0", "r1", "microbatch_split", "attn_impl", "tp2_split",
                               "optimizer_order", "combined"]
     assert controls["combined"] == Control(name="combined", microbatches=2, attn_impl=CONTROL_ATTN["attn_impl"],
-                                           tp=2, reordered_adam=True)
+                                           tp=2, adam_form="reordered")
     # each single control still changes one thing only
-    assert controls["optimizer_order"] == Control(name="optimizer_order", reordered_adam=True)
+    assert controls["optimizer_order"] == Control(name="optimizer_order", adam_form="reordered")
     assert controls["microbatch_split"] == Control(name="microbatch_split", microbatches=2)
 
 
@@ -39,9 +39,9 @@ def test_combined_without_tp_split_or_at_tp1_stays_single_process_order(tmp_path
     c = combined_control(("batch_order", "fused_projections", "combined"), max_tp=2)
     assert c == Control(name="combined", reverse_rows=True, fused=True)  # tp_split not listed: no split
     c = combined_control(("tp_split", "optimizer_order", "combined"), max_tp=4)
-    assert c == Control(name="combined", tp=4, reordered_adam=True)  # the largest candidate degree
+    assert c == Control(name="combined", tp=4, adam_form="reordered")  # the largest candidate degree
     c = combined_control(("tp_split", "optimizer_order", "combined"), max_tp=1)
-    assert c == Control(name="combined", tp=1, reordered_adam=True)
+    assert c == Control(name="combined", tp=1, adam_form="reordered")
 
 
 @pytest.mark.parametrize("perturbations", [["combined"], ["optimizer_order", "combined"]])
@@ -95,4 +95,4 @@ def test_fused_norm_is_a_control_and_part_of_combined(tmp_path):
     matrix = _with(synthetic_matrix(tmp_path), ("fused_norm", "optimizer_order", "combined"))
     controls = {c.name: c for c in controls_of(matrix.reference, matrix.candidates.tp)}
     assert controls["fused_norm"] == Control(name="fused_norm", fused_norm=True)
-    assert controls["combined"] == Control(name="combined", fused_norm=True, reordered_adam=True)
+    assert controls["combined"] == Control(name="combined", fused_norm=True, adam_form="reordered")
