@@ -49,7 +49,8 @@ def test_the_judge_reads_the_sealed_replay_and_never_makes_it(run_copy, tiny_mat
 
     layout = RunLayout(run_copy)
     flipped_case(run_copy, tiny_matrix)
-    inputs = StepInputs.load(tiny_matrix.ppo, layout, tiny_matrix.rollout.vllm_tp[0])
+    ctx = ScoringContext.of(tiny_matrix, layout)
+    inputs = ctx.inputs()
     cand, ref = load_steps(layout.case(CASE.name)), load_steps(layout.scores("bf16", "r0", "actor"))
     bounds = read_json(layout.acceptance.parent / "bounds" / "actor-bf16-repeat.json")["bounds"]
 
@@ -59,16 +60,14 @@ def test_the_judge_reads_the_sealed_replay_and_never_makes_it(run_copy, tiny_mat
     monkeypatch.setattr(forced, "make_replay", no_model)
     with pytest.raises(EvidenceError, match="is not sealed: bf16-r0 actor replayed on these clip decisions is made by "
                                             "'qualify candidate' before judging"):
-        aligned_reference(ScoringContext.of(tiny_matrix, layout), inputs, CASE.name, "actor", "vs ref", "bf16",
-                          list(cand), ref, bounds)
+        aligned_reference(ctx, inputs, CASE.name, "actor", "vs ref", "bf16", list(cand), ref, bounds)
     monkeypatch.undo()
-    seal_replays(tiny_matrix, layout, CASE, inputs, StageLog("candidate", quiet=True))  # the stage's own step
+    seal_replays(ctx, CASE, inputs, StageLog("candidate", quiet=True))  # the stage's own step
     [sealed] = list((layout.candidates / "replays").glob("bf16-r0-*/actor"))
     assert stage_is_complete(sealed)
     monkeypatch.setattr(forced, "make_replay", no_model)
-    seal_replays(tiny_matrix, layout, CASE, inputs, StageLog("candidate", quiet=True))  # sealed already: nothing made
-    got, rows = aligned_reference(ScoringContext.of(tiny_matrix, layout), inputs, CASE.name, "actor", "vs ref", "bf16", list(cand), ref,
-                                  bounds)
+    seal_replays(ctx, CASE, inputs, StageLog("candidate", quiet=True))  # sealed already: nothing made
+    got, rows = aligned_reference(ctx, inputs, CASE.name, "actor", "vs ref", "bf16", list(cand), ref, bounds)
     assert [s.grads.keys() for s in got] == [s.grads.keys() for s in load_steps(sealed)]
     assert torch.equal(got[1].grads["lm_head.weight"], load_steps(sealed)[1].grads["lm_head.weight"])
     [row] = [r for r in rows if r.step == 1]
