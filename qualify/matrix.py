@@ -31,7 +31,7 @@ KLEstimator = Literal["k1", "k2", "k3", "k3_ratio"]
 ClipFrac = Literal["loss_weighted", "token_mean"]
 StdEstimator = Literal["population", "unbiased"]
 PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16")
-METRIC_KINDS = ("logprob", "value", "loss", "grad", "grad_norm", "update", "moment", "target", "relative")
+METRIC_KINDS = ("logprob", "value", "loss", "grad", "grad_norm", "update", "target", "relative")
 MAX_SEED = 2**63 - 1
 # A matrix name becomes a directory (runs/<name>) and a Slurm job name: plain ASCII, no path separators.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
@@ -392,14 +392,15 @@ class Freeze:
     """Multiplier on the control error."""
     floors: dict[str, float] = field(default_factory=dict)
     """Absolute floor per metric kind, the least any bound of that kind gets: logprob, value, loss, grad, grad_norm,
-    update, moment, target tensors; 'relative' for every relative metric (rel_l2). Each bound's floor is the larger
+    update, target tensors; 'relative' for every relative metric (rel_l2). AdamW's moments have no bound: they are
+    judged by derivation from the case's own gradients (qualify.candidate.derived). Each bound's floor is the larger
     of this and floor_ulps fp32 rounding steps of the tensor's own magnitude, so keep these small: the control
     error, not a floor, should set a bound."""
     floor_ulps: float = 4.0
     """Per-tensor floor in fp32 rounding steps (ulps) at the reference tensor's largest magnitude (rel_l2: of 1)."""
     quantum: bool = True
     """Add one rounding step of the compute precision (its ulp at the reference magnitude) to the bounds of what the
-    contract computes in that precision: in the bf16 families gradients, their moments and the critic's values;
+    contract computes in that precision: in the bf16 families gradients and the critic's values;
     every update carries one fp32 step of its parameter. Quantities computed in fp32 (logprobs, ratio, KL, loss,
     grad norm) get none."""
     require: tuple[str, ...] = ()
@@ -415,6 +416,9 @@ class Freeze:
         if unknown_branches:
             raise ValueError(f"freeze.require names unknown branches {unknown_branches} "
                              f"(known: {', '.join(BRANCHES)})")
+        if "moment" in self.floors:
+            raise ValueError("freeze.floors.moment: AdamW's moments are no longer judged against a bound (they are "
+                             "derived from the case's own gradients, qualify.candidate.derived); remove it")
         unknown = sorted(set(self.floors) - set(METRIC_KINDS))
         if unknown:
             raise ValueError(f"unknown floor kinds {unknown} (allowed: {', '.join(METRIC_KINDS)})")

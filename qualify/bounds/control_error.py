@@ -38,7 +38,7 @@ NORM_TEXT = ("the larger of |grad norm difference| and the norm of the whole gra
 def magnitudes(run: Any) -> dict[str, float]:
     """max |x| of every tensor of a run, by tensor key."""
     out = {}
-    for group in ("outputs", "grads", "updates", "moments"):
+    for group in ("outputs", "grads", "updates"):
         for name, t in getattr(run, group).items():
             out[f"{group}/{name}"] = float(t.double().abs().max()) if t.numel() else 0.0
     return out

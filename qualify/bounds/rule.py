@@ -66,7 +66,7 @@ def metric_kind(key: str) -> str:
     group, _, name = key.partition("/")
     if group == "outputs":
         return OUTPUT_KINDS[name]
-    return {"grads": "grad", "updates": "update", "moments": "moment"}[group]
+    return {"grads": "grad", "updates": "update"}[group]
 
 
 FORMULA = "bound = k * control_error + floor + quantum"
@@ -77,7 +77,7 @@ RULE = ("bound = k * control_error + floor + quantum (per role, tensor, metric; 
         "at least the sum of |per-token loss contribution differences| and the norm of the gradient's difference; for "
         "the scalar means kl_mean and policy_loss at least the L2 norm of their weighted per-token differences); "
         "floor = max(floors[kind], floor_ulps fp32 ulps of the reference tensor's largest magnitude); quantum = one rounding step of the compute precision at that magnitude, for what the contract "
-        "computes in it: bf16 gradients, moments and values, and one fp32 step of every update)")
+        "computes in it: bf16 gradients and values, and one fp32 step of every update)")
 
 
 def family_pairs(family: str, controls: list[str]) -> tuple[str, list[str]]:
@@ -91,10 +91,10 @@ def family_pairs(family: str, controls: list[str]) -> tuple[str, list[str]]:
 
 def in_compute_precision(key: str) -> bool:
     """Whether the contract computes a tensor in the compute precision (bf16 under bf16): the gradients of the compute
-    copy (cast to the FP32 master), the moments made from them, and the critic's head output. Logprobs, ratio, KL, the
+    copy (cast to the FP32 master) and the critic's head output. Logprobs, ratio, KL, the
     loss and the grad norm are fp32 computations, so no rounding step of bf16 is theirs to spend."""
     group = key.partition("/")[0]
-    return group in ("grads", "moments") or key == "outputs/values_BT"
+    return group == "grads" or key == "outputs/values_BT"
 
 
 def bound_entry(kind: str, error: float, k: float, floors: dict[str, float], q: float = 0.0,

@@ -11,8 +11,13 @@ computation, not to the reference's control-calibrated bound.
     clip_frac     the actor's clip decisions of its own ratio and advantages (fp32, as the objective takes them),
                   aggregated by the matrix's definition (PPO's normalizer; GRPO's aggregation or token mean)
     grad_norm     the L2 norm of the case's own gradients
+    moments       AdamW's moments of the case's own gradients, clipped by the coefficient of its reported norm, and
+                  its own moments of the step before (the moments are not compared with the reference's: they are
+                  this function of the gradients, which are)
     updates       AdamW's step of the case's own moments and start parameters (the declared lr, betas, eps, weight
-                  decay: every parameter decayed, norms included)
+                  decay: every parameter decayed, norms included) in the form nearest it (torch's, the decay
+                  subtracted, FusedAdam's, the reordered one), held to the step term's own rounding, not the
+                  parameter's: a missing or different decay is many ulps of the parameter
 An engine that takes its old logprobs from another source, computes its KL or its group statistics otherwise, or
 norms other gradients than it reports fails here from step 0, by far, even where the difference sits inside the
 reference's bounds (which must absorb legitimate forward noise). Each check is one row per step, comparison
@@ -48,10 +53,15 @@ ADV_RULE = ("<= 2^-24 x ((G - 1) x mean |r| / (std + eps) + ((G + 1) / 2 + 3) x 
 NORM_RULE = "<= 2^-24 x (2 log2(elements) + 8) x norm: fp32 sums of squares in any order"
 CLIP_RULE = ("<= 2^-24 x (active tokens + 4) x clip_frac: the fp32 sum of the clip indicators of the case's own ratio "
              "and advantages, aggregated by the matrix's clip_frac definition")
-UPDATE_RULE = ("<= 3u x (|p| + |p'|) + 2^-24 x (8 |adam term| + 2 |decay term|) per element (u: the unit roundoff of "
-               "the optimizer state's dtype): AdamW of the case's own moments and start; the parameter is rounded up to "
-               "three times (the decay factor cast to the state's dtype, the decayed parameter, the new one: torch's "
-               "AdamW, or FusedAdam's single rounding)")
+UPDATE_RULE = ("the new parameter rounds to nearest (in the optimizer state's dtype) from a value within u x (8 |step "
+               "term| + 2 |decay|) + (k + 1) ulps of the reported update of AdamW's unrounded value of the case's own "
+               "moments and start, in the form nearest it (qualify.ppo.adamw: torch's, the decay subtracted, FusedAdam's, "
+               "the reordered one): each form's roundings of the parameter made as it makes them, the step term's own "
+               "roundings allowed (u: the state dtype's unit roundoff)")
+MOMENT_RULE = ("<= u x (|m| + 2 b |previous| + (1 - b) (2 |g| + |g - previous|)) for exp_avg, u x (|v| + 2 b |previous| "
+               "+ 3 (1 - b) g^2) for exp_avg_sq, per element, g the case's own gradient times the clip coefficient of its "
+               "reported norm (with 4 fp32 roundings of it where it clips), previous its own moment of the step before "
+               "(u: the state dtype's unit roundoff): multiply-add or lerp, each operation rounded once")
 STATE_UNIT = {"float32": U, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
 
 SAMPLER_RULE = ("<= 2^-24 x (2 log2(V) + 4 + 2 |x_token| + 2 |max x| + |logp|) per token, x = logits / T: fp32 "
@@ -253,43 +263,136 @@ def norm_row(case: str, role: str, k: int, step: RunTensors) -> Row | None:
                      NORM_RULE, lambda i: f"{len(step.grads)} gradients, {elements} elements")
 
 
+FLOAT_BITS = {"float32": (24, -126, -149), "bfloat16": (8, -126, -133), "float16": (11, -14, -24)}
+"""dtype -> (significand bits, smallest normal exponent, smallest subnormal exponent)."""
+
+
+def ulp(x: torch.Tensor, dtype: str) -> torch.Tensor:
+    """The spacing of a floating dtype at |x| (above it where |x| is a power of two), float64."""
+    bits, min_exp, sub_exp = FLOAT_BITS.get(dtype, FLOAT_BITS["float32"])
+    _, e = torch.frexp(x.double().abs())  # |x| = f x 2^e, f in [0.5, 1)
+    return torch.ldexp(torch.ones_like(x, dtype=torch.float64), torch.clamp(e - bits, min=sub_exp))
+
+
+def rounding_interval(c: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """[lo, hi]: the values that round to nearest to c (float64 holding values of dtype), each half-way to a
+    neighbour (the neighbour towards zero half as far where |c| is a normal power of two)."""
+    bits, min_exp, _ = FLOAT_BITS.get(dtype, FLOAT_BITS["float32"])
+    c = c.double()
+    f, e = torch.frexp(c.abs())
+    away = ulp(c, dtype)
+    toward = torch.where((f == 0.5) & (e - 1 > min_exp), away / 2, away)
+    up, down = torch.where(c >= 0, away, toward), torch.where(c >= 0, toward, away)
+    return c - down / 2, c + up / 2
+
+
 def update_row(case: str, role: str, k: int, step: RunTensors, start: dict[str, torch.Tensor], optimizer: Any,
                state_dtypes: dict[str, str]) -> Row | None:
-    """Every parameter's update against AdamW's step k + 1 of the case's own moments and start, one row per step
-    naming the element nearest (or furthest past) its rounding allowance."""
-    b1, b2 = optimizer.betas
-    worst: tuple[float, str, float, float, int] | None = None  # (ratio, name, |diff|, allowance, element)
+    """Every parameter's update against AdamW's step k + 1 of the case's own moments and start in the forms real
+    optimizers take (qualify.ppo.adamw): the new parameter must round to nearest from a value within the step term's
+    rounding of some form's unrounded value. Each tensor is held to the form nearest it; one row per step names the
+    element nearest (or furthest past) its allowance and that form."""
+    from qualify.ppo.adamw import FORMS, step_term, unrounded
+
+    worst: tuple[float, str, float, float, int, str] | None = None  # (ratio, name, needed, allowance, element, form)
+    tiny = torch.finfo(torch.float64).tiny
     for name, update in sorted(step.updates.items()):
         m, v, p = step.moments.get(f"exp_avg/{name}"), step.moments.get(f"exp_avg_sq/{name}"), start.get(name)
         if m is None or v is None or p is None or update.shape != p.shape or not update.numel():
             continue
-        p = p.double()
-        adam = -optimizer.lr * (m.double() / (1 - b1 ** (k + 1))) / (
-            (v.double() / (1 - b2 ** (k + 1))).sqrt() + optimizer.eps)
-        decay = -optimizer.lr * optimizer.weight_decay * p
-        unit = STATE_UNIT.get(state_dtypes.get(name, "float32"), U)
-        tol = 3 * unit * (p.abs() + (p + decay + adam).abs()) + U * (8 * adam.abs() + 2 * decay.abs())
-        diff = (update.double() - (adam + decay)).abs()
-        ratio = torch.where(torch.isfinite(diff), diff / tol.clamp(min=torch.finfo(torch.float64).tiny),
-                            torch.full_like(diff, math.inf))
-        i = int(ratio.reshape(-1).argmax())
-        r = float(ratio.reshape(-1)[i])
+        dtype = state_dtypes.get(name, "float32")
+        state = getattr(torch, dtype, torch.float32)
+        # the start as the engine holds it: the initial parameters plus the case's earlier updates as reported
+        held = p.to(state)
+        new = (held.double() + update.double()).to(state)
+        lo, hi = rounding_interval(new, dtype)
+        step_exact = step_term(m, v, k + 1, optimizer.lr, optimizer.betas, optimizer.eps)
+        decay = optimizer.lr * optimizer.weight_decay * held.double()
+        # the step term's and the decay's own roundings, and k + 1 ulps of the reported update (its rounding, and the
+        # start rebuilt from the k earlier ones, each p' - p rounded to its dtype where p is small beside the step)
+        allowance = (STATE_UNIT.get(dtype, U) * (8 * step_exact.abs() + 2 * decay.abs())
+                     + (k + 1) * ulp(update, str(update.dtype).removeprefix("torch."))).clamp(min=tiny)
+        best: tuple[float, torch.Tensor, str] | None = None
+        for form in FORMS:
+            x = unrounded(form, held, m.to(state), v.to(state), k + 1, optimizer.lr, optimizer.betas, optimizer.eps,
+                          optimizer.weight_decay)
+            needed = torch.clamp(torch.maximum(lo - x, x - hi), min=0.0)
+            needed = torch.where(torch.isfinite(new.double()), needed, torch.full_like(needed, math.inf))
+            r = float((needed / allowance).max())
+            if best is None or r < best[0]:
+                best = (r, needed, form)
+        r, needed, form = best
+        i = int((needed / allowance).reshape(-1).argmax())
         if worst is None or r > worst[0]:
-            worst = (r, name, float(diff.reshape(-1)[i]), float(tol.reshape(-1)[i]), i)
+            worst = (r, name, float(needed.reshape(-1)[i]), float(allowance.reshape(-1)[i]), i, form)
     if worst is None:
         return None
-    ratio, name, diff, tol, i = worst
+    ratio, name, needed, allowance, i, form = worst
     passed = ratio <= 1
-    value = diff if math.isfinite(diff) else math.inf
-    return Row(case, role, DERIVED, f"step{k}/updates", "derived_abs", value, tol, passed,
-               "" if passed else f"{name} element {i}: the update is not AdamW of the case's own moments and start "
-                                 f"(|difference| {diff:.3g}, allowed {tol:.3g})", step=k, rule=UPDATE_RULE)
+    note = (f"{name} element {i}: the update is not AdamW of the case's own moments and start in any form (nearest: "
+            f"{form}, {needed:.3g} from a value that rounds to it, allowed {allowance:.3g})")
+    return Row(case, role, DERIVED, f"step{k}/updates", "derived_abs", needed, allowance, passed,
+               "" if passed else note, step=k, rule=UPDATE_RULE)
+
+
+def clip_coefficient(norm: float, max_norm: float | None) -> float:
+    """The clip coefficient the optimizer's gradients were scaled by: min(1, max_norm / (norm + 1e-6)) (torch's
+    clip_grad_norm_, DeepSpeed's, Megatron's), 1 without clipping."""
+    if not max_norm or not math.isfinite(norm):
+        return 1.0
+    return min(1.0, max_norm / (norm + 1e-6))
+
+
+def moment_row(case: str, role: str, k: int, step: RunTensors, before: RunTensors | None, optimizer: Any,
+               state_dtypes: dict[str, str]) -> Row | None:
+    """Every parameter's AdamW moments at step k against the moments of the case's own gradients, clipped by the
+    coefficient of its own reported norm, and its own moments of step k - 1 (zero before the first step)."""
+    if "grad_norm" not in step.outputs or not step.grads:
+        return None
+    b1, b2 = optimizer.betas
+    c = clip_coefficient(float(step.outputs["grad_norm"].reshape(-1)[0]), optimizer.max_grad_norm)
+    worst: tuple[float, str, float, float, int] | None = None  # (ratio, key, |difference|, allowance, element)
+    for name, g in sorted(step.grads.items()):
+        for key, beta in (("exp_avg", b1), ("exp_avg_sq", b2)):
+            got = step.moments.get(f"{key}/{name}")
+            if got is None or got.shape != g.shape or not got.numel():
+                continue
+            prev = before.moments.get(f"{key}/{name}") if before is not None else None
+            prev = torch.zeros_like(got, dtype=torch.float64) if prev is None else prev.double()
+            unit = STATE_UNIT.get(state_dtypes.get(name, "float32"), U)
+            clipped = c * g.double()
+            # the clipped gradient as the optimizer holds it: the coefficient's fp32 computation and the product
+            shaken = (4 * U if c < 1 else 0.0) * clipped.abs()
+            if key == "exp_avg":
+                want = beta * prev + (1 - beta) * clipped
+                # multiply-add or lerp (prev + w (g - prev)): each product, difference and sum rounded once
+                tol = unit * (want.abs() + 2 * beta * prev.abs() + (1 - beta) * (2 * clipped.abs()
+                              + (clipped - prev).abs())) + (1 - beta) * shaken
+            else:
+                want = beta * prev + (1 - beta) * clipped.square()
+                tol = unit * (want.abs() + 2 * beta * prev.abs() + 3 * (1 - beta) * clipped.square()) \
+                    + (1 - beta) * 2 * clipped.abs() * shaken
+            diff = (got.double() - want).abs()
+            tol = tol.clamp(min=torch.finfo(torch.float64).tiny)
+            ratio = torch.where(torch.isfinite(diff), diff / tol, torch.full_like(diff, math.inf)).reshape(-1)
+            i = int(ratio.argmax())
+            if worst is None or float(ratio[i]) > worst[0]:
+                worst = (float(ratio[i]), f"{key}/{name}", float(diff.reshape(-1)[i]), float(tol.reshape(-1)[i]), i)
+    if worst is None:
+        return None
+    ratio, key, diff, tol, i = worst
+    passed = ratio <= 1
+    note = (f"{key} element {i}: not AdamW's moment of the case's own gradient (clipped by {c:.9g}, from its reported "
+            f"norm) and its previous moment (|difference| {diff:.3g}, allowed {tol:.3g})")
+    return Row(case, role, DERIVED, f"step{k}/moments", "derived_abs", diff if math.isfinite(diff) else math.inf, tol,
+               passed, "" if passed else note, step=k, rule=MOMENT_RULE)
 
 
 def derived_rows(case: str, role: str, objective: Objective, cand: list[RunTensors], inputs: Any,
                  scored: bool = True, starts: list[dict[str, torch.Tensor]] | None = None) -> list[Row]:
     """Every derivation row of a case, step by step (scored: see step_rows)."""
     device = (cand[0].meta.get("case") or {}).get("device", "cpu") if cand else "cpu"
+    state_dtypes = (cand[0].meta.get("state_dtypes") or {}) if cand else {}
     rows = sampler_rows(case, role, cand)
     for k, step in enumerate(cand):
         if k < len(inputs.masks):
@@ -297,9 +400,11 @@ def derived_rows(case: str, role: str, objective: Objective, cand: list[RunTenso
         norm = norm_row(case, role, k, step)
         if norm is not None:
             rows.append(norm)
+        moments = moment_row(case, role, k, step, cand[k - 1] if k else None, objective.optimizer, state_dtypes)
+        if moments is not None:
+            rows.append(moments)
         if starts is not None and k < len(starts):
-            update = update_row(case, role, k, step, starts[k], objective.optimizer,
-                                (cand[0].meta.get("state_dtypes") or {}) if cand else {})
+            update = update_row(case, role, k, step, starts[k], objective.optimizer, state_dtypes)
             if update is not None:
                 rows.append(update)
     return rows

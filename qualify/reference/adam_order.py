@@ -11,10 +11,11 @@ whose optimizer rounds otherwise lands beyond bounds calibrated without it (meas
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
+
+from qualify.ppo.adamw import param_after
 
 
 class ReorderedAdamW(torch.optim.Optimizer):
@@ -46,11 +47,8 @@ class ReorderedAdamW(torch.optim.Optimizer):
                 g, m, v = p.grad, state["exp_avg"], state["exp_avg_sq"]
                 m.mul_(b1).add_(g, alpha=1.0 - b1)
                 v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
-                root_bc2 = math.sqrt(1.0 - b2 ** t)
-                step_size = group["lr"] * root_bc2 / (1.0 - b1 ** t)
-                decay = p * (group["lr"] * group["weight_decay"])
-                p.addcdiv_(m, v.sqrt().add_(group["eps"] * root_bc2), value=-step_size)
-                p.sub_(decay)
+                p.copy_(param_after("reordered", p, m, v, int(t), group["lr"], (b1, b2), group["eps"],
+                                    group["weight_decay"]))
 
 
 class FusedFormAdamW(torch.optim.Optimizer):
@@ -87,9 +85,8 @@ class FusedFormAdamW(torch.optim.Optimizer):
                 g, m, v = p.grad, state["exp_avg"], state["exp_avg_sq"]
                 m.mul_(b1).add_(g, alpha=1.0 - b1)
                 v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
-                update = (m / (1.0 - b1 ** t)) / ((v / (1.0 - b2 ** t)).sqrt() + group["eps"])
-                update.add_(p, alpha=group["weight_decay"])
-                p.sub_(update, alpha=group["lr"])
+                p.copy_(param_after("fused", p, m, v, int(t), group["lr"], (b1, b2), group["eps"],
+                                    group["weight_decay"]))
 
 
 ADAM_FORMS = {"reordered": ReorderedAdamW, "fused": FusedFormAdamW}

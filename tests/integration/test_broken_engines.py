@@ -72,16 +72,17 @@ def test_old_logprobs_from_another_source_fail_their_derivation_by_far(run_copy)
 
 
 def test_no_decay_on_norms_fails_the_update_derivation_naming_a_norm(run_copy):
-    """AdamW without weight decay on the RMSNorm weights: each norm update is off by lr x wd x |p| (1e-6 |p| here),
-    about 3x the allowance of three fp32 roundings of the parameter; the row names a norm weight."""
+    """AdamW without weight decay on the RMSNorm weights: each norm update is off by lr x wd x |p| (1e-6 |p| here,
+    about 17 fp32 ulps of a weight near 1) from every form of AdamW, which the derivation holds to one ulp; the row
+    names a norm weight, at >= 10x."""
     m = matrix_with(run_copy.parent, engines=[f"{PLUGINS}:no_decay_on_norms"], precisions=["fp32"], tp=[1],
                     roles=["actor"])
     verdict = run_candidates(m, run_copy).to_json()
     [case] = [c.name for c in m.cases()]
     rows = [r for r in verdict["rows"] if r["case"] == case and r["comparison"] == "derived"
             and r["tensor"].endswith("/updates")]
-    assert rows and all(not r["passed"] and float(r["ratio"]) > 2 and "norm.weight element" in r["note"]
-                        for r in rows), rows
+    assert rows and all(not r["passed"] and float(r["ratio"]) >= 10 and "norm.weight element" in r["note"]
+                        for r in rows), [(r["tensor"], r["ratio"], r["note"]) for r in rows]
 
 
 def test_a_fused_adam_form_engine_passes_every_row(run_copy):
@@ -97,3 +98,6 @@ def test_a_fused_adam_form_engine_passes_every_row(run_copy):
                                if not r["passed"]][:5]
     judged = [float(r["ratio"]) for r in verdict["rows"] if r["bound"] not in (None, "inf") and r["ratio"] is not None]
     assert judged and max(judged) < 0.9
+    # its updates are float64 rounded once: one of the forms the update derivation knows, so bit for bit
+    updates = [float(r["ratio"]) for r in verdict["rows"] if r["comparison"] == "derived" and r["tensor"].endswith("/updates")]
+    assert updates and max(updates) < 0.4, updates

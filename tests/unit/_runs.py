@@ -32,7 +32,7 @@ COEF = {("fp32", "r0"): 0.0, ("fp32", "r1"): 1e-4, ("fp32", "r2"): 3e-5,
 # k and floors unlike the defaults, one distinct floor per kind: a bound built with the wrong k or kind shows.
 K = 3.0
 FLOORS = {"logprob": 1e-6, "value": 2e-6, "loss": 3e-6, "grad": 4e-6, "grad_norm": 5e-6, "update": 6e-6,
-          "moment": 7e-8, "target": 8e-6, "relative": 9e-6}
+          "target": 8e-6, "relative": 9e-6}
 OUTPUT_NAMES = {"actor": "logprobs_BT", "critic": "values_BT"}
 
 

@@ -87,7 +87,7 @@ def test_an_update_the_reference_run_lacks_is_bounded_at_magnitude_zero():
     base = RunTensors({}, {"w": grads["w"]}, {"w": updates["w"]},
                       {k: v for k, v in moments.items() if k.endswith("/w")}, {})
     control = RunTensors({}, grads, updates, moments, {})
-    rule = BoundRule(4.0, {"grad": 0.0, "relative": 0.0, "update": 1e-12, "moment": 0.0}, 16.0, "fp32", True)
+    rule = BoundRule(4.0, {"grad": 0.0, "relative": 0.0, "update": 1e-12}, 16.0, "fp32", True)
     bounds = step_family_bounds(base, {"c": control}, rule, {"base": {"w": start["w"]}, "c": start}, "base", OPT, 1)
     extra = bounds["updates/extra"]["replay_max_abs"]
     assert extra["magnitude"] == 0.0 and extra["floor"] == 1e-12 and extra["quantum"] == 0.0

@@ -18,7 +18,7 @@ from qualify.compare import RunTensors
 from qualify.verdict import Row
 from tests.unit._runs import OPT, adamw_run, params, role_run
 
-FLOORS = {"logprob": 2.0 ** -20, "grad": 2.0 ** -22, "update": 2.0 ** -20, "moment": 2.0 ** -26,
+FLOORS = {"logprob": 2.0 ** -20, "grad": 2.0 ** -22, "update": 2.0 ** -20,
           "relative": 2.0 ** -20, "loss": 2.0 ** -20, "grad_norm": 2.0 ** -20}
 
 
@@ -79,7 +79,7 @@ def test_row_ratio_and_json():
 def tight_bounds(ref: RunTensors) -> dict:
     """Bounds of a tiny control error for every tensor of ref, the update checks included."""
     bounds: dict = {}
-    for group, kind in (("outputs", None), ("grads", "grad"), ("moments", "moment")):
+    for group, kind in (("outputs", None), ("grads", "grad")):
         for name in getattr(ref, group):
             k = kind or {"logprobs_BT": "logprob", "loss": "loss", "grad_norm": "grad_norm"}[name]
             bounds[f"{group}/{name}"] = {"max_abs": bound_entry(k, 1e-9, 4.0, FLOORS)}
@@ -119,22 +119,22 @@ def test_a_corrupted_update_fails_its_replay_row(ref):
 
 def test_corrupted_moments_fail_the_replay_of_the_candidates_own_moments(ref):
     """The update is the reference's, the moments are not what produced it: only a replay of the
-    candidate's own moments sees that (a replay of the reference's would pass)."""
+    candidate's own moments sees that (a replay of the reference's would pass). The moments themselves are not
+    compared with the reference's: their derivation from the case's gradients judges them (test_derived)."""
     cand = with_(ref, moments={"exp_avg_sq/w": ref.moments["exp_avg_sq/w"] * 4})
     assert failed(judge_pair("c", "actor", "x", cand, ref, tight_bounds(ref), params(), OPT)) == {
-        ("updates/w", "replay_max_abs"), ("moments/exp_avg_sq/w", "max_abs"), ("moments/exp_avg_sq/w", "rel_l2")}
+        ("updates/w", "replay_max_abs")}
 
 
 def test_a_self_consistent_step_from_other_gradients_passes_replay_and_fails_the_gradients(ref):
-    """Gradients scaled by 1.3: AdamW of them is self-consistent (replay passes), the moments and
-    gradients are off, and the update barely moves (Adam normalizes the scale away)."""
+    """Gradients scaled by 1.3: AdamW of them is self-consistent (replay passes), the gradients are off, and the
+    update barely moves (Adam normalizes the scale away)."""
     grads = {n: g * 1.3 for n, g in ref.grads.items()}
     updates, moments = adamw_run(params(), grads)
     cand = RunTensors(dict(ref.outputs), grads, updates, moments, {})
     bad = failed(judge_pair("c", "actor", "x", cand, ref, tight_bounds(ref), params(), OPT))
     assert not {m for t, m in bad if m == "replay_max_abs"}
-    assert {("grads/w", "max_abs"), ("grads/b", "rel_l2"), ("moments/exp_avg/w", "max_abs"),
-            ("moments/exp_avg_sq/b", "rel_l2")} <= bad
+    assert {("grads/w", "max_abs"), ("grads/b", "rel_l2")} <= bad
 
 
 def test_a_bound_without_a_value_is_a_failing_row(ref):

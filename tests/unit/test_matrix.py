@@ -170,7 +170,10 @@ def test_validation_error_is_a_matrix_error_naming_the_file(tmp_path, dotted, va
 
 
 def test_missing_floor_kind(tmp_path):
-    assert "floors missing for ['moment']" in load_error(tmp_path, edited(deleter("freeze.floors.moment")))
+    assert "floors missing for ['update']" in load_error(tmp_path, edited(deleter("freeze.floors.update")))
+    # a matrix written for the moment bounds of earlier versions is told why that floor is gone
+    assert "moments are no longer judged against a bound" in load_error(
+        tmp_path, edited(setter("freeze.floors.moment", 0.0)))
 
 
 def test_models_needs_exactly_one_source(tmp_path):

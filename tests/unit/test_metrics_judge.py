@@ -69,7 +69,7 @@ def test_quantum_is_one_rounding_step():
 
 
 def _bounds_from(errors: dict, floor: float = 1e-6) -> dict:
-    floors = {k: floor for k in ("logprob", "value", "loss", "grad", "grad_norm", "update", "moment", "target",
+    floors = {k: floor for k in ("logprob", "value", "loss", "grad", "grad_norm", "update", "target",
                                  "relative")}
     from qualify.bounds.rule import metric_kind
 
