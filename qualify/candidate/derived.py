@@ -269,15 +269,16 @@ FLOAT_BITS = {"float32": (24, -126, -149), "bfloat16": (8, -126, -133), "float16
 
 def ulp(x: torch.Tensor, dtype: str) -> torch.Tensor:
     """The spacing of a floating dtype at |x| (above it where |x| is a power of two), float64."""
-    bits, min_exp, sub_exp = FLOAT_BITS.get(dtype, FLOAT_BITS["float32"])
-    _, e = torch.frexp(x.double().abs())  # |x| = f x 2^e, f in [0.5, 1)
-    return torch.ldexp(torch.ones_like(x, dtype=torch.float64), torch.clamp(e - bits, min=sub_exp))
+    bits, _, sub_exp = FLOAT_BITS.get(dtype, FLOAT_BITS["float32"])
+    f, e = torch.frexp(x.double().abs())  # |x| = f x 2^e, f in [0.5, 1); 0 gives e = 0: the subnormal spacing
+    exponent = torch.where(f == 0, torch.full_like(e, sub_exp), torch.clamp(e - bits, min=sub_exp))
+    return torch.ldexp(torch.ones_like(x, dtype=torch.float64), exponent)
 
 
 def rounding_interval(c: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     """[lo, hi]: the values that round to nearest to c (float64 holding values of dtype), each half-way to a
     neighbour (the neighbour towards zero half as far where |c| is a normal power of two)."""
-    bits, min_exp, _ = FLOAT_BITS.get(dtype, FLOAT_BITS["float32"])
+    _, min_exp, _ = FLOAT_BITS.get(dtype, FLOAT_BITS["float32"])
     c = c.double()
     f, e = torch.frexp(c.abs())
     away = ulp(c, dtype)

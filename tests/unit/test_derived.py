@@ -290,7 +290,8 @@ def test_rounding_interval_is_what_rounds_to_the_value(dtype):
     from qualify.candidate.derived import rounding_interval
 
     d = getattr(torch, dtype)
-    c = torch.cat([torch.randn(2000, generator=gen), torch.tensor([1.0, -1.0, 0.5, 2.0 ** -20, -4.0])]).to(d).double()
+    c = torch.cat([torch.randn(2000, generator=gen), torch.tensor([1.0, -1.0, 0.5, 2.0 ** -20, -4.0, 0.0])])
+    c = c.to(d).double()
     lo, hi = rounding_interval(c, dtype)
     width = hi - lo
     for inside, outside in ((lo + 0.01 * width, lo - 0.01 * width), (hi - 0.01 * width, hi + 0.01 * width)):
