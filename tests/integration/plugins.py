@@ -245,6 +245,21 @@ def no_decay_on_norms() -> TorchTPEngine:
     return NoDecayOnNorms()
 
 
+class DefaultBetas(TorchTPEngine):
+    """Steps AdamW with a trainer's default betas (0.9, 0.95) where the matrix says (0.9, 0.999): the update is still
+    AdamW of the engine's own moments, but its second moment is not the declared one of its gradients."""
+
+    def setup(self, ctx):
+        super().setup(ctx)
+        o = ctx.optimizer
+        self.optimizer = torch.optim.AdamW(self.master.parameters(), lr=o.lr, betas=(o.betas[0], 0.95), eps=o.eps,
+                                           weight_decay=o.weight_decay, foreach=False)
+
+
+def default_betas() -> TorchTPEngine:
+    return DefaultBetas()
+
+
 class SplitKHead(TorchTPEngine):
     """Splits the critic's value head matmul over the hidden dimension into a number of parts that follows the row
     count (as a GEMM library picks its split-K by shape): each row's value then depends on how many rows share its

@@ -85,6 +85,21 @@ def test_no_decay_on_norms_fails_the_update_derivation_naming_a_norm(run_copy):
                         for r in rows), [(r["tensor"], r["ratio"], r["note"]) for r in rows]
 
 
+def test_a_trainers_default_betas_fail_the_moment_derivation_naming_the_second_moment(run_copy):
+    """AdamW with betas (0.9, 0.95) where the matrix says (0.9, 0.999): the moments are not the declared AdamW's of
+    the engine's own gradients, so the moment derivation names exp_avg_sq from step 0, by far (moments are not compared
+    with the reference's); the update derivation fails too (its bias correction is 1 - 0.95^t)."""
+    m = matrix_with(run_copy.parent, engines=[f"{PLUGINS}:default_betas"], precisions=["fp32"], tp=[1],
+                    roles=["actor"])
+    verdict = run_candidates(m, run_copy).to_json()
+    [case] = [c.name for c in m.cases()]
+    derived = {r["tensor"]: r for r in verdict["rows"] if r["case"] == case and r["comparison"] == "derived"}
+    moments = [r for t, r in derived.items() if t.endswith("/moments")]
+    assert moments and all(not r["passed"] and float(r["ratio"]) > 1000 and r["note"].startswith("exp_avg_sq/")
+                           for r in moments), [(r["tensor"], r["ratio"], r["note"][:80]) for r in moments]
+    assert all(not r["passed"] for t, r in derived.items() if t.endswith("/updates"))
+
+
 def test_a_fused_adam_form_engine_passes_every_row(run_copy):
     """The correct twin: AdamW in FusedAdam's form (the decay folded into the update, the parameter rounded once,
     written here from the formula in float64, tests.integration.plugins.FusedAdamStep), which shifts every entry alike
