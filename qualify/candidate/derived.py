@@ -54,7 +54,8 @@ NORM_RULE = "<= 2^-24 x (2 log2(elements) + 8) x norm: fp32 sums of squares in a
 CLIP_RULE = ("<= 2^-24 x (active tokens + 4) x clip_frac: the fp32 sum of the clip indicators of the case's own ratio "
              "and advantages, aggregated by the matrix's clip_frac definition")
 UPDATE_RULE = ("the new parameter rounds to nearest (in the optimizer state's dtype) from a value within u x (8 |step "
-               "term| + 2 |decay|) + (k + 1) ulps of the reported update of AdamW's unrounded value of the case's own "
+               "term| + 2 |decay|) + the ulps of the reported updates so far (the start is rebuilt from them; one ulp "
+               "of the parameter more where they reach half of one) of AdamW's unrounded value of the case's own "
                "moments and start, in the form nearest it (qualify.ppo.adamw: torch's, the decay subtracted, FusedAdam's, "
                "the reordered one): each form's roundings of the parameter made as it makes them, the step term's own "
                "roundings allowed (u: the state dtype's unit roundoff)")
@@ -288,11 +289,15 @@ def rounding_interval(c: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.
 
 
 def update_row(case: str, role: str, k: int, step: RunTensors, start: dict[str, torch.Tensor], optimizer: Any,
-               state_dtypes: dict[str, str]) -> Row | None:
+               state_dtypes: dict[str, str], rebuilt: dict[str, torch.Tensor] | None = None) -> Row | None:
     """Every parameter's update against AdamW's step k + 1 of the case's own moments and start in the forms real
     optimizers take (qualify.ppo.adamw): the new parameter must round to nearest from a value within the step term's
     rounding of some form's unrounded value. Each tensor is held to the form nearest it; one row per step names the
-    element nearest (or furthest past) its allowance and that form."""
+    element nearest (or furthest past) its allowance and that form.
+
+    The start is rebuilt from the initial parameters and the case's earlier updates as reported, each p' - p rounded to
+    its dtype (inexact where p is small beside the step): rebuilt[name] is the sum of their ulps, updated here with
+    this step's (pass the same dict step after step; None: a first step, or a start known exactly)."""
     from qualify.ppo.adamw import FORMS, step_term, unrounded
 
     worst: tuple[float, str, float, float, int, str] | None = None  # (ratio, name, needed, allowance, element, form)
@@ -309,10 +314,16 @@ def update_row(case: str, role: str, k: int, step: RunTensors, start: dict[str, 
         lo, hi = rounding_interval(new, dtype)
         step_exact = step_term(m, v, k + 1, optimizer.lr, optimizer.betas, optimizer.eps)
         decay = optimizer.lr * optimizer.weight_decay * held.double()
-        # the step term's and the decay's own roundings, and k + 1 ulps of the reported update (its rounding, and the
-        # start rebuilt from the k earlier ones, each p' - p rounded to its dtype where p is small beside the step)
-        allowance = (STATE_UNIT.get(dtype, U) * (8 * step_exact.abs() + 2 * decay.abs())
-                     + (k + 1) * ulp(update, str(update.dtype).removeprefix("torch."))).clamp(min=tiny)
+        # the step term's and the decay's own roundings, and the rebuilding: the ulps of the reported updates, this
+        # one's and the earlier ones' (which moved the start), and where those could move the new parameter across a
+        # rounding midpoint, one ulp of it
+        own = ulp(update, str(update.dtype).removeprefix("torch.")).float()
+        carried = own if rebuilt is None or name not in rebuilt else rebuilt[name] + own
+        if rebuilt is not None:
+            rebuilt[name] = carried
+        spacing = ulp(new, dtype)
+        rebuilding = carried.double() + torch.where(2 * carried.double() >= spacing, spacing, 0.0)
+        allowance = (STATE_UNIT.get(dtype, U) * (8 * step_exact.abs() + 2 * decay.abs()) + rebuilding).clamp(min=tiny)
         best: tuple[float, torch.Tensor, str] | None = None
         for form in FORMS:
             x = unrounded(form, held, m.to(state), v.to(state), k + 1, optimizer.lr, optimizer.betas, optimizer.eps,
@@ -394,6 +405,7 @@ def derived_rows(case: str, role: str, objective: Objective, cand: list[RunTenso
     """Every derivation row of a case, step by step (scored: see step_rows)."""
     device = (cand[0].meta.get("case") or {}).get("device", "cpu") if cand else "cpu"
     state_dtypes = (cand[0].meta.get("state_dtypes") or {}) if cand else {}
+    rebuilt: dict[str, torch.Tensor] = {}  # update_row: the ulps of the updates the starts are rebuilt from
     rows = sampler_rows(case, role, cand)
     for k, step in enumerate(cand):
         if k < len(inputs.masks):
@@ -405,7 +417,7 @@ def derived_rows(case: str, role: str, objective: Objective, cand: list[RunTenso
         if moments is not None:
             rows.append(moments)
         if starts is not None and k < len(starts):
-            update = update_row(case, role, k, step, starts[k], objective.optimizer, state_dtypes)
+            update = update_row(case, role, k, step, starts[k], objective.optimizer, state_dtypes, rebuilt)
             if update is not None:
                 rows.append(update)
     return rows

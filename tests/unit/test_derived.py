@@ -345,3 +345,30 @@ def test_moments_of_other_gradients_or_betas_fail(form, named):
     run = clipped_adamw_run(form)
     row = moment_row("c", "actor", 0, run[0], None, opt, {})
     assert not row.passed and ratio_of(row) > 1000 and row.note.startswith(named), (ratio_of(row), row.note)
+
+
+def test_a_start_rebuilt_from_rounded_updates_carries_their_ulps():
+    """Parameters of 1e-3 under steps of 1e-2 cross zero, so each reported update p' - p is rounded and the start
+    rebuilt from them drifts: torch's own AdamW then fails the update derivation by up to 13x when only the current
+    update's rounding is allowed (measured here), and passes with margin when the earlier updates' ulps are carried."""
+    from qualify.candidate.derived import update_row
+    from qualify.compare import params_before_steps
+
+    g = torch.Generator().manual_seed(3)
+    opt = SimpleNamespace(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, max_grad_norm=1.0)
+    p0 = {"w": torch.randn(256, 256, generator=g) * 1e-3}
+    p = p0["w"].clone().requires_grad_(True)
+    adamw = torch.optim.AdamW([p], lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
+                              foreach=False)
+    run = []
+    for _ in range(4):
+        before = p.detach().clone()
+        p.grad = torch.randn(p.shape, generator=g)
+        adamw.step()
+        run.append(RunTensors({}, {"w": p.grad.clone()}, {"w": p.detach() - before},
+                              {f"{key}/w": adamw.state[p][key].clone() for key in ("exp_avg", "exp_avg_sq")}, {}))
+    starts, rebuilt = params_before_steps(run, p0), {}
+    alone = [update_row("c", "actor", k, s, starts[k], opt, {}) for k, s in enumerate(run)]
+    carried = [update_row("c", "actor", k, s, starts[k], opt, {}, rebuilt) for k, s in enumerate(run)]
+    assert not alone[-1].passed  # the negative control: the drift is real
+    assert all(r.passed and ratio_of(r) < 0.5 for r in carried), [ratio_of(r) for r in carried]
