@@ -59,10 +59,11 @@ UPDATE_RULE = ("the new parameter rounds to nearest (in the optimizer state's dt
                "moments and start, in the form nearest it (qualify.ppo.adamw: torch's, the decay subtracted, FusedAdam's, "
                "the reordered one): each form's roundings of the parameter made as it makes them, the step term's own "
                "roundings allowed (u: the state dtype's unit roundoff)")
-MOMENT_RULE = ("<= u x (|m| + 2 b |previous| + (1 - b) (2 |g| + |g - previous|)) for exp_avg, u x (|v| + 2 b |previous| "
-               "+ 3 (1 - b) g^2) for exp_avg_sq, per element, g the case's own gradient times the clip coefficient of its "
-               "reported norm (with 4 fp32 roundings of it where it clips), previous its own moment of the step before "
-               "(u: the state dtype's unit roundoff): multiply-add or lerp, each operation rounded once")
+MOMENT_RULE = ("the moment rounds to nearest (in the state's dtype) from a value within u x (2 b |previous| + 3 (1 - b) "
+               "(|g| + |g - previous|)) (exp_avg) or u x (2 b |previous| + 3 (1 - b) g^2) (exp_avg_sq) of AdamW's, per "
+               "element: g the case's own gradient times the clip coefficient of its reported norm (with 4 fp32 "
+               "roundings of it where it clips), previous its own moment of the step before (u: the state dtype's unit "
+               "roundoff): multiply-add or lerp, each scalar cast and each operation before the last rounded once")
 STATE_UNIT = {"float32": U, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
 
 SAMPLER_RULE = ("<= 2^-24 x (2 log2(V) + 4 + 2 |x_token| + 2 |max x| + |logp|) per token, x = logits / T: fp32 "
@@ -358,12 +359,14 @@ def clip_coefficient(norm: float, max_norm: float | None) -> float:
 def moment_row(case: str, role: str, k: int, step: RunTensors, before: RunTensors | None, optimizer: Any,
                state_dtypes: dict[str, str]) -> Row | None:
     """Every parameter's AdamW moments at step k against the moments of the case's own gradients, clipped by the
-    coefficient of its own reported norm, and its own moments of step k - 1 (zero before the first step)."""
+    coefficient of its own reported norm, and its own moments of step k - 1 (zero before the first step): each moment
+    must round to nearest (in the state's dtype) from a value within the roundings before the last of the exact
+    one, as the update's derivation holds the new parameter."""
     if "grad_norm" not in step.outputs or not step.grads:
         return None
     b1, b2 = optimizer.betas
     c = clip_coefficient(float(step.outputs["grad_norm"].reshape(-1)[0]), optimizer.max_grad_norm)
-    worst: tuple[float, str, float, float, int] | None = None  # (ratio, key, |difference|, allowance, element)
+    worst: tuple[float, str, float, float, int] | None = None  # (ratio, key, needed, allowance, element)
     for name, g in sorted(step.grads.items()):
         for key, beta in (("exp_avg", b1), ("exp_avg_sq", b2)):
             got = step.moments.get(f"{key}/{name}")
@@ -371,22 +374,25 @@ def moment_row(case: str, role: str, k: int, step: RunTensors, before: RunTensor
                 continue
             prev = before.moments.get(f"{key}/{name}") if before is not None else None
             prev = torch.zeros_like(got, dtype=torch.float64) if prev is None else prev.double()
-            unit = STATE_UNIT.get(state_dtypes.get(name, "float32"), U)
+            dtype = state_dtypes.get(name, "float32")
+            unit = STATE_UNIT.get(dtype, U)
             clipped = c * g.double()
             # the clipped gradient as the optimizer holds it: the coefficient's fp32 computation and the product
             shaken = (4 * U if c < 1 else 0.0) * clipped.abs()
+            # the roundings before the last (the sum, checked by the interval): each scalar's cast and each product
+            # (multiply-add), or the difference, the weight's cast and the product (lerp: prev + w (g - prev))
             if key == "exp_avg":
                 want = beta * prev + (1 - beta) * clipped
-                # multiply-add or lerp (prev + w (g - prev)): each product, difference and sum rounded once
-                tol = unit * (want.abs() + 2 * beta * prev.abs() + (1 - beta) * (2 * clipped.abs()
-                              + (clipped - prev).abs())) + (1 - beta) * shaken
+                tol = unit * (2 * beta * prev.abs() + 3 * (1 - beta) * (clipped.abs() + (clipped - prev).abs())) \
+                    + (1 - beta) * shaken
             else:
                 want = beta * prev + (1 - beta) * clipped.square()
-                tol = unit * (want.abs() + 2 * beta * prev.abs() + 3 * (1 - beta) * clipped.square()) \
+                tol = unit * (2 * beta * prev.abs() + 3 * (1 - beta) * clipped.square()) \
                     + (1 - beta) * 2 * clipped.abs() * shaken
-            diff = (got.double() - want).abs()
+            lo, hi = rounding_interval(got, dtype)
+            diff = torch.clamp(torch.maximum(lo - want, want - hi), min=0.0)
             tol = tol.clamp(min=torch.finfo(torch.float64).tiny)
-            ratio = torch.where(torch.isfinite(diff), diff / tol, torch.full_like(diff, math.inf)).reshape(-1)
+            ratio = torch.where(torch.isfinite(got.double()), diff / tol, torch.full_like(diff, math.inf)).reshape(-1)
             i = int(ratio.argmax())
             if worst is None or float(ratio[i]) > worst[0]:
                 worst = (float(ratio[i]), f"{key}/{name}", float(diff.reshape(-1)[i]), float(tol.reshape(-1)[i]), i)
@@ -395,7 +401,7 @@ def moment_row(case: str, role: str, k: int, step: RunTensors, before: RunTensor
     ratio, key, diff, tol, i = worst
     passed = ratio <= 1
     note = (f"{key} element {i}: not AdamW's moment of the case's own gradient (clipped by {c:.9g}, from its reported "
-            f"norm) and its previous moment (|difference| {diff:.3g}, allowed {tol:.3g})")
+            f"norm) and its previous moment ({diff:.3g} from a value that rounds to it, allowed {tol:.3g})")
     return Row(case, role, DERIVED, f"step{k}/moments", "derived_abs", diff if math.isfinite(diff) else math.inf, tol,
                passed, "" if passed else note, step=k, rule=MOMENT_RULE)
 

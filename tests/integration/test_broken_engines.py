@@ -67,8 +67,11 @@ def test_old_logprobs_from_another_source_fail_their_derivation_by_far(run_copy)
     assert "derived from its own inputs" in worst["note"]
     derived = [r for r in verdict["rows"] if r["case"] == correct and r["comparison"] == "derived"]
     assert {r["tensor"].split("/", 1)[1] for r in derived} == {"outputs/ratio_BT", "outputs/kl_BT", "outputs/grad_norm",
-                                                                "outputs/logprobs_BT", "outputs/clip_frac", "updates"}
-    assert all(r["passed"] and float(r["ratio"]) < 0.5 for r in derived), derived
+                                                                "outputs/logprobs_BT", "outputs/clip_frac", "updates",
+                                                                "moments"}
+    # each allowance is a first-order rounding bound, attained where a cast and a rounding fall the same way: the
+    # moments' rows sit near 0.55 of theirs (BENCHMARKS.md), the others under 0.5
+    assert all(r["passed"] and float(r["ratio"]) < 0.7 for r in derived), derived
 
 
 def test_no_decay_on_norms_fails_the_update_derivation_naming_a_norm(run_copy):

@@ -253,6 +253,7 @@ def test_eps_inside_the_std_fails_the_advantages_derivation(grpo_run, tmp_path):
     # at the matrix's eps (1e-4, TRL's) the misplaced eps moves an advantage by hundreds of fp32 roundings
     assert not derived(broken)["step0/outputs/advantages_B"]["passed"]
     assert float(derived(broken)["step0/outputs/advantages_B"]["ratio"]) >= 10
-    assert all(r["passed"] and float(r["ratio"]) < 0.5 for r in derived(correct).values())
+    # first-order rounding bounds (the moments' rows near 0.55 of theirs): a correct engine stays well inside
+    assert all(r["passed"] and float(r["ratio"]) < 0.7 for r in derived(correct).values())
     assert {"step0/outputs/advantages_B", "step0/outputs/ratio_BT", "step0/outputs/kl_BT",
             "step0/outputs/grad_norm"} <= set(derived(correct))

@@ -263,7 +263,7 @@ def test_report_junit_includes_the_verification(candidate_run, tmp_path):
     suites = {s.name: s for s in JUnitXml.fromfile(str(out))}
     (verification,) = list(suites["qualify tiny-qwen3: verification"])
     assert verification.is_passed
-    assert suites["qualify tiny-qwen3: candidates"].tests == 16  # 2 cases x 8 groups (with derived and layout)
+    assert suites["qualify tiny-qwen3: candidates"].tests == 14  # 2 cases x 7 groups (with derived and layout)
 
 
 # ---- false passes: evidence changed after the verdict -------------------------------------------------
