@@ -76,12 +76,14 @@ def _case_summary(name: str, c: dict[str, Any]) -> dict[str, Any]:
             "worst": {k: worst.get(k) for k in WORST_KEYS} if isinstance(worst, dict) else None}
 
 
-def closest_passing(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+def closest_passing(rows: list[dict[str, Any]], derived: bool = False) -> dict[str, Any] | None:
     """The passing row nearest its bound (largest value/bound among rows with a positive bound): the false-alarm
-    margin of a verdict, what a correct engine leaves between itself and a FAIL."""
+    margin of a verdict, what a correct engine leaves between itself and a FAIL. Bound rows (k x control error +
+    floor) by default; derived=True: the derivation rows instead (comparison 'derived', held to first-order rounding
+    bounds, which a correct engine approaches by construction: apart, so that neither hides the other)."""
     best = None
     for r in rows if isinstance(rows, list) else []:
-        if not isinstance(r, dict):
+        if not isinstance(r, dict) or (r.get("comparison") == "derived") != derived:
             continue
         bound, ratio = r.get("bound"), r.get("ratio")
         if not r.get("passed") or not isinstance(bound, int | float) or bound <= 0 or not isinstance(ratio, int | float):
@@ -97,6 +99,7 @@ def candidates_summary(verdict: Any) -> dict[str, Any] | None:
         return None
     return {"passed": verdict["passed"], "complete": verdict.get("complete"),
             "closest_passing": closest_passing(verdict["rows"]),
+            "closest_derived": closest_passing(verdict["rows"], derived=True),
             "cases": {name: _case_summary(name, c) for name, c in verdict["cases"].items()}}
 
 
@@ -230,11 +233,15 @@ def to_markdown(summary: dict[str, Any]) -> str:
             outcome = ("PASS" if c["passed"] else "FAIL") if verified else "unverified"
             lines.append(f"| {name} | {outcome} | {c['num_checks']} | {c['num_failed']} | "
                          f"{w.get('tensor', '')} | {w.get('metric', '')} | {_ratio(w.get('ratio'))} |")
-        close = cand.get("closest_passing")
+        close, derived = cand.get("closest_passing"), cand.get("closest_derived")
         if close:
             lines += ["", (f"- false-alarm margin: the closest passing value/bound is {_ratio(close['ratio'])} "
                            f"({close['case']}, {close['tensor']} {close['metric']}: {_ratio(close['value'])} <= "
                            f"{_ratio(close['bound'])})")]
+        if derived:
+            lines += [(f"- derivation rows (first-order rounding bounds): the closest is {_ratio(derived['ratio'])} "
+                       f"({derived['case']}, {derived['tensor']} {derived['metric']}: {_ratio(derived['value'])} <= "
+                       f"{_ratio(derived['bound'])})")]
         if summary["steps"]:
             lines += ["", "| step | checks | failed |", "| --- | --- | --- |"]
             lines += [f"| {k.removeprefix('step')} | {v['checks']} | {v['failed']} |" for k, v in summary["steps"].items()]

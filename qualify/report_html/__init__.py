@@ -54,7 +54,8 @@ def to_html(docs: RunDocs, summary: dict[str, Any], page_dir: Path | None = None
         parts.append(page.cases_overview(cases, verified))
     if cases and verified:
         href = verdict_href(docs.layout.verdict, docs.layout.root, page_dir)
-        parts += [page.margin_line((summary["candidates"] or {}).get("closest_passing")),
+        cand = summary["candidates"] or {}
+        parts += [page.margin_line(cand.get("closest_passing"), cand.get("closest_derived")),
                   rows_note(groups, caps, len(all_rows) - len(rows), href)]
     parts += [case_section(name, c, groups[name], bounds, verified) for name, c in cases.items()]
     parts += diagnosis_sections(docs.layout.root, (docs.acceptance or {}).get("digest"), verified)  # qualify diagnose

@@ -124,14 +124,19 @@ def coverage_section(coverage: dict[str, Any]) -> str:
     return '<section id="coverage"><h2>Coverage</h2>' + table(header, rows) + "</section>"
 
 
-def margin_line(closest: dict[str, Any] | None) -> str:
-    """The false-alarm margin: the passing row nearest its bound."""
-    if not closest:
-        return ""
-    ratio, case, tensor, metric, value, bound = (escape(short(closest.get(k))) for k in
-                                                 ("ratio", "case", "tensor", "metric", "value", "bound"))
-    return (f'<p id="margin">False-alarm margin: the closest passing value/bound is <b>{ratio}</b> '
-            f"({case}, {tensor} {metric}: {value} &lt;= {bound}).</p>")
+def margin_line(closest: dict[str, Any] | None, derived: dict[str, Any] | None = None) -> str:
+    """The false-alarm margin: the passing bound row nearest its bound, and the derivation row nearest its rounding
+    bound."""
+    out = ""
+    for row, element, text in ((closest, "margin", "False-alarm margin: the closest passing value/bound is"),
+                               (derived, "derived-margin", "Derivation rows (first-order rounding bounds): the closest "
+                                                           "is")):
+        if not row:
+            continue
+        ratio, case, tensor, metric, value, bound = (escape(short(row.get(k))) for k in
+                                                     ("ratio", "case", "tensor", "metric", "value", "bound"))
+        out += f'<p id="{element}">{text} <b>{ratio}</b> ({case}, {tensor} {metric}: {value} &lt;= {bound}).</p>'
+    return out
 
 
 def short(v: Any) -> str:

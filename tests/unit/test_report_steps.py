@@ -47,3 +47,10 @@ def test_the_false_alarm_margin_is_the_passing_row_closest_to_its_bound():
     assert closest_passing(rows) == {"case": "a", "tensor": "t1", "metric": "max_abs", "value": 3.0, "bound": 4.0,
                                      "ratio": 0.75}
     assert closest_passing(rows[1:3]) is None  # a failing row and a zero bound are no margin
+    # derivation rows (rounding bounds) are their own margin, apart from the bound rows'
+    derived = {"case": "d", "tensor": "step0/updates", "metric": "derived_abs", "value": 9.0, "bound": 10.0,
+               "ratio": 0.9, "passed": True, "comparison": "derived"}
+    assert closest_passing([*rows, derived])["ratio"] == 0.75
+    assert closest_passing([*rows, derived], derived=True) == {k: derived[k] for k in
+                                                                ("case", "tensor", "metric", "value", "bound", "ratio")}
+    assert closest_passing(rows, derived=True) is None
