@@ -129,8 +129,8 @@ def margin_line(closest: dict[str, Any] | None, derived: dict[str, Any] | None =
     bound."""
     out = ""
     for row, element, text in ((closest, "margin", "False-alarm margin: the closest passing value/bound is"),
-                               (derived, "derived-margin", "Derivation rows (first-order rounding bounds): the closest "
-                                                           "is")):
+                               (derived, "derived-margin",
+                                "Derivation rows (first-order rounding bounds): the closest is")):
         if not row:
             continue
         ratio, case, tensor, metric, value, bound = (escape(short(row.get(k))) for k in
