@@ -8,18 +8,19 @@ from __future__ import annotations
 
 import sys
 from datetime import datetime
+from pathlib import Path
 
 
 def main(stages_log: str, smi_csv: str) -> None:
     samples = []
-    for line in open(smi_csv):
+    for line in Path(smi_csv).read_text().splitlines():
         parts = [p.strip() for p in line.split(",")]
         if len(parts) != 3 or not parts[2].isdigit():
             continue
         t = datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
         samples.append((t, int(parts[1]), int(parts[2])))
     starts = {}
-    for line in open(stages_log):
+    for line in Path(stages_log).read_text().splitlines():
         kind, stamp, rest = line.rstrip("\n").split(" ", 2)
         if kind == "START":
             starts[rest] = float(stamp)

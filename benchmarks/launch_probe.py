@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 T0 = float(os.environ.get("PROBE_T0", "0"))
 STARTED = time.time()
@@ -31,7 +32,7 @@ def rank(engine: str, model_dir: str) -> None:
     import torch.distributed as dist
 
     mark("torch")
-    import qualify.candidate.worker  # noqa: F401  (what the real worker imports before any case)
+    import qualify.candidate.worker
 
     mark("worker")
     if engine == "megatron":
@@ -41,7 +42,7 @@ def rank(engine: str, model_dir: str) -> None:
     elif engine == "deepspeed":
         import deepspeed  # noqa: F401
     else:
-        import torch.distributed.tensor.parallel  # noqa: F401
+        import torch.distributed.tensor.parallel
         import transformers  # noqa: F401
     mark("engine_import")
     local = int(os.environ["LOCAL_RANK"])
@@ -51,7 +52,6 @@ def rank(engine: str, model_dir: str) -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
     dist.barrier()
     mark("process_group")
-    from pathlib import Path
 
     from qualify.engines.base import EngineContext
     from qualify.engines.registry import get_engine
@@ -87,12 +87,12 @@ def ab(engine: str, tp: int, model_dir: str, out: str, repeats: int) -> None:
             with open(log, "w") as f:
                 if launcher == "torchrun":
                     code = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                           f"--nproc-per-node={tp}", *cmd[1:]], env=env, stdout=f,
+                                           f"--nproc-per-node={tp}", *cmd[1:]], check=False, env=env, stdout=f,
                                           stderr=subprocess.STDOUT).returncode
                 else:
                     code = run_ranks(cmd, tp, env, f)
             wall = time.time() - float(env["PROBE_T0"])
-            text = open(log).read()
+            text = Path(log).read_text()
             marks = next((json.loads(line.split("PROBE ", 1)[1]) for line in text.splitlines() if "PROBE " in line), {})
             row = {"engine": engine, "tp": tp, "launcher": launcher, "repeat": i, "exit": code,
                    "wall_s": round(wall, 3), **marks}

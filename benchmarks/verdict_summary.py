@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 
 def finite_bound(r: dict) -> bool:
@@ -17,7 +18,7 @@ def finite_bound(r: dict) -> bool:
 
 
 def main(path: str) -> None:
-    v = json.load(open(path))
+    v = json.loads(Path(path).read_text())
     rows = v["rows"]
     print(f"{'PASSED' if v['passed'] else 'FAILED'}: {sum(c['passed'] for c in v['cases'].values())}/{len(v['cases'])}")
     failing = [r for r in rows if not r["passed"]]

@@ -84,8 +84,8 @@ def test_a_rank_launched_with_another_normalizer_stops_the_case(grpo_run, grpo_m
     import sys
     from dataclasses import replace
 
-    from qualify.case.launch import run_ranks
     from qualify.candidate.run import write_spec
+    from qualify.case.launch import run_ranks
     from qualify.case.spec import make_spec
     from qualify.models.family import model_dirs
 

@@ -310,8 +310,8 @@ def test_freeze_takes_the_norm_of_the_gradient_difference_as_the_grad_norm_contr
     expect = 0.0
     for c in (rotated, scaled):
         total = 0.0
-        for n in base_grads:
-            for x, y in zip(c[n].flatten().tolist(), base_grads[n].flatten().tolist()):
+        for n, ref in base_grads.items():
+            for x, y in zip(c[n].flatten().tolist(), ref.flatten().tolist()):
                 total += (x - y) ** 2
         expect = max(expect, math.sqrt(total))
     assert entry["control_error"] == pytest.approx(expect, rel=1e-9) and entry["control_error_of"] == NORM_TEXT

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from qualify.candidate.run import run_candidates
-from qualify.case.spec import make_spec
 from qualify.candidate.worker import run_case
+from qualify.case.spec import make_spec
 from qualify.errors import EvidenceError
 from qualify.freeze import freeze
 from qualify.layout import RunLayout

@@ -68,21 +68,21 @@ def test_ppo_default_is_unchanged():
     (edit(GRPO, grpo={"kl_estimator": "k4"}), "kl_estimator"),
     (edit(GRPO, grpo={"aggregation": "sum"}), "aggregation"),
     (edit(GRPO, grpo={"kl_coef": -0.1}), "kl_coef must be >= 0"),
-    (edit(GRPO, ppo={"minibatches": 3}), "ppo.minibatches 3 must split the 20 rows (rollout.num_prompts 5 x "
-                                         "grpo.group_size 4)"),
+    (edit(GRPO, ppo={"minibatches": 3}), ("ppo.minibatches 3 must split the 20 rows (rollout.num_prompts 5 x "
+                                         "grpo.group_size 4)")),
     (edit(GRPO, ppo={"minibatches": 10}), "into equal minibatches of whole groups"),
     (edit(GRPO, candidates={"dp": [1, 3]}), "candidates.dp 3 does not divide the 20 rows of an optimizer step"),
-    (edit(GRPO, candidates={"determinism": {"megatron": "bitwise"}}), "determinism names ['megatron'], which are "
-                                                                      "not among engines ['torch-tp', 'deepspeed']"),
-    (edit(GRPO, candidates={"determinism": {"torch-tp": "exact"}}), "determinism must be 'bitwise' or 'bounded' per "
-                                                                    "engine, got torch-tp: 'exact'"),
+    (edit(GRPO, candidates={"determinism": {"megatron": "bitwise"}}), ("determinism names ['megatron'], which are "
+                                                                      "not among engines ['torch-tp', 'deepspeed']")),
+    (edit(GRPO, candidates={"determinism": {"torch-tp": "exact"}}), ("determinism must be 'bitwise' or 'bounded' per "
+                                                                    "engine, got torch-tp: 'exact'")),
     (edit(GRPO, candidates={"dp": [0]}), "dp must list degrees >= 1"),
     (edit(GRPO, candidates={"dp": [2, 2]}), "dp lists [2] more than once"),
     (edit(GRPO, candidates={"max_ranks": 0}), "max_ranks 0 leaves no case"),
     (edit(PPO, candidates={"dp": [1, 2]}), "DP above 1 is built for algorithm grpo only"),
     (edit(GRPO, candidates={"vocab_tile": 0}), "vocab_tile must be >= 1 or null"),
-    (edit(GRPO, candidates={"vocab_tile": 48}), "candidates.vocab_tile 48 x candidates.tp 1 does not divide "
-                                                 "models.tiny vocab_size 512"),
+    (edit(GRPO, candidates={"vocab_tile": 48}), ("candidates.vocab_tile 48 x candidates.tp 1 does not divide "
+                                                 "models.tiny vocab_size 512")),
     (edit(GRPO, candidates={"vocab_tile": 64, "logprob_formula": "processed"}), "computes the full formula only"),
     (edit(PPO, grpo={"group_size": 2}), "refused otherwise (algorithm is 'ppo')"),
 ])
@@ -130,7 +130,7 @@ def test_spec_of_a_ppo_dp1_case_reads_as_before(tmp_path):
     spec = make_spec(m.case_settings, m.cases()[0], rollout_digest="r", targets_digest="t", vocab_size=512, device="cpu", **kw)
     assert "grpo" not in spec.to_json() and "dp" not in spec.to_json()  # the PPO resume key is what it was
     g = load_matrix(MATRICES / "tiny-qwen3-grpo.yaml")
-    case = [c for c in g.cases() if c.dp == 2][0]
+    case = next(c for c in g.cases() if c.dp == 2)
     gspec = make_spec(g.case_settings, case, rollout_digest="r", targets_digest="t", vocab_size=512, device="cpu", **kw)
     assert gspec.to_json()["dp"] == 2 and gspec.to_json()["grpo"]["group_size"] == 4
     (tmp_path / "spec.json").write_text(__import__("json").dumps(gspec.to_json()))

@@ -104,7 +104,7 @@ def test_zero_active_tokens_give_zero_loss_and_gradient():
     grpo = GRPO(group_size=G)
     _, logp_BT, targets = inputs()
     logp = logp_BT.clone().requires_grad_()
-    loss, out = role_objective("actor", PPO(), logp, torch.zeros(ROWS, POS, dtype=torch.bool), targets, grpo=grpo)
+    loss, _out = role_objective("actor", PPO(), logp, torch.zeros(ROWS, POS, dtype=torch.bool), targets, grpo=grpo)
     loss.backward()
     assert float(loss.detach()) == 0.0 and torch.equal(logp.grad, torch.zeros_like(logp)) and not logp.grad.isnan().any()
 

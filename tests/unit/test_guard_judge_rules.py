@@ -79,8 +79,8 @@ def test_precision_rows_skip_what_cannot_be_compared():
 
 def test_a_rank_that_reports_nothing_counts_from_zero():
     assert unexposed_padding([{"found": {"lm": 1}}]) == (
-        1, "the engine holds vocabulary rows beyond the real vocabulary that padded_rows() does not report: "
-           "rank 0: lm (1 rows)")
+        1, ("the engine holds vocabulary rows beyond the real vocabulary that padded_rows() does not report: "
+           "rank 0: lm (1 rows)"))
 
 
 def test_an_excess_exactly_at_its_margin_passes_and_a_two_element_tensor_is_judged():

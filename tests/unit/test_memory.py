@@ -13,8 +13,17 @@ import yaml
 
 from qualify.errors import SlurmError
 from qualify.matrix import load_matrix
-from qualify.memory import (GiB, Shape, Workload, candidate_need, gpu_fits, matrix_shapes, misfits, reference_needs,
-                            shape_from_config)
+from qualify.memory import (
+    GiB,
+    Shape,
+    Workload,
+    candidate_need,
+    gpu_fits,
+    matrix_shapes,
+    misfits,
+    reference_needs,
+    shape_from_config,
+)
 from qualify.slurm.profile import load_profile
 from qualify.slurm.render import render_chain
 
