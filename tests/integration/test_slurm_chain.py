@@ -62,6 +62,8 @@ STUB = textwrap.dedent('''
         out.mkdir(parents=True, exist_ok=True)
         with open(out / "starts.log", "a") as log:
             log.write(f"{restart}\\n")
+        with open(out / "pids.log", "a") as log:
+            log.write(f"{os.getpid()}\\n")
         if (out / "done.json").exists():
             print(f"stub: {case} complete, skipped")
             sys.exit(0)
@@ -189,12 +191,13 @@ def test_requeued_array_task_resumes_and_the_chain_completes(tmp_path):
     while not partial.exists():  # the held case is running and has written a partial output
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.2)
+    first = int((tmp_path / "run" / "candidates" / held / "pids.log").read_text().split()[0])
     subprocess.run(["scontrol", "requeue", task], check=True)
-    _release(task)
+    _release(task, first)
     out, err = proc.communicate()
     out = "".join(lines) + out
-    assert proc.returncode == 0, out + err
     run = tmp_path / "run"
+    assert proc.returncode == 0, out + err + _logs(run)
     assert (run / "candidates" / held / "starts.log").read_text() == "0\n1\n"  # redone after the requeue
     done = json.loads((run / "candidates" / held / "done.json").read_text())
     assert done["SLURM_RESTART_COUNT"] == "1"
@@ -225,16 +228,43 @@ def test_refused_submission_cancels_the_jobs_already_submitted(tmp_path):
     assert f"CANCELLED {tmp_path}/run/slurm/1-reference.sbatch" in jobs
 
 
-def _release(task: str) -> None:
-    """A requeued job is held cred_expire seconds; start it now once it is pending again."""
+def _logs(run: Path) -> str:
+    """The array tasks' logs and the stand-in's start records, for a failure's message."""
+    parts = [f"--- {p.relative_to(run)}\n{p.read_text()}" for p in sorted((run / "slurm" / "logs").glob("*"))]
+    parts += [f"--- {p.relative_to(run)}\n{p.read_text()}" for p in sorted((run / "candidates").glob("*/*"))]
+    return "\n".join(parts)
+
+
+def _release(task: str, first: int) -> None:
+    """A requeued job is held cred_expire seconds; start it now once it is pending again and its first run is gone.
+
+    Slurm's hold is what keeps a restart from meeting what is left of the killed run on the node (its stand-in
+    process, its step daemons); starting it early, the test waits for those to be gone itself.
+    """
     while True:
         job = scontrol_job(task)
-        if job["JobState"] == "PENDING":
+        if job["JobState"] == "PENDING" and not _alive(first) and not _step_daemons(job["JobId"]):
             subprocess.run(["scontrol", "update", f"JobId={task}", "StartTime=now"], check=True)
             return
         if job["JobState"] == "RUNNING" and job["Restarts"] != "0":
             return
         time.sleep(0.2)
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process runs (a zombie nobody reaps does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def _step_daemons(job_id: str) -> list[str]:
+    """The live slurmstepd processes of a job on this (the only) node; zombies excluded."""
+    pattern = rf"^slurmstepd: \[{job_id}\."
+    found = subprocess.run(["pgrep", "-f", pattern], check=False, capture_output=True, text=True)  # 1: none
+    return found.stdout.split()
 
 
 def _case_names() -> list[str]:
