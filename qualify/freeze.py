@@ -28,7 +28,7 @@ from qualify.hashing import file_digest
 from qualify.layout import ROLES_ALL, RunLayout
 from qualify.manifest import build_manifest
 from qualify.matrix import Freeze
-from qualify.models.checkpoint import checkpoint_tensors
+from qualify.models.checkpoint import initial_parameters
 from qualify.ppo.coverage import inert
 from qualify.reference.context import ScoringContext
 from qualify.reference.inputs import StepInputs
@@ -203,7 +203,7 @@ def freeze(run_dir: Path, name: str | None = None, log: Any = None) -> dict[str,
                 files[file] = kept
                 continue
             with log.step(f"bounds {role} {family}"):
-                before = before if before is not None else checkpoint_tensors(ctx.models[role])
+                before = before if before is not None else initial_parameters(ctx.models[role])
                 doc = family_bounds(layout, role, family, controls, rule.k, dict(rule.floors), before,
                                     objective.optimizer, rule.quantum, rule.floor_ulps,
                                     terms_of(objective, role, inputs), replays_of(ctx, role, inputs),

@@ -92,6 +92,27 @@ def _seed(name: str, value: int) -> None:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class TinyMoE:
+    """Mixture-of-experts layers for the tiny family's policies (Qwen3-MoE: every decoder layer's MLP is a router and
+    experts, top-k routing with a softmax over all experts); the critic and the reward model stay dense."""
+
+    num_experts: int = 4
+    """Experts per MoE layer."""
+    top_k: int = 2
+    """Experts each token is routed to (num_experts_per_tok)."""
+    moe_intermediate_size: int = 32
+    """Each expert's MLP width."""
+    norm_topk_prob: bool = True
+    """Renormalize the top-k routing weights to sum to 1 (Qwen3-MoE's setting)."""
+
+    def __post_init__(self) -> None:
+        _at_least(self, 2, "num_experts")
+        _at_least(self, 1, "top_k", "moe_intermediate_size")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k {self.top_k} is more than num_experts {self.num_experts}")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class TinyModel:
     """A tiny Qwen3 family made locally from a seed (no hub download)."""
 
@@ -120,6 +141,9 @@ class TinyModel:
     tie_word_embeddings: bool | None = None
     """true: actor and reference policy share the embedding with the LM head (as Qwen3-0.6B does); unset: untied
     (None rather than false, so that snapshots frozen before this key existed still compare equal)."""
+    moe: TinyMoE | None = None
+    """Mixture-of-experts policies (actor and reference policy are Qwen3-MoE; critic and reward stay dense); unset:
+    a dense family."""
 
     def __post_init__(self) -> None:
         _finite(self)
@@ -197,6 +221,10 @@ class Rollout:
     """vLLM KV-cache budget in bytes."""
     block_size: int = 32
     """vLLM KV block size (prefix caching caches full blocks only)."""
+    routing: Literal["replay", "recompute"] | None = None
+    """A MoE actor's routing in every step on the rollout: replay (the rollout's routes, recorded by the capture, pick
+    the experts; routing weights come from the live router logits, so the router still gets gradients) or recompute
+    (the trainer's own top-k). Required for a MoE family, refused for a dense one."""
 
     def __post_init__(self) -> None:
         _finite(self)
@@ -653,6 +681,12 @@ class Matrix:
                                  "holds an equal, contiguous slice and no row is dropped")
         if self.models.tiny is not None:
             t = self.models.tiny
+            if (t.moe is None) != (self.rollout.routing is None):
+                raise ValueError("rollout.routing (replay or recompute) is required for a MoE family (models.tiny.moe) "
+                                 "and refused for a dense one")
+            if t.moe is not None and "megatron" in self.candidates.engines:
+                raise ValueError("candidates.engines lists megatron, whose checkpoint conversion knows dense Qwen3 only, "
+                                 "not the MoE family of models.tiny.moe")
             self.check_family(t.num_heads, t.num_kv_heads, t.intermediate_size, t.vocab_size, "models.tiny")
             if self.rollout.max_model_len > t.max_position_embeddings:
                 raise ValueError(f"rollout.max_model_len {self.rollout.max_model_len} exceeds "

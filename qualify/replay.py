@@ -34,7 +34,7 @@ from qualify.layout import RunLayout
 from qualify.manifest import default_evidence, load_manifest, verify_manifest
 from qualify.matrix import PPO
 from qualify.metrics import max_abs
-from qualify.models.checkpoint import checkpoint_tensors
+from qualify.models.checkpoint import initial_parameters
 from qualify.ppo.decisions import differing
 from qualify.reference.context import ScoringContext
 from qualify.reference.forced import ensure_replay, sealed_replay
@@ -158,7 +158,7 @@ def bound_rows(acceptance_path: Path, doc: dict[str, Any], layout: RunLayout,
     committed_inputs = committed_step_inputs(acceptance_path, doc, objective.ppo, ctx.primary_tp, layout)
     decided: dict[str, Any] = {}
     for role in ROLES:
-        before = checkpoint_tensors(ctx.models[role])
+        before = initial_parameters(ctx.models[role])
         for precision in matrix.reference.precisions:
             family = f"{precision}-repeat"
             ref_run = acc.reference_run(role, family)

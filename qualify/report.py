@@ -14,7 +14,7 @@ from typing import Any
 from qualify.errors import EvidenceError
 from qualify.hardware import describe
 from qualify.layout import RunLayout
-from qualify.reference.mismatch_text import evidence_line, mismatch_lines
+from qualify.reference.mismatch_text import evidence_line, mismatch_lines, routing_lines
 from qualify.report_verify import CASE_NAME, Verification, discover_rounds, readable, verify_run
 from qualify.store import read_json, read_json_object, tree_bytes
 
@@ -143,6 +143,7 @@ def summarize_docs(docs: RunDocs, verification: Verification) -> dict[str, Any]:
         "rollout_digest": ref["rollout_digest"],
         "tp_agreement": ref["tp_agreement"],
         "rollout_mismatch": ref["rollout_mismatch"],
+        "routing_agreement": ref.get("routing_agreement"),
         "controls": ref["controls"],
         "acceptance": None if acc is None else {"digest": acc.get("digest"), "num_artifacts": len(acc.get("files", [])),
                                                 "k": acc.get("rule", {}).get("k"),
@@ -206,6 +207,7 @@ def to_markdown(summary: dict[str, Any]) -> str:
         else:
             lines.append(f"- train-vs-rollout {precision}: {mm['num_not_bitwise']}/{mm['num_tokens']} not bitwise, "
                          f"max |delta| {_ratio(mm['max_abs'])}, mean {_ratio(mm['mean_abs'])}")
+    lines += [f"- {line.strip()}" for line in routing_lines(summary.get("routing_agreement"))]
     platform = summary["provenance"].get("platform")
     if platform:
         lines.append(f"- platform: {describe(platform)}")

@@ -241,7 +241,7 @@ def rejudge_problems(layout: RunLayout, reference: dict[str, Any], acceptance: d
     """Judge every named case again from its sealed evidence and compare with the verdict's rows."""
     from qualify.candidate.run import judge_case
     from qualify.matrix import Case, Matrix
-    from qualify.models.checkpoint import checkpoint_tensors
+    from qualify.models.checkpoint import initial_parameters
     from qualify.reference.context import ScoringContext
     from qualify.schema import from_dict
 
@@ -256,7 +256,7 @@ def rejudge_problems(layout: RunLayout, reference: dict[str, Any], acceptance: d
         case = Case(engine=parts["engine"], precision=parts["precision"], tp=int(parts["tp"]), role=parts["role"],
                     dp=int(parts["dp"] or 1))
         if case.role not in befores:
-            befores[case.role] = checkpoint_tensors(models[case.role])
+            befores[case.role] = initial_parameters(models[case.role])
         try:
             judged = [r.to_json() for r in judge_case(ctx, case, bounds, befores[case.role],
                                                       frozenset(names))]  # sealed_problems verified every named case

@@ -44,7 +44,7 @@ def probe_layouts(engine: Any, batch: Batch) -> dict[str, dict[str, Any]]:
         combined = torch.empty_like(whole)
         for rows in groups:
             index = torch.tensor(rows)
-            part = engine.score(Batch(input_ids_BT=batch.input_ids_BT[index], response_mask_BT=batch.response_mask_BT[index]))
+            part = engine.score(batch.rows(index))
             combined[index] = part.detach().float().cpu()
         differs = (combined != whole) & mask
         delta = (combined - whole).abs()[mask]

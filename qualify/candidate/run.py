@@ -38,7 +38,7 @@ from qualify.engines.registry import require_engine
 from qualify.errors import EvidenceError, QualifyError
 from qualify.layout import RunLayout, launch_log, work_dir
 from qualify.matrix import Candidates, Case, Matrix
-from qualify.models.checkpoint import checkpoint_tensors
+from qualify.models.checkpoint import initial_parameters
 from qualify.reference.context import ScoringContext
 from qualify.stagelog import StageLog
 from qualify.stages import stage_info, stage_is_complete
@@ -253,7 +253,7 @@ def run_candidates(matrix: Matrix, run_dir: Path, *, acceptance: Path | None = N
     for _, group in itertools.groupby(sorted(cases, key=lambda c: (c.tp, c.dp, c.engine)),
                                       key=lambda c: (c.engine, c.tp, c.dp)):
         errors |= run_group(layout, list(group), specs, device, log)
-    befores = {role: checkpoint_tensors(path) for role, path in models.items()}
+    befores = {role: initial_parameters(path) for role, path in models.items()}
     rows: list[Row] = []
     verified = frozenset(c.name for c in cases if c.name not in errors)  # run_group checked each seal
     inputs = ctx.inputs()

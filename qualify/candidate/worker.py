@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from qualify.candidate.agreement import agree_case
-from qualify.candidate.derived import sampler_check
+from qualify.candidate.derived import replay_check, sampler_check
 from qualify.candidate.dp import dp_group, gather_outputs, rank_rows
 from qualify.candidate.imported import KEY as IMPORTED_KEY
 from qualify.candidate.imported import record as record_imported
@@ -36,13 +36,13 @@ from qualify.candidate.plugin_contract import (
 from qualify.case.context import Batch
 from qualify.case.launch import record_failure
 from qualify.case.ranks import init_distributed
-from qualify.case.spec import CaseSpec, engine_context, read_spec
+from qualify.case.spec import CaseSpec, case_batch, engine_context, read_spec
 from qualify.compare import step_dir, write_step
 from qualify.engines.registry import get_engine
 from qualify.errors import EngineError, EvidenceError
 from qualify.hashing import file_digest
 from qualify.layout import work_dir
-from qualify.models.checkpoint import checkpoint_tensors
+from qualify.models.checkpoint import initial_parameters
 from qualify.ppo.objective import grpo_dp_share, grpo_share, role_objective, rows_of, step_rows
 from qualify.rollout.capture import load_rollout
 from qualify.stages import complete_stage, prepare_stage
@@ -114,6 +114,15 @@ def worst_by_step(by_rank: list[list[dict[str, Any] | None]]) -> list[dict[str, 
     return [max(step, key=lambda w: w["ratio"]) for step in zip(*by_rank, strict=True)]
 
 
+def replay_by_step(by_rank: list[list[dict[str, Any] | None]]) -> list[dict[str, Any] | None]:
+    """Per step, the rank whose routes differ most from the batch's (qualify.candidate.derived.replay_check); None
+    for a step where any rank's engine gave no routes."""
+    out = []
+    for step in zip(*by_rank, strict=True):
+        out.append(None if any(r is None for r in step) else max(step, key=lambda r: r["differ"]))
+    return out
+
+
 def gather_replicas(local: dict[str, torch.Tensor]) -> dict[str, float]:
     """Max |difference| of each replicated parameter between this rank and every other (0 means identical)."""
     world = dist.get_world_size()
@@ -161,19 +170,22 @@ def run_case(spec: CaseSpec, rank: int) -> None:
     group = dp_group(spec.tp, spec.dp, rank)
     check_objective_signature(engine, spec.engine, spec.grpo is not None)
     engine.setup(ctx)
-    before = checkpoint_tensors(Path(spec.model_dir))
+    before = initial_parameters(Path(spec.model_dir))
     padded_before = {k: v.detach().clone() for k, v in engine.padded_rows().items()}
     padding = {"found": padding_found(engine, before, spec.vocab_size, spec.tp, ctx.tp_rank),
                "exposed": exposed_rows(padded_before)}
-    steps, grad_dtypes, params, sampler, layout = [], {}, {}, [], None
+    steps, grad_dtypes, params, sampler, layout, replayed = [], {}, {}, [], None, []
     for step in step_rows(rollout["input_ids_BT"].shape[0], spec.ppo.epochs, spec.ppo.minibatches):
         rows, offset = rank_rows(step, spec.dp, ctx.dp_rank)
-        batch = Batch(input_ids_BT=rollout["input_ids_BT"][rows], response_mask_BT=rollout["response_mask_BT"][rows])
+        batch = case_batch(spec, rollout, rows)
         if layout is None:  # before the first step: the step-0 rows in other layouts, no gradient
             layout = probe_layouts(engine, batch)
         share = step_share(spec, rows_of(targets, rows), batch.response_mask_BT, offset, group)
         scores_BT = engine.score(batch)
         sampler.append(own_logits_check(engine, spec, scores_BT, batch, offset))
+        if batch.routes_BTLK is not None:
+            hook = getattr(engine, "routes", None)
+            replayed.append(replay_check(hook() if hook is not None else None, batch.routes_BTLK, offset))
         loss, outputs = objective(engine, spec, scores_BT, batch, rows_of(targets, rows), share)
         report_logprobs(engine, outputs, batch)
         engine.backward(loss)
@@ -191,6 +203,7 @@ def run_case(spec: CaseSpec, rank: int) -> None:
     padded = gather_by_rank(padded_rows_report(padded_before, engine.padded_rows()))
     padding_by_rank = gather_all(padding)
     sampler_by_rank = gather_all(sampler)
+    replayed_by_rank = gather_all(replayed)
     layout_by_rank = gather_all(layout or {})
     engine.close()
     if rank == 0:
@@ -203,6 +216,7 @@ def run_case(spec: CaseSpec, rank: int) -> None:
                 "replica_max_abs": replicas, "padded_rows": padded, "padding": padding_by_rank, "extra_params": sorted(set(params) - set(before)),
                 "num_steps": len(steps), "own_objective": hasattr(engine, "objective"), "contract": contract,
                 "sampler_derivation": worst_by_step(sampler_by_rank), "layout": merge_ranks(layout_by_rank),
+                **({"routing_replay": replay_by_step(replayed_by_rank)} if replayed else {}),
                 "case": spec.to_json(), "seconds": round(time.monotonic() - started, 3), **provenance()}
         write_json(out / "meta.json", json_safe(meta))
         key = (spec.resume_key or {}) | {IMPORTED_KEY: record_imported(work_dir(spec.case_dir))}

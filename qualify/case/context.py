@@ -24,6 +24,15 @@ class Batch:
 
     input_ids_BT: torch.Tensor  # (B, T) int64, prompt then response then padding
     response_mask_BT: torch.Tensor  # (B, T) bool, True on sampled response tokens
+    routes_BTLK: torch.Tensor | None = None
+    """A MoE actor's routes to replay (ctx.routing 'replay'): (B, T, MoE layers, top_k) int32, the experts the
+    rollout engine routed the token at each position to, in its order of weight; -1 where it fed no token (padding,
+    each row's last token: the engine's own top-k stands there). None: route afresh."""
+
+    def rows(self, index) -> Batch:
+        """The batch's rows at index (a slice or an index tensor), routes included."""
+        return Batch(input_ids_BT=self.input_ids_BT[index], response_mask_BT=self.response_mask_BT[index],
+                     routes_BTLK=None if self.routes_BTLK is None else self.routes_BTLK[index])
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +76,9 @@ class EngineContext:
 
     vocab_tile: int | None = None
     """candidates.vocab_tile: the deterministic vocab-parallel logprob path with tiles of this width (torch-tp)."""
+    routing: str | None = None
+    """rollout.routing of a MoE family: 'replay' (every batch carries the rollout's routes, Batch.routes_BTLK, which
+    the actor must route by while its routing weights come from its live router) or 'recompute'; None: dense."""
 
     @property
     def tp_rank(self) -> int:

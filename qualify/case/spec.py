@@ -11,7 +11,9 @@ from qualify.schema import from_dict, to_dict
 from qualify.store import read_json
 
 if TYPE_CHECKING:
-    from qualify.case.context import EngineContext
+    import torch
+
+    from qualify.case.context import Batch, EngineContext
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -52,6 +54,8 @@ class CaseSpec:
     """candidates.vocab_tile: torch-tp's deterministic vocab-parallel logprob path with tiles of this width."""
     layout_invariant: bool = False
     """The engine is among candidates.layout_invariant: its layout probe is judged (qualify.candidate.layout_probe)."""
+    routing: str | None = None
+    """rollout.routing of a MoE family: 'replay' hands the actor the rollout's routes with every batch."""
 
     @property
     def world_size(self) -> int:
@@ -61,7 +65,7 @@ class CaseSpec:
         """The spec as JSON; grpo and dp only when set, so a PPO DP1 spec (and its resume key) reads as before."""
         data = to_dict(self)
         for key, default in (("grpo", None), ("dp", 1), ("determinism", "bounded"), ("vocab_tile", None),
-                             ("layout_invariant", False)):
+                             ("layout_invariant", False), ("routing", None)):
             if data[key] == default:
                 del data[key]
         return data
@@ -78,7 +82,7 @@ def make_spec(settings: CaseSettings, case: Case, *, model_dir: Path, rollout_di
                     vocab_size=vocab_size, ppo=o.ppo, optimizer=o.optimizer, device=device,
                     logprob_formula=c.logprob_formula, top_k=r.top_k, top_p=r.top_p, min_p=r.min_p, grpo=o.grpo,
                     dp=case.dp, determinism=c.determinism.get(case.engine, "bounded"), vocab_tile=c.vocab_tile,
-                    layout_invariant=case.engine in c.layout_invariant)
+                    layout_invariant=case.engine in c.layout_invariant, routing=r.routing)
 
 
 def read_spec(path: Path) -> CaseSpec:
@@ -94,5 +98,18 @@ def engine_context(spec: CaseSpec, rank: int, work: Path, *, dp: int | None = No
                          model_dir=Path(spec.model_dir), optimizer=spec.optimizer, temperature=spec.temperature,
                          logprob_chunk_tokens=spec.logprob_chunk_tokens, vocab_size=spec.vocab_size, work_dir=work,
                          logprob_formula=spec.logprob_formula, top_k=spec.top_k, top_p=spec.top_p, min_p=spec.min_p,
-                         dp=spec.dp if dp is None else dp, vocab_tile=spec.vocab_tile)
+                         dp=spec.dp if dp is None else dp, vocab_tile=spec.vocab_tile, routing=spec.routing)
 
+
+def case_batch(spec: CaseSpec, rollout: dict[str, torch.Tensor], rows: slice) -> Batch:
+    """The rollout's rows as the engine's batch: a MoE actor replaying routes gets the rollout's routes of them."""
+    from qualify.case.context import Batch
+    from qualify.errors import EvidenceError
+
+    routes = None
+    if spec.routing == "replay" and spec.role == "actor":
+        if "routes_BTLK" not in rollout:
+            raise EvidenceError("rollout.routing is replay, but the rollout holds no routes (routes_BTLK)")
+        routes = rollout["routes_BTLK"][rows]
+    return Batch(input_ids_BT=rollout["input_ids_BT"][rows], response_mask_BT=rollout["response_mask_BT"][rows],
+                 routes_BTLK=routes)

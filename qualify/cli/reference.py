@@ -49,7 +49,7 @@ def main(
         typer.echo(f"rollout captured under {run_dir}/reference/rollout")
         return
     from qualify.hardware import describe
-    from qualify.reference.mismatch_text import evidence_line, mismatch_lines
+    from qualify.reference.mismatch_text import evidence_line, mismatch_lines, routing_lines
 
     typer.echo(f"reference complete: {run_dir}/reference  rollout {summary['rollout_digest'][:19]}  "
                f"controls {', '.join(summary['controls'])}")
@@ -61,3 +61,5 @@ def main(
     for precision, mm in summary["rollout_mismatch"].items():
         for line in mismatch_lines(precision, mm):
             typer.echo(line)
+    for line in routing_lines(summary.get("routing_agreement")):
+        typer.echo(line)

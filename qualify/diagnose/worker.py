@@ -15,9 +15,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from qualify.bounds.layers import LAYERS_FILE
-from qualify.case.context import Batch
 from qualify.case.ranks import init_distributed
-from qualify.case.spec import engine_context, read_spec
+from qualify.case.spec import case_batch, engine_context, read_spec
 from qualify.engines.registry import get_engine
 from qualify.layout import work_dir
 from qualify.ppo.objective import step_rows
@@ -32,7 +31,7 @@ def main() -> None:
     rank = init_distributed(spec)
     rollout = load_rollout(Path(spec.rollout_dir), spec.rollout_digest)
     rows = step_rows(rollout["input_ids_BT"].shape[0], spec.ppo.epochs, spec.ppo.minibatches)[0]
-    batch = Batch(input_ids_BT=rollout["input_ids_BT"][rows], response_mask_BT=rollout["response_mask_BT"][rows])
+    batch = case_batch(spec, rollout, rows)
     work = work_dir(out)
     work.mkdir(parents=True, exist_ok=True)
     engine = get_engine(spec.engine)

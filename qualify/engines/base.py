@@ -10,6 +10,8 @@ Face name, so the verdict compares name for name with the reference.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Protocol
 
 from qualify.case.context import Batch, EngineContext
@@ -27,6 +29,8 @@ class OutputScoring:
 
     ctx: EngineContext
     last_logits: torch.Tensor | None = None
+    last_routes: torch.Tensor | None = None
+    """The experts a MoE model's routers returned in the last score() (routed()); None for a dense model."""
     declared_BT: torch.Tensor | None = None
     """The last score()'s logprobs in the declared formula (None until score() runs, or for a subclass whose own
     score() does not set it: the worker then judges score()'s values)."""
@@ -40,6 +44,21 @@ class OutputScoring:
         self.last_logits = out_BTX.detach() if self.ctx.role == "actor" else None
         return scores_from_outputs(self.ctx.role, out_BTX, ids_BT, self.ctx.temperature,
                                    self.ctx.logprob_chunk_tokens, self.ctx.vocab_size).cpu()
+
+    @contextmanager
+    def routed(self, model: torch.nn.Module, batch: Batch) -> Iterator[None]:
+        """Record, for the routes() hook, the experts every MoE router of an HF model returns during the block (one
+        forward of batch)."""
+        from qualify.models.routing import moe_routers, own_routes_BTLK, routing
+
+        own: list = []
+        with routing(model, None, own):
+            yield
+        self.last_routes = own_routes_BTLK(own, *batch.input_ids_BT.shape) if moe_routers(model) else None
+
+    def routes(self) -> torch.Tensor | None:
+        """(B, T, MoE layers, top_k) experts the last score() routed each token to; None for a dense model."""
+        return self.last_routes
 
     def logprobs(self) -> torch.Tensor | None:
         """The last score()'s logprobs in the declared formula (None: score()'s own, the full formula)."""
@@ -101,6 +120,11 @@ class TrainEngine(Protocol):
     #   objective(role, ppo, scores_BT, response_mask_BT, targets) -> (loss, outputs)
     # returning the outputs qualify.ppo.objective.role_objective returns (actor: logprobs_BT, ratio_BT, kl_BT,
     # kl_mean, clip_frac; critic: values_BT, clip_frac); the harness then judges those instead of its own.
+    # Optional: a MoE engine implements
+    #   routes() -> Tensor | None
+    # the (B, T, MoE layers, top_k) expert ids its last score() routed each token to (OutputScoring.routed records them
+    # from an HF model's routers); with rollout.routing replay the harness holds them to the batch's routes_BTLK on
+    # every token the rollout fed (qualify.candidate.derived.replay_rows). Without it the replay is not verified.
     # Optional: an engine that exposes its per-layer activations implements
     #   layer_outputs(batch) -> dict[str, Tensor]
     # full (unsharded) fp32 (B, T, H) outputs of one no-grad forward, named after the HF modules

@@ -205,7 +205,9 @@ class DeepSpeedEngine(OutputScoring):
     def score(self, batch: Batch) -> torch.Tensor:
         device = next(self.engine.module.parameters()).device
         ids_BT = batch.input_ids_BT.to(device)
-        return self.scores_from(self.engine(input_ids=ids_BT, use_cache=False).logits, ids_BT)
+        with self.routed(self.engine.module, batch):  # routes afresh: this engine does not replay a rollout's
+            logits = self.engine(input_ids=ids_BT, use_cache=False).logits
+        return self.scores_from(logits, ids_BT)
 
     def layer_outputs(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Full fp32 outputs of every decoder layer's modules and the final norm (qualify diagnose): AutoTP keeps

@@ -6,33 +6,74 @@ so their gradients are partial sums: they are all-reduced across TP before clipp
 transformers' own tp plan calls replicated_with_grad_allreduce). BF16 runs a bf16 copy of the
 sharded model and keeps FP32 master parameters, FP32 gradients and FP32 AdamW state.
 With DP (ctx.dp > 1) the ranks form a (dp, tp) mesh and gradients are summed over the DP ranks after backward.
+A Qwen3-MoE model keeps its routers and experts replicated (every rank routes every token and runs every expert on
+the replicated hidden states; only attention and the LM head are sharded), and replays a batch's routes by its own
+router forward (routes_replayed).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
 from qualify.engines.base import Batch, EngineContext, OutputScoring
-from qualify.models.hf import dtype_name, load_model
+from qualify.errors import EngineError
+from qualify.models.hf import dtype_name, load_model, model_type
 from qualify.models.precision import torch_dtype
 
 GRAD_ALLREDUCE_SUFFIXES = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 
 
-def tp_plan(role: str, vocab_parallel: bool = False) -> dict:
-    """The TP plan; vocab_parallel: the LM head's output stays sharded over the vocabulary (each rank its columns)."""
+def tp_plan(role: str, vocab_parallel: bool = False, moe: bool = False) -> dict:
+    """The TP plan; vocab_parallel: the LM head's output stays sharded over the vocabulary (each rank its columns);
+    moe: the MLPs are routers and experts, kept whole on every rank."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     plan = {}
-    for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+    mlp = () if moe else ("mlp.gate_proj", "mlp.up_proj")
+    for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", *mlp):
         plan[f"model.layers.*.{proj}"] = ColwiseParallel()
-    for proj in ("self_attn.o_proj", "mlp.down_proj"):
+    for proj in ("self_attn.o_proj", *(() if moe else ("mlp.down_proj",))):
         plan[f"model.layers.*.{proj}"] = RowwiseParallel()
     if role == "actor":
         plan["lm_head"] = ColwiseParallel(output_layouts=Shard(-1) if vocab_parallel else Replicate())
     return plan
+
+
+@contextmanager
+def routes_replayed(model: torch.nn.Module, routes_BTLK: torch.Tensor | None) -> Iterator[None]:
+    """torch-tp's routing replay: while the block runs, each MoE layer's router (mlp.gate) takes its experts from
+    routes_BTLK (B, T, MoE layers, top_k; -1: its own top-k) and its weights from its live softmax over every expert,
+    renormalized over the chosen ones as the router does. Nothing changes when routes_BTLK is None."""
+    gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    if routes_BTLK is None or not gates:
+        yield
+        return
+    if routes_BTLK.shape[2] != len(gates):
+        raise EngineError(f"the batch holds routes of {routes_BTLK.shape[2]} MoE layers, the model has {len(gates)}")
+    device = gates[0].weight.device
+    for layer, gate in enumerate(gates):
+        given = routes_BTLK[:, :, layer].reshape(-1, routes_BTLK.shape[-1]).to(device=device, dtype=torch.long)
+
+        def forward(hidden, gate=gate, given=given):
+            logits = torch.nn.functional.linear(hidden.reshape(-1, gate.hidden_dim), gate.weight)
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            experts = torch.where(given < 0, torch.topk(probs, gate.top_k, dim=-1).indices, given)
+            weights = probs.gather(1, experts)
+            if gate.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return logits, weights.to(logits.dtype), experts
+
+        gate.forward = forward
+    try:
+        yield
+    finally:
+        for gate in gates:
+            del gate.forward  # the class's forward again
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -84,11 +125,12 @@ class TorchTPEngine(OutputScoring):
             self.mesh, self.dp_group = init_device_mesh(device_type, (ctx.tp,)), None
         self.vocab_parallel = ctx.vocab_tile is not None and ctx.role == "actor"
         self.master = load_model(ctx.model_dir, ctx.role, "sdpa").to(ctx.device)
-        parallelize_module(self.master, self.mesh, tp_plan(ctx.role, self.vocab_parallel))
+        plan = tp_plan(ctx.role, self.vocab_parallel, moe=model_type(ctx.model_dir) == "qwen3_moe")
+        parallelize_module(self.master, self.mesh, plan)
         self.compute = self.master
         if ctx.precision != "fp32":
             self.compute = load_model(ctx.model_dir, ctx.role, "sdpa", torch_dtype(ctx.precision)).to(ctx.device)
-            parallelize_module(self.compute, self.mesh, tp_plan(ctx.role, self.vocab_parallel))
+            parallelize_module(self.compute, self.mesh, plan)
             with torch.no_grad():
                 for mp, cp in zip(self.master.parameters(), self.compute.parameters()):
                     local(cp).copy_(local(mp))
@@ -98,9 +140,10 @@ class TorchTPEngine(OutputScoring):
 
     def score(self, batch: Batch) -> torch.Tensor:
         ids_BT = batch.input_ids_BT.to(self.ctx.device)
-        if self.vocab_parallel:
-            return self.vocab_parallel_scores(ids_BT)
-        return self.scores_from(local(self.compute(input_ids=ids_BT, use_cache=False).logits), ids_BT)
+        with self.routed(self.compute, batch), routes_replayed(self.compute, batch.routes_BTLK):
+            if self.vocab_parallel:
+                return self.vocab_parallel_scores(ids_BT)
+            return self.scores_from(local(self.compute(input_ids=ids_BT, use_cache=False).logits), ids_BT)
 
     def vocab_parallel_scores(self, ids_BT: torch.Tensor) -> torch.Tensor:
         """(B, T) logprobs by the deterministic vocab-parallel path (qualify.ppo.vocab_parallel) from this rank's
@@ -123,7 +166,8 @@ class TorchTPEngine(OutputScoring):
         """Full fp32 outputs of every decoder layer's modules and the final norm (qualify diagnose)."""
         from qualify.models.hooks import capture_layer_outputs
 
-        return capture_layer_outputs(self.compute, batch.input_ids_BT)
+        with routes_replayed(self.compute, batch.routes_BTLK):
+            return capture_layer_outputs(self.compute, batch.input_ids_BT)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()

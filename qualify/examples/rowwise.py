@@ -23,7 +23,7 @@ class RowwiseEngine(TorchTPEngine):
     def score(self, batch: Batch) -> torch.Tensor:
         scores, declared, logits = [], [], []
         for b in range(batch.input_ids_BT.shape[0]):
-            row = Batch(input_ids_BT=batch.input_ids_BT[b:b + 1], response_mask_BT=batch.response_mask_BT[b:b + 1])
+            row = batch.rows(slice(b, b + 1))
             scores.append(super().score(row))
             declared.append(self.declared_BT)
             logits.append(self.last_logits)

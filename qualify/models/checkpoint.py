@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -21,6 +22,34 @@ def checkpoint_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
             if name in out:
                 raise EvidenceError(f"{model_dir}: tensor {name} appears in more than one shard")
             out[name] = tensor
+    return out
+
+
+_EXPERT = re.compile(r"(?P<prefix>.+\.mlp\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
+
+
+def initial_parameters(model_dir: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under the names and in the layout of the loaded model's parameters (what every stage's
+    evidence names): a Qwen3-MoE checkpoint stores each expert's gate_proj, up_proj and down_proj on its own, which
+    transformers loads as one gate_up_proj (E, 2 x I, H: gate rows, then up rows) and one down_proj (E, H, I) per
+    layer; a dense checkpoint's tensors are its parameters as they are."""
+    tensors = checkpoint_tensors(model_dir)
+    experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    out = {}
+    for name, tensor in tensors.items():
+        m = _EXPERT.fullmatch(name)
+        if m is None:
+            out[name] = tensor
+        else:
+            experts.setdefault(m["prefix"], {}).setdefault(m["proj"], {})[int(m["index"])] = tensor
+    for prefix, projs in experts.items():
+        count = len(projs.get("gate_proj", {}))
+        if any(sorted(projs.get(p, {})) != list(range(count)) for p in ("gate_proj", "up_proj", "down_proj")):
+            raise EvidenceError(f"{model_dir}: {prefix} does not hold gate_proj, up_proj and down_proj of experts "
+                                f"0..{count - 1}")
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([projs["gate_proj"][e], projs["up_proj"][e]], 0)
+                                                     for e in range(count)])
+        out[f"{prefix}.down_proj"] = torch.stack([projs["down_proj"][e] for e in range(count)])
     return out
 
 

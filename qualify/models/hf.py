@@ -24,17 +24,37 @@ LM_ROLES = ("actor", "reference")
 """Roles whose checkpoint is a causal LM; the others (critic, reward) have a one-label scalar head."""
 
 
-def hf_class(role: str):
-    """The HF class of a role: causal LM for the actor and the reference policy, token classification else."""
-    from transformers import Qwen3ForCausalLM, Qwen3ForTokenClassification
+MODEL_TYPES = ("qwen3", "qwen3_moe")
+"""The checkpoints' model_type: dense Qwen3 and Qwen3-MoE."""
 
-    return Qwen3ForCausalLM if role in LM_ROLES else Qwen3ForTokenClassification
+
+def hf_class(role: str, model_type: str = "qwen3"):
+    """The HF class of a role: causal LM for the actor and the reference policy, token classification else; Qwen3 or
+    Qwen3-MoE by the checkpoint's model_type."""
+    import transformers
+
+    if model_type not in MODEL_TYPES:
+        raise EngineError(f"model_type {model_type!r} is not one qualify loads ({', '.join(MODEL_TYPES)})")
+    prefix = "Qwen3Moe" if model_type == "qwen3_moe" else "Qwen3"
+    return getattr(transformers, prefix + ("ForCausalLM" if role in LM_ROLES else "ForTokenClassification"))
+
+
+def model_type(model_dir: Path) -> str:
+    """The checkpoint's model_type (config.json)."""
+    import json
+
+    config = Path(model_dir) / "config.json"
+    try:
+        return json.loads(config.read_text())["model_type"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise EngineError(f"{config}: no readable model_type ({exc})") from None
 
 
 def load_model(model_dir: Path, role: str, attn_impl: str = "sdpa", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """Load the role's HF checkpoint in dtype (fp32: the master weights), in eval mode, with no dropout active."""
     quiet_transformers()
-    model = hf_class(role).from_pretrained(str(model_dir), dtype=dtype, attn_implementation=attn_impl)
+    cls = hf_class(role, model_type(model_dir))
+    model = cls.from_pretrained(str(model_dir), dtype=dtype, attn_implementation=attn_impl)
     return model.eval()
 
 

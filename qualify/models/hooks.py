@@ -95,22 +95,26 @@ def capture_outputs(modules: Iterator[tuple[str, torch.nn.Module]], forward: Cal
 
 
 def capture_layer_outputs(model: torch.nn.Module, input_ids_BT: torch.Tensor, microbatches: int = 1,
-                          reverse_rows: bool = False) -> dict[str, torch.Tensor]:
+                          reverse_rows: bool = False, routes_BTLK: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """(B, T, H) fp32 output of every hooked module of an HF model for input_ids_BT (rows in their given order).
 
     microbatches and reverse_rows run the forward the way a reference control runs it (row split,
     reversed row order); the captured rows are put back in input order, so every control's tensors
-    line up with r0's row for row.
+    line up with r0's row for row. routes_BTLK: a MoE model's replayed routes of those rows (qualify.models.routing).
     """
+    from qualify.models.routing import routing
+
     order = torch.arange(input_ids_BT.shape[0])
     if reverse_rows:
         order = order.flip(0)
     ids_BT = input_ids_BT[order].to(next(model.parameters()).device)
+    routes = None if routes_BTLK is None else routes_BTLK[order]
     step = -(-ids_BT.shape[0] // microbatches)
 
     def forward() -> None:
         for start in range(0, ids_BT.shape[0], step):
-            model(input_ids=ids_BT[start:start + step], use_cache=False)
+            with routing(model, None if routes is None else routes[start:start + step]):
+                model(input_ids=ids_BT[start:start + step], use_cache=False)
 
     out = capture_outputs(hooked_modules(model), forward)
     undo = torch.argsort(order)

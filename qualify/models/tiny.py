@@ -17,12 +17,24 @@ from qualify.stages import complete_stage, fingerprint, prepare_stage, reuse_com
 SEED_OFFSETS = {"actor": 0, "reference": 1, "critic": 2, "reward": 3}
 
 
+def is_moe_role(spec: TinyModel, role: str) -> bool:
+    """Whether the role is a Qwen3-MoE model: the policies (actor and reference) of a family with a moe section."""
+    return spec.moe is not None and role in ("actor", "reference")
+
+
 def tiny_config(spec: TinyModel, role: str):
-    """transformers Qwen3Config for one role of the tiny family."""
-    from transformers import Qwen3Config
+    """transformers Qwen3Config (Qwen3MoeConfig for a MoE family's policies) for one role of the tiny family."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
 
     extra = {"num_labels": 1, "classifier_dropout": 0.0} if role in ("critic", "reward") else {}
-    return Qwen3Config(
+    cls = Qwen3Config
+    if is_moe_role(spec, role):
+        cls = Qwen3MoeConfig
+        # every layer sparse (decoder_sparse_step 1, no mlp_only_layers); no router auxiliary loss in the outputs
+        extra = {"num_experts": spec.moe.num_experts, "num_experts_per_tok": spec.moe.top_k,
+                 "moe_intermediate_size": spec.moe.moe_intermediate_size, "norm_topk_prob": spec.moe.norm_topk_prob,
+                 "decoder_sparse_step": 1, "mlp_only_layers": [], "output_router_logits": False}
+    return cls(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -46,13 +58,13 @@ def tiny_config(spec: TinyModel, role: str):
 def build_tiny_model(spec: TinyModel, role: str):
     """The role's model with weights drawn from spec.seed + the role's offset (fp32)."""
     import torch
-    from transformers import Qwen3ForCausalLM, Qwen3ForTokenClassification
 
     from qualify.models.checkpoint import quiet_transformers
+    from qualify.models.hf import hf_class
 
     quiet_transformers()
     config = tiny_config(spec, role)
-    cls = Qwen3ForCausalLM if role in ("actor", "reference") else Qwen3ForTokenClassification
+    cls = hf_class(role, config.model_type)
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(spec.seed + SEED_OFFSETS[role])
@@ -61,6 +73,9 @@ def build_tiny_model(spec: TinyModel, role: str):
             if name.endswith("norm.weight"):
                 # Norm weights of 1 would hide a norm applied to the wrong shard: draw them around 1.
                 torch.nn.init.normal_(param, mean=1.0, std=spec.initializer_range)
+            if name.endswith("mlp.gate.weight"):
+                # A MoE router starts at zero (every expert equally likely, ties broken by index): draw it.
+                torch.nn.init.normal_(param, std=spec.initializer_range)
         if role in ("critic", "reward"):
             # The default init leaves a zero-ish scalar head; draw it like every other weight.
             torch.nn.init.normal_(model.score.weight, std=spec.initializer_range)

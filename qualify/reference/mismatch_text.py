@@ -31,3 +31,16 @@ def evidence_line(e: dict) -> str:
             f"{e['full_runs_bytes'] / mb:.1f} MB" + (f" ({per:g} bytes per parameter per step)" if per else "")
             + f", {e['summaries']} control(s) kept as summaries {e['summaries_bytes'] / mb:.1f} MB, replays "
             f"{e['replays_bytes'] / mb:.1f} MB")
+
+
+def routing_lines(ra: dict | None) -> list[str]:
+    """A MoE rollout's routes against the fp32 reference's own routing, per layer (nothing for a dense actor)."""
+    if not ra:
+        return []
+    lines = [(f"  routing ({ra['routing']}): the rollout's routes vs the fp32 reference's own top-k at the rollout's "
+             "weights")]
+    for a in ra["reference_fp32_vs_rollout"]:
+        layer = (ra.get("moe_layers") or [])[a["layer"]] if ra.get("moe_layers") else a["layer"]
+        lines.append(f"    layer {layer}: {a['tokens_differ']}/{a['tokens']} tokens route to other experts, "
+                     f"{a['pairs_differ']}/{a['pairs']} (token, slot) pairs differ")
+    return lines

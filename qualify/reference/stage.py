@@ -161,7 +161,7 @@ class Scoring:
         alone (qualify.reference.summary), an r0 in full with its record."""
         import torch
 
-        from qualify.models.checkpoint import checkpoint_tensors
+        from qualify.models.checkpoint import initial_parameters
         from qualify.models.hf import load_model
         from qualify.reference.step import run_role
         from qualify.reference.summary import (
@@ -193,7 +193,7 @@ class Scoring:
         if ctx.reference.evidence != "summary" or not recorded_families(name, self.controls):
             write_role(out, result, info)
             return
-        record = control_record(ctx, role, name, result, self.controls, checkpoint_tensors(self.models[role]))
+        record = control_record(ctx, role, name, result, self.controls, initial_parameters(self.models[role]))
         if control.name == self.controls[0]:
             write_role(out, result, info, record)
         else:
@@ -233,6 +233,21 @@ def rollout_mismatch(ctx: ScoringContext, controls: list[str]) -> dict[str, Any]
         limit = KEPT_SET_FLOOR + 10 * float((full - full_fp32).abs().max()) if mask.any() else KEPT_SET_FLOOR
         report[precision] = decompose_mismatch(sampler, processed, full, where, limit)
     return report
+
+
+def routing_agreement(ctx: ScoringContext) -> dict[str, Any] | None:
+    """A MoE rollout's routes against the fp32 reference's own routing at the rollout's weights (the targets'
+    actor_routes_BTLK), per MoE layer (qualify.models.routing.agreement); None for a dense actor."""
+    from qualify.models.routing import agreement
+    from qualify.reference.targets import TARGETS_FILE
+
+    rollout = load_rollout(ctx.layout.rollout(ctx.primary_tp))
+    if "routes_BTLK" not in rollout:
+        return None
+    targets = read_tensors(ctx.layout.targets / TARGETS_FILE)
+    meta = read_json(ctx.layout.rollout(ctx.primary_tp) / "rollout.json").get("routes", {})
+    return {"routing": ctx.rollout.routing, "source": meta.get("source"), "moe_layers": meta.get("moe_layers"),
+            "reference_fp32_vs_rollout": agreement(rollout["routes_BTLK"], targets["actor_routes_BTLK"])}
 
 
 def require_sampled_tokens(mismatch: dict[str, Any], where: Path) -> None:
@@ -281,7 +296,7 @@ def run_reference(matrix: Matrix, run_dir: Path, stage: str = "all", rollout: Pa
                "tp_agreement": tp_agreement(matrix.rollout.vllm_tp, layout),
                "targets_digest": stage_info(layout.targets)["digest"],
                "controls": controls, "control_replays": replays, "precisions": list(matrix.reference.precisions),
-               "rollout_mismatch": mismatch, "git": git_state(),
+               "rollout_mismatch": mismatch, "routing_agreement": routing_agreement(ctx), "git": git_state(),
                "rollout_platform": read_json(layout.rollout(primary) / "rollout.json").get("platform"),
                "rollout_source": None if rollout is None else str(rollout),
                "evidence": evidence_sizes(ctx, controls), **provenance()}

@@ -24,6 +24,7 @@ import torch
 from qualify.matrix import Reference
 from qualify.models.hf import actor_scores, compute_copy, critic_values, enable_checkpointing
 from qualify.models.hooks import capture_layer_outputs
+from qualify.models.routing import replayed_routes, routing
 from qualify.ppo.formula import PROCESSED_KEY, rollout_sampling
 from qualify.ppo.math import kl_terms, masked_mean
 from qualify.ppo.objective import DECIDED_KEY, GRPOShare, grpo_share, role_objective, rows_of, step_rows
@@ -182,9 +183,10 @@ def run_role(ctx: ScoringContext, role: str, precision: str, control: Control, m
         enable_checkpointing(model)
     # per-layer activations of step 1's forward, split and ordered as this control runs it (qualify diagnose)
     rows0 = step_rows(batch["input_ids_BT"].shape[0], ctx.objective.ppo.epochs, ctx.objective.ppo.minibatches)[0]
-    layers = {k: v.cpu() for k, v in capture_layer_outputs(model, batch["input_ids_BT"][rows0], control.microbatches,
-                                                            control.reverse_rows).items()} \
-        if ctx.reference.layer_activations else None
+    routes0 = replayed_routes(ctx.rollout, role, batch)
+    layers = {k: v.cpu() for k, v in capture_layer_outputs(
+        model, batch["input_ids_BT"][rows0], control.microbatches, control.reverse_rows,
+        None if routes0 is None else routes0[rows0]).items()} if ctx.reference.layer_activations else None
     o, p = ctx.objective.optimizer, ctx.objective.ppo
     names = [n for n, _ in master.named_parameters()]
     params = list(master.parameters())
@@ -243,6 +245,9 @@ def _forward_backward(ctx: ScoringContext, role: str, control: Control, model: t
         order = order.flip(0)
     ids_BT = batch["input_ids_BT"][order]
     mask_BT = batch["response_mask_BT"][order]
+    routes_BTLK = replayed_routes(ctx.rollout, role, batch)
+    if routes_BTLK is not None:
+        routes_BTLK = routes_BTLK[order]
     tgt = {k: v[order] for k, v in targets.items()}
     p, grpo = ctx.objective.ppo, ctx.objective.grpo
     parts: dict[str, list[torch.Tensor]] = {}
@@ -256,19 +261,21 @@ def _forward_backward(ctx: ScoringContext, role: str, control: Control, model: t
             normalizer, constant, weight = _loss_scale(mask_BT, rows, p.token_normalizer, p.normalizer_constant)
         part = None if share is None else GRPOShare(share.advantages_B[order][rows], share.normalizers)
         m_BT = mask_BT[rows]
-        if role == "actor":
-            scores_BT, processed_BT = actor_scores(model, ids_BT[rows], rollout_sampling(ctx.rollout),
-                                                   ctx.reference.logprob_chunk_tokens, vocab_size)
-            if processed_BT is not None:  # the processed formula a candidate may declare; bitwise full when untruncated
-                parts.setdefault(PROCESSED_KEY, []).append(torch.where(m_BT, processed_BT, 0.0))
-        else:
-            scores_BT = critic_values(model, ids_BT[rows])
-        loss, out = role_objective(role, p, scores_BT, m_BT, rows_of(tgt, rows), normalizer, constant,
-                                   grpo=grpo, share=part)
-        for key in ("logprobs_BT", "ratio_BT", "values_BT", "kl_BT", "advantages_B", "seq_loss_B"):
-            if key in out:
-                parts.setdefault(key, []).append(out[key])
-        (loss * weight).backward()
+        # a MoE actor replays the rollout's routes through the forward and the backward (which may recompute it)
+        with routing(model, None if routes_BTLK is None else routes_BTLK[rows]):
+            if role == "actor":
+                scores_BT, processed_BT = actor_scores(model, ids_BT[rows], rollout_sampling(ctx.rollout),
+                                                       ctx.reference.logprob_chunk_tokens, vocab_size)
+                if processed_BT is not None:  # the processed formula a candidate may declare; bitwise full untruncated
+                    parts.setdefault(PROCESSED_KEY, []).append(torch.where(m_BT, processed_BT, 0.0))
+            else:
+                scores_BT = critic_values(model, ids_BT[rows])
+            loss, out = role_objective(role, p, scores_BT, m_BT, rows_of(tgt, rows), normalizer, constant,
+                                       grpo=grpo, share=part)
+            for key in ("logprobs_BT", "ratio_BT", "values_BT", "kl_BT", "advantages_B", "seq_loss_B"):
+                if key in out:
+                    parts.setdefault(key, []).append(out[key])
+            (loss * weight).backward()
         totals["loss"] += (loss * weight).detach()
         for key in totals.keys() - {"loss"}:
             totals[key] += (out[key] * weight).detach()

@@ -20,6 +20,7 @@ import torch
 
 from qualify.matrix import Objective, Reference, Rollout
 from qualify.models.hf import actor_logprobs, critic_values, load_model, reward_scores
+from qualify.models.routing import NO_ROUTE, own_routes_BTLK, replayed_routes, routing
 from qualify.ppo.logprob import processed_logprobs
 from qualify.ppo.math import masked_gae, token_rewards, whiten_advantages
 
@@ -62,18 +63,26 @@ def sampler_evidence(reference: Reference, sampling: Rollout, actor_dir: Path, r
         full_logprobs_BT       the full-vocabulary formula (what a trainer computes)
         log_kept_mass_BT       log of the kept set's full-vocabulary probability (0: nothing cut)
         kept_size_BT           int64 size of the kept set
-    Response positions only; every other position is 0.
+    Response positions only; every other position is 0. A MoE actor's forward replays the rollout's routes when
+    rollout.routing is replay, and its own routes are kept (actor_routes_BTLK: the reference's routing at the
+    rollout's weights, -1 where the rollout fed no token), for the routing agreement with the rollout.
     """
     r = sampling
     ids_BT, mask_BT = rollout["input_ids_BT"], rollout["response_mask_BT"]
-    logits_BTV = load_model(actor_dir, "actor")(input_ids=ids_BT, use_cache=False).logits
+    actor, own = load_model(actor_dir, "actor"), []
+    with routing(actor, replayed_routes(sampling, "actor", rollout), own):
+        logits_BTV = actor(input_ids=ids_BT, use_cache=False).logits
+    routes = {}
+    if "routes_BTLK" in rollout:
+        fed = rollout["routes_BTLK"] != NO_ROUTE
+        routes["actor_routes_BTLK"] = torch.where(fed, own_routes_BTLK(own, *ids_BT.shape), NO_ROUTE)
     evidence = processed_logprobs(logits_BTV[:, :-1], ids_BT[:, 1:], temperature=r.temperature, top_k=r.top_k,
                                   top_p=r.top_p, min_p=r.min_p, chunk_tokens=reference.logprob_chunk_tokens,
                                   vocab_size=vocab_size)
     # logp[:, t] scores token t from the logits at t - 1; position 0 has no context.
     return {f"{name}_BT": torch.where(mask_BT, torch.nn.functional.pad(x_BT, (1, 0)), 0)
             for name, x_BT in zip(("processed_logprobs", "full_logprobs", "log_kept_mass", "kept_size"), evidence,
-                                  strict=True)}
+                                  strict=True)} | routes
 
 
 def targets_meta(objective: Objective, sampling: Rollout, rollout_digest: str) -> dict[str, Any]:

@@ -73,9 +73,17 @@ def rollout_section(summary: dict[str, Any], histogram_svg: str | None) -> str:
     rows = [[p, m["num_tokens"], m["num_not_bitwise"], m["max_abs"], m["mean_abs"]]
             for p, m in summary["rollout_mismatch"].items()]
     tp = [[k, a["tokens_equal"], a["logprob_max_abs"]] for k, a in summary["tp_agreement"].items()]
+    ra = summary.get("routing_agreement") or {}
+    moe_layers = ra.get("moe_layers") or []
+    routes = [[moe_layers[a["layer"]] if a["layer"] < len(moe_layers) else a["layer"], a["tokens"], a["tokens_differ"],
+               a["pairs"], a["pairs_differ"]] for a in ra.get("reference_fp32_vs_rollout", [])]
     return ('<section id="rollout"><h2>Train vs rollout</h2>'
             + table(["precision", "tokens", "not bitwise", "max |delta|", "mean |delta|"], rows)
             + (table(["vLLM TP", "tokens equal", "logprob max |delta|"], tp) if tp else "")
+            + (f'<h3 id="routing">Routing ({escape(str(ra.get("routing")))}): the rollout\'s routes vs the fp32 '
+               "reference's own top-k</h3>"
+               + table(["MoE layer", "tokens", "tokens routed elsewhere", "(token, slot) pairs", "pairs differ"], routes)
+               if routes else "")
             + (f"<figure>{histogram_svg}</figure>" if histogram_svg else "") + "</section>")
 
 

@@ -22,6 +22,7 @@ from typing import Any
 from qualify.errors import EvidenceError, QualifyError
 from qualify.hashing import sha256_file
 from qualify.matrix import Capture
+from qualify.models.hf import model_type
 from qualify.models.precision import DTYPE_NAMES
 from qualify.stages import (
     MARKER,
@@ -146,8 +147,13 @@ def rollout_tensors(results: list[dict[str, Any]]) -> dict[str, Any]:
         prompt_mask[b, :P] = True
         response_mask[b, P:P + R] = True
         logprobs[b, P:P + R] = torch.tensor(r["logprobs"], dtype=torch.float32)
-    return {"input_ids_BT": input_ids, "prompt_mask_BT": prompt_mask, "response_mask_BT": response_mask,
-            "sampler_logprobs_BT": logprobs}
+    out = {"input_ids_BT": input_ids, "prompt_mask_BT": prompt_mask, "response_mask_BT": response_mask,
+           "sampler_logprobs_BT": logprobs}
+    if results and "routes" in results[0]:
+        from qualify.rollout.routes import routes_tensor
+
+        out["routes_BTLK"] = routes_tensor(results, T)
+    return out
 
 
 # Written into every config by whichever transformers saved it: not part of what the model is.
@@ -171,8 +177,9 @@ def model_digest(model_dir: Path) -> str:
 
 
 def capture_request(capture: Capture, model_dir: Path, tp: int, *, vocab_size: int,
-                    eos_token_id: int | None) -> dict[str, Any]:
-    """Everything the vLLM child needs to sample the rollout at TP degree tp."""
+                    eos_token_id: int | None, routes: bool = False) -> dict[str, Any]:
+    """Everything the vLLM child needs to sample the rollout at TP degree tp; routes: record a MoE actor's routes
+    (qualify.rollout.routes)."""
     r = capture.rollout
     eos = r.eos_token_id if r.eos_token_id is not None else eos_token_id
     prompts = make_prompts(capture, vocab_size, eos)
@@ -181,7 +188,8 @@ def capture_request(capture: Capture, model_dir: Path, tp: int, *, vocab_size: i
     # min_p only when set: a request without it is the same request as before min_p existed, so sealed
     # rollouts (the committed ones among them) keep their settings fingerprint.
     min_p = {"min_p": r.min_p} if r.min_p else {}
-    return {"model_dir": str(model_dir), "tp": tp, "dtype": DTYPE_NAMES[r.dtype],
+    # a dense actor's request is what it was before routes existed (sealed rollouts keep their settings fingerprint)
+    return {"model_dir": str(model_dir), "tp": tp, "dtype": DTYPE_NAMES[r.dtype], **({"routes": True} if routes else {}),
             "seed": r.seed, "seeds": [r.seed + i for i in range(len(prompts))], "prompts": prompts,
             "temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p, **min_p,
             "max_new_tokens": r.max_new_tokens, "eos_token_id": eos, "max_model_len": r.max_model_len,
@@ -195,13 +203,13 @@ def merge_requests(requests: list[dict[str, Any]]) -> dict[str, Any]:
     ('prompt_sampling'); split_results gives each request its own results back, in order.
     """
     shared = ("model_dir", "tp", "dtype", "seed", "max_new_tokens", "eos_token_id", "max_model_len",
-              "kv_cache_memory_bytes", "block_size")
+              "kv_cache_memory_bytes", "block_size", "routes")
     first = requests[0]
     for request in requests[1:]:
-        differs = [k for k in shared if request[k] != first[k]]
+        differs = [k for k in shared if request.get(k) != first.get(k)]
         if differs:
             raise QualifyError(f"requests differ in {', '.join(differs)}: only prompts, seeds and sampling may differ")
-    return {k: first[k] for k in shared} | {
+    return {k: first[k] for k in shared if k in first} | {
         "prompts": [p for r in requests for p in r["prompts"]], "seeds": [s for r in requests for s in r["seeds"]],
         "prompt_sampling": [{k: r.get(k, 0.0) for k in SAMPLING_KEYS} for r in requests for _ in r["prompts"]]}
 
@@ -229,7 +237,8 @@ def capture_rollout(capture: Capture, model_dir: Path, tp: int, out_dir: Path, *
     With source (a sealed rollout directory made for the same request and weights, for example
     the one committed beside an acceptance) nothing is sampled: source is checked and copied.
     """
-    request = capture_request(capture, model_dir, tp, vocab_size=vocab_size, eos_token_id=eos_token_id)
+    request = capture_request(capture, model_dir, tp, vocab_size=vocab_size, eos_token_id=eos_token_id,
+                              routes=model_type(model_dir) == "qwen3_moe")  # a MoE actor's rollout records its routes
     settings = capture_settings(request)
     if reuse_complete(out_dir, settings, f"rollout TP{tp}"):
         if on_reuse is not None:
@@ -245,6 +254,12 @@ def capture_rollout(capture: Capture, model_dir: Path, tp: int, out_dir: Path, *
         "model_dir": str(model_dir), "model_digest": model_digest(model_dir),
         "env": {k: v for k, v in vllm_env(tp).items() if k.startswith(("VLLM_", "TRITON_"))},
         "shm_removed": result["shm_removed"], **provenance(), "platform": result["platform"]}
+    if request.get("routes"):
+        from qualify.rollout.routes import SOURCE
+
+        meta["routes"] = {"source": SOURCE, "moe_layers": result["routes_layers"],
+                          "meaning": "routes_BTLK[b, t, l, k]: expert k of the token at position t in MoE layer l; "
+                                     "-1 where no token was fed (padding, each row's last sampled token)"}
     return write_tensor_stage(out_dir, ROLLOUT_FILE, rollout_tensors(result["results"]), "rollout.json", meta,
                               {"settings": settings})
 

@@ -33,6 +33,8 @@ def run(request: dict) -> dict:
         kv_cache_memory_bytes=request["kv_cache_memory_bytes"],
         max_num_seqs=max(1, len(request["prompts"])),
         block_size=request["block_size"],
+        # a cached prompt block is never fed again, so it has no routes: a routed capture computes every token
+        **({"enable_prefix_caching": False} if request.get("routes") else {}),
     )
     loaded = time.monotonic()
     from qualify.hardware import platform_fingerprint
@@ -49,17 +51,42 @@ def run(request: dict) -> dict:
             for seed, s in zip(request["seeds"], sampling, strict=True)
         ]
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in request["prompts"]]
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        results = []
-        for out in outputs:
-            completion = out.outputs[0]
-            token_logprobs = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
-            results.append({"prompt": list(out.prompt_token_ids), "tokens": list(completion.token_ids),
-                            "logprobs": token_logprobs, "finish_reason": completion.finish_reason})
+        if request.get("routes"):
+            results, layers = generate_with_routes(llm, prompts, params)
+        else:
+            results, layers = [result_of(out) for out in llm.generate(prompts, params, use_tqdm=False)], None
     finally:
         shutdown(llm)
     return {"results": results, "load_s": loaded - started, "generate_s": time.monotonic() - loaded,
-            "platform": platform}
+            "platform": platform, "routes_layers": layers}
+
+
+def result_of(out) -> dict:
+    """One request's prompt, sampled tokens, their processed logprobs and why it stopped."""
+    completion = out.outputs[0]
+    token_logprobs = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
+    return {"prompt": list(out.prompt_token_ids), "tokens": list(completion.token_ids),
+            "logprobs": token_logprobs, "finish_reason": completion.finish_reason}
+
+
+def generate_with_routes(llm, prompts: list, params: list) -> tuple[list[dict], list[int]]:
+    """Sample every prompt with its routes (qualify.rollout.routes): one request at a time, so that every row the
+    routers see belongs to it; the MoE layer ids."""
+    from qualify.errors import QualifyError
+    from qualify.rollout import routes
+
+    bound = llm.apply_model(routes.bind)
+    layers = bound[0]
+    if not layers or any(b != layers for b in bound):
+        raise QualifyError(f"routes asked for, but vLLM's model has MoE layers {bound} per TP rank")
+    results = []
+    for i, (prompt, param) in enumerate(zip(prompts, params, strict=True)):
+        llm.apply_model(routes.take)  # nothing left over from an earlier request
+        result = result_of(llm.generate([prompt], [param], use_tqdm=False)[0])
+        rows = len(result["prompt"]) + len(result["tokens"]) - 1
+        result["routes"] = routes.request_routes(llm.apply_model(routes.take), layers, rows, f"request {i}")
+        results.append(result)
+    return results, layers
 
 
 def shutdown(llm) -> None:

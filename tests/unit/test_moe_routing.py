@@ -1,0 +1,203 @@
+"""Mixture of experts without vLLM: the tiny MoE family's parameters as every stage names them, the reference's route
+replay (qualify.models.routing) against the model's own routing and against torch-tp's own replay, the capture's
+route bookkeeping (qualify.rollout.routes), the replay rows (qualify.candidate.derived) and the matrix's checks."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from qualify.candidate.derived import replay_check, replay_rows
+from qualify.compare import RunTensors
+from qualify.errors import EvidenceError, QualifyError
+from qualify.matrix import TinyModel, TinyMoE, load_matrix
+from qualify.models.checkpoint import initial_parameters
+from qualify.models.routing import agreement, own_routes_BTLK, routing
+from qualify.models.tiny import build_tiny_model
+from qualify.rollout.routes import request_routes, routes_tensor
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = TinyModel(seed=7, vocab_size=128, moe=TinyMoE(num_experts=4, top_k=2, moe_intermediate_size=16))
+
+
+@pytest.fixture(scope="module")
+def actor():
+    return build_tiny_model(SPEC, "actor")
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(1, 127, (3, 9), generator=torch.Generator().manual_seed(0))
+
+
+def own_routes(model, ids_BT):
+    own: list = []
+    with torch.no_grad(), routing(model, None, own):
+        model(input_ids=ids_BT)
+    return own_routes_BTLK(own, *ids_BT.shape)
+
+
+def forward_backward(model, ids_BT, replay=None):
+    model.zero_grad(set_to_none=True)
+    with replay if replay is not None else routing(model, None):
+        logits = model(input_ids=ids_BT).logits
+        (logits.double().square().mean()).backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_the_policies_are_qwen3_moe_and_the_critic_stays_dense():
+    assert type(build_tiny_model(SPEC, "actor")).__name__ == "Qwen3MoeForCausalLM"
+    assert type(build_tiny_model(SPEC, "reference")).__name__ == "Qwen3MoeForCausalLM"
+    assert type(build_tiny_model(SPEC, "critic")).__name__ == "Qwen3ForTokenClassification"
+
+
+def test_initial_parameters_are_the_loaded_models_parameters_by_name(tmp_path, actor):
+    """The checkpoint stores each expert's projections apart; the loaded model fuses them: initial_parameters gives
+    exactly what transformers' own loader makes, under the same names."""
+    from qualify.models.hf import load_model
+
+    actor.save_pretrained(tmp_path, safe_serialization=True)
+    stored = initial_parameters(tmp_path)
+    loaded = dict(load_model(tmp_path, "actor").named_parameters())
+    assert sorted(stored) == sorted(loaded)
+    assert all(torch.equal(stored[n], p.detach()) for n, p in loaded.items())
+    assert stored["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 32, SPEC.hidden_size)
+
+
+def test_initial_parameters_refuse_an_expert_without_one_of_its_projections(tmp_path, actor):
+    from safetensors.torch import load_file, save_file
+
+    actor.save_pretrained(tmp_path, safe_serialization=True)
+    [path] = tmp_path.glob("*.safetensors")
+    tensors = load_file(path)
+    del tensors["model.layers.1.mlp.experts.2.up_proj.weight"]
+    save_file(tensors, path)
+    with pytest.raises(EvidenceError, match=r"model.layers.1.mlp.experts does not hold"):
+        initial_parameters(tmp_path)
+
+
+def test_replaying_the_models_own_routes_changes_nothing_bit_for_bit(actor, ids):
+    own = own_routes(actor, ids)
+    plain = forward_backward(actor, ids)
+    replayed = forward_backward(actor, ids, routing(actor, own))
+    assert torch.equal(plain[0], replayed[0])
+    assert all(torch.equal(plain[1][n], replayed[1][n]) for n in plain[1])
+    # and where the rollout fed nothing (-1) the router's own top-k stands
+    blank = forward_backward(actor, ids, routing(actor, torch.full_like(own, -1)))
+    assert torch.equal(plain[0], blank[0])
+
+
+def test_shifted_routes_change_the_outputs_and_the_router_still_gets_its_gradient(actor, ids):
+    own = own_routes(actor, ids)
+    shifted = torch.cat([torch.full_like(own[:, :1], -1), own[:, :-1]], dim=1)
+    assert bool((shifted != own).any())
+    plain = forward_backward(actor, ids)
+    moved = forward_backward(actor, ids, routing(actor, shifted))
+    assert float((moved[0] - plain[0]).abs().max()) > 1e-3
+    for layer in range(SPEC.num_layers):
+        assert float(moved[1][f"model.layers.{layer}.mlp.gate.weight"].abs().max()) > 0
+
+
+def test_torch_tps_replay_and_the_references_agree_bit_for_bit(actor, ids):
+    """Two implementations of the replay (a forward hook on the router; torch-tp's own router forward) on routes that
+    differ from the model's own: the same logits and gradients."""
+    from qualify.engines.torch_tp import routes_replayed
+
+    own = own_routes(actor, ids)
+    other = (own + 1) % SPEC.moe.num_experts  # another expert in every slot (still distinct per token)
+    reference = forward_backward(actor, ids, routing(actor, other))
+    engine = forward_backward(actor, ids, routes_replayed(actor, other))
+    assert torch.equal(reference[0], engine[0])
+    assert all(torch.equal(reference[1][n], engine[1][n]) for n in reference[1])
+
+
+def test_routes_for_another_number_of_tokens_are_refused(actor, ids):
+    own = own_routes(actor, ids)
+    with pytest.raises(ValueError, match="routes for 18 tokens"), routing(actor, own[:2]):
+        actor(input_ids=ids)
+
+
+def test_agreement_counts_token_sets_and_slots_where_the_rollout_fed_a_token():
+    rollout = torch.tensor([[[[0, 1]], [[2, 3]], [[1, 0]], [[-1, -1]]]], dtype=torch.int32)  # (1, 4, 1, 2)
+    other = torch.tensor([[[[0, 1]], [[2, 0]], [[0, 1]], [[3, 2]]]], dtype=torch.int32)
+    [a] = agreement(rollout, other)
+    # position 1 routes elsewhere (3 -> 0); position 2 is the same set in the other order (2 slots differ); 3 unfed
+    assert a == {"layer": 0, "tokens": 3, "tokens_differ": 1, "pairs": 6, "pairs_differ": 3}
+
+
+def test_a_requests_routes_must_come_whole_and_alike_from_every_tp_rank():
+    rank0 = {0: torch.tensor([[0, 1], [1, 2], [2, 3]], dtype=torch.int32), 1: torch.tensor([[3, 0]] * 3, dtype=torch.int32)}
+    assert request_routes([rank0, dict(rank0)], [0, 1], 3, "request 0") == [[[0, 1], [3, 0]], [[1, 2], [3, 0]],
+                                                                               [[2, 3], [3, 0]]]
+    other = {0: rank0[0], 1: torch.tensor([[3, 1]] * 3, dtype=torch.int32)}
+    with pytest.raises(QualifyError, match="TP rank 1 captured other routes"):
+        request_routes([rank0, other], [0, 1], 3, "request 0")
+    with pytest.raises(QualifyError, match="layer 0 captured 3 routed tokens, the request fed 4"):
+        request_routes([rank0], [0, 1], 4, "request 0")
+    with pytest.raises(QualifyError, match=r"captured layers \[0\]"):
+        request_routes([{0: rank0[0]}], [0, 1], 3, "request 0")
+
+
+def test_the_rollouts_routes_tensor_is_right_padded_with_no_route():
+    results = [{"routes": [[[0, 1]], [[1, 2]]]}, {"routes": [[[3, 2]]]}]
+    t = routes_tensor(results, 4)
+    assert t.shape == (2, 4, 1, 2) and t.dtype == torch.int32
+    assert t[0, :2].tolist() == [[[0, 1]], [[1, 2]]] and bool((t[0, 2:] == -1).all())
+    assert t[1, 0].tolist() == [[3, 2]] and bool((t[1, 1:] == -1).all())
+
+
+def test_the_replay_check_counts_pairs_whose_expert_set_differs_on_fed_tokens_only():
+    given = torch.tensor([[[[0, 1], [2, 3]], [[1, 2], [0, 3]], [[-1, -1], [-1, -1]]]])  # (1, 3, 2, 2)
+    same = torch.tensor([[[[1, 0], [2, 3]], [[1, 2], [3, 0]], [[3, 2], [1, 0]]]])  # slot order and unfed: no matter
+    assert replay_check(same, given) == {"pairs": 4, "differ": 0, "first": ""}
+    wrong = same.clone()
+    wrong[0, 1, 1] = torch.tensor([0, 2])
+    found = replay_check(wrong, given, offset=5)
+    assert found["differ"] == 1 and found["first"].startswith("row 5 position 1 MoE layer 1: routed to experts [0, 2]")
+    assert replay_check(None, given) is None
+    assert replay_check(same[:, :2], given)["differ"] == 4  # routes of another shape: every fed pair
+
+
+def test_replay_rows_fail_on_any_pair_and_say_when_the_engine_cannot_show_its_routes():
+    def case(found):
+        return [RunTensors({}, {}, {}, {}, {"routing_replay": found})]
+
+    rows = replay_rows("c", "actor", case([{"pairs": 8, "differ": 0, "first": ""},
+                                            {"pairs": 8, "differ": 2, "first": "row 0 position 3 MoE layer 1: x"}]))
+    assert [(r.tensor, r.metric, r.passed) for r in rows] == [("step0/routing/replayed", "pairs_not_replayed", True),
+                                                            ("step1/routing/replayed", "pairs_not_replayed", False)]
+    assert rows[1].value == 2 and "2 of 8" in rows[1].note and "MoE layer 1" in rows[1].note
+    [unseen] = replay_rows("c", "actor", case([None]))
+    assert unseen.metric == "not_observed" and unseen.passed and "not verified" in unseen.note
+    assert math.isinf(unseen.bound)
+    assert replay_rows("c", "actor", [RunTensors({}, {}, {}, {}, {})]) == []  # a case that replays nothing
+
+
+def _matrix(tmp_path, edit):
+    data = yaml.safe_load((ROOT / "matrices" / "tiny-qwen3-moe.yaml").read_text())
+    edit(data)
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return load_matrix(path)
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda d: d["rollout"].pop("routing"), "rollout.routing .replay or recompute. is required for a MoE family"),
+    (lambda d: d["models"]["tiny"].pop("moe"), "refused for a dense one"),
+    (lambda d: d["candidates"].update(engines=["torch-tp", "megatron"]), "knows dense Qwen3 only"),
+    (lambda d: d["models"]["tiny"]["moe"].update(top_k=5), "top_k 5 is more than num_experts 4"),
+    (lambda d: d["models"]["tiny"]["moe"].update(num_experts=1), "num_experts must be >= 2"),
+    (lambda d: d["rollout"].update(routing="replayed"), "routing"),
+])
+def test_the_matrix_refuses_routing_settings_that_cannot_run(tmp_path, edit, message):
+    with pytest.raises(Exception, match=message):
+        _matrix(tmp_path, edit)
+
+
+def test_the_shipped_moe_matrix_loads(tmp_path):
+    m = _matrix(tmp_path, lambda d: None)
+    assert m.models.tiny.moe == TinyMoE() and m.rollout.routing == "replay"
