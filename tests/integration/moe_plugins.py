@@ -1,0 +1,98 @@
+"""MoE plugin engines with one routing-replay bug each (named 'tests.integration.moe_plugins:<factory>').
+
+Each is the correct torch-tp engine (which replays a batch's routes, qualify.engines.torch_tp.routes_replayed) with
+one bug its review threads name put back in. Qualification of a matrix with rollout.routing replay must fail for
+every one of them, naming the tensor or the replay row (negative controls, tests/integration/test_moe.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from qualify.engines.base import Batch
+from qualify.engines.torch_tp import TorchTPEngine, local
+
+
+class ShiftedRoutes(TorchTPEngine):
+    """Aligns the routes one position late (the causal shift: the routes of seq_len - 1 inputs put at the positions of
+    the predicted tokens), so the token at t is routed as the rollout routed the token at t - 1."""
+
+    def score(self, batch: Batch) -> torch.Tensor:
+        routes = batch.routes_BTLK
+        if routes is not None:
+            routes = torch.cat([torch.full_like(routes[:, :1], -1), routes[:, :-1]], dim=1)
+        return super().score(Batch(input_ids_BT=batch.input_ids_BT, response_mask_BT=batch.response_mask_BT,
+                                   routes_BTLK=routes))
+
+
+class ZeroedScores(TorchTPEngine):
+    """Gathers the replayed experts' weights from the router's post-top-k probabilities (zero outside its own top-k):
+    wherever the live router would pick another expert than the rollout did, that slot's weight is exactly 0 and its
+    gradient dies. Its routes are the rollout's; its weights are not."""
+
+    def score(self, batch: Batch) -> torch.Tensor:
+        ids_BT = batch.input_ids_BT.to(self.ctx.device)
+        with self.routed(self.compute, batch), zeroed_replay(self.compute, batch.routes_BTLK):
+            return self.scores_from(local(self.compute(input_ids=ids_BT, use_cache=False).logits), ids_BT)
+
+
+@contextmanager
+def zeroed_replay(model: torch.nn.Module, routes_BTLK: torch.Tensor | None) -> Iterator[None]:
+    gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    if routes_BTLK is None:
+        yield
+        return
+    for layer, gate in enumerate(gates):
+        given = routes_BTLK[:, :, layer].reshape(-1, routes_BTLK.shape[-1]).long()
+
+        def forward(hidden, gate=gate, given=given):
+            logits = torch.nn.functional.linear(hidden.reshape(-1, gate.hidden_dim), gate.weight)
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            top = torch.topk(probs, gate.top_k, dim=-1)
+            kept = torch.zeros_like(probs).scatter(1, top.indices, top.values)  # the bug: zero outside its own top-k
+            experts = torch.where(given < 0, top.indices, given)
+            weights = kept.gather(1, experts)
+            if gate.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+            return logits, weights.to(logits.dtype), experts
+
+        gate.forward = forward
+    try:
+        yield
+    finally:
+        for gate in gates:
+            del gate.forward
+
+
+class ReplaysFirstMicrobatchOnly(TorchTPEngine):
+    """Scores each batch in two micro-batches and hands the routes to the first alone (the replay keyed by the
+    micro-batch and looked up wrong): the second half of the rows routes afresh."""
+
+    def score(self, batch: Batch) -> torch.Tensor:
+        if batch.input_ids_BT.shape[0] < 2:
+            return super().score(batch)
+        half = batch.input_ids_BT.shape[0] // 2
+        first = super().score(batch.rows(slice(0, half)))
+        declared, logits, routes = self.declared_BT, self.last_logits, self.last_routes
+        rest = batch.rows(slice(half, None))
+        second = super().score(Batch(input_ids_BT=rest.input_ids_BT, response_mask_BT=rest.response_mask_BT))
+        # the hooks report the whole batch, as scored
+        self.declared_BT = None if declared is None else torch.cat([declared, self.declared_BT])
+        self.last_logits = None if logits is None else torch.cat([logits, self.last_logits])
+        self.last_routes = None if routes is None else torch.cat([routes, self.last_routes])
+        return torch.cat([first, second])
+
+
+def shifted_routes() -> TorchTPEngine:
+    return ShiftedRoutes()
+
+
+def zeroed_scores() -> TorchTPEngine:
+    return ZeroedScores()
+
+
+def replays_first_microbatch_only() -> TorchTPEngine:
+    return ReplaysFirstMicrobatchOnly()

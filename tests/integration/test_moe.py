@@ -1,0 +1,142 @@
+"""Mixture of experts end to end on matrices/tiny-qwen3-moe.yaml (TP1 capture here): real vLLM records the routes of
+every token it feeds, the reference replays them (rollout.routing: replay) and reports its own routing against them,
+freeze bounds the MoE tensors like every other, the replaying torch-tp passes every row (the routing/replayed rows
+at 0), and each routing-replay bug of tests/integration/moe_plugins.py fails naming its row."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from qualify.candidate.run import run_candidates
+from qualify.freeze import freeze
+from qualify.layout import RunLayout
+from qualify.matrix import load_matrix
+from qualify.rollout.capture import load_rollout
+from qualify.store import read_json
+from tests.integration._support import matrix_with, plugins_importable  # noqa: F401  (autouse fixture)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.engines]
+MOE_MATRIX = Path(__file__).resolve().parents[2] / "matrices" / "tiny-qwen3-moe.yaml"
+PLUGINS = "tests.integration.moe_plugins"
+
+
+@pytest.fixture(scope="module")
+def moe_matrix(tmp_path_factory):
+    """The shipped MoE matrix with its rollout captured at TP1 only (the TP2 capture is the dense chain's)."""
+    data = yaml.safe_load(MOE_MATRIX.read_text())
+    data["rollout"]["vllm_tp"] = [1]
+    path = tmp_path_factory.mktemp("moe-matrix") / "tiny-qwen3-moe.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return load_matrix(path)
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory, moe_matrix):
+    """Its reference (real vLLM capture with routes) and acceptance (treat as read-only)."""
+    from qualify.reference.stage import run_reference
+
+    run_dir = tmp_path_factory.mktemp("moe") / "tiny-qwen3-moe"
+    run_reference(moe_matrix, run_dir)
+    freeze(run_dir)
+    return run_dir
+
+
+def replay_rows(verdict: dict, case: str) -> list[dict]:
+    return sorted((r for r in verdict["rows"] if r["case"] == case and r["tensor"].endswith("/routing/replayed")),
+                  key=lambda r: r["step"])
+
+
+def test_the_rollout_holds_every_fed_tokens_routes_and_they_are_the_fp32_models_own(moe_run, moe_matrix):
+    """routes_BTLK: the experts of every token vLLM fed (prompt and response but the last sampled token), -1 elsewhere;
+    checked here against top-k of the fp32 HF actor's router logits, recomputed by a plain forward hook."""
+    from transformers import Qwen3MoeForCausalLM
+
+    layout = RunLayout(moe_run)
+    rollout = load_rollout(layout.rollout(1))
+    routes, ids = rollout["routes_BTLK"], rollout["input_ids_BT"]
+    tokens = rollout["prompt_mask_BT"] | rollout["response_mask_BT"]
+    fed = routes[..., 0, 0] >= 0
+    moe = moe_matrix.models.tiny.moe
+    assert routes.dtype == torch.int32 and routes.shape[2:] == (moe_matrix.models.tiny.num_layers, moe.top_k)
+    assert torch.equal(fed.sum(1), tokens.sum(1) - 1)  # each row's last token was never fed
+    assert bool((routes[fed] >= 0).all() and (routes[fed] < moe.num_experts).all())
+    assert bool((routes[~fed] == -1).all())
+    meta = read_json(layout.rollout(1) / "rollout.json")
+    assert meta["routes"]["moe_layers"] == [0, 1] and "capture hook" in meta["routes"]["source"]
+    model = Qwen3MoeForCausalLM.from_pretrained(layout.models / "actor", dtype=torch.float32).eval()
+    logits = {}
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp.gate.register_forward_hook(lambda m, a, out, i=i: logits.__setitem__(i, out[0].detach()))
+    with torch.no_grad():
+        model(input_ids=ids)
+    own = torch.stack([torch.topk(torch.softmax(logits[i].double(), -1), moe.top_k, -1).indices.reshape(*ids.shape, -1)
+                       for i in sorted(logits)], dim=2)
+    differ = (own.sort(-1).values != routes.long().sort(-1).values).any(-1) & fed[..., None]
+    summary = read_json(layout.reference_summary)["routing_agreement"]
+    assert summary["routing"] == "replay"
+    assert [a["tokens_differ"] for a in summary["reference_fp32_vs_rollout"]] == differ.sum((0, 1)).tolist()
+    assert all(a["tokens"] == int(fed.sum()) for a in summary["reference_fp32_vs_rollout"])
+    assert int(differ.sum()) <= int(fed.sum()) // 20  # fp32 on both sides: the same routing but on near ties
+
+
+def test_the_replaying_torch_tp_passes_every_row_with_its_routes_replayed_exactly(moe_run, moe_matrix, tmp_path):
+    m = matrix_with(tmp_path, MOE_MATRIX.parent / "tiny-qwen3-moe.yaml", roles=["actor"])
+    m = load_matrix(_with_tp1_rollout(tmp_path, m))
+    verdict = run_candidates(m, moe_run).to_json()
+    assert verdict["passed"], [(r["case"], r["tensor"], r["metric"], r["ratio"]) for r in verdict["rows"]
+                               if not r["passed"]][:10]
+    for case in (c.name for c in m.cases()):
+        rows = replay_rows(verdict, case)
+        assert [r["step"] for r in rows] == list(range(moe_matrix.ppo.epochs)), rows
+        assert all(r["metric"] == "pairs_not_replayed" and float(r["value"]) == 0 for r in rows)
+
+
+def test_routes_shifted_by_one_position_fail_the_replay_rows_and_the_router_gradients(moe_run, tmp_path):
+    verdict = _plugin_verdict(moe_run, tmp_path, "shifted_routes")
+    [case] = verdict["cases"]
+    rows = replay_rows(verdict, case)
+    assert rows and all(not r["passed"] for r in rows)
+    assert "MoE layer" in rows[0]["note"] and "the rollout's" in rows[0]["note"]
+    gate = [r for r in verdict["rows"] if r["case"] == case and r["tensor"].startswith("step0/grads/")
+            and r["tensor"].endswith("mlp.gate.weight") and not r["passed"]]
+    assert gate and max(float(r["ratio"]) for r in gate) >= 10, gate
+
+
+def test_weights_from_zeroed_post_top_k_probabilities_fail_on_the_expert_and_router_gradients(moe_run, tmp_path):
+    """Its experts are the rollout's (the replay rows pass); where the live router would pick another expert (after
+    the first update) that slot's weight is 0: the MoE gradients are off by far."""
+    verdict = _plugin_verdict(moe_run, tmp_path, "zeroed_scores")
+    [case] = verdict["cases"]
+    assert all(r["passed"] for r in replay_rows(verdict, case))
+    moe = [r for r in verdict["rows"] if r["case"] == case and "/grads/" in r["tensor"] and not r["passed"]
+           and (".mlp.experts." in r["tensor"] or r["tensor"].endswith("mlp.gate.weight"))]
+    assert moe and max(float(r["ratio"]) for r in moe) >= 10, moe[:3]
+
+
+def test_a_replay_skipped_for_the_second_micro_batch_fails_the_replay_rows(moe_run, tmp_path):
+    verdict = _plugin_verdict(moe_run, tmp_path, "replays_first_microbatch_only")
+    [case] = verdict["cases"]
+    rows = replay_rows(verdict, case)
+    failed = [r for r in rows if not r["passed"]]
+    assert failed and all("MoE layer" in r["note"] for r in failed), rows
+    assert not verdict["cases"][case]["passed"]
+
+
+def _with_tp1_rollout(tmp_path: Path, m) -> Path:
+    """The matrix file of m with the rollout captured at TP1 only (as moe_run's)."""
+    path = Path(m.source)
+    data = yaml.safe_load(path.read_text())
+    data["rollout"]["vllm_tp"] = [1]
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _plugin_verdict(moe_run: Path, tmp_path: Path, factory: str) -> dict:
+    m = matrix_with(tmp_path, MOE_MATRIX, engines=[f"{PLUGINS}:{factory}"], precisions=["fp32"], tp=[1],
+                    roles=["actor"])
+    m = load_matrix(_with_tp1_rollout(tmp_path, m))
+    return run_candidates(m, moe_run).to_json()
