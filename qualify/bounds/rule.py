@@ -55,7 +55,9 @@ OUTPUT_KINDS = {"logprobs_BT": "logprob", "ratio_BT": "logprob", "kl_BT": "logpr
                 "loss": "loss", "clip_frac": "loss", "kl_mean": "loss", "grad_norm": "grad_norm",
                 "logprobs_processed_BT": "logprob",
                 # GRPO (qualify.ppo.objective.grpo_objective): per-row advantages and loss shares, the policy term
-                "advantages_B": "target", "seq_loss_B": "loss", "policy_loss": "loss"}
+                "advantages_B": "target", "seq_loss_B": "loss", "policy_loss": "loss",
+                # a MoE actor's routers (qualify.models.routing.ROUTER_OUTPUTS): logits and probabilities
+                "router_logits_BTLE": "logprob", "routing_weights_BTLK": "logprob"}
 """The floor kind of each output (qualify.freeze.floors names one floor per kind)."""
 
 
@@ -91,10 +93,11 @@ def family_pairs(family: str, controls: list[str]) -> tuple[str, list[str]]:
 
 def in_compute_precision(key: str) -> bool:
     """Whether the contract computes a tensor in the compute precision (bf16 under bf16): the gradients of the compute
-    copy (cast to the FP32 master) and the critic's head output. Logprobs, ratio, KL, the
+    copy (cast to the FP32 master), the critic's head output and a MoE actor's router logits and routing weights (the
+    router's bf16 GEMM; the weights cast to it). Logprobs, ratio, KL, the
     loss and the grad norm are fp32 computations, so no rounding step of bf16 is theirs to spend."""
     group = key.partition("/")[0]
-    return group == "grads" or key == "outputs/values_BT"
+    return group == "grads" or key in ("outputs/values_BT", "outputs/router_logits_BTLE", "outputs/routing_weights_BTLK")
 
 
 def bound_entry(kind: str, error: float, k: float, floors: dict[str, float], q: float = 0.0,

@@ -95,6 +95,14 @@ def report_logprobs(engine: Any, outputs: dict[str, torch.Tensor], batch: Batch)
         outputs["logprobs_BT"] = torch.where(mask_BT, declared_BT.float().cpu(), torch.zeros((), dtype=torch.float32))
 
 
+def reported_router_outputs(engine: Any, spec: CaseSpec) -> dict[str, torch.Tensor]:
+    """A MoE actor's router logits and routing weights from its router_outputs() hook (judged as outputs); {} for
+    a dense model or an engine without the hook (then the reference's are missing in the candidate)."""
+    hook = getattr(engine, "router_outputs", None)
+    found = hook() if spec.role == "actor" and hook is not None else None
+    return {k: v.detach().float().cpu() for k, v in (found or {}).items()}
+
+
 def own_logits_check(engine: Any, spec: CaseSpec, scores_BT: torch.Tensor, batch: Batch,
                      offset: int) -> dict[str, Any] | None:
     """The actor's scores against the sampler formula of its own logits (qualify.candidate.derived.sampler_check);
@@ -187,6 +195,7 @@ def run_case(spec: CaseSpec, rank: int) -> None:
             hook = getattr(engine, "routes", None)
             replayed.append(replay_check(hook() if hook is not None else None, batch.routes_BTLK, offset))
         loss, outputs = objective(engine, spec, scores_BT, batch, rows_of(targets, rows), share)
+        outputs.update(reported_router_outputs(engine, spec))
         report_logprobs(engine, outputs, batch)
         engine.backward(loss)
         grads, grad_dtypes = engine.grads(), engine.grad_dtypes()

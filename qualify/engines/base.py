@@ -31,6 +31,8 @@ class OutputScoring:
     last_logits: torch.Tensor | None = None
     last_routes: torch.Tensor | None = None
     """The experts a MoE model's routers returned in the last score() (routed()); None for a dense model."""
+    last_router: dict[str, torch.Tensor] | None = None
+    """The last score()'s router logits and routing weights (routed(); qualify.models.routing.ROUTER_OUTPUTS)."""
     declared_BT: torch.Tensor | None = None
     """The last score()'s logprobs in the declared formula (None until score() runs, or for a subclass whose own
     score() does not set it: the worker then judges score()'s values)."""
@@ -49,16 +51,24 @@ class OutputScoring:
     def routed(self, model: torch.nn.Module, batch: Batch) -> Iterator[None]:
         """Record, for the routes() hook, the experts every MoE router of an HF model returns during the block (one
         forward of batch)."""
-        from qualify.models.routing import moe_routers, own_routes_BTLK, routing
+        from qualify.models.routing import moe_routers, own_routes_BTLK, router_outputs, routing
 
         own: list = []
-        with routing(model, None, own):
+        recorded: list = []
+        with routing(model, None, own, recorded):
             yield
-        self.last_routes = own_routes_BTLK(own, *batch.input_ids_BT.shape) if moe_routers(model) else None
+        moe = bool(moe_routers(model))
+        self.last_routes = own_routes_BTLK(own, *batch.input_ids_BT.shape) if moe else None
+        self.last_router = router_outputs(recorded, *batch.input_ids_BT.shape) if moe else None
 
     def routes(self) -> torch.Tensor | None:
         """(B, T, MoE layers, top_k) experts the last score() routed each token to; None for a dense model."""
         return self.last_routes
+
+    def router_outputs(self) -> dict[str, torch.Tensor] | None:
+        """The last score()'s router logits and routing weights, full fp32 (B, T, MoE layers, E or top_k) under
+        qualify.models.routing.ROUTER_OUTPUTS' names; None for a dense model."""
+        return self.last_router
 
     def logprobs(self) -> torch.Tensor | None:
         """The last score()'s logprobs in the declared formula (None: score()'s own, the full formula)."""
@@ -125,6 +135,9 @@ class TrainEngine(Protocol):
     # the (B, T, MoE layers, top_k) expert ids its last score() routed each token to (OutputScoring.routed records them
     # from an HF model's routers); with rollout.routing replay the harness holds them to the batch's routes_BTLK on
     # every token the rollout fed (qualify.candidate.derived.replay_rows). Without it the replay is not verified.
+    #   router_outputs() -> dict | None
+    # the last score()'s router logits and routing weights (qualify.models.routing.ROUTER_OUTPUTS), judged against the
+    # reference's as outputs/<name>; a MoE engine without it fails those rows as missing.
     # Optional: an engine that exposes its per-layer activations implements
     #   layer_outputs(batch) -> dict[str, Tensor]
     # full (unsharded) fp32 (B, T, H) outputs of one no-grad forward, named after the HF modules

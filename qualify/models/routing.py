@@ -41,17 +41,26 @@ def replayed_routes(settings: Any, role: str, batch: dict[str, torch.Tensor]) ->
     return batch["routes_BTLK"]
 
 
+ROUTER_OUTPUTS = ("router_logits_BTLE", "routing_weights_BTLK")
+"""A MoE actor's judged router outputs (outputs/<name> of every step): each MoE layer's router logits over every
+expert and the routing weights of the experts it routed to, in its slot order; (B, T, MoE layers, E or top_k) fp32."""
+
+
 @contextmanager
 def routing(model: torch.nn.Module, routes_BTLK: torch.Tensor | None,
-            own: list[list[torch.Tensor]] | None = None) -> Iterator[None]:
+            own: list[list[torch.Tensor]] | None = None,
+            outputs: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = None) -> Iterator[None]:
     """Inside the block every forward of model replays routes_BTLK (B, T, layers, top_k; the rows of the forward's
     input, in order), or routes afresh when it is None. own, when given, gets per router the list of each forward's
-    own top-k ids ((B x T, top_k), what the router would have picked), for agreement with the rollout."""
+    own top-k ids ((B x T, top_k), what the router would have picked), for agreement with the rollout; outputs, per
+    router, each forward's (logits, routing weights) as used (router_outputs reads the first forward's)."""
     routers = moe_routers(model)
     if routes_BTLK is not None and routes_BTLK.shape[2] != len(routers):
         raise ValueError(f"routes for {routes_BTLK.shape[2]} MoE layers, the model has {len(routers)}")
     if own is not None:
         own[:] = [[] for _ in routers]
+    if outputs is not None:
+        outputs[:] = [[] for _ in routers]
     handles = []
     for layer, router in enumerate(routers):
         def hook(module, args, output, layer=layer):
@@ -59,6 +68,8 @@ def routing(model: torch.nn.Module, routes_BTLK: torch.Tensor | None,
             if own is not None:
                 own[layer].append(ids.detach())
             if routes_BTLK is None:
+                if outputs is not None:
+                    outputs[layer].append((logits.detach(), weights.detach()))
                 return output
             given = routes_BTLK[:, :, layer].reshape(-1, routes_BTLK.shape[-1]).to(ids.device, torch.long)
             if given.shape != ids.shape:
@@ -69,6 +80,8 @@ def routing(model: torch.nn.Module, routes_BTLK: torch.Tensor | None,
             picked = probs.gather(-1, chosen)
             if module.norm_topk_prob:
                 picked = picked / picked.sum(dim=-1, keepdim=True)
+            if outputs is not None:
+                outputs[layer].append((logits.detach(), picked.to(weights.dtype).detach()))
             return logits, picked.to(weights.dtype), chosen
 
         handles.append(router.register_forward_hook(hook))
@@ -77,6 +90,16 @@ def routing(model: torch.nn.Module, routes_BTLK: torch.Tensor | None,
     finally:
         for handle in handles:
             handle.remove()
+
+
+def router_outputs(outputs: list[list[tuple[torch.Tensor, torch.Tensor]]], B: int, T: int) -> dict[str, torch.Tensor]:
+    """The first forward's router outputs a routing() block recorded, as ROUTER_OUTPUTS (fp32); {} for a dense model.
+    (A later forward in the block is the backward's recompute, which must route the same: its rows are not taken.)"""
+    if not outputs or not all(outputs):
+        return {}
+    logits = torch.stack([forwards[0][0].reshape(B, T, -1) for forwards in outputs], dim=2)
+    weights = torch.stack([forwards[0][1].reshape(B, T, -1) for forwards in outputs], dim=2)
+    return dict(zip(ROUTER_OUTPUTS, (logits.float(), weights.float()), strict=True))
 
 
 def own_routes_BTLK(own: list[list[torch.Tensor]], B: int, T: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 from qualify.matrix import Reference
 from qualify.models.hf import actor_scores, compute_copy, critic_values, enable_checkpointing
 from qualify.models.hooks import capture_layer_outputs
-from qualify.models.routing import replayed_routes, routing
+from qualify.models.routing import replayed_routes, router_outputs, routing
 from qualify.ppo.formula import PROCESSED_KEY, rollout_sampling
 from qualify.ppo.math import kl_terms, masked_mean
 from qualify.ppo.objective import DECIDED_KEY, GRPOShare, grpo_share, role_objective, rows_of, step_rows
@@ -262,10 +262,13 @@ def _forward_backward(ctx: ScoringContext, role: str, control: Control, model: t
         part = None if share is None else GRPOShare(share.advantages_B[order][rows], share.normalizers)
         m_BT = mask_BT[rows]
         # a MoE actor replays the rollout's routes through the forward and the backward (which may recompute it)
-        with routing(model, None if routes_BTLK is None else routes_BTLK[rows]):
+        recorded: list = []
+        with routing(model, None if routes_BTLK is None else routes_BTLK[rows], outputs=recorded):
             if role == "actor":
                 scores_BT, processed_BT = actor_scores(model, ids_BT[rows], rollout_sampling(ctx.rollout),
                                                        ctx.reference.logprob_chunk_tokens, vocab_size)
+                for key, t in router_outputs(recorded, *ids_BT[rows].shape).items():  # a MoE actor's routers
+                    parts.setdefault(key, []).append(t)
                 if processed_BT is not None:  # the processed formula a candidate may declare; bitwise full untruncated
                     parts.setdefault(PROCESSED_KEY, []).append(torch.where(m_BT, processed_BT, 0.0))
             else:

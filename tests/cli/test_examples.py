@@ -71,6 +71,8 @@ NOT_RUN = {
         "tests/integration/test_rounds.py runs the same stage (run_rounds) at vLLM TP2",
     "scripts/demo.sh matrices/tiny-qwen3-grpo.yaml runs/tiny-qwen3-grpo":
         "the whole GRPO chain (about 3 minutes); tests/integration/test_grpo_chain.py runs its stages",
+    "scripts/demo.sh matrices/tiny-qwen3-moe.yaml runs/tiny-qwen3-moe":
+        "the whole MoE chain (about 5 minutes with the TP2 capture); tests/integration/test_moe.py runs its stages",
 }
 """Examples that are parsed here but not run, with the reason."""
 OUTPUT_OPTIONS = ("--out", "--junit", "--run")

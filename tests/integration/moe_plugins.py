@@ -8,12 +8,12 @@ every one of them, naming the tensor or the replay row (negative controls, tests
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import torch
 
 from qualify.engines.base import Batch
-from qualify.engines.torch_tp import TorchTPEngine, local
+from qualify.engines.torch_tp import TorchTPEngine, local, routes_replayed
 
 
 class ShiftedRoutes(TorchTPEngine):
@@ -76,14 +76,58 @@ class ReplaysFirstMicrobatchOnly(TorchTPEngine):
             return super().score(batch)
         half = batch.input_ids_BT.shape[0] // 2
         first = super().score(batch.rows(slice(0, half)))
-        declared, logits, routes = self.declared_BT, self.last_logits, self.last_routes
+        declared, logits, routes, router = self.declared_BT, self.last_logits, self.last_routes, self.last_router
         rest = batch.rows(slice(half, None))
         second = super().score(Batch(input_ids_BT=rest.input_ids_BT, response_mask_BT=rest.response_mask_BT))
         # the hooks report the whole batch, as scored
         self.declared_BT = None if declared is None else torch.cat([declared, self.declared_BT])
         self.last_logits = None if logits is None else torch.cat([logits, self.last_logits])
         self.last_routes = None if routes is None else torch.cat([routes, self.last_routes])
+        self.last_router = None if router is None else {k: torch.cat([t, self.last_router[k]]) for k, t in router.items()}
         return torch.cat([first, second])
+
+
+class CheckpointedReplay(TorchTPEngine):
+    """The correct twin under activation checkpointing (reentrant, as many trainers run it): the backward runs each
+    layer's forward again, so the routes stay installed from score() until backward() has run."""
+
+    def setup(self, ctx):
+        super().setup(ctx)
+        self.compute.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        self.compute.train()  # transformers checkpoints in train mode only (the tiny family has no dropout)
+        self.held = ExitStack()
+
+    def score(self, batch: Batch) -> torch.Tensor:
+        self.held.close()
+        ids_BT = batch.input_ids_BT.to(self.ctx.device)
+        with self.routed(self.compute, batch):
+            self.held.enter_context(routes_replayed(self.compute, batch.routes_BTLK))
+            scores = self.scores_from(local(self.compute(input_ids=ids_BT, use_cache=False).logits), ids_BT)
+        self.after_forward()
+        return scores
+
+    def after_forward(self) -> None:
+        """The routes stay for the backward's recompute."""
+
+    def backward(self, loss):
+        super().backward(loss)
+        self.held.close()
+
+
+class CheckpointedReroute(CheckpointedReplay):
+    """Replays in the forward only: the backward's recompute of every checkpointed layer routes afresh, so wherever
+    the live router picks other experts than the rollout did, the gradients are those of another forward."""
+
+    def after_forward(self) -> None:
+        self.held.close()
+
+
+def checkpointed_replay() -> TorchTPEngine:
+    return CheckpointedReplay()
+
+
+def checkpointed_reroute() -> TorchTPEngine:
+    return CheckpointedReroute()
 
 
 def shifted_routes() -> TorchTPEngine:

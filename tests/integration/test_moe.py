@@ -93,6 +93,11 @@ def test_the_replaying_torch_tp_passes_every_row_with_its_routes_replayed_exactl
         rows = replay_rows(verdict, case)
         assert [r["step"] for r in rows] == list(range(moe_matrix.ppo.epochs)), rows
         assert all(r["metric"] == "pairs_not_replayed" and float(r["value"]) == 0 for r in rows)
+        # the routers' logits and weights are judged tensors, every step
+        judged = {(r["step"], r["tensor"].split("/")[-1]) for r in verdict["rows"] if r["case"] == case
+                  and r["tensor"].endswith(("/outputs/router_logits_BTLE", "/outputs/routing_weights_BTLK"))}
+        assert judged == {(k, n) for k in range(moe_matrix.ppo.epochs)
+                          for n in ("router_logits_BTLE", "routing_weights_BTLK")}, judged
 
 
 def test_routes_shifted_by_one_position_fail_the_replay_rows_and_the_router_gradients(moe_run, tmp_path):
@@ -101,6 +106,9 @@ def test_routes_shifted_by_one_position_fail_the_replay_rows_and_the_router_grad
     rows = replay_rows(verdict, case)
     assert rows and all(not r["passed"] for r in rows)
     assert "MoE layer" in rows[0]["note"] and "the rollout's" in rows[0]["note"]
+    weights = [r for r in verdict["rows"] if r["case"] == case and r["tensor"] == "step0/outputs/routing_weights_BTLK"
+               and not r["passed"]]
+    assert weights and max(float(r["ratio"]) for r in weights) >= 10, weights
     gate = [r for r in verdict["rows"] if r["case"] == case and r["tensor"].startswith("step0/grads/")
             and r["tensor"].endswith("mlp.gate.weight") and not r["passed"]]
     assert gate and max(float(r["ratio"]) for r in gate) >= 10, gate
@@ -124,6 +132,24 @@ def test_a_replay_skipped_for_the_second_micro_batch_fails_the_replay_rows(moe_r
     failed = [r for r in rows if not r["passed"]]
     assert failed and all("MoE layer" in r["note"] for r in failed), rows
     assert not verdict["cases"][case]["passed"]
+
+
+def test_activation_recompute_that_routes_afresh_fails_on_the_moe_gradients_and_its_twin_passes(moe_run, tmp_path):
+    """Under reentrant activation checkpointing the backward runs each layer's forward again: the twin keeps the
+    routes installed through the backward and passes every row; the other replays in the forward only, so its
+    routing/replayed rows pass while the recompute routes afresh, and wherever the live router picks other experts
+    than the rollout did (here after the first update moved the weights) the router and expert gradients fail by
+    far."""
+    m = matrix_with(tmp_path, MOE_MATRIX, engines=[f"{PLUGINS}:checkpointed_replay", f"{PLUGINS}:checkpointed_reroute"],
+                    precisions=["fp32"], tp=[1], roles=["actor"])
+    verdict = run_candidates(load_matrix(_with_tp1_rollout(tmp_path, m)), moe_run).to_json()
+    twin, broken = verdict["cases"]
+    assert verdict["cases"][twin]["passed"], [(r["tensor"], r["ratio"]) for r in verdict["rows"]
+                                              if r["case"] == twin and not r["passed"]][:5]
+    assert all(r["passed"] for r in replay_rows(verdict, broken))
+    bad = [r for r in verdict["rows"] if r["case"] == broken and not r["passed"]]
+    moe = [r for r in bad if "/grads/" in r["tensor"] and (".mlp.experts." in r["tensor"] or "mlp.gate." in r["tensor"])]
+    assert moe and max(float(r["ratio"]) for r in moe) >= 10, bad[:3]
 
 
 def _with_tp1_rollout(tmp_path: Path, m) -> Path:

@@ -201,3 +201,50 @@ def test_the_matrix_refuses_routing_settings_that_cannot_run(tmp_path, edit, mes
 def test_the_shipped_moe_matrix_loads(tmp_path):
     m = _matrix(tmp_path, lambda d: None)
     assert m.models.tiny.moe == TinyMoE() and m.rollout.routing == "replay"
+
+
+def test_only_the_actor_of_a_replaying_matrix_replays(tmp_path):
+    from qualify.models.routing import replayed_routes
+
+    m = _matrix(tmp_path, lambda d: None)
+    routes = torch.zeros(2, 3, 2, 2, dtype=torch.int32)
+    batch = {"input_ids_BT": torch.zeros(2, 3, dtype=torch.long), "routes_BTLK": routes}
+    assert replayed_routes(m.rollout, "actor", batch) is routes
+    assert replayed_routes(m.rollout, "critic", batch) is None
+    recompute = _matrix(tmp_path, lambda d: d["rollout"].update(routing="recompute"))
+    assert replayed_routes(recompute.rollout, "actor", batch) is None
+    with pytest.raises(ValueError, match="the rollout holds no routes"):
+        replayed_routes(m.rollout, "actor", {"input_ids_BT": batch["input_ids_BT"]})
+
+
+def test_router_outputs_are_the_first_forwards_logits_and_the_weights_used(actor, ids):
+    """What a replaying forward records (the reference's step and OutputScoring.routed read it): the router's logits
+    and the weights of the replayed experts, renormalized; a later forward in the same block (a recompute) is not
+    taken."""
+    from qualify.models.routing import ROUTER_OUTPUTS, router_outputs
+
+    own = own_routes(actor, ids)
+    other = (own + 1) % SPEC.moe.num_experts
+    logits = {}
+    handles = [layer.mlp.gate.register_forward_hook(lambda m, a, out, i=i: logits.__setitem__(i, out[0].detach()))
+               for i, layer in enumerate(actor.model.layers)]
+    recorded: list = []
+    try:
+        with torch.no_grad(), routing(actor, other, outputs=recorded):
+            actor(input_ids=ids)
+    finally:
+        for h in handles:
+            h.remove()
+    out = router_outputs(recorded, *ids.shape)
+    assert list(out) == list(ROUTER_OUTPUTS)
+    assert out["router_logits_BTLE"].shape == (3, 9, 2, 4) and out["routing_weights_BTLK"].shape == (3, 9, 2, 2)
+    for layer in range(2):
+        probs = torch.softmax(logits[layer].double(), -1).reshape(3, 9, 4)
+        picked = probs.gather(-1, other[:, :, layer].long())
+        assert torch.allclose(out["routing_weights_BTLK"][:, :, layer].double(), picked / picked.sum(-1, keepdim=True),
+                              rtol=0, atol=1e-6)
+    assert router_outputs([], 3, 9) == {}
+    with torch.no_grad(), routing(actor, None, outputs=recorded):
+        actor(input_ids=ids)
+        actor(input_ids=ids[:, :4])  # a later forward (a recompute's place): not taken
+    assert router_outputs(recorded, *ids.shape)["router_logits_BTLE"].shape == (3, 9, 2, 4)
