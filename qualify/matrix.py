@@ -221,6 +221,9 @@ class Rollout:
     """vLLM KV-cache budget in bytes."""
     block_size: int = 32
     """vLLM KV block size (prefix caching caches full blocks only)."""
+    batch_invariant: bool = False
+    """Capture with vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1, set before vLLM starts; its kernel settings
+    are recorded with the rollout): refused with the reason where the installed vLLM or the device cannot run it."""
     routing: Literal["replay", "recompute"] | None = None
     """A MoE actor's routing in every step on the rollout: replay (the rollout's routes, recorded by the capture, pick
     the experts; routing weights come from the live router logits, so the router still gets gradients) or recompute

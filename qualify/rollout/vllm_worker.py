@@ -40,6 +40,12 @@ def run(request: dict) -> dict:
     from qualify.hardware import platform_fingerprint
 
     platform = platform_fingerprint()  # here, where vLLM has set its threads, not in the parent
+    if request.get("batch_invariant"):  # what vLLM's batch-invariant mode set in this process
+        import os
+
+        from qualify.rollout.capture import BATCH_INVARIANT_SETTINGS
+
+        platform["batch_invariant"] = {k: os.environ.get(k) for k in BATCH_INVARIANT_SETTINGS}
     try:
         # Every prompt samples with the request's settings, or its own ones in a merged request.
         sampling = request.get("prompt_sampling") or [
@@ -58,7 +64,7 @@ def run(request: dict) -> dict:
     finally:
         shutdown(llm)
     return {"results": results, "load_s": loaded - started, "generate_s": time.monotonic() - loaded,
-            "platform": platform, "routes_layers": layers}
+            "platform": platform, "routes_layers": layers, "batch_invariant_settings": platform.get("batch_invariant")}
 
 
 def result_of(out) -> dict:
