@@ -19,7 +19,9 @@ Bytes per parameter (P = parameters of the role's model, K = optimizer steps per
 
 Activations (elements a token and layer keeps for backward, HF Qwen3 with SDPA): 5 h + 6 q + 4 kv + 5 i (h hidden,
 q = heads x head_dim, kv = kv_heads x head_dim, i = MLP width); with gradient checkpointing one layer input (h)
-a layer plus one layer's full set. The actor adds its logits and their gradient ([tokens, vocab] in the compute
+a layer plus one layer's full set. A Qwen3-MoE layer's MLP keeps top_k x (5 i_moe + 2 h) (each token's experts, its
+input and output gathered per expert) and 2 x experts (the router's logits and probabilities); every rank holds the
+router and experts whole (torch-tp's plan replicates them). The actor adds its logits and their gradient ([tokens, vocab] in the compute
 precision, twice) and the chunked fp32 log_softmax (three [chunk, vocab] fp32 buffers). This is an estimate,
 not an allocator trace: the figures it is checked against are in benchmarks/LOG.md.
 """
@@ -32,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from qualify.errors import SlurmError
 
 GiB = 1 << 30
 CONTEXT_BYTES = 2 * GiB
@@ -63,11 +67,25 @@ class Shape:
     """A causal LM (actor): an LM head over the vocabulary; else one scalar head (critic)."""
     tied: bool = False
     """The LM head is the embedding (no parameters of its own)."""
+    num_experts: int = 0
+    """Experts of each MoE layer (Qwen3-MoE: every layer); 0 for a dense model."""
+    top_k: int = 0
+    """Experts each token runs through (num_experts_per_tok)."""
+    moe_intermediate_size: int = 0
+    """Each expert's MLP width."""
+
+    @property
+    def mlp_params(self) -> int:
+        """One layer's MLP: gate, up and down projections (of every expert, and the router, in a MoE layer)."""
+        h = self.hidden_size
+        if self.num_experts:
+            return self.num_experts * (3 * h * self.moe_intermediate_size + h)
+        return 3 * h * self.intermediate_size
 
     @property
     def layer_params(self) -> int:
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return 2 * h * q + 2 * h * kv + 3 * h * self.intermediate_size + 2 * h + 2 * self.head_dim
+        return 2 * h * q + 2 * h * kv + self.mlp_params + 2 * h + 2 * self.head_dim
 
     @property
     def embed_params(self) -> int:
@@ -85,28 +103,41 @@ class Shape:
         return self.num_layers * self.layer_params + self.embed_params + self.head_params + self.hidden_size
 
     def replicated_params(self, engine: str) -> int:
-        """Parameters every TP rank holds whole: the norms, and the embedding unless the engine shards it."""
+        """Parameters every TP rank holds whole: the norms, a MoE layer's router and experts (torch-tp replicates
+        them), and the embedding unless the engine shards it."""
         norms = self.num_layers * (2 * self.hidden_size + 2 * self.head_dim) + self.hidden_size
         embed = 0 if engine in VOCAB_SHARDING_ENGINES else self.embed_params
-        return norms + embed + (0 if self.lm_head else self.head_params)
+        experts = self.num_layers * self.mlp_params if self.num_experts else 0
+        return norms + embed + experts + (0 if self.lm_head else self.head_params)
 
     def activation_elements(self, tokens: int, checkpointing: bool) -> int:
         """Elements kept for backward by the decoder layers over tokens (see the module docstring)."""
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_layer = 5 * h + 6 * q + 4 * kv + 5 * self.intermediate_size
+        # a MoE layer's MLP: each token's top_k experts (5 i each, as a dense MLP's) and its router's logits and
+        # probabilities over every expert, plus its input and output gathered once per expert it runs through
+        mlp = (self.top_k * (5 * self.moe_intermediate_size + 2 * h) + 2 * self.num_experts if self.num_experts
+               else 5 * self.intermediate_size)
+        per_layer = 5 * h + 6 * q + 4 * kv + mlp
         if checkpointing:
             return tokens * (self.num_layers * h + per_layer)
         return tokens * self.num_layers * per_layer
 
 
 def shape_from_config(config: dict[str, Any], role: str) -> Shape:
-    """The Shape of an HF Qwen3 config.json (a dict) for the actor or the critic."""
+    """The Shape of an HF Qwen3 (or Qwen3-MoE, every layer sparse) config.json (a dict) for the actor or the critic."""
     heads = config["num_attention_heads"]
+    moe = {}
+    if config.get("model_type") == "qwen3_moe":
+        if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
+            raise SlurmError("memory: a Qwen3-MoE config with dense layers among the sparse ones (mlp_only_layers, "
+                             "decoder_sparse_step) is not modelled")
+        moe = {"num_experts": config["num_experts"], "top_k": config["num_experts_per_tok"],
+               "moe_intermediate_size": config["moe_intermediate_size"]}
     return Shape(vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
                  intermediate_size=config["intermediate_size"], num_layers=config["num_hidden_layers"],
                  num_heads=heads, num_kv_heads=config.get("num_key_value_heads", heads),
                  head_dim=config.get("head_dim") or config["hidden_size"] // heads, lm_head=role == "actor",
-                 tied=role == "actor" and bool(config.get("tie_word_embeddings", False)))
+                 tied=role == "actor" and bool(config.get("tie_word_embeddings", False)), **moe)
 
 
 def matrix_shapes(models: Any, resolve: Callable[[str], Path]) -> dict[str, Shape] | None:
@@ -114,10 +145,13 @@ def matrix_shapes(models: Any, resolve: Callable[[str], Path]) -> dict[str, Shap
     (resolve: Matrix.resolve; None when a checkpoint directory is not there: then nothing can be checked)."""
     tiny = models.tiny
     if tiny is not None:
+        moe = {} if tiny.moe is None else {"num_experts": tiny.moe.num_experts, "top_k": tiny.moe.top_k,
+                                           "moe_intermediate_size": tiny.moe.moe_intermediate_size}
         return {role: Shape(vocab_size=tiny.vocab_size, hidden_size=tiny.hidden_size,
                             intermediate_size=tiny.intermediate_size, num_layers=tiny.num_layers,
                             num_heads=tiny.num_heads, num_kv_heads=tiny.num_kv_heads, head_dim=tiny.head_dim,
-                            lm_head=role == "actor", tied=role == "actor" and bool(tiny.tie_word_embeddings))
+                            lm_head=role == "actor", tied=role == "actor" and bool(tiny.tie_word_embeddings),
+                            **(moe if role == "actor" else {}))
                 for role in ("actor", "critic")}
     shapes = {}
     for role in ("actor", "critic"):

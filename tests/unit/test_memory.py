@@ -145,3 +145,28 @@ def test_nothing_is_checked_without_the_checkpoints_config_or_the_profiles_gpu_m
     profile.pop("gpu_mem")
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(profile))
     render_chain(_matrix(tmp_path, offload=None), tmp_path / "p.yaml", run=Path("runs/q"), out=tmp_path / "out")
+
+
+def test_a_moe_shape_counts_the_parameters_the_model_has():
+    """Independent: the tiny MoE family built by transformers (actor MoE, critic dense); and a Qwen3-MoE config.json
+    (Qwen3-30B-A3B's dimensions) has its experts counted, not a dense MLP of intermediate_size."""
+    from qualify.matrix import TinyModel, TinyMoE
+    from qualify.models.tiny import build_tiny_model
+
+    class Models:
+        tiny = TinyModel(seed=1, vocab_size=256, num_layers=2, moe=TinyMoE(num_experts=4, top_k=2,
+                                                                             moe_intermediate_size=24))
+        checkpoints = None
+
+    shapes = matrix_shapes(Models, lambda p: Path(p))
+    for role in ("actor", "critic"):
+        model = build_tiny_model(Models.tiny, role)
+        assert shapes[role].params == sum(p.numel() for p in model.parameters()), role
+    assert shapes["actor"].num_experts == 4 and shapes["critic"].num_experts == 0
+    config = {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+              "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+              "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "tie_word_embeddings": False}
+    shape = shape_from_config(config, "actor")
+    assert 30.0e9 < shape.params < 31.0e9  # Qwen3-30B-A3B: 30.5B parameters
+    with pytest.raises(SlurmError, match="mlp_only_layers"):
+        shape_from_config(config | {"mlp_only_layers": [0]}, "actor")
