@@ -248,3 +248,38 @@ def test_router_outputs_are_the_first_forwards_logits_and_the_weights_used(actor
         actor(input_ids=ids)
         actor(input_ids=ids[:, :4])  # a later forward (a recompute's place): not taken
     assert router_outputs(recorded, *ids.shape)["router_logits_BTLE"].shape == (3, 9, 2, 4)
+
+
+def test_a_checkpoints_model_type_and_the_routing_setting_must_agree(tmp_path):
+    """A real family's model type is known once its config is read: the reference refuses a MoE actor without
+    rollout.routing, a dense one with it, and megatron beside a MoE actor, before anything runs."""
+    import json
+
+    from qualify.reference.stage import require_routing_setting
+
+    dense, moe = tmp_path / "dense", tmp_path / "moe"
+    for path, kind in ((dense, "qwen3"), (moe, "qwen3_moe")):
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({"model_type": kind, "num_attention_heads": 4, "vocab_size": 512,
+                                                      "num_key_value_heads": 2, "intermediate_size": 128}))
+    plain, routed = load_matrix(ROOT / "matrices" / "tiny-qwen3.yaml"), _matrix(tmp_path, lambda d: None)
+    require_routing_setting(plain, dense)
+    require_routing_setting(routed, moe)
+    with pytest.raises(QualifyError, match="is a Qwen3-MoE actor: rollout.routing .* is required"):
+        require_routing_setting(plain, moe)
+    with pytest.raises(QualifyError, match="is a dense Qwen3 actor"):
+        require_routing_setting(routed, dense)
+    with pytest.raises(QualifyError, match="megatron"):
+        require_routing_setting(_megatron(tmp_path), moe)
+
+
+def _megatron(tmp_path):
+    """The MoE matrix with megatron among its engines, past the tiny family's own check (a checkpoints family)."""
+    data = yaml.safe_load((ROOT / "matrices" / "tiny-qwen3-moe.yaml").read_text())
+    tiny = data["models"].pop("tiny")
+    data["models"]["checkpoints"] = {role: str(tmp_path / "moe") for role in ("actor", "reference", "critic", "reward")}
+    data["candidates"]["engines"] = ["torch-tp", "megatron"]
+    assert tiny["moe"]
+    path = tmp_path / "mega.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return load_matrix(path)
