@@ -151,53 +151,6 @@ def _num(v: Any) -> float:
         return math.nan
 
 
-REPLAY_RULE = ("== 0: with rollout.routing replay, every token the rollout fed routes to the rollout's experts in every "
-               "MoE layer (Rollout Routing Replay); counted: (token, layer) pairs whose expert set differs")
-NOT_OBSERVED = ("the engine exposes no routes() hook (or it gave none): whether it replays the rollout's routes is not "
-                "verified; its tensors are judged as every case's")
-
-
-def replay_check(used_BTLK: torch.Tensor | None, given_BTLK: torch.Tensor, offset: int = 0) -> dict[str, Any] | None:
-    """How far the experts an engine routed to (its routes() hook) are from the routes it was given to replay, on the
-    tokens the rollout fed (given >= 0): (token, layer) pairs whose expert set differs, and the first of them (row
-    offset: the batch's first row in the rollout). None when the engine gave no routes."""
-    if used_BTLK is None:
-        return None
-    used, given = used_BTLK.long().cpu(), given_BTLK.long().cpu()
-    fed = given[..., 0, 0] >= 0
-    if used.shape != given.shape:
-        return {"pairs": int(fed.sum()) * given.shape[2], "differ": int(fed.sum()) * given.shape[2],
-                "first": f"routes of shape {tuple(used.shape)}, the batch's are {tuple(given.shape)}"}
-    differs = (used.sort(-1).values != given.sort(-1).values).any(-1) & fed[..., None]
-    first = ""
-    if differs.any():
-        b, t, layer = (int(i) for i in torch.nonzero(differs)[0])
-        first = (f"row {b + offset} position {t} MoE layer {layer}: routed to experts {used[b, t, layer].tolist()}, the "
-                 f"rollout's {given[b, t, layer].tolist()}")
-    return {"pairs": int(fed.sum()) * given.shape[2], "differ": int(differs.sum()), "first": first}
-
-
-def replay_rows(case: str, role: str, cand: list[RunTensors]) -> list[Row]:
-    """A replaying case's routes against the rollout's, one row per step (recorded by the worker in meta.json); none
-    for a case that replays nothing (a dense family, rollout.routing recompute, the critic)."""
-    found = cand[0].meta.get("routing_replay") if cand else None
-    if not isinstance(found, list) or not found:
-        return []
-    rows = []
-    for k, step in enumerate(found):
-        if not isinstance(step, dict):
-            rows.append(Row(case, role, DERIVED, f"step{k}/routing/replayed", "not_observed", 0.0, math.inf, True,
-                            NOT_OBSERVED, step=k, rule=REPLAY_RULE))
-            continue
-        value = _num(step.get("differ"))
-        passed = value == 0
-        note = "" if passed else (f"{int(value)} of {step.get('pairs')} (token, MoE layer) pairs not routed as the "
-                                  f"rollout routed them; first: {step.get('first')}")
-        rows.append(Row(case, role, DERIVED, f"step{k}/routing/replayed", "pairs_not_replayed", value, 0.0, passed,
-                        note, step=k, rule=REPLAY_RULE))
-    return rows
-
-
 def sampler_rows(case: str, role: str, cand: list[RunTensors]) -> list[Row]:
     """The logprobs derived from the case's own logits, one row per step (recorded by the worker in meta.json)."""
     if role != "actor" or not cand:
@@ -459,7 +412,7 @@ def derived_rows(case: str, role: str, objective: Objective, cand: list[RunTenso
     device = (cand[0].meta.get("case") or {}).get("device", "cpu") if cand else "cpu"
     state_dtypes = (cand[0].meta.get("state_dtypes") or {}) if cand else {}
     rebuilt: dict[str, torch.Tensor] = {}  # update_row: the ulps of the updates the starts are rebuilt from
-    rows = sampler_rows(case, role, cand) + replay_rows(case, role, cand)
+    rows = sampler_rows(case, role, cand)
     for k, step in enumerate(cand):
         if k < len(inputs.masks):
             rows += step_rows(case, role, objective, k, step.outputs, inputs.targets[k], inputs.masks[k], device, scored)

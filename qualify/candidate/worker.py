@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from qualify.candidate.agreement import agree_case
-from qualify.candidate.derived import replay_check, sampler_check
+from qualify.candidate.derived import sampler_check
 from qualify.candidate.dp import dp_group, gather_outputs, rank_rows
 from qualify.candidate.imported import KEY as IMPORTED_KEY
 from qualify.candidate.imported import record as record_imported
@@ -33,6 +33,7 @@ from qualify.candidate.plugin_contract import (
     check_objective_signature,
     check_outputs,
 )
+from qualify.candidate.routing_rows import replay_check
 from qualify.case.context import Batch
 from qualify.case.launch import record_failure
 from qualify.case.ranks import init_distributed

@@ -100,6 +100,20 @@ def test_the_replaying_torch_tp_passes_every_row_with_its_routes_replayed_exactl
                           for n in ("router_logits_BTLE", "routing_weights_BTLK")}, judged
 
 
+def test_the_report_shows_the_routing_agreement_per_layer(moe_run):
+    """After the replaying cases: the markdown and the HTML page carry the rollout's routes against the reference's
+    routing, one line (row) per MoE layer, from the verified reference summary."""
+    from qualify.report import load_docs, summarize, to_markdown
+    from qualify.report_html import to_html
+
+    summary = summarize(moe_run)
+    markdown = to_markdown(summary)
+    assert "routing (replay): the rollout's routes vs the fp32 reference's own top-k" in markdown
+    assert markdown.count("tokens route to other experts") == 2
+    page = to_html(load_docs(moe_run), summary)
+    assert 'id="routing"' in page and "tokens routed elsewhere" in page
+
+
 def test_routes_shifted_by_one_position_fail_the_replay_rows_and_the_router_gradients(moe_run, tmp_path):
     verdict = _plugin_verdict(moe_run, tmp_path, "shifted_routes")
     [case] = verdict["cases"]

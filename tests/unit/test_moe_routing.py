@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from qualify.candidate.derived import replay_check, replay_rows
+from qualify.candidate.routing_rows import replay_check, replay_rows
 from qualify.compare import RunTensors
 from qualify.errors import EvidenceError, QualifyError
 from qualify.matrix import TinyModel, TinyMoE, load_matrix
@@ -283,3 +283,8 @@ def _megatron(tmp_path):
     path = tmp_path / "mega.yaml"
     path.write_text(yaml.safe_dump(data))
     return load_matrix(path)
+
+
+def test_a_replay_record_that_is_not_a_count_fails_its_row():
+    [row] = replay_rows("c", "actor", [RunTensors({}, {}, {}, {}, {"routing_replay": [{"differ": "none", "pairs": 8}]})])
+    assert not row.passed and math.isnan(row.value) and "nan of 8" in row.note
