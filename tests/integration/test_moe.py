@@ -84,7 +84,8 @@ def test_the_rollout_holds_every_fed_tokens_routes_and_they_are_the_fp32_models_
 
 
 def test_the_replaying_torch_tp_passes_every_row_with_its_routes_replayed_exactly(moe_run, moe_matrix, tmp_path):
-    m = matrix_with(tmp_path, MOE_MATRIX.parent / "tiny-qwen3-moe.yaml", roles=["actor"])
+    """bf16 at TP1 and TP2 (routers and experts replicated over TP); fp32 TP1 is the checkpointed twin's below."""
+    m = matrix_with(tmp_path, MOE_MATRIX.parent / "tiny-qwen3-moe.yaml", roles=["actor"], precisions=["bf16"])
     m = load_matrix(_with_tp1_rollout(tmp_path, m))
     verdict = run_candidates(m, moe_run).to_json()
     assert verdict["passed"], [(r["case"], r["tensor"], r["metric"], r["ratio"]) for r in verdict["rows"]
