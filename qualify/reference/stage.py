@@ -235,16 +235,17 @@ def rollout_mismatch(ctx: ScoringContext, controls: list[str]) -> dict[str, Any]
     return report
 
 
-def require_routing_setting(matrix: Matrix, actor_dir: Path) -> None:
+def require_routing_setting(routing: str | None, engines: tuple[str, ...], actor_dir: Path) -> None:
     """rollout.routing is required for a MoE actor and refused for a dense one (a tiny family's matrix says so when it
-    loads; a checkpoint's model type is known once its config is read), and megatron's conversion is dense only."""
+    loads; a checkpoint's model type is known once its config is read), and megatron's conversion (candidates.engines)
+    is dense only."""
     from qualify.models.hf import model_type
 
     moe = model_type(actor_dir) == "qwen3_moe"
-    if moe != (matrix.rollout.routing is not None):
+    if moe != (routing is not None):
         raise QualifyError(f"{actor_dir} is a {'Qwen3-MoE' if moe else 'dense Qwen3'} actor: rollout.routing (replay "
                            "or recompute) is required for a MoE actor and refused for a dense one")
-    if moe and "megatron" in matrix.candidates.engines:
+    if moe and "megatron" in engines:
         raise QualifyError("candidates.engines lists megatron, whose checkpoint conversion knows dense Qwen3 only, "
                            f"not the Qwen3-MoE actor {actor_dir}")
 
@@ -289,7 +290,7 @@ def run_reference(matrix: Matrix, run_dir: Path, stage: str = "all", rollout: Pa
     log = StageLog("reference")
     matrix_digest = snapshot_matrix(matrix, layout)
     models = prepare_models(matrix.models, layout, matrix.resolve)
-    require_routing_setting(matrix, models["actor"])
+    require_routing_setting(matrix.rollout.routing, matrix.candidates.engines, models["actor"])
     if stage in ("all", "capture"):
         capture_all(matrix.capture, layout, models, log, rollout)
     if stage == "capture":

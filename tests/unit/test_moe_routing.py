@@ -263,14 +263,15 @@ def test_a_checkpoints_model_type_and_the_routing_setting_must_agree(tmp_path):
         (path / "config.json").write_text(json.dumps({"model_type": kind, "num_attention_heads": 4, "vocab_size": 512,
                                                       "num_key_value_heads": 2, "intermediate_size": 128}))
     plain, routed = load_matrix(ROOT / "matrices" / "tiny-qwen3.yaml"), _matrix(tmp_path, lambda d: None)
-    require_routing_setting(plain, dense)
-    require_routing_setting(routed, moe)
+    require_routing_setting(plain.rollout.routing, plain.candidates.engines, dense)
+    require_routing_setting(routed.rollout.routing, routed.candidates.engines, moe)
     with pytest.raises(QualifyError, match="is a Qwen3-MoE actor: rollout.routing .* is required"):
-        require_routing_setting(plain, moe)
+        require_routing_setting(plain.rollout.routing, plain.candidates.engines, moe)
     with pytest.raises(QualifyError, match="is a dense Qwen3 actor"):
-        require_routing_setting(routed, dense)
+        require_routing_setting(routed.rollout.routing, routed.candidates.engines, dense)
     with pytest.raises(QualifyError, match="megatron"):
-        require_routing_setting(_megatron(tmp_path), moe)
+        mega = _megatron(tmp_path)
+        require_routing_setting(mega.rollout.routing, mega.candidates.engines, moe)
 
 
 def _megatron(tmp_path):
