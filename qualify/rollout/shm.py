@@ -16,12 +16,18 @@ SHM = Path("/dev/shm")
 
 
 def descendants(pid: int) -> list[int]:
-    """pid and every live process below it (from /proc/<pid>/task/*/children)."""
+    """pid and every live process below it (from /proc/<pid>/task/*/children). A process may exit while it is read:
+    its /proc directory goes away under the listing (CI saw FileNotFoundError from the scan), and it has no children
+    left to find."""
     found, todo = [], [pid]
     while todo:
         p = todo.pop()
         found.append(p)
-        for task in Path(f"/proc/{p}/task").glob("*"):
+        try:
+            tasks = list(Path(f"/proc/{p}/task").glob("*"))
+        except OSError:
+            continue
+        for task in tasks:
             try:
                 todo += [int(c) for c in (task / "children").read_text().split()]
             except (OSError, ValueError):

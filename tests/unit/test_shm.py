@@ -69,3 +69,17 @@ def test_watch_of_a_finished_process_sees_nothing(tmp_path: Path):
     watch = ShmWatch(proc.pid)
     watch.poll()
     assert watch.seen == set()
+
+
+def test_a_process_that_exits_while_its_tasks_are_listed_is_not_an_error(monkeypatch):
+    """CI saw the race: the child's /proc/<pid>/task went away between the listing's start and its scan, and the
+    FileNotFoundError ended a capture that was about to report vLLM's own failure."""
+    from pathlib import Path
+
+    from qualify.rollout import shm
+
+    def vanished(self, pattern):
+        raise FileNotFoundError(2, "No such file or directory", str(self))
+
+    monkeypatch.setattr(Path, "glob", vanished)
+    assert shm.descendants(12345) == [12345]
