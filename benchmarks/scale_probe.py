@@ -39,24 +39,29 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def configured(matrix, config: str):
+def configured(matrix, config: str, run: Path):
+    """(precision, the scoring context of config: matrix's reference on DEVICE, offloaded or checkpointed as it
+    says) for run's models."""
+    from qualify.layout import RunLayout
+    from qualify.reference.context import ScoringContext
+
     precision, *flags = config.split("-")
     ref = dataclasses.replace(matrix.reference, device=DEVICE, offload="host" if "host" in flags else None,
                               gradient_checkpointing="ckpt" in flags)
-    return precision, dataclasses.replace(matrix, reference=ref)
+    return precision, ScoringContext.of(dataclasses.replace(matrix, reference=ref), RunLayout(Path(run)), "probe", "")
 
 
-def time_forward_backward(matrix, precision: str, master, batch, targets, vocab: int, model_dir: Path,
+def time_forward_backward(ctx, precision: str, master, batch, targets, vocab: int, model_dir: Path,
                           repeats: int = 3) -> float:
     """Median seconds of one forward+backward of the whole batch in the compute copy on the GPU."""
     from qualify.reference.step import Control, _compute_model, _forward_backward
 
     device = torch.device(DEVICE)
-    offload = matrix.reference.offload == "host"
+    offload = ctx.reference.offload == "host"
     if not offload:
         master.to(device)
     model = _compute_model(master, precision, model_dir, "actor", "sdpa", device, offload)
-    if matrix.reference.gradient_checkpointing:
+    if ctx.reference.gradient_checkpointing:
         from qualify.models.hf import enable_checkpointing
 
         enable_checkpointing(model)
@@ -66,7 +71,7 @@ def time_forward_backward(matrix, precision: str, master, batch, targets, vocab:
     for i in range(repeats + 1):
         sync()
         start = time.perf_counter()
-        _forward_backward(matrix, "actor", Control(name="r0"), model, b, t, vocab)
+        _forward_backward(ctx, "actor", Control(name="r0"), model, b, t, vocab)
         sync()
         if i:
             times.append(time.perf_counter() - start)
@@ -89,7 +94,7 @@ def main() -> None:
     cuda = DEVICE == "cuda"
 
     from qualify.matrix import load_matrix
-    from qualify.memory import GiB, matrix_shapes, reference_needs
+    from qualify.memory import GiB, Workload, matrix_shapes, reference_needs
     from qualify.models.hf import load_model
     from qualify.reference.step import Control, run_role
     from qualify.rollout.capture import load_rollout
@@ -106,14 +111,15 @@ def main() -> None:
     targets = synthetic_targets(batch["response_mask_BT"])
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     tokens = int(batch["input_ids_BT"].numel())
-    shapes = matrix_shapes(base)
+    shapes = matrix_shapes(base.models, base.resolve)
     params = shapes["actor"].params
     doc = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__, "params": params, "tokens": tokens,
            "batch": list(batch["input_ids_BT"].shape), "configs": {}}
     kept = {}
     for config in args.configs.split(","):
-        precision, matrix = configured(base, config)
-        estimate = next(n for n in reference_needs(matrix, shapes) if f" {precision} actor" in n.what)
+        precision, ctx = configured(base, config, args.run)
+        work = Workload.of(base.rollout, base.objective.ppo, ctx.reference)
+        estimate = next(n for n in reference_needs(ctx.reference, work, shapes) if f" {precision} actor" in n.what)
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -121,14 +127,14 @@ def main() -> None:
         master = load_model(model_dir, "actor")
         t1 = time.perf_counter()
         with torch.enable_grad():
-            result = run_role(matrix, "actor", precision, Control(name="r0"), master, batch, targets, vocab, model_dir)
+            result = run_role(ctx, "actor", precision, Control(name="r0"), master, batch, targets, vocab, model_dir)
         sync()
         t2 = time.perf_counter()
         peak = torch.cuda.max_memory_allocated() if cuda else 0
         del master
         if cuda:
             torch.cuda.empty_cache()
-        fb = time_forward_backward(matrix, precision, load_model(model_dir, "actor"), batch, targets, vocab, model_dir)
+        fb = time_forward_backward(ctx, precision, load_model(model_dir, "actor"), batch, targets, vocab, model_dir)
         flops = 6 * params * tokens
         row = {"load_s": round(t1 - t0, 2), "run_role_s": round(t2 - t1, 2), "peak_alloc_gib": round(peak / GiB, 2),
                "estimate_gib": round(estimate.gpu_bytes / GiB, 2),

@@ -33,7 +33,7 @@ from qualify.ppo.coverage import inert
 from qualify.reference.context import ScoringContext
 from qualify.reference.inputs import StepInputs
 from qualify.schema import from_dict
-from qualify.stages import fingerprint, require_complete, stage_info
+from qualify.stages import fingerprint, require_all_complete, require_complete, stage_info
 from qualify.store import atomic_write_bytes, dumps_json, read_json, read_json_object
 
 
@@ -102,21 +102,18 @@ def verified_reference(layout: RunLayout) -> tuple[dict[str, Any], Any]:
         raise EvidenceError(f"{layout.reference_summary} lists controls {summary['controls']}, but the sealed matrix "
                             f"snapshot declares {declared}: the summary was changed, or made from another matrix")
 
-    if matrix.models.tiny is not None:
-        for role in ROLES_ALL:
-            require_complete(layout.model(role), f"{role} model")
-    for tp in matrix.rollout.vllm_tp:
-        require_complete(layout.rollout(tp), f"rollout TP{tp}")
+    stages = [(layout.model(role), f"{role} model") for role in ROLES_ALL] if matrix.models.tiny is not None else []
+    stages += [(layout.rollout(tp), f"rollout TP{tp}") for tp in matrix.rollout.vllm_tp]
+    stages.append((layout.targets, "targets"))
+    stages += [(layout.scores(precision, control, role), f"reference {precision} {control} {role}")
+               for precision in matrix.reference.precisions for control in summary["controls"]
+               for role in matrix.roles]
+    require_all_complete(stages)  # every sealed stage of the reference, hashed in one parallel pass
     primary = stage_info(layout.rollout(matrix.rollout.vllm_tp[0]))["digest"]
-    require_complete(layout.targets, "targets")
     for what, recorded, sealed in (("rollout", summary.get("rollout_digest"), primary),
                                    ("targets", summary.get("targets_digest"), stage_info(layout.targets)["digest"])):
         if recorded != sealed:
             raise EvidenceError(f"{layout.reference_summary} names {what} {recorded}, the sealed one is {sealed}")
-    for precision in matrix.reference.precisions:
-        for control in summary["controls"]:
-            for role in matrix.roles:
-                require_complete(layout.scores(precision, control, role), f"reference {precision} {control} {role}")
     return summary, matrix
 
 
@@ -182,7 +179,8 @@ def freeze(run_dir: Path, name: str | None = None, log: Any = None) -> dict[str,
 
     layout = RunLayout(run_dir_of(run_dir))
     log = log or StageLog("freeze")
-    summary, matrix = verified_reference(layout)
+    with log.step("verify the reference's seals"):
+        summary, matrix = verified_reference(layout)
     controls, rule, ctx = summary["controls"], matrix.freeze, ScoringContext.of(matrix, layout)
     objective = ctx.objective
     coverage = reference_coverage(layout, controls[0], objective.roles)

@@ -19,7 +19,7 @@ from typing import Any
 
 from qualify.errors import EvidenceError, QualifyError
 from qualify.layout import RunLayout
-from qualify.stages import stage_info, stage_is_complete
+from qualify.stages import Sealed, check_sealed_all, stage_is_complete
 
 CASE_NAME = re.compile(r"^(?P<engine>.+)-(?P<precision>fp32|bf16)-tp(?P<tp>[1-9][0-9]*)(?:-dp(?P<dp>[2-9]|[1-9][0-9]+))?"
                        r"-(?P<role>actor|critic)$")
@@ -150,12 +150,22 @@ def verdict_problems(verdict: Any, acceptance: dict[str, Any] | None) -> list[st
     return problems
 
 
-def case_set_problems(layout: RunLayout, verdict: dict[str, Any]) -> list[str]:
+def sealed_cases(layout: RunLayout) -> dict[str, Sealed]:
+    """Every case directory of the run whose seal verifies, by case name (hashed in one parallel pass: what
+    case_set_problems and evidence_problems are given, so no case is hashed twice)."""
+    if not layout.candidates.is_dir():
+        return {}
+    found = check_sealed_all(p for p in layout.candidates.iterdir() if layout.is_case_dir(p))
+    return {path.name: s for path, s in found.items() if s is not None}
+
+
+def case_set_problems(layout: RunLayout, verdict: dict[str, Any], cases: dict[str, Sealed] | None = None) -> list[str]:
     """The verdict judges every case whose sealed evidence is in the run: a case is never left out of it (the
-    candidates section may change after freeze, so the frozen matrix does not fix the set; the evidence does)."""
+    candidates section may change after freeze, so the frozen matrix does not fix the set; the evidence does).
+    cases: sealed_cases(layout), when the caller has it."""
     if not layout.candidates.is_dir():
         return []
-    sealed = sorted(p.name for p in layout.candidates.iterdir() if layout.is_case_dir(p) and stage_is_complete(p))
+    sealed = sorted(sealed_cases(layout) if cases is None else cases)
     lacking = [name for name in sealed if name not in verdict["cases"]]
     if lacking:
         return [(f"verdict: leaves out {len(lacking)} case(s) whose sealed evidence is in {layout.candidates} "
@@ -170,15 +180,18 @@ def load_bounds(layout: RunLayout, acceptance: dict[str, Any]) -> dict[tuple[str
     return {key: d["bounds"] for key, d in read_bound_files(layout.acceptance_dir, acceptance["bounds"]).items()}
 
 
-def sealed_problems(layout: RunLayout, acceptance: dict[str, Any], names: list[str]) -> list[str]:
-    """Each named case's evidence is complete, verified and was made on the frozen rollout."""
+def sealed_problems(layout: RunLayout, acceptance: dict[str, Any], names: list[str],
+                    cases: dict[str, Sealed] | None = None) -> list[str]:
+    """Each named case's evidence is complete, verified and was made on the frozen rollout (cases:
+    sealed_cases(layout), when the caller has it)."""
     problems = []
+    cases = sealed_cases(layout) if cases is None else cases
     for name in names:
         where = layout.case(name)
-        if not stage_is_complete(where):
+        if name not in cases or cases[name].path != where:
             problems.append(f"case {name}: evidence at {where} is missing, partial or modified since it was sealed")
             continue
-        info = stage_info(where)
+        info = cases[name].info
         if info.get("case") != name or info.get("rollout_digest") != acceptance["rollout_digest"]:
             problems.append(f"case {name}: evidence at {where} was sealed for {info.get('case')!r} on rollout "
                             f"{info.get('rollout_digest')!r}, not for this case on the frozen rollout")
@@ -268,14 +281,16 @@ def rejudge_problems(layout: RunLayout, reference: dict[str, Any], acceptance: d
 
 
 def evidence_problems(layout: RunLayout, reference: dict[str, Any], acceptance: dict[str, Any],
-                      verdict: dict[str, Any]) -> list[str]:
-    """Every case that ran: sealed evidence, and the verdict's rows are what that evidence gives."""
+                      verdict: dict[str, Any], cases: dict[str, Sealed] | None = None) -> list[str]:
+    """Every case that ran: sealed evidence, and the verdict's rows are what that evidence gives (cases:
+    sealed_cases(layout), when the caller has it)."""
+    cases = sealed_cases(layout) if cases is None else cases
     # a case that did not run has no evidence to judge again: its one row fails it. A case whose evidence is sealed
     # ran, whatever its rows say, and is judged again like any other
     did_not_run = {r["case"] for r in verdict["rows"] if r["comparison"] == "run"
-                   and not stage_is_complete(layout.case(r["case"]))}
+                   and not (r["case"] in cases and cases[r["case"]].path == layout.case(r["case"]))}
     names = [n for n in verdict["cases"] if n not in did_not_run]
-    problems = sealed_problems(layout, acceptance, names)
+    problems = sealed_problems(layout, acceptance, names, cases)
     if problems or not names:
         return problems
     try:
@@ -338,12 +353,13 @@ def verify_run(layout: RunLayout, reference: dict[str, Any], acceptance: dict[st
     if verdict is not None:
         checked.append("verdict against the acceptance and the cases that ran")
         own = verdict_problems(verdict, acceptance)
-        if not own and acceptance is not None:
-            own = case_set_problems(layout, verdict)
+        cases = sealed_cases(layout) if not own and acceptance is not None else None
+        if cases is not None:
+            own = case_set_problems(layout, verdict, cases)
         problems += own
         if not problems:
             checked.append("every case judged again from its sealed evidence")
-            problems += evidence_problems(layout, reference, acceptance, verdict)
+            problems += evidence_problems(layout, reference, acceptance, verdict, cases)
     bound = frozen_rounds_bound(layout, reference, acceptance) if rounds else None
     for tp, doc in sorted(rounds.items()):
         checked.append(f"rounds vllm-tp{tp} sealed and judged again from its sealed evidence")

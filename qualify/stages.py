@@ -15,6 +15,7 @@ and modification time, so a stat-based memory could miss it).
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,37 @@ def check_sealed(path: Path) -> Sealed | None:
     if not isinstance(recorded, dict) or recorded != _digests(path):
         return None
     return Sealed(path, recorded, info)
+
+
+def check_sealed_all(paths: Iterable[Path]) -> dict[Path, Sealed | None]:
+    """check_sealed of every path, with the files of all of them hashed in one parallel pass (qualify.hashing spreads
+    large files over threads): a run's sealed directories are verified at once, not one directory after another."""
+    import os
+
+    found: dict[Path, Sealed | None] = {}
+    recorded: dict[Path, tuple[dict, dict, dict[str, int]]] = {}
+    for path in map(Path, paths):
+        found[path] = None
+        marker = path / MARKER
+        if not marker.is_file():
+            continue
+        try:
+            doc = read_json(marker)
+            files, info = doc["files"], doc.get("info", {})
+        except (EvidenceError, KeyError, TypeError, AttributeError):
+            continue
+        if isinstance(files, dict):
+            recorded[path] = (files, info, {f: n for f, n in scan_files(path).items() if f != MARKER})
+    if not recorded:
+        return found
+    root = Path(os.path.commonpath([os.fspath(p) for p in recorded]))
+    sizes = {(p.relative_to(root) / f).as_posix(): n for p, (_, _, own) in recorded.items() for f, n in own.items()}
+    hashes = hash_files(root, sorted(sizes), progress=False, sizes=sizes)
+    for path, (files, info, own) in recorded.items():
+        prefix = path.relative_to(root)
+        if files == {f: list(hashes[(prefix / f).as_posix()]) for f in sorted(own)}:
+            found[path] = Sealed(path, files, info)
+    return found
 
 
 def stage_is_complete(path: Path) -> bool:
@@ -130,6 +162,16 @@ def complete_stage(path: Path, info: dict[str, Any] | None = None) -> None:
 def require_complete(path: Path, what: str) -> Sealed:
     """The verified seal of path; EvidenceError unless path is a complete, verified stage output."""
     return open_sealed(path, what)
+
+
+def require_all_complete(stages: list[tuple[Path, str]]) -> dict[Path, Sealed]:
+    """require_complete of every (path, what), verified together (check_sealed_all); the first one that is not
+    complete raises, as require_complete would."""
+    sealed = check_sealed_all(path for path, _ in stages)
+    for path, what in stages:
+        if sealed[Path(path)] is None:
+            raise EvidenceError(f"{what} at {path} is missing, partial or modified; rerun the stage that makes it")
+    return {path: s for path, s in sealed.items() if s is not None}
 
 
 def stage_info(path: Path) -> dict[str, Any]:

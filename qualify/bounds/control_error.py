@@ -18,6 +18,7 @@ from qualify.bounds.rule import BOUNDS_SCHEMA, RULE, BoundRule, family_pairs, qu
 from qualify.compare import StepFiles, merge_max, pair_metrics, params_before_steps, replay_metrics, with_step
 from qualify.errors import EvidenceError
 from qualify.layout import RunLayout
+from qualify.metrics import metrics_device
 from qualify.stages import require_complete
 
 LOSS_KEY = "outputs/loss"
@@ -111,7 +112,12 @@ def grad_difference(run: Any, base: Any) -> float | None:
     same gradients (names and shapes)."""
     if not base.grads or {n: g.shape for n, g in run.grads.items()} != {n: g.shape for n, g in base.grads.items()}:
         return None
-    return math.sqrt(sum(float((run.grads[n].double() - g.double()).square().sum()) for n, g in base.grads.items()))
+    device = metrics_device()  # the GPU when there is one: a 0.6B model's gradients are 600M elements a run
+    total = 0.0
+    for n, g in base.grads.items():
+        mine, theirs = (run.grads[n], g) if device is None else (run.grads[n].to(device), g.to(device))
+        total += float((mine.double() - theirs.double()).square().sum())
+    return math.sqrt(total)
 
 
 def terms_difference(mine: Any, theirs: Any) -> float | None:

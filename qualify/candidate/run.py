@@ -267,7 +267,8 @@ def run_candidates(matrix: Matrix, run_dir: Path, *, acceptance: Path | None = N
             rows.append(Row(case.name, case.role, "run", "case", "exit", 1.0, 0.0, False, errors[case.name],
                             rule="the case runs to completion and seals its evidence"))
         else:
-            rows += judge_case(ctx, case, bounds, befores[case.role], verified, inputs)
+            with log.step(f"judge {case.name}"):
+                rows += judge_case(ctx, case, bounds, befores[case.role], verified, inputs)
     extra = case_platforms(layout, cases, doc.get("platform"))
     for case in cases:  # the invariance tier of every tensor of a TP > 1 or DP > 1 case
         invariance = case_invariance(layout, case, rows) if case.name not in errors else {}

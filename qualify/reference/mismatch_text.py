@@ -7,8 +7,13 @@ def _g(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3g}"
 
 
+LISTED_TOKENS = 20
+"""Kept-set differences listed by token in these lines; the reference summary (reference.json) holds every one."""
+
+
 def mismatch_lines(precision: str, mm: dict) -> list[str]:
-    """Train-vs-rollout of one precision: numerical error, truncation term, total, kept-set differences (all listed)."""
+    """Train-vs-rollout of one precision: numerical error, truncation term, total, kept-set differences (the first
+    LISTED_TOKENS by token: at a real shape they can be thousands)."""
     n, total, trunc, differs = mm["num_tokens"], mm["total"], mm["truncation"], mm["kept_set_differs"]
     lines = [(f"  train-vs-rollout {precision}: {n - mm['num_not_bitwise']}/{n} tokens bitwise equal to the processed "
              f"formula; numerical |delta| max {_g(mm['max_abs'])}, mean {_g(mm['mean_abs'])}"),
@@ -19,7 +24,9 @@ def mismatch_lines(precision: str, mm: dict) -> list[str]:
              f"{differs['count']} tokens")]
     lines += [f"      row {t['row']} position {t['position']}: sampler {t['sampler']:.7g}, reference processed "
               f"{'-inf (outside its kept set)' if t['processed'] is None else format(t['processed'], '.7g')}"
-              for t in differs["tokens"]]
+              for t in differs["tokens"][:LISTED_TOKENS]]
+    if len(differs["tokens"]) > LISTED_TOKENS:
+        lines.append(f"      ... and {len(differs['tokens']) - LISTED_TOKENS} more (reference.json lists every one)")
     return lines
 
 

@@ -133,7 +133,7 @@ def score_all(ctx: ScoringContext, candidate_tp: tuple[int, ...], log: StageLog)
     precisions, layout = ctx.reference.precisions, ctx.layout
     r0_first = sorted(precisions, key=lambda p: p != "fp32")  # fp32-r0 is every family's base
     order = [(controls[0], p) for p in r0_first] + [(c, p) for c in controls[1:] for p in precisions]
-    scoring = Scoring(ctx, [c.name for c in controls])
+    scoring = Scoring(ctx, [c.name for c in controls], log)
     for control, precision in order:
         for role in ctx.objective.roles:
             what = f"reference {precision} {control.name} {role}"
@@ -149,8 +149,8 @@ def score_all(ctx: ScoringContext, candidate_tp: tuple[int, ...], log: StageLog)
 class Scoring:
     """One reference run scored and sealed: in full, or (a control) as a summary."""
 
-    def __init__(self, ctx: ScoringContext, controls: list[str]) -> None:
-        self.ctx, self.layout, self.models, self.controls = ctx, ctx.layout, ctx.models, controls
+    def __init__(self, ctx: ScoringContext, controls: list[str], log: StageLog | None = None) -> None:
+        self.ctx, self.layout, self.models, self.controls, self.log = ctx, ctx.layout, ctx.models, controls, log
         self.rollout = load_rollout(ctx.layout.rollout(ctx.primary_tp), ctx.rollout_digest)
         self.targets = load_targets(ctx.layout, ctx.targets_digest)
         self.vocab = model_config(ctx.models["actor"])["vocab_size"]
@@ -179,9 +179,11 @@ class Scoring:
         require_space(out, need, basis, f"scoring {name} {role}")
         started = time.monotonic()
         master = load_model(self.models[role], role, control.attn_impl)
+        loaded = time.monotonic()
         with torch.enable_grad():
             result = run_role(ctx, role, precision, control, master, self.rollout, self.targets, self.vocab,
                               self.models[role])
+        ran = time.monotonic()
         info = {"precision": precision, "control": control.name, "role": role, "attn_impl": control.attn_impl,
                 "microbatches": control.microbatches, "reverse_rows": control.reverse_rows, "tp_split": control.tp,
                 "seconds": round(time.monotonic() - started, 3), "rollout_digest": ctx.rollout_digest,
@@ -190,14 +192,19 @@ class Scoring:
             | ({"optimizer_order": "reordered"} if control.adam_form == "reordered" else {}) \
             | ({"optimizer_form": "fused"} if control.adam_form == "fused" else {}) \
             | ({"fused_norm": True} if control.fused_norm else {})
+        recorded = time.monotonic()
         if ctx.reference.evidence != "summary" or not recorded_families(name, self.controls):
             write_role(out, result, info)
-            return
-        record = control_record(ctx, role, name, result, self.controls, initial_parameters(self.models[role]))
-        if control.name == self.controls[0]:
-            write_role(out, result, info, record)
         else:
-            write_summarized_role(out, result, info, record)
+            record = control_record(ctx, role, name, result, self.controls, initial_parameters(self.models[role]))
+            recorded = time.monotonic()
+            if control.name == self.controls[0]:
+                write_role(out, result, info, record)
+            else:
+                write_summarized_role(out, result, info, record)
+        if self.log is not None:  # where a run's time goes (information: not part of the evidence)
+            self.log.note(f"  {name} {role}: load {loaded - started:.1f} s, run {ran - loaded:.1f} s, record "
+                          f"{recorded - ran:.1f} s, write and seal {time.monotonic() - recorded:.1f} s")
 
 
 def rollout_mismatch(ctx: ScoringContext, controls: list[str]) -> dict[str, Any]:
@@ -289,7 +296,8 @@ def run_reference(matrix: Matrix, run_dir: Path, stage: str = "all", rollout: Pa
     layout = RunLayout(Path(run_dir))
     log = StageLog("reference")
     matrix_digest = snapshot_matrix(matrix, layout)
-    models = prepare_models(matrix.models, layout, matrix.resolve)
+    with log.step("models"):
+        models = prepare_models(matrix.models, layout, matrix.resolve)
     require_routing_setting(matrix.rollout.routing, matrix.candidates.engines, models["actor"])
     if stage in ("all", "capture"):
         capture_all(matrix.capture, layout, models, log, rollout)

@@ -309,7 +309,10 @@ def test_decompose_mismatch_splits_numerics_from_truncation_and_lists_kept_set_d
     assert "1/5 tokens bitwise equal to the processed formula" in lines[0]
     assert "kept set differs" in lines[2] and "2 tokens" in lines[2]
     assert "row 1 position 6: sampler -0.3, reference processed -inf (outside its kept set)" in lines[3]
-    assert "row 2 position 7" in lines[4]
+    assert "row 2 position 7" in lines[4] and len(lines) == 5
+    many = {**report, "kept_set_differs": {**differs, "count": 4061, "tokens": differs["tokens"] * 2031}}
+    listed = mismatch_lines("fp32", many)  # thousands at a real shape: the first few, and how many more
+    assert len(listed) == 3 + 20 + 1 and listed[-1] == "      ... and 4042 more (reference.json lists every one)"
     import json
 
     json.dumps(report, allow_nan=False)  # the summary is strict JSON: no -inf anywhere

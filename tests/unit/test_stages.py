@@ -6,9 +6,12 @@ import pytest
 
 from qualify.errors import EvidenceError, FrozenError
 from qualify.stages import (
+    check_sealed,
+    check_sealed_all,
     complete_stage,
     fingerprint,
     prepare_stage,
+    require_all_complete,
     require_complete,
     reuse_complete,
     stage_info,
@@ -40,6 +43,31 @@ def test_tampered_or_partial_stage_is_not_complete_and_is_redone(tmp_path, tampe
         require_complete(out, "s")
     prepare_stage(out)  # a partial output is removed, never trusted
     assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("tamper", ["modify", "add", "delete", "marker"])
+def test_sealed_directories_verified_together_agree_with_one_at_a_time(tmp_path, tamper):
+    dirs = {}
+    for i, where in enumerate(["a/x", "a/y/z", "b", "c"]):  # directories at different depths, one large file
+        out = dirs[where] = tmp_path / where
+        prepare_stage(out)
+        (out / "f.bin").write_bytes(bytes([i]) * (300_000 if where == "b" else 10 + i))
+        (out / "sub").mkdir()
+        (out / "sub" / "g.txt").write_text(where)
+        complete_stage(out, {"digest": where})
+    unsealed = tmp_path / "d"
+    unsealed.mkdir()
+    bad = dirs["a/y/z"]
+    {"modify": lambda: (bad / "f.bin").write_bytes(b"changed"), "add": lambda: (bad / "h.bin").write_bytes(b"x"),
+     "delete": lambda: (bad / "sub" / "g.txt").unlink(), "marker": lambda: (bad / "_complete.json").write_text("{")}[tamper]()
+    together = check_sealed_all([*dirs.values(), unsealed])
+    assert together == {p: check_sealed(p) for p in [*dirs.values(), unsealed]}
+    assert [p for p, s in together.items() if s is None] == [bad, unsealed]  # the negative controls
+    assert together[dirs["b"]].info == {"digest": "b"}
+    assert set(require_all_complete([(dirs[w], w) for w in ("a/x", "b", "c")])) == {dirs[w] for w in ("a/x", "b", "c")}
+    with pytest.raises(EvidenceError, match="a/y/z at .* is missing, partial or modified"):
+        require_all_complete([(dirs["a/x"], "a/x"), (bad, "a/y/z")])
+    assert check_sealed_all([]) == {}
 
 
 def test_reuse_refuses_complete_output_made_with_other_settings(tmp_path):
