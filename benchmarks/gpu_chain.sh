@@ -19,7 +19,8 @@ matrix=${2:-benchmarks/gpu-tiny-tp1.yaml}
 run=${3:-runs/gpu-tiny-tp1}
 rollout=${4:-}
 stages=${STAGES:-reference freeze candidate verify report}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+# (none when gpu_vllm_chain.sh installed the unpacked site, which holds them)
+[ ! -d .whl ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 - <<'PY'
@@ -39,7 +40,7 @@ for stage in $stages; do
     freeze) cmd=(freeze "$run") ;;
     candidate) cmd=(candidate "$matrix" --run "$run"); [ -z "${CASES:-}" ] || cmd+=(--only "$CASES") ;;
     verify) cmd=(verify "$run/acceptance/acceptance.json") ;;
-    report) cmd=(report "$run" --format markdown) ;;
+    report) cmd=(report "$run" --format html --out "$out/report.html") ;;
     *) echo "gpu_chain.sh: unknown stage $stage" >&2; exit 2 ;;
   esac
   peak_file=$(mktemp)
@@ -50,7 +51,7 @@ for stage in $stages; do
   sampler=$!
   start=$EPOCHREALTIME
   src=0
-  if [ "$stage" = report ]; then qualify "${cmd[@]}" > "$out/report.md" || src=$?; else qualify "${cmd[@]}" || src=$?; fi
+  qualify "${cmd[@]}" || src=$?
   kill $sampler 2>/dev/null || true
   awk -v s="$start" -v e="$EPOCHREALTIME" -v n="$stage" -v rc=$src -v peak="$(cat "$peak_file" 2>/dev/null || echo 0)" \
       -v ref="$(bytes "$run/reference")" -v cand="$(bytes "$run/candidates")" \
@@ -61,6 +62,7 @@ for stage in $stages; do
   [ $src = 0 ] || [ "$stage" = candidate ] || [ "$stage" = verify ] || break
 done
 cat "$table"
+[ ! -f "$out/report.html" ] || echo "report.html: $(stat -c %s "$out/report.html") bytes"
 cp "$run"/candidates/verdict*.json "$out/" 2>/dev/null || true
 tar -C "$run" -czf "$out/candidate-logs.tgz" $(cd "$run" && ls -d candidates/*.work 2>/dev/null) 2>/dev/null || true
 exit $rc

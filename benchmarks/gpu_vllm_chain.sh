@@ -4,7 +4,7 @@
 # at TP1 and TP2, verify, the vLLM-vs-HF fp32 probe, `qualify rounds`; and the same chain through a real Slurm.
 # The wheels come from benchmarks/gpu_vllm_wheels.sh (run where pip reaches a registry). Through the `device`
 # tool, whose calls carry at most 64 MiB, back to back so the machine stays warm (/tmp survives between calls):
-#   stash .gpu/carry-N    (one call per part, carry .gpu/carry-N): copy that part to /tmp/carry
+#   stash .gpu/xz/pNN     (one call per part, carry .gpu/xz/pNN; for slurm also .gpu/slurm-debs): copy it to /tmp/carry
 #   run OUT [MATRIX] [RUN]  (after the last stash): join the parts, install, then the chain, probe and rounds
 #   chain OUT [MATRIX] [RUN]: as run, without the probe and rounds (capture, reference, freeze, every case, report)
 #   slurm OUT [MATRIX] [RUN] [CASES]: scripts/slurm-gpu.sh, then `qualify sbatch --submit --wait` with one
@@ -27,10 +27,15 @@ timed() {  # timed LABEL COMMAND...: run, print its wall time and exit code
 
 install() {
   [ -f /tmp/site/.installed ] && return
-  (cd /tmp/carry && cat part-* > /tmp/bundle.tar && cd /tmp && sha256sum -c /tmp/carry/SHA256SUMS)
-  mkdir -p /tmp/bundle && tar -xf /tmp/bundle.tar -C /tmp/bundle && rm /tmp/bundle.tar
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    /tmp/bundle/dl/vllm-*.whl /tmp/bundle/deps/*.whl /tmp/bundle/.whl/*.whl
+  if grep -q site.tar.xz /tmp/carry/SHA256SUMS; then  # the unpacked site, xz-compressed (gpu_vllm_wheels.sh)
+    (cd /tmp/carry && cat part-* > /tmp/site.tar.xz && cd /tmp && sha256sum -c /tmp/carry/SHA256SUMS)
+    mkdir -p /tmp/site && xz -dc -T0 /tmp/site.tar.xz | tar -x -C /tmp/site && rm /tmp/site.tar.xz
+  else  # the wheels, tarred
+    (cd /tmp/carry && cat part-* > /tmp/bundle.tar && cd /tmp && sha256sum -c /tmp/carry/SHA256SUMS)
+    mkdir -p /tmp/bundle && tar -xf /tmp/bundle.tar -C /tmp/bundle && rm /tmp/bundle.tar
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      /tmp/bundle/dl/vllm-*.whl /tmp/bundle/deps/*.whl /tmp/bundle/.whl/*.whl
+  fi
   touch /tmp/site/.installed
 }
 
@@ -47,7 +52,7 @@ PY
 run() {
   local out=${1:?} matrix=${2:-benchmarks/gpu-tiny-tp2.yaml} run=${3:-runs/gpu-tiny-tp2}
   install
-  [ -e .whl ] || ln -s /tmp/bundle/.whl .whl  # gpu_chain.sh installs .whl/*.whl again (a no-op upgrade)
+  [ -e .whl ] || [ ! -d /tmp/bundle/.whl ] || ln -s /tmp/bundle/.whl .whl  # gpu_chain.sh installs .whl/*.whl again (a no-op upgrade)
   versions
   mkdir -p "$out"
   timed "qualify reference --stage capture (vLLM TP1 and TP2)" qualify reference "$matrix" --run "$run" --stage capture
@@ -92,7 +97,8 @@ slurm() {
   local out=${1:?} matrix=${2:-benchmarks/gpu-tiny-tp2.yaml} run=${3:-runs/gpu-slurm} cases=${4:-}
   install
   mkdir -p "$out"
-  eval "$(bash scripts/slurm-gpu.sh start /tmp/bundle/slurm-debs)"
+  local debs=/tmp/bundle/slurm-debs; [ -d $debs ] || debs=/tmp/carry  # the old bundle held them; else stashed
+  eval "$(bash scripts/slurm-gpu.sh start $debs)"
   local args=(--cluster sbatch/clusters/h200x2-local.yaml --run "$run" --wait)
   [ -z "$cases" ] || args+=(--only "$cases")
   local start=$EPOCHREALTIME rc=0
@@ -119,7 +125,7 @@ slurm() {
 chain() {  # the product path without the probe and rounds: GPU vLLM capture, reference, freeze, every case, report
   local out=${1:?} matrix=${2:-benchmarks/gpu-tiny-tp2.yaml} run=${3:-runs/gpu-tiny-tp2}
   install
-  [ -e .whl ] || ln -s /tmp/bundle/.whl .whl
+  [ -e .whl ] || [ ! -d /tmp/bundle/.whl ] || ln -s /tmp/bundle/.whl .whl
   versions
   mkdir -p "$out"
   timed "qualify reference --stage capture (vLLM TP1 and TP2)" qualify reference "$matrix" --run "$run" --stage capture

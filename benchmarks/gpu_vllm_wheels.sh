@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Fetch (here, where pip reaches a registry) everything the GPU machine needs to run qualify with GPU vLLM,
 # and lay it out in ignored folders that the `device` tool carries, one folder per call (64 MiB a call, the
-# working tree included, so parts of 48 MB):
+# working tree included):
 #   .gpu/dl/vllm-0.26.0-*.whl    the vllm wheel (304 MB)
 #   .gpu/deps                    vllm's dependencies the GPU image lacks (about 55 MB)
 #   .whl/                        megatron-core, deepspeed, hjson, pydantic & co (what gpu_chain.sh installs)
 #   .gpu/slurm-debs              Debian 12's Slurm 22.05 for scripts/slurm-gpu.sh (apt-get download, 4.5 MB)
-#   .gpu/carry-1 .. .gpu/carry-N one tar of all of the above, split into 48 MB parts (SHA256SUMS in carry-1)
+#   .gpu/xz/p00 .. .gpu/xz/pNN    all the wheels above unpacked into one site, xz-compressed, split into parts that
+#                                fit beside the working tree (SHA256SUMS in p00); slurm-debs travel on their own
 # vllm 0.26.0 pins torch 2.11.0 (CUDA 13), the GPU image's torch. Dependencies are resolved for Python 3.12
 # against stand-in wheels of torch/torchvision/torchaudio ("2.11.0+image", no requirements), so the resolver
 # keeps the image's torch instead of fetching a second one; packages the image already has are then dropped.
@@ -92,10 +93,38 @@ if [ -d .gpu/slurm-debs ] || command -v apt-get >/dev/null; then
   (cd .gpu/slurm-debs && apt-get download slurmctld slurmd slurm-client slurm-wlm-basic-plugins libslurm38 munge \
     libmunge2 libdbus-1-3 libjson-c5 liblua5.1-0 libyaml-0-2 libnuma1 libreadline8 libhwloc15)
 fi
-rm -rf .gpu/carry-* .gpu/bundle.tar
-tar -cf .gpu/bundle.tar -C .gpu dl deps slurm-debs -C .. .whl
-split -b 48000000 -d -a 1 .gpu/bundle.tar .gpu/part-
-for p in .gpu/part-*; do n=$(( ${p##*-} + 1 )); mkdir -p .gpu/carry-$n && mv "$p" .gpu/carry-$n/; done
-(cd .gpu && sha256sum bundle.tar) > .gpu/carry-1/SHA256SUMS
-rm .gpu/bundle.tar
-du -sh .gpu/dl .gpu/deps .whl .gpu/slurm-debs .gpu/carry-*
+# One bundle: every wheel unpacked as pip --target would (vllm, its deps, then .whl/ so its copies win), less what
+# offline generation on Hopper never loads (FlashAttention 2's kernels, FA3 serves sm90; the vllm-rs server
+# binary; deep_gemm's extensions for other Pythons), tarred and xz-compressed (about 153 MB from 355 MB of
+# wheels), split into parts that fit beside the working tree in one call's 64 MiB.
+rm -rf .gpu/carry-* .gpu/xz "$work/site"
+python3 - "$work/site" .gpu/dl/vllm-*.whl .gpu/deps/*.whl .whl/*.whl <<'PY'
+import shutil, sys, zipfile
+from pathlib import Path
+out = Path(sys.argv[1])
+drop = {"vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/vllm-rs"}
+for wheel in sys.argv[2:]:
+    with zipfile.ZipFile(wheel) as z:
+        for info in z.infolist():
+            name, parts = info.filename, info.filename.split("/")
+            if name.endswith("/") or name in drop or ("deep_gemm/_C.cpython-3" in name and "cpython-312" not in name):
+                continue
+            if parts[0].endswith(".data"):
+                if parts[1] not in ("purelib", "platlib"):
+                    continue
+                name = "/".join(parts[2:])
+            dest = out / name
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            with z.open(info) as src, open(dest, "wb") as f:
+                shutil.copyfileobj(src, f)
+            if (info.external_attr >> 16) & 0o111:
+                dest.chmod(0o755)
+PY
+mkdir -p .gpu/xz
+tar -C "$work/site" -cf - . | xz -6 -T0 > .gpu/xz/site.tar.xz
+tree=$(git ls-files -z | xargs -0 du -cb | tail -n 1 | cut -f1)
+part=$(( 64 * 1024 * 1024 - tree - 4 * 1024 * 1024 ))  # 4 MiB for the untracked files a session adds
+(cd .gpu/xz && sha256sum site.tar.xz > SHA256SUMS && split -b "$part" -d -a 2 site.tar.xz part- && rm site.tar.xz)
+for p in .gpu/xz/part-*; do n=${p##*-}; mkdir -p .gpu/xz/p"$n" && mv "$p" .gpu/xz/p"$n"/; done
+mv .gpu/xz/SHA256SUMS .gpu/xz/p00/
+du -sh .gpu/dl .gpu/deps .whl .gpu/slurm-debs .gpu/xz/p*
