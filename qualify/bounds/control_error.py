@@ -137,18 +137,24 @@ def means_scales(mine: dict[str, Any], theirs: dict[str, Any]) -> dict[str, floa
     return out
 
 
-def pair_record(run: Any, other: Any, start: dict, optimizer: Any, adam_step: int,
+def pair_record(run: Any, other: Any, start: dict | None, optimizer: Any, adam_step: int,
                 terms: Callable[[Any], Any] | None = None,
-                means: Callable[[Any], dict[str, Any]] | None = None) -> dict[str, Any]:
+                means: Callable[[Any], dict[str, Any]] | None = None,
+                replay: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything one control contributes to its family's bounds at one step, against the run it is compared with
     (other: the family's r0, or r0 replayed on the control's decisions): its metrics against it, the loss's and the
     means' per-token difference scales, its whole-gradient difference, and its own AdamW replay from its own start.
-    What a control's summary keeps (qualify.bounds.records); bounds_from_records takes the largest over controls."""
+    What a control's summary keeps (qualify.bounds.records); bounds_from_records takes the largest over controls.
+    replay: the run's own replay_metrics at this step when the caller has it (it does not depend on other: a control
+    of two families measures it once), else measured here from start."""
+    if replay is None:
+        assert start is not None, "pair_record needs the run's start or its replay"
+        replay = replay_metrics(run, start, optimizer, adam_step)
     return {"metrics": pair_metrics(run, other),
             "loss_terms": None if terms is None else terms_difference(terms(run), terms(other)),
             "grad_difference": grad_difference(run, other),
             "means": {} if means is None else means_scales(means(run), means(other)),
-            "replay": replay_metrics(run, start, optimizer, adam_step)}
+            "replay": replay}
 
 
 def bounds_from_records(base: Any, records: dict[str, dict[str, Any]], rule: BoundRule, base_start: dict,

@@ -18,7 +18,7 @@ from qualify.bounds.control_error import pair_record
 from qualify.bounds.layers import LAYERS_FILE, layer_metrics, run_layers
 from qualify.bounds.records import means_of, terms_of, write_record
 from qualify.bounds.rule import FAMILIES, family_pairs
-from qualify.compare import RunTensors, StepFiles, next_params, step_dir
+from qualify.compare import RunTensors, StepFiles, next_params, replay_metrics, step_dir
 from qualify.errors import EvidenceError
 from qualify.layout import RunLayout
 from qualify.reference.context import ScoringContext
@@ -86,6 +86,11 @@ def control_record(ctx: ScoringContext, role: str, run_name: str, result: dict[s
     steps = in_memory_steps(result)
     layout, inputs = ctx.layout, ctx.inputs()
     terms, means = terms_of(ctx.objective, role, inputs), means_of(ctx.objective, role, inputs)
+    optimizer = ctx.objective.optimizer
+    # the run's own AdamW replay at each step, measured once whatever the number of families it is a control of
+    replays = [replay_metrics(run, start, optimizer, k + 1)
+               for k, (run, start) in enumerate(zip(steps, starts_of(steps, before)))] \
+        if recorded_families(run_name, controls) else []
     families = {}
     for family in FAMILIES:
         base_name, others = family_pairs(family, controls)
@@ -95,9 +100,9 @@ def control_record(ctx: ScoringContext, role: str, run_name: str, result: dict[s
         try:
             if len(aligned) != len(steps):
                 raise EvidenceError(f"{run_name} {role} took {len(steps)} step(s), {compared_with} {len(aligned)}")
-            records = [pair_record(run, aligned[k], start, ctx.objective.optimizer, k + 1,
-                                   lambda r, s=k: terms(s, r), lambda r, s=k: means(s, r))
-                       for k, (run, start) in enumerate(zip(steps, starts_of(steps, before)))]
+            records = [pair_record(run, aligned[k], None, optimizer, k + 1, lambda r, s=k: terms(s, r),
+                                   lambda r, s=k: means(s, r), replay=replays[k])
+                       for k, run in enumerate(steps)]
         finally:
             if scratch is not None:
                 remove_scratch(scratch)
