@@ -119,7 +119,8 @@ def bf16_exact_counts(t: torch.Tensor) -> tuple[int, int]:
     """(elements bf16 represents exactly, elements counted): the finite elements other than 0 and powers of two (a
     ratio of exactly 1, a clip fraction of 0.5 are bf16 values for exact reasons). NaN counts as not finite (judged
     elsewhere)."""
-    x = t.detach().float().flatten()
+    device = metrics_device()  # counts are exact anywhere; a real model's gradients are hundreds of millions
+    x = (t.detach() if device is None else t.detach().to(device)).float().flatten()
     x = x[torch.isfinite(x) & (x != 0) & (torch.frexp(x).mantissa.abs() != 0.5)]
     return int((x.to(torch.bfloat16).float() == x).sum()), int(x.numel())
 

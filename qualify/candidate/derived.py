@@ -35,6 +35,7 @@ import torch
 
 from qualify.compare import RunTensors
 from qualify.matrix import Objective
+from qualify.metrics import metrics_device
 from qualify.verdict import Row
 
 U = 2.0 ** -24
@@ -256,7 +257,8 @@ def norm_row(case: str, role: str, k: int, step: RunTensors) -> Row | None:
     """The reported pre-clip gradient norm against the norm of the reported gradients."""
     if "grad_norm" not in step.outputs or not step.grads:
         return None
-    total = sum(float(g.double().square().sum()) for g in step.grads.values())
+    device = metrics_device()  # the GPU when there is one: a real model's gradients are hundreds of millions
+    total = sum(float((g if device is None else g.to(device)).double().square().sum()) for g in step.grads.values())
     elements = sum(g.numel() for g in step.grads.values())
     norm = math.sqrt(total)
     tol = U * (2 * math.log2(max(elements, 2)) + 8) * norm
@@ -303,10 +305,13 @@ def update_row(case: str, role: str, k: int, step: RunTensors, start: dict[str, 
 
     worst: tuple[float, str, float, float, int, str] | None = None  # (ratio, name, needed, allowance, element, form)
     tiny = torch.finfo(torch.float64).tiny
+    device = metrics_device()  # float64 elementwise arithmetic: the same values on the GPU, many times faster
     for name, update in sorted(step.updates.items()):
         m, v, p = step.moments.get(f"exp_avg/{name}"), step.moments.get(f"exp_avg_sq/{name}"), start.get(name)
         if m is None or v is None or p is None or update.shape != p.shape or not update.numel():
             continue
+        if device is not None:
+            update, m, v, p = (t.to(device) for t in (update, m, v, p))
         dtype = state_dtypes.get(name, "float32")
         state = getattr(torch, dtype, torch.float32)
         # the start as the engine holds it: the initial parameters plus the case's earlier updates as reported
@@ -367,12 +372,16 @@ def moment_row(case: str, role: str, k: int, step: RunTensors, before: RunTensor
     b1, b2 = optimizer.betas
     c = clip_coefficient(float(step.outputs["grad_norm"].reshape(-1)[0]), optimizer.max_grad_norm)
     worst: tuple[float, str, float, float, int] | None = None  # (ratio, key, needed, allowance, element)
+    device = metrics_device()  # float64 elementwise arithmetic: the same values on the GPU, many times faster
     for name, g in sorted(step.grads.items()):
+        g = g if device is None else g.to(device)
         for key, beta in (("exp_avg", b1), ("exp_avg_sq", b2)):
             got = step.moments.get(f"{key}/{name}")
             if got is None or got.shape != g.shape or not got.numel():
                 continue
+            got = got if device is None else got.to(device)
             prev = before.moments.get(f"{key}/{name}") if before is not None else None
+            prev = prev if prev is None or device is None else prev.to(device)
             prev = torch.zeros_like(got, dtype=torch.float64) if prev is None else prev.double()
             dtype = state_dtypes.get(name, "float32")
             unit = STATE_UNIT.get(dtype, U)

@@ -372,3 +372,35 @@ def test_a_start_rebuilt_from_rounded_updates_carries_their_ulps():
     carried = [update_row("c", "actor", k, s, starts[k], opt, {}, rebuilt) for k, s in enumerate(run)]
     assert not alone[-1].passed  # the negative control: the drift is real
     assert all(r.passed and ratio_of(r) < 0.5 for r in carried), [ratio_of(r) for r in carried]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_update_moment_and_norm_derivations_on_the_metrics_device_give_the_same_rows(device, monkeypatch):
+    """The float64 derivations run on the metrics device (the GPU at a real shape: hundreds of millions of elements):
+    the same rows as on the tensors' own device, for a correct run and for a negative control (a shifted step)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from qualify.candidate.derived import moment_row, norm_row, update_row
+    from qualify.compare import params_before_steps
+
+    opt = SimpleNamespace(**{**vars(OPT), "max_grad_norm": 0.05})
+    run = clipped_adamw_run("for_loop")
+    p0, plain = adamw_steps("for_loop")
+    starts = params_before_steps(plain, p0)
+
+    def rows() -> list:
+        out = [moment_row("c", "actor", k, s, run[k - 1] if k else None, opt, {}) for k, s in enumerate(run)]
+        out += [norm_row("c", "actor", k, s) for k, s in enumerate(run)]
+        out += [update_row("c", "actor", k, s, starts[k], OPT, {}) for k, s in enumerate(plain)]
+        return out + [update_row("c", "actor", 0, plain[1], starts[1], OPT, {})]  # the negative control
+
+    monkeypatch.delenv("QUALIFY_METRICS_DEVICE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    here = rows()
+    monkeypatch.undo()
+    monkeypatch.setenv("QUALIFY_METRICS_DEVICE", device)
+    there = rows()
+    assert [r.passed for r in here] == [r.passed for r in there] and not here[-1].passed
+    for a, b in zip(here, there):
+        assert (a.tensor, a.note) == (b.tensor, b.note)
+        assert a.value == pytest.approx(b.value, rel=1e-12) and a.bound == pytest.approx(b.bound, rel=1e-12)
