@@ -150,17 +150,63 @@ def seal_replays(ctx: ScoringContext, case: Case, inputs: StepInputs, log: Stage
     cases that decided alike share one). The judge, and `qualify report` judging again, only read it."""
     from qualify.reference.forced import ensure_replay, replay_location
 
+    for ref_run, decided in case_replays(ctx, case, inputs):
+        precision = ref_run.split("-", 1)[0]
+        if stage_is_complete(replay_location(ctx, precision, case.role, decided)):
+            continue
+        with log.step(f"replay {ref_run} {case.role} on {case.name}'s clip decisions"):
+            ensure_replay(ctx, precision, case.role, decided)
+
+
+def case_replays(ctx: ScoringContext, case: Case, inputs: StepInputs) -> list[tuple[str, list]]:
+    """(reference run, the case's decisions to replay it on) for each reference run the case decided a token
+    otherwise than (qualify.candidate.decided.replay_needed)."""
     layout, objective = ctx.layout, ctx.objective
     cand = load_steps(layout.case(case.name))
+    out = []
     for _, ref_run in case_families(case):
         precision, control = ref_run.split("-", 1)
         ref = load_steps(layout.scores(precision, control, case.role))
         decided = replay_needed(run_decisions(objective, case.role, cand, inputs),
                                 run_decisions(objective, case.role, ref, inputs), cand, ref)
-        if decided is None or stage_is_complete(replay_location(ctx, precision, case.role, decided)):
-            continue
-        with log.step(f"replay {ref_run} {case.role} on {case.name}'s clip decisions"):
-            ensure_replay(ctx, precision, case.role, decided)
+        if decided is not None:
+            out.append((ref_run, decided))
+    return out
+
+
+def judged_reads(ctx: ScoringContext, case: Case, inputs: StepInputs, verified: frozenset[str]) -> list[Path]:
+    """The sealed directories judge_case reads besides the reference (which the acceptance's digest covers): the
+    case, the replays on its clip decisions, and the TP1/DP1 cases it is compared with where they ran (as
+    judge_case decides it: verified names cases whose seal this process has checked)."""
+    from qualify.reference.forced import replay_location
+
+    layout = ctx.layout
+    reads = [layout.case(case.name)]
+    reads += [replay_location(ctx, ref_run.split("-", 1)[0], case.role, decided)
+              for ref_run, decided in case_replays(ctx, case, inputs)]
+    reads += [layout.case(base.name) for _, base in invariance_bases(case)
+              if base.name in verified or stage_is_complete(layout.case(base.name))]
+    return reads
+
+
+def judge_or_reuse(ctx: ScoringContext, case: Case, bounds: dict, before: dict, verified: frozenset[str],
+                   inputs: StepInputs, acceptance_digest: str, log: StageLog) -> list[Row]:
+    """judge_case, or the rows it gave before on the same evidence (qualify.candidate.judged), then kept."""
+    from qualify.candidate.judged import judged_key, load_judged, save_judged
+
+    layout = ctx.layout
+    reads = judged_reads(ctx, case, inputs, verified)
+    key = judged_key(layout.root, acceptance_digest, reads)
+    checked = frozenset(layout.case(n) for n in verified)
+    rows = load_judged(layout.case(case.name), key, reads, checked)
+    if rows is not None:
+        log.note(f"judge {case.name}: {len(rows)} rows judged before on the same evidence (kept in "
+                 f"{layout.case(case.name).name}.work/judged.json)")
+        return rows
+    with log.step(f"judge {case.name}"):
+        rows = judge_case(ctx, case, bounds, before, verified, inputs)
+    save_judged(layout.case(case.name), key, rows)
+    return rows
 
 
 def judge_case(ctx: ScoringContext, case: Case, bounds: dict, before: dict, verified: frozenset[str] = frozenset(),
@@ -267,8 +313,7 @@ def run_candidates(matrix: Matrix, run_dir: Path, *, acceptance: Path | None = N
             rows.append(Row(case.name, case.role, "run", "case", "exit", 1.0, 0.0, False, errors[case.name],
                             rule="the case runs to completion and seals its evidence"))
         else:
-            with log.step(f"judge {case.name}"):
-                rows += judge_case(ctx, case, bounds, befores[case.role], verified, inputs)
+            rows += judge_or_reuse(ctx, case, bounds, befores[case.role], verified, inputs, doc["digest"], log)
     extra = case_platforms(layout, cases, doc.get("platform"))
     for case in cases:  # the invariance tier of every tensor of a TP > 1 or DP > 1 case
         invariance = case_invariance(layout, case, rows) if case.name not in errors else {}

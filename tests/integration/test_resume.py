@@ -61,3 +61,43 @@ def test_a_changed_peer_library_redoes_the_case(run_copy, tmp_path, monkeypatch,
     err = capsys.readouterr().err
     assert "imported code changed since it was sealed" in err and "complete, skipped" not in err.split("redo")[-1]
     assert not verdict["passed"]
+
+
+def test_judged_rows_are_reused_only_on_the_same_evidence_and_report_judges_again(run_copy, tmp_path, capsys):
+    """A case judged once keeps its rows beside its evidence (qualify.candidate.judged): the next candidate stage on
+    the same sealed evidence reuses them instead of judging again. Rows kept under another key are judged again, and
+    rows forged in the kept file (the key left as it was) pass into the candidate's verdict but not past `qualify
+    report`, which judges every case again from its evidence."""
+    from qualify.candidate.judged import judged_path
+    from qualify.layout import RunLayout
+    from qualify.report import load_docs
+    from qualify.report_verify import verify_run
+    from qualify.store import read_json, write_json
+
+    m = matrix_with(run_copy.parent, engines=["torch-tp"], precisions=["fp32"], tp=[1], roles=["actor"])
+    first = run_candidates(m, run_copy).to_json()
+    [case] = first["cases"]
+    kept = judged_path(RunLayout(run_copy).case(case))
+    doc = read_json(kept)
+    assert first["passed"] and doc["rows"] == [r for r in first["rows"] if r["case"] == case]
+    capsys.readouterr()
+
+    again = run_candidates(m, run_copy).to_json()
+    err = capsys.readouterr().err
+    assert f"judge {case}: {len(doc['rows'])} rows judged before on the same evidence" in err
+    assert again["rows"] == first["rows"]
+
+    write_json(kept, doc | {"key": "sha256:" + "0" * 64})  # rows kept by other code or on other evidence
+    assert run_candidates(m, run_copy).to_json()["rows"] == first["rows"]
+    err = capsys.readouterr().err
+    assert "judged before" not in err and f"judge {case}" in err
+
+    forged = read_json(kept)
+    row = next(r for r in forged["rows"] if r["metric"] == "max_abs" and r["tensor"].startswith("step0/grads/"))
+    row["value"] = row["value"] / 2 + 1e-30
+    write_json(kept, forged)
+    verdict = run_candidates(m, run_copy).to_json()
+    assert any(r["value"] == row["value"] for r in verdict["rows"])  # the stage trusts its own kept rows...
+    docs = load_docs(run_copy)
+    problems = verify_run(docs.layout, docs.reference, docs.acceptance, docs.verdict, docs.rounds).problems
+    assert any(case in p and row["tensor"] in p for p in problems), problems  # ...report does not
