@@ -22,6 +22,8 @@ from qualify.layout import step_dir
 from qualify.store import TensorFile, read_json, read_tensors, tensor_spec
 
 GROUPS = ("outputs", "grads", "updates", "moments")
+LEAN_GROUPS = ("outputs", "grads")
+"""What a lean reference r0 keeps (reference.evidence: lean): what candidates are judged against."""
 DISTRIBUTION_GROUPS = ("outputs", "grads")
 """Groups whose multi-element tensors are also judged by mean |delta| and p99 |delta|."""
 
@@ -38,11 +40,13 @@ class RunTensors:
     meta: dict[str, Any]
 
 
-def write_step(directory: Path, step: dict[str, dict[str, torch.Tensor]]) -> None:
-    """Write one step's four tensor groups (full FP32 tensors in HF names) into directory."""
+def write_step(directory: Path, step: dict[str, dict[str, torch.Tensor]],
+               groups: tuple[str, ...] = GROUPS) -> None:
+    """Write one step's tensor groups (full FP32 tensors in HF names; all four unless groups says which) into
+    directory."""
     from qualify.store import write_tensors
 
-    for group in GROUPS:
+    for group in groups:
         write_tensors(Path(directory) / f"{group}.safetensors", step[group])
 
 
@@ -50,8 +54,16 @@ def load_run(directory: Path, step: int = 0) -> RunTensors:
     """One step of a role directory written by the reference or a candidate: its outputs read, its gradients,
     updates and moments read tensor by tensor when used (qualify.store.TensorFile), never a whole group at once."""
     d = Path(directory) / step_dir(step)
+    meta = read_json(Path(directory) / "meta.json")
+    # a lean reference r0 (reference.evidence: lean) keeps no updates or moments: they read as empty
+    kept = LEAN_GROUPS if is_lean(meta) else GROUPS
     return RunTensors(read_tensors(d / "outputs.safetensors"),
-                      *(TensorFile(d / f"{g}.safetensors") for g in GROUPS[1:]), read_json(Path(directory) / "meta.json"))
+                      *(TensorFile(d / f"{g}.safetensors") if g in kept else {} for g in GROUPS[1:]), meta)
+
+
+def is_lean(meta: dict[str, Any]) -> bool:
+    """A run kept lean: a reference r0 under reference.evidence lean (outputs and gradients only)."""
+    return meta.get("evidence") == "lean"
 
 
 def num_steps(directory: Path) -> int:
@@ -141,7 +153,8 @@ class StepStarts(Sequence[dict]):
 def structure_problems(candidate: RunTensors, reference: RunTensors) -> list[tuple[str, str]]:
     """(key, problem) for every missing or extra tensor and every shape or dtype mismatch."""
     problems = []
-    for group in GROUPS:
+    # a lean reference keeps no updates or moments: a case's are judged by its own replay and derivations
+    for group in LEAN_GROUPS if is_lean(reference.meta) else GROUPS:
         c, r = getattr(candidate, group), getattr(reference, group)
         for name in sorted(set(r) - set(c)):
             problems.append((f"{group}/{name}", "missing in candidate"))

@@ -397,11 +397,14 @@ class Reference:
     """Keep step 1's per-layer activations of every reference run (what `qualify diagnose` localizes a failing case
     with, and its per-layer bounds are frozen from); false leaves them out (at Qwen3-0.6B they are 2.7 GB of each r0
     run's 12.2 GB) and diagnose then refuses, naming this field."""
-    evidence: Literal["summary", "full"] = "summary"
+    evidence: Literal["summary", "lean", "full"] = "summary"
     """What the reference keeps of each control (every run but a precision's r0, against which candidates are judged):
     summary: its outputs and the control errors freeze needs, measured while it ran (qualify.bounds.records), so the
-    evidence grows with the model and the steps, not with the number of controls; full: every tensor of every
-    control, for a reviewer who measures them again. The bounds are the same either way."""
+    evidence grows with the model and the steps, not with the number of controls; lean: as summary, and each r0
+    keeps only what candidates are judged against (outputs and gradients: 4 bytes per parameter per step, not 16),
+    its updates and moments replaced by what freeze needs of them (their magnitudes, r0's own AdamW replay, its
+    start's magnitudes; qualify.bounds.records.base_record); full: every tensor of every control, for a reviewer who
+    measures them again. The bounds are the same in all three."""
 
     def __post_init__(self) -> None:
         _distinct("precisions", self.precisions)

@@ -26,7 +26,7 @@ from typing import Any
 from qualify.acceptance import Acceptance
 from qualify.candidate.decided import SHOWN, decision_rows, first_divergence, run_decisions
 from qualify.candidate.judge import judge_steps
-from qualify.compare import load_steps, params_before_steps
+from qualify.compare import is_lean, load_steps, params_before_steps
 from qualify.errors import EvidenceError
 from qualify.hardware import platform_differences
 from qualify.hashing import sha256_file
@@ -165,6 +165,12 @@ def bound_rows(acceptance_path: Path, doc: dict[str, Any], layout: RunLayout,
             committed = load_steps(committed_run(acceptance_path, doc, f"scores/{ref_run}/{role}"))
             fresh_dir = layout.scores(*ref_run.split("-", 1), role)
             require_complete(fresh_dir, f"fresh reference {ref_run} {role}")
+            lean = [which for which, steps in (("committed", committed), ("fresh", load_steps(fresh_dir)[:1]))
+                    if is_lean(steps[0].meta)]
+            if lean:
+                raise EvidenceError(f"the {' and '.join(lean)} {ref_run} {role} kept no updates or moments "
+                                    "(reference.evidence: lean): judging a reference on another platform judges r0's "
+                                    "own updates; score both with reference.evidence summary or full")
             comparison = f"fresh vs committed {ref_run} [{family}]"
             bounds = acc.bounds(role, family)
             fresh, first, where = on_committed_decisions(ctx, role, ref_run, load_steps(fresh_dir), committed,

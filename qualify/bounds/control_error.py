@@ -9,7 +9,7 @@ controls' scalar differences cancel by chance). qualify.bounds.rule turns each e
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from qualify.errors import EvidenceError
 from qualify.layout import RunLayout
 from qualify.metrics import metrics_device
 from qualify.stages import require_complete
+from qualify.store import read_json
 
 LOSS_KEY = "outputs/loss"
 LOSS_TERMS_TEXT = ("the larger of |loss difference| and the sum of |per-token loss contribution differences| "
@@ -87,6 +88,7 @@ def family_bounds(layout: RunLayout, role: str, family: str, controls: list[str]
             raise EvidenceError(f"{where}: {len(aligned[name])} steps, {base_name} took {len(base_steps)}")
         compared[name] = str(where.relative_to(layout.reference))
     base_starts = params_before_steps(base_steps, params_before)
+    base_kept = lean_base(layout.scores(*base_name.split("-", 1), role), len(base_steps))
     starts = {name: params_before_steps(steps, params_before) for name, steps in runs.items()}
     bounds: dict[str, dict[str, Any]] = {}
     rule = BoundRule(k, floors, floor_ulps, "fp32" if family == "fp32-repeat" else "bf16", use_quantum)
@@ -99,12 +101,28 @@ def family_bounds(layout: RunLayout, role: str, family: str, controls: list[str]
                                             None if means is None else (lambda run, s=step: means(s, run)))
             else:
                 records[name] = recorded[name]["families"][family]["steps"][step]
-        step_bounds = bounds_from_records(base, records, rule, base_starts[step], optimizer, step + 1)
+        kept = None if base_kept is None else base_kept[step]
+        step_bounds = bounds_from_records(base, records, rule, {} if kept is not None else base_starts[step],
+                                          optimizer, step + 1, kept)
         bounds.update(with_step(step, step_bounds))
     return {"schema": BOUNDS_SCHEMA, "role": role, "family": family, "reference_run": base_name,
             "control_runs": others, "compared_with": {name: compared.get(name, base_name) for name in others},
             "num_steps": len(base_steps), "k": k, "floors": floors, "floor_ulps": floor_ulps,
             "rule": RULE, "bounds": bounds}
+
+
+def lean_base(base_dir: Path, num_steps: int) -> list[dict[str, Any]] | None:
+    """Each step's base_record of an r0 kept lean (None for an r0 kept in full)."""
+    from qualify.compare import is_lean
+
+    if not is_lean(read_json(base_dir / "meta.json")):
+        return None
+    record = read_record(base_dir)
+    steps = None if record is None else record.get("base", {}).get("steps")
+    if not isinstance(steps, list) or len(steps) != num_steps:
+        raise EvidenceError(f"{base_dir} is kept lean (reference.evidence: lean) but its record holds no base record "
+                            f"of its {num_steps} step(s): run the reference again in another --run directory")
+    return steps
 
 
 def grad_difference(run: Any, base: Any) -> float | None:
@@ -157,11 +175,30 @@ def pair_record(run: Any, other: Any, start: dict | None, optimizer: Any, adam_s
             "replay": replay}
 
 
+def base_record(steps: Sequence[Any], starts: Iterable[dict], optimizer: Any,
+                replays: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """What freeze needs of a reference r0's updates and moments, measured while it is in memory, for an r0 kept lean
+    (reference.evidence: lean): per step, each update's magnitude, r0's own AdamW replay (replays[k] when the caller
+    has measured it) and each parameter's magnitude at the step's start (the update's quantum). bounds_from_records
+    makes the same bounds from it as from r0's tensors."""
+    out = []
+    for k, (run, start) in enumerate(zip(steps, starts)):
+        replay = replays[k] if replays else replay_metrics(run, start, optimizer, k + 1)
+        out.append({"update_max_abs": {f"updates/{n}": float(t.double().abs().max()) if t.numel() else 0.0
+                                       for n, t in run.updates.items()},
+                    "replay": replay,
+                    "start_max_abs": {n: float(p.abs().max()) for n, p in start.items()}})
+    return {"steps": out}
+
+
 def bounds_from_records(base: Any, records: dict[str, dict[str, Any]], rule: BoundRule, base_start: dict,
-                        optimizer: Any, adam_step: int) -> dict[str, dict[str, Any]]:
+                        optimizer: Any, adam_step: int, base_kept: dict[str, Any] | None = None
+                        ) -> dict[str, dict[str, Any]]:
     """Bounds of one family at one step (keys without the step prefix) from each control's pair_record: a metric's
     control error is the largest over controls; the loss, the grad norm and the scalar means take at least their
-    difference scales where every control has one. Magnitudes and the base's own AdamW replay are base's."""
+    difference scales where every control has one. Magnitudes and the base's own AdamW replay are base's: measured
+    here from its tensors and base_start, or, for a base kept lean, read from base_kept (that step of its
+    base_record)."""
     errors: dict[str, dict[str, float]] = {}
     for record in records.values():
         merge_max(errors, record["metrics"])
@@ -172,6 +209,8 @@ def bounds_from_records(base: Any, records: dict[str, dict[str, Any]], rule: Bou
     by_means = [key for key in MEAN_KEYS if "max_abs" in errors.get(key, {})
                 and raise_to(errors, key, [r["means"].get(key) for r in recs])]
     mags = magnitudes(base)
+    if base_kept is not None:
+        mags.update(base_kept["update_max_abs"])
     bounds = {key: {m: rule.entry(key, m, v, mags[key]) for m, v in ms.items()} for key, ms in errors.items()}
     if by_terms:
         bounds[LOSS_KEY]["max_abs"]["control_error_of"] = LOSS_TERMS_TEXT
@@ -180,13 +219,18 @@ def bounds_from_records(base: Any, records: dict[str, dict[str, Any]], rule: Bou
     for key in by_means:
         bounds[key]["max_abs"]["control_error_of"] = MEANS_TEXT
     # an update is judged against what AdamW makes of the run's own moments and start (qualify.compare.pair_metrics)
-    replay = replay_metrics(base, base_start, optimizer, adam_step)
+    if base_kept is None:
+        replay = replay_metrics(base, base_start, optimizer, adam_step)
+        start_max = {n: float(p.abs().max()) for n, p in base_start.items()} if rule.use_quantum else {}
+    else:
+        replay = {key: dict(ms) for key, ms in base_kept["replay"].items()}
+        start_max = base_kept["start_max_abs"]
     for record in recs:
         merge_max(replay, record["replay"])
     for key, ms in replay.items():
         # updates are fp32 master arithmetic: new - old carries one fp32 rounding step of the parameter
-        p = base_start.get(key.removeprefix("updates/"))
-        q = quantum("fp32", "max_abs", float(p.abs().max())) if rule.use_quantum and p is not None else 0.0
+        p = start_max.get(key.removeprefix("updates/"))
+        q = quantum("fp32", "max_abs", p) if rule.use_quantum and p is not None else 0.0
         bounds.setdefault(key, {}).update({m: rule.entry(key, m, v, mags.get(key, 0.0), "update", q)
                                            for m, v in ms.items()})
     return bounds

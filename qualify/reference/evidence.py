@@ -40,17 +40,23 @@ def load_targets(layout: RunLayout, expected_digest: str | None = None) -> dict[
     return read_tensors(layout.targets / TARGETS_FILE)
 
 
-def write_role(out: Path, result: dict[str, Any], info: dict[str, Any], record: dict[str, Any] | None = None) -> None:
+def write_role(out: Path, result: dict[str, Any], info: dict[str, Any], record: dict[str, Any] | None = None,
+               lean: bool = False) -> None:
     """Seal one role's K steps: step<k>/{outputs,grads,updates,moments}.safetensors, and meta.json (and, for a run
-    that is also a control measured while it ran, its record: qualify.bounds.records)."""
+    that is also a control measured while it ran, its record: qualify.bounds.records). lean (an r0 under
+    reference.evidence lean, whose record holds its base_record): outputs and gradients only."""
     from qualify.bounds.records import write_record
+    from qualify.compare import GROUPS, LEAN_GROUPS
 
+    if lean and (record is None or "base" not in record):
+        raise ValueError("a run kept lean needs its record's base_record (what freeze needs of its updates)")
     prepare_stage(out)
     for k, step in enumerate(result["steps"]):
-        write_step(out / step_dir(k), step)
+        write_step(out / step_dir(k), step, LEAN_GROUPS if lean else GROUPS)
     if "layers" in result:  # step 1's per-layer activations, for qualify diagnose (qualify.bounds.layers)
         write_tensors(out / LAYERS_FILE, result["layers"])
     if record is not None:
         write_record(out, record)
-    write_json(out / "meta.json", result["meta"] | info)
-    complete_stage(out, info)
+    kept = {"evidence": "lean"} if lean else {}
+    write_json(out / "meta.json", result["meta"] | info | kept)
+    complete_stage(out, info | kept)

@@ -34,7 +34,8 @@ def evidence_line(e: dict) -> str:
     """One line on the reference's evidence size (qualify.reference.summary.evidence_sizes)."""
     mb = 1e6
     per = e.get("bytes_per_parameter_step")
-    return (f"  evidence ({e['mode']}): {e['reference_bytes'] / mb:.1f} MB; {e['full_runs']} run(s) kept in full "
+    kept = "kept lean (outputs and gradients)" if e.get("mode") == "lean" else "kept in full"
+    return (f"  evidence ({e['mode']}): {e['reference_bytes'] / mb:.1f} MB; {e['full_runs']} run(s) {kept} "
             f"{e['full_runs_bytes'] / mb:.1f} MB" + (f" ({per:g} bytes per parameter per step)" if per else "")
             + f", {e['summaries']} control(s) kept as summaries {e['summaries_bytes'] / mb:.1f} MB, replays "
             f"{e['replays_bytes'] / mb:.1f} MB")

@@ -140,7 +140,7 @@ def score_all(ctx: ScoringContext, candidate_tp: tuple[int, ...], log: StageLog)
             if reuse_complete(layout.scores(precision, control.name, role), ctx.settings, what):
                 log.skip(f"score {precision} {control.name} {role}")
                 continue
-            summarized = ctx.reference.evidence == "summary" and control is not controls[0]
+            summarized = ctx.reference.evidence != "full" and control is not controls[0]
             with log.step(f"score {precision} {control.name} {role}" + (" (kept as a summary)" if summarized else "")):
                 scoring.score(control, precision, role)
     return ctx, [c.name for c in controls]
@@ -156,9 +156,10 @@ class Scoring:
         self.vocab = model_config(ctx.models["actor"])["vocab_size"]
 
     def score(self, control: Any, precision: str, role: str) -> None:
-        """Score and seal one run. Under reference.evidence summary, a run that is a control of some family is
-        measured against it while in memory (its record); a control other than r0 is then kept as that summary
-        alone (qualify.reference.summary), an r0 in full with its record."""
+        """Score and seal one run. Under reference.evidence summary or lean, a run that is a control of some family
+        is measured against it while in memory (its record); a control other than r0 is then kept as that summary
+        alone (qualify.reference.summary), an r0 in full with its record, or under lean with its outputs and
+        gradients and a record that also holds what freeze needs of its updates and moments."""
         import torch
 
         from qualify.models.checkpoint import initial_parameters
@@ -193,13 +194,15 @@ class Scoring:
             | ({"optimizer_form": "fused"} if control.adam_form == "fused" else {}) \
             | ({"fused_norm": True} if control.fused_norm else {})
         recorded = time.monotonic()
-        if ctx.reference.evidence != "summary" or not recorded_families(name, self.controls):
+        lean = ctx.reference.evidence == "lean" and control.name == self.controls[0]  # r0: outputs and gradients
+        if ctx.reference.evidence == "full" or not (lean or recorded_families(name, self.controls)):
             write_role(out, result, info)
         else:
-            record = control_record(ctx, role, name, result, self.controls, initial_parameters(self.models[role]))
+            record = control_record(ctx, role, name, result, self.controls, initial_parameters(self.models[role]),
+                                    base=lean)
             recorded = time.monotonic()
             if control.name == self.controls[0]:
-                write_role(out, result, info, record)
+                write_role(out, result, info, record, lean=lean)
             else:
                 write_summarized_role(out, result, info, record)
         if self.log is not None:  # where a run's time goes (information: not part of the evidence)

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from qualify.bounds.control_error import pair_record
+from qualify.bounds.control_error import base_record, pair_record
 from qualify.bounds.layers import LAYERS_FILE, layer_metrics, run_layers
 from qualify.bounds.records import means_of, terms_of, write_record
 from qualify.bounds.rule import FAMILIES, family_pairs
@@ -80,9 +80,10 @@ def aligned_base(ctx: ScoringContext, role: str, base_name: str, steps: list[Run
 
 
 def control_record(ctx: ScoringContext, role: str, run_name: str, result: dict[str, Any], controls: list[str],
-                   before: dict) -> dict[str, Any]:
+                   before: dict, base: bool = False) -> dict[str, Any]:
     """The record of control run_name ('<precision>-<control>') of role: per family it belongs to, each step's
-    pair_record against the run it is compared with, and its layer metrics against the family's r0."""
+    pair_record against the run it is compared with, and its layer metrics against the family's r0; with base (an
+    r0 kept lean), also what freeze needs of its updates and moments (qualify.bounds.control_error.base_record)."""
     steps = in_memory_steps(result)
     layout, inputs = ctx.layout, ctx.inputs()
     terms, means = terms_of(ctx.objective, role, inputs), means_of(ctx.objective, role, inputs)
@@ -90,7 +91,7 @@ def control_record(ctx: ScoringContext, role: str, run_name: str, result: dict[s
     # the run's own AdamW replay at each step, measured once whatever the number of families it is a control of
     replays = [replay_metrics(run, start, optimizer, k + 1)
                for k, (run, start) in enumerate(zip(steps, starts_of(steps, before)))] \
-        if recorded_families(run_name, controls) else []
+        if base or recorded_families(run_name, controls) else []
     families = {}
     for family in FAMILIES:
         base_name, others = family_pairs(family, controls)
@@ -111,7 +112,10 @@ def control_record(ctx: ScoringContext, role: str, run_name: str, result: dict[s
         if "layers" in result and (base_dir / LAYERS_FILE).is_file():
             base_acts, base_grads = run_layers(base_dir)
             families[family]["layers"] = layer_metrics(result["layers"], base_acts, steps[0].grads, base_grads)
-    return {"run": run_name, "role": role, "families": families}
+    record: dict[str, Any] = {"run": run_name, "role": role, "families": families}
+    if base:
+        record["base"] = base_record(steps, starts_of(steps, before), optimizer, replays)
+    return record
 
 
 def recorded_families(run_name: str, controls: list[str]) -> list[str]:
@@ -188,4 +192,4 @@ def require_space(where: Path, need: int, basis: str, what: str) -> None:
     if free < need:
         raise QualifyError(f"{what} needs about {need / 1e9:.2f} GB ({basis}), but only {free / 1e9:.2f} GB are free "
                            f"under {probe}: free space, run in another --run directory, or keep less "
-                           "(reference.layer_activations: false; reference.evidence: summary)")
+                           "(reference.layer_activations: false; reference.evidence: summary or lean)")

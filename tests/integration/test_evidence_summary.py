@@ -41,19 +41,73 @@ def full_run(tmp_path_factory):
     return run_dir
 
 
+@pytest.fixture(scope="module")
+def lean_run(tmp_path_factory):
+    """The embedded default's reference under reference.evidence lean (each r0: outputs and gradients), frozen."""
+    from qualify.matrix import load_matrix
+    from qualify.reference.stage import run_reference
+
+    base = tmp_path_factory.mktemp("lean-evidence")
+    data = yaml.safe_load(TINY.read_text())
+    data["reference"]["evidence"] = "lean"
+    (base / "matrix.yaml").write_text(yaml.safe_dump(data))
+    run_dir = base / "tiny-qwen3"
+    run_reference(load_matrix(base / "matrix.yaml"), run_dir, rollout=COMMITTED / "reference" / "rollout")
+    freeze(run_dir)
+    return run_dir
+
+
 def tree_bytes(path):
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def test_summary_and_full_evidence_freeze_the_same_bound_files(frozen_run, full_run):
+@pytest.mark.parametrize("other", ["full_run", "lean_run"])
+def test_summary_full_and_lean_evidence_freeze_the_same_bound_files(frozen_run, other, request):
+    other_run = request.getfixturevalue(other)
     for sub in ("bounds", "layers"):
         summary_files = sorted(p.name for p in (RunLayout(frozen_run).acceptance_dir / sub).glob("*.json"))
         assert summary_files and summary_files == sorted(
-            p.name for p in (RunLayout(full_run).acceptance_dir / sub).glob("*.json"))
+            p.name for p in (RunLayout(other_run).acceptance_dir / sub).glob("*.json"))
         for name in summary_files:
             a = (RunLayout(frozen_run).acceptance_dir / sub / name).read_bytes()
-            b = (RunLayout(full_run).acceptance_dir / sub / name).read_bytes()
-            assert a == b, f"{sub}/{name} differs between summary and full evidence"
+            b = (RunLayout(other_run).acceptance_dir / sub / name).read_bytes()
+            assert a == b, f"{sub}/{name} differs between summary and {other}"
+
+
+def test_a_lean_r0_keeps_outputs_gradients_and_what_freeze_needs_of_the_rest(frozen_run, lean_run):
+    summary, lean = RunLayout(frozen_run), RunLayout(lean_run)
+    for precision in ("fp32", "bf16"):
+        for role in ("actor", "critic"):
+            kept = lean.scores(precision, "r0", role)
+            assert list(kept.rglob("grads.safetensors")) and list(kept.rglob("outputs.safetensors"))
+            assert not list(kept.rglob("updates.safetensors")) and not list(kept.rglob("moments.safetensors"))
+            steps = read_json(kept / RECORD_FILE)["base"]["steps"]
+            assert len(steps) == len(list(kept.glob("step*"))) > 1
+            assert all(s["update_max_abs"] and s["replay"] and s["start_max_abs"] for s in steps)
+            assert tree_bytes(kept) < tree_bytes(summary.scores(precision, "r0", role)) / 3
+    e = read_json(lean.reference_summary)["evidence"]
+    # fp32 gradients only: 4 bytes per parameter per step, plus the files' headers
+    assert e["mode"] == "lean" and 4.0 <= e["bytes_per_parameter_step"] < 4.5
+    assert e["reference_bytes"] < read_json(summary.reference_summary)["evidence"]["reference_bytes"] / 2
+
+
+def test_a_case_is_judged_alike_against_a_lean_reference(run_copy, lean_run, tmp_path):
+    """One bf16 torch-tp case's sealed evidence, judged against the summary reference by the candidate stage and again
+    against the lean one: the same rows, value for value. Its updates and moments are judged by its own replay and
+    derivations either way; the lean r0's absent ones are no structure problem."""
+    from qualify.candidate.run import run_candidates
+    from qualify.report_verify import rejudge_problems
+    from tests.integration._support import matrix_with
+
+    m = matrix_with(tmp_path, engines=["torch-tp"], precisions=["bf16"], tp=[1], roles=["critic"])
+    verdict = run_candidates(m, run_copy).to_json()
+    assert verdict["passed"] and any(r["tensor"].startswith("step1/updates/") for r in verdict["rows"])
+    lean = tmp_path / "lean"
+    shutil.copytree(lean_run, lean)
+    shutil.copytree(RunLayout(run_copy).candidates, RunLayout(lean).candidates)
+    layout = RunLayout(lean)
+    assert rejudge_problems(layout, read_json(layout.reference_summary), read_json(layout.acceptance), verdict,
+                            verdict["cases"]) == []
 
 
 def test_summaries_are_a_small_fraction_of_a_run_kept_in_full(frozen_run, full_run):
@@ -195,3 +249,14 @@ def test_freeze_refuses_a_reference_whose_control_replay_is_gone(full_run, tmp_p
         freeze(run_copy)
     assert str(victim) in str(caught.value) and "'qualify reference' again" in str(caught.value)
     assert not layout.acceptance.exists()
+
+
+def test_a_lean_r0_without_its_base_record_is_refused(lean_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(lean_run, run)
+    layout = RunLayout(run)
+    shutil.rmtree(layout.acceptance_dir)
+    reseal(layout.scores("fp32", "r0", "critic"), lambda r: r.pop("base"))
+    with pytest.raises(EvidenceError, match=r"critic is kept lean \(reference.evidence: lean\) but its record holds no "
+                                            r"base record of its 4 step\(s\)"):
+        freeze(run)
