@@ -27,9 +27,12 @@ from qualify.models.precision import torch_dtype
 GRAD_ALLREDUCE_SUFFIXES = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 
 
-def tp_plan(role: str, vocab_parallel: bool = False, moe: bool = False) -> dict:
+def tp_plan(role: str, vocab_parallel: bool = False, moe: bool = False, tied: bool = False) -> dict:
     """The TP plan; vocab_parallel: the LM head's output stays sharded over the vocabulary (each rank its columns);
-    moe: the MLPs are routers and experts, kept whole on every rank."""
+    moe: the MLPs are routers and experts, kept whole on every rank; tied: the LM head is the input embedding
+    (tie_word_embeddings, as Qwen3-0.6B): it stays whole on every rank, tied. Sharding it would give the head its own
+    parameter (parallelize_module swaps in a DTensor), untying it: an extra 'lm_head.weight' trained apart, and an
+    embedding gradient without the head's part (measured at Qwen3-0.6B: its rel_l2 0.46 off the reference's)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -39,7 +42,7 @@ def tp_plan(role: str, vocab_parallel: bool = False, moe: bool = False) -> dict:
         plan[f"model.layers.*.{proj}"] = ColwiseParallel()
     for proj in ("self_attn.o_proj", *(() if moe else ("mlp.down_proj",))):
         plan[f"model.layers.*.{proj}"] = RowwiseParallel()
-    if role == "actor":
+    if role == "actor" and not tied:
         plan["lm_head"] = ColwiseParallel(output_layouts=Shard(-1) if vocab_parallel else Replicate())
     return plan
 
@@ -123,9 +126,14 @@ class TorchTPEngine(OutputScoring):
             self.mesh, self.dp_group = mesh["tp"], mesh["dp"].get_group()
         else:
             self.mesh, self.dp_group = init_device_mesh(device_type, (ctx.tp,)), None
-        self.vocab_parallel = ctx.vocab_tile is not None and ctx.role == "actor"
         self.master = load_model(ctx.model_dir, ctx.role, "sdpa").to(ctx.device)
-        plan = tp_plan(ctx.role, self.vocab_parallel, moe=model_type(ctx.model_dir) == "qwen3_moe")
+        tied = ctx.role == "actor" and bool(self.master.config.tie_word_embeddings)
+        if tied and ctx.vocab_tile is not None and ctx.tp > 1:
+            raise EngineError("torch-tp keeps a tied LM head whole on every rank (the input embedding is not "
+                              "sharded), so it has no vocabulary shard to score by vocab_tile: leave vocab_tile "
+                              "unset for a model with tie_word_embeddings")
+        self.vocab_parallel = ctx.vocab_tile is not None and ctx.role == "actor"
+        plan = tp_plan(ctx.role, self.vocab_parallel, moe=model_type(ctx.model_dir) == "qwen3_moe", tied=tied)
         parallelize_module(self.master, self.mesh, plan)
         self.compute = self.master
         if ctx.precision != "fp32":
