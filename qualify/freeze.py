@@ -14,12 +14,13 @@ so a frozen bound can never be widened.
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 from qualify.acceptance import ACCEPTANCE_SCHEMA
-from qualify.bounds.control_error import ReplayOf, family_bounds
+from qualify.bounds.control_error import ReplayOf, family_bounds, silent_controls
 from qualify.bounds.layers import layer_bound_files
 from qualify.bounds.records import means_of, terms_of
 from qualify.bounds.rule import BOUNDS_SCHEMA, FAMILIES, RULE
@@ -208,6 +209,10 @@ def freeze(run_dir: Path, name: str | None = None, log: Any = None) -> dict[str,
                                     means_of(objective, role, inputs))
                 files[file] = dumps_json(doc).encode("ascii")
                 work.put(file, files[file])
+    for data in files.values():  # a family whose controls measured nothing says so (its bounds stay as frozen)
+        warning = silent_controls(json.loads(data))
+        if warning is not None:
+            log.note(f"warning: {warning}")
     with log.step("layer bounds"):
         # {} for a reference scored without layer activations
         layers = layer_bound_files(layout, rule, ctx.reference.precisions, objective.roles, controls)

@@ -278,3 +278,23 @@ def step_family_bounds(base: Any, runs: dict[str, Any], rule: BoundRule, starts:
     records = {name: pair_record(run, (bases or {}).get(name, base), starts[name], optimizer, adam_step, terms, means)
                for name, run in runs.items()}
     return bounds_from_records(base, records, rule, starts[base_name], optimizer, adam_step)
+
+
+SILENT_GROUPS = ("outputs", "grads")
+
+
+def silent_controls(doc: dict[str, Any]) -> str | None:
+    """A warning when a family's controls measured nothing: every control reproduced its r0 bit for bit on every
+    output and gradient (a deterministic device and no reference.perturbations: a repeat is the same run again). Its
+    bounds are then floors and rounding quanta alone, which a correct engine with other kernels or another reduction
+    order fails (measured: megatron bf16 at Qwen3-0.6B on one H200, 655 rows of bf16-repeat at up to 5e4 times such
+    bounds, while every fp32-vs-bf16 row passed). None when some control differed somewhere."""
+    errors = [entry.get("control_error") for key, metrics in doc["bounds"].items()
+              if key.split("/", 2)[1:2] and key.split("/", 2)[1] in SILENT_GROUPS for entry in metrics.values()]
+    if not errors or any(e != 0 for e in errors):
+        return None
+    return (f"{doc['role']} {doc['family']}: every control ({', '.join(doc['control_runs'])}) reproduced "
+            f"{doc['reference_run']} bit for bit on all {len(errors)} output and gradient metrics, so its bounds are "
+            "floors and rounding quanta alone: an engine with other kernels or another reduction order fails them. "
+            "Add reference.perturbations (microbatch_split, attn_impl, fused_projections, fused_norm, fused_adam, "
+            "combined: matrices/README.md) so the controls measure how far a correct engine may differ")
