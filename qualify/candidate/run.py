@@ -35,7 +35,7 @@ from qualify.case.launch import clear_failures, failure_note, launch, write_spec
 from qualify.case.ranks import device_of
 from qualify.case.spec import CaseSpec, make_spec
 from qualify.compare import load_steps, params_before_steps
-from qualify.engines.registry import require_engine
+from qualify.engines.registry import preload_modules, require_engine
 from qualify.errors import EvidenceError, QualifyError
 from qualify.layout import RunLayout, launch_log, work_dir
 from qualify.matrix import Candidates, Case, Matrix
@@ -120,14 +120,15 @@ def run_group(layout: RunLayout, cases: list[Case], specs_by_case: dict[Case, Pa
         clear_failures(work_dir(layout.case(c.name)))
     group_log = launch_log(layout.case(pending[0].name))
     with log.step(f"cases {', '.join(c.name for c in pending)}"):
-        code = launch(specs, pending[0].world_size, device, group_log)
+        code = launch(specs, pending[0].world_size, device, group_log, preload_modules(pending[0].engine))
     errors = {}
     for case, spec in zip(pending, specs):
         if stage_is_complete(layout.case(case.name)):
             continue
         if len(pending) > 1:
             with log.step(f"case {case.name} (alone, after a failed group launch)"):
-                code = launch(spec, case.world_size, device, launch_log(layout.case(case.name)))
+                code = launch(spec, case.world_size, device, launch_log(layout.case(case.name)),
+                              preload_modules(case.engine))
         if not stage_is_complete(layout.case(case.name)):
             errors[case.name] = failure_note(work_dir(layout.case(case.name)),
                                              launch_log(layout.case(case.name)) if len(pending) > 1 else group_log,

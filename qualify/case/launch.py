@@ -5,19 +5,22 @@ trainer's step is a candidate case), so both launch a case the same way.
 
 The ranks are started directly (RANK, WORLD_SIZE, MASTER_ADDR/PORT in their environment, as torchrun would
 set them): torchrun's agent is one more Python process that imports torch before any rank starts and tears
-down after the last, seconds a launch on the GPU host (benchmarks/LOG.md, issue 21). QUALIFY_LAUNCHER=torchrun
-restores it. As with torchrun, the first rank to fail stops the others.
+down after the last, seconds a launch on the GPU host (benchmarks/LOG.md, issue 21). On the CPU each rank is
+forked from a process that has imported torch and transformers once (qualify.case.forkserver): a fresh rank spends
+about 11 s importing them on a 2-core machine, longer than a tiny case's steps. QUALIFY_LAUNCHER=direct starts
+fresh interpreters on the CPU too, QUALIFY_LAUNCHER=torchrun uses torchrun itself. As with torchrun, the first rank
+to fail stops the others.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from qualify.case.ranks import free_port, rank_env
 from qualify.case.spec import CaseSpec
 from qualify.layout import SPEC_FILE, work_dir
 from qualify.store import write_json
@@ -33,36 +36,58 @@ def write_spec_file(spec: CaseSpec) -> Path:
     return work / SPEC_FILE
 
 
-def launch(spec_paths: Path | list[Path], tp: int, device: str, log_path: Path) -> int:
-    """torchrun the worker with tp ranks over one or more case specs; returns its exit code, output in log_path."""
+def launch(spec_paths: Path | list[Path], tp: int, device: str, log_path: Path, preload: tuple[str, ...] = ()) -> int:
+    """The worker's tp ranks over one or more case specs; returns their exit code, output in log_path. preload: what
+    the engine's ranks import besides torch and transformers (qualify.engines.registry.preload_modules)."""
     paths = [spec_paths] if isinstance(spec_paths, Path) else list(spec_paths)
+    return start_module("qualify.candidate.worker", list(map(str, paths)), tp, device, launch_env(device, tp),
+                        log_path, preload)
+
+
+def launch_env(device: str, tp: int) -> dict[str, str]:
+    """The ranks' environment: this process's, and on the CPU the allocation's cores split among the tp ranks and
+    DeepSpeed told it has no accelerator (each kept where already set)."""
     env = dict(os.environ)
     if device == "cpu":
         cpus = int(os.environ.get("SLURM_CPUS_PER_TASK") or len(os.sched_getaffinity(0)))  # the allocation, not the node
         env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // tp)))
         env.setdefault("DS_ACCELERATOR", "cpu")
-    worker = ["-m", "qualify.candidate.worker", *map(str, paths)]
+    return env
+
+
+def launcher(device: str) -> str:
+    """How ranks start: QUALIFY_LAUNCHER (direct, fork or torchrun) when set, else fork on the CPU and direct on a
+    GPU (a process that initialised CUDA cannot fork, and the fork server never does)."""
+    chosen = os.environ.get("QUALIFY_LAUNCHER") or ("fork" if device == "cpu" else "direct")
+    if chosen not in ("direct", "fork", "torchrun"):
+        raise ValueError(f"QUALIFY_LAUNCHER={chosen!r}: expected direct, fork or torchrun")
+    if chosen == "fork" and device != "cpu":
+        raise ValueError(f"QUALIFY_LAUNCHER=fork on {device}: ranks are forked on the CPU only")
+    return chosen
+
+
+def start_module(module: str, args: list[str], tp: int, device: str, env: dict[str, str], log_path: Path,
+                 preload: tuple[str, ...] = ()) -> int:
+    """Run `python -m module args` as tp ranks, the way launcher(device) says; output in log_path; returns 0 or the
+    first failing rank's exit code. preload: modules a forked rank's server imports besides torch and transformers."""
+    how = launcher(device)
     with open(log_path, "w") as log:
-        if os.environ.get("QUALIFY_LAUNCHER") == "torchrun":
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}", *worker]
+        if how == "torchrun":
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}", "-m",
+                   module, *args]
             return subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
-        return run_ranks([sys.executable, *worker], tp, env, log)
+        if how == "fork":
+            from qualify.case.forkserver import run_module_ranks
 
-
-def free_port() -> int:
-    """A TCP port free on the loopback now, for rank 0's rendezvous store."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+            return run_module_ranks(module, args, tp, env, log, preload)
+        return run_ranks([sys.executable, "-m", module, *args], tp, env, log)
 
 
 def run_ranks(cmd: list[str], tp: int, env: dict[str, str], log) -> int:
     """Start tp ranks of cmd with torchrun's rank variables; wait for all. The first rank to fail stops the others
     (a rank waiting in a collective for a dead peer would hang); returns 0 or that rank's exit code."""
     port = str(free_port())
-    procs = [subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r), GROUP_RANK="0", WORLD_SIZE=str(tp),
-                                       LOCAL_WORLD_SIZE=str(tp), MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+    procs = [subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=rank_env(env, r, tp, port))
              for r in range(tp)]
     failed = 0
     while True:

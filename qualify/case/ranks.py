@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 
 from qualify.case.spec import CaseSpec
 from qualify.errors import EngineError
@@ -37,3 +38,16 @@ def init_distributed(spec: CaseSpec) -> int:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend)
     return dist.get_rank()
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback now, for rank 0's rendezvous store."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(env: dict[str, str], rank: int, tp: int, port: str) -> dict[str, str]:
+    """env with torchrun's variables for rank of tp, rendezvous on the loopback at port."""
+    return dict(env, RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(tp),
+                LOCAL_WORLD_SIZE=str(tp), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)

@@ -11,8 +11,6 @@ with that family's reference run; the diagnosis names the first layer and tensor
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -68,18 +66,15 @@ def moved_to(spec: Any, layout: RunLayout) -> Any:
     return replace(spec, **moved)
 
 
-def launch_worker(spec_path: Path, out: Path, key: str, tp: int, device: str, log_path: Path) -> int:
+def launch_worker(spec_path: Path, out: Path, key: str, tp: int, device: str, log_path: Path,
+                  engine: str = "") -> int:
     """qualify.diagnose.worker's tp ranks, started the way the candidate stage starts a case's (qualify.case.launch)."""
-    from qualify.case.launch import run_ranks
+    from qualify.case.launch import launch_env, start_module
+    from qualify.engines.registry import preload_modules
 
-    env = dict(os.environ)
-    if device == "cpu":
-        cpus = int(os.environ.get("SLURM_CPUS_PER_TASK") or len(os.sched_getaffinity(0)))
-        env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // tp)))
-        env.setdefault("DS_ACCELERATOR", "cpu")
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w") as log:
-        return run_ranks([sys.executable, "-m", "qualify.diagnose.worker", str(spec_path), str(out), key], tp, env, log)
+    return start_module("qualify.diagnose.worker", [str(spec_path), str(out), key], tp, device, launch_env(device, tp),
+                        log_path, preload_modules(engine))
 
 
 def candidate_layers(layout: RunLayout, case: str, spec: Any, log: StageLog) -> tuple[dict[str, Any], bool]:
@@ -97,7 +92,7 @@ def candidate_layers(layout: RunLayout, case: str, spec: Any, log: StageLog) -> 
             here = spec_file(out)  # the case's spec with its paths where the run directory is now (moved_to)
             here.parent.mkdir(parents=True, exist_ok=True)
             write_json(here, spec.to_json())
-            code = launch_worker(here, out, key, spec.tp, spec.device, log_path)
+            code = launch_worker(here, out, key, spec.tp, spec.device, log_path, spec.engine)
             if code != 0 or not stage_is_complete(out):
                 raise EvidenceError(f"the engine of case {case} did not produce its layer outputs: "
                                     + log_tail(log_path, code))

@@ -35,6 +35,17 @@ def _megatron() -> TrainEngine:
 
 ENGINES: dict[str, Factory] = dict(zip(BUILTIN_ENGINES, (_torch_tp, _deepspeed, _megatron), strict=True))
 
+PRELOAD: dict[str, tuple[str, ...]] = {"deepspeed": ("deepspeed",)}
+"""Third-party modules a built-in engine's ranks import that a CPU launch's fork server imports before it forks them
+(qualify.case.forkserver; torch and transformers are always there). megatron runs on GPUs only, where ranks start
+fresh."""
+
+
+def preload_modules(engine: str) -> tuple[str, ...]:
+    """What a CPU launch of engine's ranks has its fork server import besides torch and transformers (a plugin:
+    nothing more; its own modules are imported by each rank, so a changed plugin is the code that runs)."""
+    return PRELOAD.get(engine, ())
+
 
 def require_engine(name: str, where: str = "") -> None:
     """name is a registered engine or a 'module:factory' plugin (qualify.matrix.engine_name_problem); anything else
