@@ -29,6 +29,8 @@ def rule_of(row: Row) -> str:
         return "every check of the rounds run must pass (its verdict.json names them)"
     if row.comparison == "evidence":
         return "must be exactly 0 (structural evidence of the candidate run)"
+    if row.comparison == "rollout" and row.rule:
+        return f"compared with the sealed rollout's logprobs, {row.rule}"
     if row.comparison in ("derived", "own outputs", "layout") and row.rule:
         return f"recomputed from the case's own values, {row.rule}"
     family = row.family or "?"

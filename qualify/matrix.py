@@ -497,6 +497,10 @@ class Candidates:
     """Engines (names of engines) that declare their forward independent of the micro-batch layout: every case scores
     its step-0 rows one at a time, four at a time and in reverse order (qualify.candidate.layout_probe), and a token
     not bitwise the single batch's fails a declared engine's case; other engines' cases report it."""
+    rollout_exact: tuple[str, ...] = ()
+    """Engines (names of engines) that claim their step-0 logprobs, in the rollout's precision, are bitwise the
+    logprobs the rollout sampled with (seed 002's exact tier; qualify.candidate.rollout_exact): a token that differs
+    fails a declared engine's case in that precision; every other actor case reports the count."""
     vocab_tile: int | None = None
     """torch-tp's logprob path: unset, the logits are gathered whole and log_softmax'd in chunks; a tile width, the
     deterministic vocab-parallel path (qualify.ppo.vocab_parallel: fixed-order merge of per-tile (max, sum-exp)
@@ -526,6 +530,9 @@ class Candidates:
         undeclared = sorted(set(self.layout_invariant) - set(self.engines))
         if undeclared:
             raise ValueError(f"layout_invariant names {undeclared}, which are not among engines {list(self.engines)}")
+        undeclared = sorted(set(self.rollout_exact) - set(self.engines))
+        if undeclared:
+            raise ValueError(f"rollout_exact names {undeclared}, which are not among engines {list(self.engines)}")
         unknown = sorted(set(self.determinism) - set(self.engines))
         if unknown:
             raise ValueError(f"determinism names {unknown}, which are not among engines {list(self.engines)}")

@@ -15,7 +15,7 @@ from typing import Any
 
 VERDICT_SCHEMA = "qualify.verdict/1"
 ROUNDS_SCHEMA = "qualify.rounds/1"
-CHECK_GROUPS = ("run", "evidence", "derived", "layout")
+CHECK_GROUPS = ("run", "evidence", "derived", "layout", "rollout")
 """Comparisons that are check groups of their own (a report's testcase or table), not a tensor family's."""
 COMPARISON_FAMILY = re.compile(r"\[(?P<family>[^\]]+)\]$")
 """How a comparison names its bound family: 'vs ref fp32-r0 [fp32-repeat]', 'vs tp1 [bitwise]'."""

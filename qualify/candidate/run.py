@@ -29,6 +29,7 @@ from qualify.candidate.derived import derived_rows
 from qualify.candidate.formula import declared_formula, explain_formula, formula_bounds, formula_steps
 from qualify.candidate.judge import evidence_rows, judge_steps, precision_rows
 from qualify.candidate.layout_probe import layout_rows
+from qualify.candidate.rollout_exact import exact_rows
 from qualify.candidate.routing_rows import replay_rows
 from qualify.candidate.tiers import bitwise_rows, tensor_tiers, tier_summary
 from qualify.case.launch import clear_failures, failure_note, launch, write_spec_file
@@ -237,6 +238,8 @@ def judge_case(ctx: ScoringContext, case: Case, bounds: dict, before: dict, veri
                          starts=starts)
     rows += replay_rows(case.name, case.role, cand)
     rows += layout_rows(case.name, case.role, cand[0].meta)
+    rows += exact_rows(case.name, case.role, cand[0].outputs, cand[0].meta, inputs.targets[0]["old_logprobs_BT"],
+                       inputs.masks[0])
     rows += evidence_rows(case.name, case.role, cand[0].meta)
     rows += precision_rows(case.name, case.role, cand, own_ref)
     # TPn against TP1 and DPn against DP1 (the same case at the lower degree), when that case ran

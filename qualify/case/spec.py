@@ -56,6 +56,11 @@ class CaseSpec:
     """The engine is among candidates.layout_invariant: its layout probe is judged (qualify.candidate.layout_probe)."""
     routing: str | None = None
     """rollout.routing of a MoE family: 'replay' hands the actor the rollout's routes with every batch."""
+    rollout_exact: bool = False
+    """The engine is among candidates.rollout_exact: its step-0 logprobs in the rollout's precision are judged bitwise
+    against the rollout's (qualify.candidate.rollout_exact)."""
+    rollout_dtype: str | None = None
+    """rollout.dtype, the precision the exact claim is made in (set with rollout_exact)."""
 
     @property
     def world_size(self) -> int:
@@ -65,7 +70,8 @@ class CaseSpec:
         """The spec as JSON; grpo and dp only when set, so a PPO DP1 spec (and its resume key) reads as before."""
         data = to_dict(self)
         for key, default in (("grpo", None), ("dp", 1), ("determinism", "bounded"), ("vocab_tile", None),
-                             ("layout_invariant", False), ("routing", None)):
+                             ("layout_invariant", False), ("routing", None), ("rollout_exact", False),
+                             ("rollout_dtype", None)):
             if data[key] == default:
                 del data[key]
         return data
@@ -82,7 +88,9 @@ def make_spec(settings: CaseSettings, case: Case, *, model_dir: Path, rollout_di
                     vocab_size=vocab_size, ppo=o.ppo, optimizer=o.optimizer, device=device,
                     logprob_formula=c.logprob_formula, top_k=r.top_k, top_p=r.top_p, min_p=r.min_p, grpo=o.grpo,
                     dp=case.dp, determinism=c.determinism.get(case.engine, "bounded"), vocab_tile=c.vocab_tile,
-                    layout_invariant=case.engine in c.layout_invariant, routing=r.routing)
+                    layout_invariant=case.engine in c.layout_invariant, routing=r.routing,
+                    rollout_exact=case.engine in c.rollout_exact,
+                    rollout_dtype=r.dtype if case.engine in c.rollout_exact else None)
 
 
 def read_spec(path: Path) -> CaseSpec:
