@@ -239,8 +239,9 @@ def test_candidate_junit_parses_with_one_testcase_per_case_and_family(candidate_
 
     xml = JUnitXml.fromfile(str(candidate_run.parent / "candidate-junit.xml"))
     names = {(tc.classname, tc.name) for suite in xml for tc in suite}
-    # no "moments" family: the moments are judged by derivation (the "derived" family), not against the reference
-    groups = ("decisions", "derived", "evidence", "grads", "layout", "outputs", "updates")
+    # no "moments" family: the moments are judged by derivation (the "derived" family), not against the reference;
+    # "rollout": an actor's step-0 logprobs against the rollout's (the exact tier, reported for undeclared engines)
+    groups = ("decisions", "derived", "evidence", "grads", "layout", "outputs", "rollout", "updates")
     assert names == {(c, g) for c in CASES for g in groups}
     assert all(tc.is_passed for suite in xml for tc in suite)
 
@@ -263,7 +264,7 @@ def test_report_junit_includes_the_verification(candidate_run, tmp_path):
     suites = {s.name: s for s in JUnitXml.fromfile(str(out))}
     (verification,) = list(suites["qualify tiny-qwen3: verification"])
     assert verification.is_passed
-    assert suites["qualify tiny-qwen3: candidates"].tests == 14  # 2 cases x 7 groups (with derived and layout)
+    assert suites["qualify tiny-qwen3: candidates"].tests == 16  # 2 actor cases x 8 groups (derived, layout, rollout)
 
 
 # ---- false passes: evidence changed after the verdict -------------------------------------------------
