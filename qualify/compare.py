@@ -24,6 +24,11 @@ from qualify.store import TensorFile, read_json, read_tensors, tensor_spec
 GROUPS = ("outputs", "grads", "updates", "moments")
 LEAN_GROUPS = ("outputs", "grads")
 """What a lean reference r0 keeps (reference.evidence: lean): what candidates are judged against."""
+DERIVED_OUTPUTS = ("clip_frac",)
+"""Outputs judged by derivation from the case's own values (qualify.candidate.derived) and, token by token, by its
+clip decisions (qualify.candidate.decided), never against the reference's bound: a clip fraction is a count of
+decisions, which a rounding tie moves by a whole token and a few controls sample poorly (measured: a correct bf16
+TP2 critic one token off at 0.500 of a bound made of one control's one token)."""
 DISTRIBUTION_GROUPS = ("outputs", "grads")
 """Groups whose multi-element tensors are also judged by mean |delta| and p99 |delta|."""
 
@@ -180,7 +185,7 @@ def pair_metrics(candidate: RunTensors, reference: RunTensors) -> dict[str, dict
     gradient (2 (1 - b2) g dg), a maximum over the few largest gradients that the controls sample poorly (measured:
     correct bf16 TP2 cases at 0.49 of their bounds where their gradients sat at 0.36). What is judged instead: the
     update against what AdamW makes of the run's own moments and start (replay_metrics), and both by derivation
-    from the case's own values (qualify.candidate.derived).
+    from the case's own values (qualify.candidate.derived). The clip fractions (DERIVED_OUTPUTS) likewise.
     """
     out: dict[str, dict[str, float]] = {}
     device = metrics.metrics_device()
@@ -189,6 +194,8 @@ def pair_metrics(candidate: RunTensors, reference: RunTensors) -> dict[str, dict
             continue
         c, r = getattr(candidate, group), getattr(reference, group)
         for name in sorted(set(c) & set(r)):
+            if group == "outputs" and name in DERIVED_OUTPUTS:
+                continue
             a, b = c[name], r[name]  # one tensor of each side read at a time
             if a.shape != b.shape or a.dtype != b.dtype:
                 continue  # a structure problem (structure_problems), not measured

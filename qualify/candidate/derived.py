@@ -9,7 +9,12 @@ computation, not to the reference's control-calibrated bound.
                   logits (the engine's logits() hook; computed on its rank, where the logits are, and recorded in the
                   case's meta.json); an engine without the hook is told so in a row, not skipped silently
     clip_frac     the actor's clip decisions of its own ratio and advantages (fp32, as the objective takes them),
-                  aggregated by the matrix's definition (PPO's normalizer; GRPO's aggregation or token mean)
+                  aggregated by the matrix's definition (PPO's normalizer; GRPO's aggregation or token mean); the
+                  critic's value-clip decisions of its own values and the frozen old values and returns, each token
+                  whose comparison is a rounding tie counted either way (the fraction must lie between the two
+                  counts). A clip fraction is judged only here and by the clip decisions, token by token
+                  (qualify.candidate.decided), not against the reference's control-calibrated bound: it is a count,
+                  which a rounding tie moves by one token and a few controls sample poorly
     grad_norm     the L2 norm of the case's own gradients
     moments       AdamW's moments of the case's own gradients, clipped by the coefficient of its reported norm, and
                   its own moments of the step before (the moments are not compared with the reference's: they are
@@ -54,6 +59,10 @@ ADV_RULE = ("<= 2^-24 x ((G - 1) x mean |r| / (std + eps) + ((G + 1) / 2 + 3) x 
 NORM_RULE = "<= 2^-24 x (2 log2(elements) + 8) x norm: fp32 sums of squares in any order"
 CLIP_RULE = ("<= 2^-24 x (active tokens + 4) x clip_frac: the fp32 sum of the clip indicators of the case's own ratio "
              "and advantages, aggregated by the matrix's clip_frac definition")
+VALUE_CLIP_RULE = ("within [ties counted as unclipped, ties counted as clipped] + 2^-24 x (active tokens + 4) x "
+                   "clip_frac: the value-clip indicators of the case's own values (v_clip = old + clamp(v - old, +-eps), "
+                   "(v_clip - R)^2 > (v - R)^2), a token whose two squares are within their fp32 rounding (or inside "
+                   "the range, where v_clip is v up to one rounding) counted either way, aggregated by the normalizer")
 UPDATE_RULE = ("the new parameter rounds to nearest (in the optimizer state's dtype) from a value within u x (8 |step "
                "term| + 2 |decay|) + the ulps of the reported updates so far (the start is rebuilt from them; one ulp "
                "of the parameter more where they reach half of one) of AdamW's unrounded value of the case's own "
@@ -214,6 +223,40 @@ def clip_frac_derivation(ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Ten
     return value, U * (int(mask.sum()) + 4) * value.abs()
 
 
+def value_clip_frac_derivation(clip_frac: torch.Tensor, values: torch.Tensor, old: torch.Tensor, ret: torch.Tensor,
+                               mask: torch.Tensor, objective: Objective) -> Derivation:
+    """The critic's clip fraction of its own values (B, T) against the frozen old values and returns: the nearest
+    value to the reported one in [the fraction with every rounding tie unclipped, the fraction with every tie
+    clipped], and the fp32 sum's rounding. The objective decides (v_clip - R)^2 > (v - R)^2 in fp32 with v_clip =
+    old + clamp(v - old, -eps, eps); inside the range v_clip is v up to that sum's rounding, and at the range's edge
+    the two squares can be equal up to rounding, so such tokens go either way in a correct engine (one that tests
+    |v - old| > eps first counts them unclipped)."""
+    from qualify.ppo.math import masked_mean
+
+    eps = objective.ppo.value_clip_eps
+    v32, o32, r32 = (torch.where(mask, t.float(), 0.0) for t in (values, old, ret))
+    # the objective's own fp32 comparison (qualify.ppo.math.clipped_value_loss): inside the range it can hold by
+    # the rounding of old + (v - old) alone
+    natural = ((o32 + (v32 - o32).clamp(-eps, eps) - r32).square() > (v32 - r32).square()) & mask
+    v, o, r = v32.double(), o32.double(), r32.double()
+    v_clip = o + (v - o).clamp(-eps, eps)
+    a, b = (v_clip - r).square(), (v - r).square()
+    # first-order fp32 rounding of the two squares: v_clip's sum (|o| + |v - o|), each difference, each square
+    tol = 4 * U * ((o.abs() + (v - o).abs() + r.abs() + v.abs()) * ((v_clip - r).abs() + (v - r).abs()) + a + b)
+    active = ((v - o).abs() > eps) & mask
+    sure = active & (a - b > tol)
+    maybe = sure | (active & ((a - b).abs() <= tol)) | natural
+
+    def frac(clipped: torch.Tensor) -> torch.Tensor:
+        return masked_mean(clipped.double(), mask, objective.ppo.token_normalizer,
+                           objective.ppo.normalizer_constant).reshape(1).double()
+
+    lo, hi = frac(sure), frac(maybe)
+    got = clip_frac.double().reshape(1)
+    want = torch.minimum(torch.maximum(got, lo), hi) if bool(torch.isfinite(got).all()) else lo
+    return want, U * (int(mask.sum()) + 4) * hi.abs() + torch.finfo(torch.float64).tiny
+
+
 def step_rows(case: str, role: str, objective: Objective, k: int, outputs: dict[str, torch.Tensor],
               targets: dict[str, torch.Tensor], mask: torch.Tensor, device: str = "cpu",
               scored: bool = True) -> list[Row]:
@@ -244,6 +287,13 @@ def step_rows(case: str, role: str, objective: Objective, k: int, outputs: dict[
             and adv.shape == mask.shape:
         rows.append(worst_row(case, role, k, f"step{k}/outputs/clip_frac", outputs["clip_frac"].reshape(1),
                               clip_frac_derivation(ratio_out, adv, mask, objective), CLIP_RULE,
+                              lambda i: f"{int(mask.sum())} tokens"))
+    values = outputs.get("values_BT")
+    if role == "critic" and "clip_frac" in outputs and values is not None and values.shape == mask.shape \
+            and all(name in targets and targets[name].shape == mask.shape for name in ("old_values_BT", "returns_BT")):
+        rows.append(worst_row(case, role, k, f"step{k}/outputs/clip_frac", outputs["clip_frac"].reshape(1),
+                              value_clip_frac_derivation(outputs["clip_frac"], values, targets["old_values_BT"],
+                                                         targets["returns_BT"], mask, objective), VALUE_CLIP_RULE,
                               lambda i: f"{int(mask.sum())} tokens"))
     if objective.grpo is not None and "advantages_B" in outputs and "score_B" in targets:
         rewards = targets["score_B"].double()

@@ -43,7 +43,9 @@ def test_own_objective_passes_and_actor_loss_bugs_fail_on_named_tensors(run_copy
     clip = failing(verdict, case_of(m, bugs[0]))
     # the ratio leaves [0.8, 1.2] from step 1 on: a clip at 1 +- 0.3 counts and weighs those tokens differently
     assert not any(t.startswith("step0/") for t, _ in clip), sorted(clip)[:5]
-    assert {("step1/outputs/clip_frac", "max_abs"), ("step1/outputs/loss", "max_abs")} & clip, sorted(clip)[:5]
+    assert ("step1/outputs/loss", "max_abs") in clip, sorted(clip)[:5]
+    # the clip fraction it reports is not the matrix's (1 +- 0.2) fraction of its own ratios
+    assert ("step1/outputs/clip_frac", "derived_abs") in clip, sorted(clip)[:5]
     # and by its own outputs: tokens with a ratio in (1.2, 1.3] kept unclipped make a loss that is not the matrix's
     # objective of the ratios it reports (decisions are read from the outputs with the matrix's clip range, so the
     # decision rows see the reference's decisions: the bug shows in the loss and, from step 1, in the gradients)
@@ -66,10 +68,12 @@ def test_own_objective_critic_passes_and_a_missing_value_clip_fails(run_copy):
     assert verdict["cases"][own]["passed"], sorted(failing(verdict, own))[:5]
     bad = failing(verdict, case_of(m, bug))
     assert not any(t.startswith("step0/") for t, _ in bad), sorted(bad)[:5]  # no value has moved at step 0
-    # from step 1 the loss drops the clipped term: the loss and the gradients move. clip_frac is not required to fail:
-    # it counts tokens past the edge, and a control whose step-1 values put one token across it (attn_impl on an Intel
-    # Xeon, none on an AMD EPYC) makes its bound 4 such tokens, what this bug moves on this rollout
+    # from step 1 the loss drops the clipped term: the loss and the gradients move; and the clip fraction it reports
+    # (nothing clipped) is not the value-clip fraction of its own values, which the derivation row recomputes (a clip
+    # fraction is judged by derivation and decisions only, never against a bound made of a few controls' token counts)
     assert ("step1/outputs/loss", "max_abs") in bad and ("step1/outputs/grad_norm", "max_abs") in bad, sorted(bad)[:5]
+    assert ("step1/outputs/clip_frac", "derived_abs") in bad, sorted(bad)[:5]
+    assert not any(t.endswith("/outputs/clip_frac") and m == "max_abs" for t, m in bad)  # no bound row any more
     assert any(t.startswith("step1/grads/") for t, _ in bad), sorted(bad)[:5]
     assert ("step1/outputs/loss", "objective_abs") in bad, sorted(bad)[:5]  # not the objective of its own values
     [row] = [r for r in verdict["rows"] if r["case"] == case_of(m, bug) and r["tensor"] == "step1/outputs/loss"
