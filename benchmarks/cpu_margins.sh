@@ -12,6 +12,7 @@ cd "$(dirname "$0")/.."
 out=${1:?usage: cpu_margins.sh OUT_DIR MATRIX[=ROLLOUT] ...}
 shift
 work=${WORK:-/tmp/qualify-margins}
+export CUDA_VISIBLE_DEVICES=  # the CPU's margins: on a GPU host, reference.device auto would pick the GPU
 export VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-0} TORCHDYNAMO_DISABLE=${TORCHDYNAMO_DISABLE:-1}
 if [ -x .venv/bin/qualify ]; then
   qualify() { .venv/bin/qualify "$@"; }; py=.venv/bin/python
@@ -32,5 +33,5 @@ for spec in "$@"; do
   { qualify "${args[@]}" && qualify freeze "$run"; } > "$out/$name.log" 2>&1 || { echo "$name: reference/freeze failed"; tail -5 "$out/$name.log"; continue; }
   qualify candidate "$matrix" --run "$run" >> "$out/$name.log" 2>&1
   echo "== $name: exit $? in $(( $(date +%s) - start )) s"
-  $py benchmarks/verdict_summary.py "$run/candidates/verdict.json" | tee "$out/$name.summary.txt"
+  $py benchmarks/verdict_summary.py "$run/candidates/verdict.json" 25 | tee "$out/$name.summary.txt"
 done

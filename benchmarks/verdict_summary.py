@@ -1,7 +1,8 @@
 """Summarize a verdict.json too large to carry back: every failing row, each case's closest passing row, and the
 rows whose clip decisions differed from the reference's (benchmarks/gpu_vllm_chain.sh and gpu_chain.sh runs).
 
-Usage: python benchmarks/verdict_summary.py RUN/candidates/verdict.json
+Usage: python benchmarks/verdict_summary.py RUN/candidates/verdict.json [TOP]
+(TOP: how many of the closest passing bound rows to list; 10 when not given)
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ def finite_bound(r: dict) -> bool:
         and isinstance(r["value"], (int, float))
 
 
-def main(path: str) -> None:
+def main(path: str, top: int = 10) -> None:
     v = json.loads(Path(path).read_text())
     rows = v["rows"]
     print(f"{'PASSED' if v['passed'] else 'FAILED'}: {sum(c['passed'] for c in v['cases'].values())}/{len(v['cases'])}")
@@ -41,6 +42,11 @@ def main(path: str) -> None:
             r = max(mine, key=lambda r: r["value"] / r["bound"])
             print(f"closest {kind} row: {r['value'] / r['bound']:.3f} {r['case']} | {r['comparison']} | {r['tensor']} "
                   f"{r['metric']}")
+    bound_rows = sorted((r for r in rows if r["comparison"] != "derived" and finite_bound(r)),
+                        key=lambda r: -r["value"] / r["bound"])
+    print(f"the {min(top, len(bound_rows))} closest passing bound rows:")
+    for r in bound_rows[:top]:
+        print(f"  {r['value'] / r['bound']:.3f} {r['case']} | {r['comparison']} | {r['tensor']} {r['metric']}")
     flips = [r for r in rows if "/decisions/" in r["tensor"] and r["note"]]
     print(f"decision rows with a difference: {len(flips)}")
     for r in flips[:20]:
@@ -48,4 +54,4 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 10)

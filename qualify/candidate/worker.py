@@ -11,6 +11,7 @@ Usage: python -m qualify.candidate.worker SPEC.json [SPEC.json ...]
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -239,7 +240,12 @@ def main() -> None:
     specs = [read_spec(Path(arg)) for arg in sys.argv[1:]]
     if len({(s.tp, s.dp, s.device) for s in specs}) != 1:
         raise EngineError("all cases of one launch must share TP degree, DP degree and device")
-    rank = init_distributed(specs[0])
+    try:
+        rank = init_distributed(specs[0])
+    except Exception as exc:  # no rank joined (too few GPUs, a rendezvous that failed): every case says why
+        for spec in specs:
+            record_failure(work_dir(spec.case_dir), int(os.environ.get("RANK", "0")), exc)
+        raise
     for spec in specs:
         try:
             run_case(spec, rank)

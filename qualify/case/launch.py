@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from qualify.case.ranks import free_port, rank_env
+from qualify.case.ranks import free_port, gpu_shortfall, rank_env
 from qualify.case.spec import CaseSpec
 from qualify.layout import SPEC_FILE, work_dir
 from qualify.store import write_json
@@ -72,6 +72,10 @@ def start_module(module: str, args: list[str], tp: int, device: str, env: dict[s
     first failing rank's exit code. preload: modules a forked rank's server imports besides torch and transformers."""
     how = launcher(device)
     with open(log_path, "w") as log:
+        short = gpu_shortfall(tp) if device == "cuda" else None
+        if short:  # refused before any rank starts: set_device in a rank would fail with CUDA's own words
+            log.write(f"not launched: {short}\n")
+            return 2
         if how == "torchrun":
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}", "-m",
                    module, *args]

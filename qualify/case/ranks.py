@@ -19,6 +19,21 @@ def device_of(reference: Reference) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def gpu_shortfall(ranks: int, visible: int | None = None) -> str | None:
+    """Why ranks CUDA ranks cannot run on this host (one GPU a rank), or None when they can. visible: the GPUs this
+    process sees (torch.cuda.device_count(), which creates no CUDA context, when not given)."""
+    if visible is None:
+        import torch
+
+        visible = torch.cuda.device_count()
+    if ranks <= visible:
+        return None
+    shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return (f"{ranks} ranks on cuda need {ranks} GPUs on this host, {visible} visible"
+            f"{f' (CUDA_VISIBLE_DEVICES={shown!r})' if shown is not None else ''}: run the case where {ranks} GPUs "
+            f"are (qualify sbatch), leave it out of the matrix, or set reference.device: cpu")
+
+
 def init_distributed(spec: CaseSpec) -> int:
     """Join the launch's process group (gloo on CPU, NCCL on GPU); return this rank. Under srun without torchrun the
     rank comes from Slurm's variables."""
@@ -35,7 +50,11 @@ def init_distributed(spec: CaseSpec) -> int:
     if not dist.is_initialized():
         backend = "nccl" if spec.device == "cuda" else "gloo"
         if spec.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            short = gpu_shortfall(local + 1)
+            if short:
+                raise EngineError(f"case {spec.name}: {short}")
+            torch.cuda.set_device(local)
         dist.init_process_group(backend=backend)
     return dist.get_rank()
 
