@@ -132,7 +132,8 @@ def grad_difference(run: Any, base: Any) -> float | None:
         return None
     device = metrics_device()  # the GPU when there is one: a 0.6B model's gradients are 600M elements a run
     total = 0.0
-    for n, g in base.grads.items():
+    for n in sorted(base.grads):  # one order whether the runs are in memory or read from their files
+        g = base.grads[n]
         mine, theirs = (run.grads[n], g) if device is None else (run.grads[n].to(device), g.to(device))
         total += float((mine.double() - theirs.double()).square().sum())
     return math.sqrt(total)

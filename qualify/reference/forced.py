@@ -24,6 +24,7 @@ import hashlib
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -79,13 +80,25 @@ def ensure_replay(ctx: ScoringContext, precision: str, role: str, decided: list[
 
 def make_replay(ctx: ScoringContext, precision: str, role: str, decided: list[torch.Tensor], out: Path) -> Path:
     """Score <precision>-r0 with decided[k] imposed at step k and seal it in out (nothing done when it is sealed)."""
-    from qualify.models.hf import load_model
-    from qualify.reference.evidence import load_targets, model_config, write_role
-    from qualify.reference.step import Control, run_role
-    from qualify.rollout.capture import load_rollout
+    from qualify.reference.evidence import write_role
 
     if stage_is_complete(out):
         return out
+    result, info = run_replay(ctx, precision, role, decided)
+    write_role(out, result, info)
+    return out
+
+
+def run_replay(ctx: ScoringContext, precision: str, role: str,
+               decided: list[torch.Tensor]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(run_role's result, the meta it is sealed with) of <precision>-r0 scored again with decided[k] imposed at step
+    k: what make_replay seals, and what a control's record uses in memory when it fits
+    (qualify.reference.summary.aligned_base)."""
+    from qualify.models.hf import load_model
+    from qualify.reference.evidence import load_targets, model_config
+    from qualify.reference.step import Control, run_role
+    from qualify.rollout.capture import load_rollout
+
     models = ctx.models
     rollout = load_rollout(ctx.layout.rollout(ctx.primary_tp), ctx.rollout_digest)
     targets = load_targets(ctx.layout, ctx.targets_digest)
@@ -95,11 +108,10 @@ def make_replay(ctx: ScoringContext, precision: str, role: str, decided: list[to
     with torch.enable_grad():
         result = run_role(ctx, role, precision, control, master, rollout, targets,
                           model_config(models["actor"])["vocab_size"], models[role], decided=decided)
-    write_role(out, result, {"precision": precision, "control": "r0", "role": role, "replay": "decisions",
-                             "attn_impl": control.attn_impl, "seconds": round(time.monotonic() - started, 3),
-                             "rollout_digest": ctx.rollout_digest, "targets_digest": ctx.targets_digest,
-                             "settings": ctx.settings})
-    return out
+    return result, {"precision": precision, "control": "r0", "role": role, "replay": "decisions",
+                    "attn_impl": control.attn_impl, "seconds": round(time.monotonic() - started, 3),
+                    "rollout_digest": ctx.rollout_digest, "targets_digest": ctx.targets_digest,
+                    "settings": ctx.settings}
 
 
 def recorded_decisions(objective: Objective, role: str, directory: Path, inputs: StepInputs) -> list[Decisions | None]:

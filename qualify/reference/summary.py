@@ -3,14 +3,15 @@ its outputs, meta and record, without its gradients, updates, moments and layer 
 
 The record holds, per family the control belongs to (qualify.bounds.rule.family_pairs) and per step, what
 qualify.bounds.control_error.pair_record measures against the family's r0, or against r0 replayed on the control's
-clip decisions where it decided a token otherwise (the replay is made in a scratch directory beside the reference,
-used, and removed). The r0 runs are scored first, so every control finds its families' r0 sealed.
+clip decisions where it decided a token otherwise (the replay is held in memory where it fits, else made in a scratch
+directory beside the reference, used, and removed). The r0 runs are scored first, so every control finds its families' r0 sealed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,14 +52,17 @@ def remove_scratch(scratch: Path) -> None:
 
 
 def aligned_base(ctx: ScoringContext, role: str, base_name: str, steps: list[RunTensors],
-                 inputs: StepInputs) -> tuple[StepFiles, str, Path | None]:
+                 inputs: StepInputs) -> tuple[Sequence[RunTensors], str, Path | None]:
     """(what the control is compared with, its name in the bound file, a scratch directory to remove): the family's
-    sealed r0, or r0 replayed on the control's clip decisions where they differ (made here, in scratch)."""
+    sealed r0, or r0 replayed on the control's clip decisions where they differ: held in memory when a run of the
+    role fits in half the memory available now (replay_fits), else written to scratch, read step by step and removed.
+    Either way the same tensors (a sealed copy is read back bit for bit)."""
     from qualify.reference.forced import (
         make_replay,
         recorded_decisions,
         replay_dir,
         replay_needed_for,
+        run_replay,
         step_decisions,
     )
 
@@ -71,12 +75,29 @@ def aligned_base(ctx: ScoringContext, role: str, base_name: str, steps: list[Run
     if decided is None:
         return StepFiles(base_dir), base_name, None
     where = replay_dir(layout.reference, precision, role, decided, ctx.settings)
+    # named as freeze names a replay it reads (the bound files are the same under either evidence); not kept here
+    name = str(where.relative_to(layout.reference))
+    if replay_fits(ctx, role, len(steps)):
+        result, info = run_replay(ctx, precision, role, decided)
+        return [dataclasses.replace(s, meta=s.meta | info) for s in in_memory_steps(result)], name, None
     scratch = layout.scratch_replays / where.parent.name / role
     if scratch.exists():
         shutil.rmtree(scratch)
     make_replay(ctx, precision, role, decided, scratch)
-    # named as freeze names a replay it reads (the bound files are the same under either evidence); not kept here
-    return StepFiles(scratch), str(where.relative_to(layout.reference)), scratch
+    return StepFiles(scratch), name, scratch
+
+
+def replay_fits(ctx: ScoringContext, role: str, steps: int) -> bool:
+    """Whether a whole run of role fits in half the memory available now (MemAvailable): then a
+    control's replay is held in memory beside the control's own run, not written to scratch and read back (at the
+    Qwen3-0.6B shape 9.5 GB a replay, 16 bytes per parameter per step)."""
+    need = 4 * steps * tree_bytes(ctx.models[role])  # gradients, update and two moments in fp32, per step
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return False
+    return 2 * need <= available
 
 
 def control_record(ctx: ScoringContext, role: str, run_name: str, result: dict[str, Any], controls: list[str],

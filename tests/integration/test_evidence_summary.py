@@ -260,3 +260,40 @@ def test_a_lean_r0_without_its_base_record_is_refused(lean_run, tmp_path):
     with pytest.raises(EvidenceError, match=r"critic is kept lean \(reference.evidence: lean\) but its record holds no "
                                             r"base record of its 4 step\(s\)"):
         freeze(run)
+
+
+def test_a_controls_replay_held_in_memory_gives_the_record_of_one_written_to_scratch(full_run, monkeypatch):
+    """aligned_base holds r0 replayed on a control's decisions in memory where a run fits in half the available
+    memory (no scratch written and read back: 9.5 GB a replay at the Qwen3-0.6B shape) and writes it to scratch
+    where it does not: the control's record is the same, number for number, either way."""
+    from qualify.compare import load_steps
+    from qualify.matrix import load_matrix
+    from qualify.models.checkpoint import initial_parameters
+    from qualify.reference import forced, summary
+    from qualify.reference.context import ScoringContext
+
+    layout = RunLayout(full_run)
+    ctx = ScoringContext.of(load_matrix(full_run.parent / "matrix.yaml"), layout)
+    controls = read_json(layout.reference_summary)["controls"]
+    doc = next(d for d in map(read_json, sorted(layout.bounds.glob("*.json")))
+               if any(c != d["reference_run"] for c in d["compared_with"].values()))
+    role = doc["role"]
+    run_name = next(c for c, compared in doc["compared_with"].items() if compared != doc["reference_run"])
+    steps = load_steps(layout.scores(*run_name.split("-", 1), role))
+    result = {"meta": steps[0].meta, "steps": [
+        {"outputs": s.outputs, **{g: dict(getattr(s, g).items()) for g in ("grads", "updates", "moments")}}
+        for s in steps]}
+    before = initial_parameters(ctx.models[role])
+
+    def record(fits: bool) -> dict:
+        monkeypatch.setattr(summary, "replay_fits", lambda *a: fits)
+        return summary.control_record(ctx, role, run_name, result, controls, before)
+
+    real_make_replay = forced.make_replay
+    monkeypatch.setattr(forced, "make_replay", lambda *a: pytest.fail("the in-memory replay wrote scratch"))
+    in_memory = record(True)
+    monkeypatch.setattr(forced, "make_replay", real_make_replay)
+    in_scratch = record(False)
+    assert any(f["compared_with"] != doc["reference_run"] for f in in_memory["families"].values())
+    assert json.dumps(in_memory, sort_keys=True) == json.dumps(in_scratch, sort_keys=True)
+    assert not layout.scratch_replays.exists() or not any(layout.scratch_replays.rglob("*.safetensors"))
