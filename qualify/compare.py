@@ -93,9 +93,9 @@ def with_step(step: int, metrics_by_key: dict[str, Any]) -> dict[str, Any]:
 
 
 def next_params(current: dict[str, torch.Tensor], run: RunTensors) -> dict[str, torch.Tensor]:
-    """The parameters after a step: current plus the run's updates of that step (fp64)."""
-    return {n: (t + run.updates[n].double()) if n in run.updates and run.updates[n].shape == t.shape else t
-            for n, t in current.items()}
+    """The parameters after a step: current plus the run's updates of that step (fp64, where current lies)."""
+    return {n: (t + run.updates[n].to(t.device).double()) if n in run.updates and run.updates[n].shape == t.shape
+            else t for n, t in current.items()}
 
 
 def params_before_steps(steps: Sequence[RunTensors], initial: dict[str, torch.Tensor]) -> Sequence[dict[str, torch.Tensor]]:

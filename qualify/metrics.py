@@ -62,8 +62,16 @@ def quantile_abs(candidate: torch.Tensor, reference: torch.Tensor, q: float = P9
     if n == 0:
         return 0.0
     diff = (candidate.double() - reference.double()).abs().flatten()
-    rank = min(n, max(1, math.ceil(q * n)))
-    return float(diff.kthvalue(rank).values)
+    return float(kth_smallest(diff, min(n, max(1, math.ceil(q * n)))))
+
+
+def kth_smallest(x_N: torch.Tensor, k: int, by_sort: bool | None = None) -> torch.Tensor:
+    """The k-th smallest element (1-based) of a 1-D tensor, exactly: kthvalue on the CPU (a selection in linear time);
+    on a GPU a sort, since CUDA's kthvalue selects with one thread block per slice (a flattened gradient is one slice
+    of millions of elements: seconds a tensor at the Qwen3-0.6B shape). The same element either way (by_sort chooses)."""
+    if not (x_N.device.type != "cpu" if by_sort is None else by_sort):
+        return x_N.kthvalue(k).values
+    return torch.sort(x_N).values[k - 1]
 
 
 def p99_abs(candidate: torch.Tensor, reference: torch.Tensor) -> float:
@@ -105,7 +113,7 @@ def pair_values(candidate: torch.Tensor, reference: torch.Tensor, names: tuple[s
         elif name == "mean_abs":
             out[name] = float(diff.mean())
         elif name == "p99_abs":
-            out[name] = float(diff.kthvalue(min(n, max(1, math.ceil(P99 * n)))).values)
+            out[name] = float(kth_smallest(diff, min(n, max(1, math.ceil(P99 * n)))))
         elif name == "rel_l2":
             norm = float(torch.linalg.vector_norm(reference.double()))
             d = float(torch.linalg.vector_norm(diff))

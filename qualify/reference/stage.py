@@ -154,6 +154,10 @@ class Scoring:
         self.rollout = load_rollout(ctx.layout.rollout(ctx.primary_tp), ctx.rollout_digest)
         self.targets = load_targets(ctx.layout, ctx.targets_digest)
         self.vocab = model_config(ctx.models["actor"])["vocab_size"]
+        self.verified: set[Path] = set()  # r0 directories whose seal this stage has checked (qualify.stages)
+        from qualify.reference.resident import Resident
+
+        self.resident = Resident()  # what the records measure again and again, on the metrics GPU when it fits
 
     def score(self, control: Any, precision: str, role: str) -> None:
         """Score and seal one run. Under reference.evidence summary or lean, a run that is a control of some family
@@ -199,7 +203,7 @@ class Scoring:
             write_role(out, result, info)
         else:
             record = control_record(ctx, role, name, result, self.controls, initial_parameters(self.models[role]),
-                                    base=lean)
+                                    base=lean, verified=self.verified, resident=self.resident)
             recorded = time.monotonic()
             if control.name == self.controls[0]:
                 write_role(out, result, info, record, lean=lean)

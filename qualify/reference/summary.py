@@ -24,6 +24,7 @@ from qualify.errors import EvidenceError
 from qualify.layout import RunLayout
 from qualify.reference.context import ScoringContext
 from qualify.reference.inputs import StepInputs
+from qualify.reference.resident import Resident
 from qualify.stages import complete_stage, prepare_stage, stage_is_complete
 from qualify.store import tree_bytes, write_json, write_tensors
 
@@ -52,11 +53,13 @@ def remove_scratch(scratch: Path) -> None:
 
 
 def aligned_base(ctx: ScoringContext, role: str, base_name: str, steps: list[RunTensors],
-                 inputs: StepInputs) -> tuple[Sequence[RunTensors], str, Path | None]:
+                 inputs: StepInputs, verified: set[Path] | None = None) -> tuple[Sequence[RunTensors], str, Path | None]:
     """(what the control is compared with, its name in the bound file, a scratch directory to remove): the family's
     sealed r0, or r0 replayed on the control's clip decisions where they differ: held in memory when a run of the
     role fits in half the memory available now (replay_fits), else written to scratch, read step by step and removed.
-    Either way the same tensors (a sealed copy is read back bit for bit)."""
+    Either way the same tensors (a sealed copy is read back bit for bit). verified: the r0 directories whose seal the
+    caller has checked in this process (each checked once, then kept: hashing a 0.6B r0 again for every control took
+    2.2 s a control)."""
     from qualify.reference.forced import (
         make_replay,
         recorded_decisions,
@@ -68,8 +71,11 @@ def aligned_base(ctx: ScoringContext, role: str, base_name: str, steps: list[Run
 
     precision, layout = base_name.split("-", 1)[0], ctx.layout
     base_dir = layout.scores(precision, "r0", role)
-    if not stage_is_complete(base_dir):  # scored and sealed before any control (qualify.reference.stage.score_all)
-        raise EvidenceError(f"{base_dir} is not sealed: a control is summarized against its family's r0")
+    if verified is None or base_dir not in verified:
+        if not stage_is_complete(base_dir):  # scored and sealed before any control (reference.stage.score_all)
+            raise EvidenceError(f"{base_dir} is not sealed: a control is summarized against its family's r0")
+        if verified is not None:
+            verified.add(base_dir)
     decided = replay_needed_for(step_decisions(ctx.objective, role, [s.outputs for s in steps], inputs),
                                 recorded_decisions(ctx.objective, role, base_dir, inputs))
     if decided is None:
@@ -101,24 +107,32 @@ def replay_fits(ctx: ScoringContext, role: str, steps: int) -> bool:
 
 
 def control_record(ctx: ScoringContext, role: str, run_name: str, result: dict[str, Any], controls: list[str],
-                   before: dict, base: bool = False) -> dict[str, Any]:
+                   before: dict, base: bool = False, verified: set[Path] | None = None,
+                   resident: Resident | None = None) -> dict[str, Any]:
     """The record of control run_name ('<precision>-<control>') of role: per family it belongs to, each step's
     pair_record against the run it is compared with, and its layer metrics against the family's r0; with base (an
-    r0 kept lean), also what freeze needs of its updates and moments (qualify.bounds.control_error.base_record)."""
-    steps = in_memory_steps(result)
+    r0 kept lean), also what freeze needs of its updates and moments (qualify.bounds.control_error.base_record).
+    resident: the stage's copies on the metrics GPU (qualify.reference.resident; one made here when not given)."""
+    resident = resident or Resident()
+    host_steps = in_memory_steps(result)
+    steps = resident.transient(host_steps)  # measured against every family and replayed: moved to the GPU once
+    start = resident.start(role, before)
     layout, inputs = ctx.layout, ctx.inputs()
     terms, means = terms_of(ctx.objective, role, inputs), means_of(ctx.objective, role, inputs)
     optimizer = ctx.objective.optimizer
     # the run's own AdamW replay at each step, measured once whatever the number of families it is a control of
-    replays = [replay_metrics(run, start, optimizer, k + 1)
-               for k, (run, start) in enumerate(zip(steps, starts_of(steps, before)))] \
+    replays = [replay_metrics(run, step_start, optimizer, k + 1)
+               for k, (run, step_start) in enumerate(zip(steps, starts_of(steps, start)))] \
         if base or recorded_families(run_name, controls) else []
     families = {}
     for family in FAMILIES:
         base_name, others = family_pairs(family, controls)
         if run_name not in others:
             continue
-        aligned, compared_with, scratch = aligned_base(ctx, role, base_name, steps, inputs)
+        aligned, compared_with, scratch = aligned_base(ctx, role, base_name, steps, inputs, verified)
+        base_dir = layout.scores(*base_name.split("-", 1), role)
+        # the sealed r0 is every control's of the family: kept for the stage; a replay is this control's alone
+        aligned = resident.base(base_dir, aligned) if compared_with == base_name else resident.transient(aligned)
         try:
             if len(aligned) != len(steps):
                 raise EvidenceError(f"{run_name} {role} took {len(steps)} step(s), {compared_with} {len(aligned)}")
@@ -129,13 +143,12 @@ def control_record(ctx: ScoringContext, role: str, run_name: str, result: dict[s
             if scratch is not None:
                 remove_scratch(scratch)
         families[family] = {"compared_with": compared_with, "replay_kept": False, "steps": records}
-        base_dir = layout.scores(*base_name.split("-", 1), role)
         if "layers" in result and (base_dir / LAYERS_FILE).is_file():
             base_acts, base_grads = run_layers(base_dir)
-            families[family]["layers"] = layer_metrics(result["layers"], base_acts, steps[0].grads, base_grads)
+            families[family]["layers"] = layer_metrics(result["layers"], base_acts, host_steps[0].grads, base_grads)
     record: dict[str, Any] = {"run": run_name, "role": role, "families": families}
     if base:
-        record["base"] = base_record(steps, starts_of(steps, before), optimizer, replays)
+        record["base"] = base_record(steps, starts_of(steps, start), optimizer, replays)
     return record
 
 

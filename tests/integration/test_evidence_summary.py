@@ -297,3 +297,4 @@ def test_a_controls_replay_held_in_memory_gives_the_record_of_one_written_to_scr
     assert any(f["compared_with"] != doc["reference_run"] for f in in_memory["families"].values())
     assert json.dumps(in_memory, sort_keys=True) == json.dumps(in_scratch, sort_keys=True)
     assert not layout.scratch_replays.exists() or not any(layout.scratch_replays.rglob("*.safetensors"))
+

@@ -71,3 +71,20 @@ def test_bf16_exact_fraction_counts_what_bf16_holds_exactly():
     assert bf16_exact_fraction(torch.zeros(5)) == 0.0
     # powers of two are bf16 values for exact reasons (a ratio of 1, a fraction of 0.5): not counted
     assert bf16_exact_fraction(torch.tensor([1.0, 0.5, -2.0, 1.0 + 2 ** -20])) == 0.0
+
+
+def test_the_sorted_selection_is_the_kth_element_kthvalue_selects():
+    """kth_smallest sorts on a GPU (CUDA's kthvalue selects with one thread block per slice); the element is the
+    same as kthvalue's for every rank, with ties, zeros and a single element."""
+    import torch
+
+    from qualify.metrics import kth_smallest
+
+    g = torch.Generator().manual_seed(3)
+    for x in (torch.randn(1001, generator=g, dtype=torch.float64).abs(),
+              torch.randint(0, 5, (777,), generator=g).double(),  # ties
+              torch.zeros(64, dtype=torch.float64), torch.tensor([2.5], dtype=torch.float64)):
+        for k in sorted(k for k in {1, 2, x.numel() // 2, x.numel() - 1, x.numel()} if 1 <= k <= x.numel()):
+            want = x.kthvalue(k).values
+            assert torch.equal(kth_smallest(x, k, by_sort=True), want)
+            assert torch.equal(kth_smallest(x, k, by_sort=False), want)
