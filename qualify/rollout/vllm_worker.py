@@ -68,11 +68,13 @@ def run(request: dict) -> dict:
 
 
 def result_of(out) -> dict:
-    """One request's prompt, sampled tokens, their processed logprobs and why it stopped."""
+    """One request's prompt, sampled tokens, their processed logprobs, why it stopped and how many of its prompt
+    tokens came from the prefix cache."""
     completion = out.outputs[0]
     token_logprobs = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
     return {"prompt": list(out.prompt_token_ids), "tokens": list(completion.token_ids),
-            "logprobs": token_logprobs, "finish_reason": completion.finish_reason}
+            "logprobs": token_logprobs, "finish_reason": completion.finish_reason,
+            "num_cached_tokens": int(out.num_cached_tokens or 0)}
 
 
 def generate_with_routes(llm, prompts: list, params: list) -> tuple[list[dict], list[int]]:

@@ -55,3 +55,25 @@ def same_tokens_row(check: str, rnd: int, first: list[dict[str, Any]], again: li
 
 def equal_row(check: str, rnd: int | None, observed: Any, expected: Any, detail: str = "") -> Row:
     return fact(check, rnd, observed, f"== {expected}", observed == expected, detail)
+
+
+ROUTES_REPLAYED = "trainer replays the round's routes"
+
+
+def routes_replayed(meta: Any) -> tuple[int, str] | None:
+    """A round's training step against the routes of the rollout it trained on (a MoE actor under rollout.routing
+    replay), from the case's sealed meta.json: ((token, MoE layer) pairs routed otherwise, summed over its steps; a
+    description). None when it recorded none: a dense actor, rollout.routing recompute, or an engine without a
+    routes() hook (then whether it replays is not verified, as in a candidate case)."""
+    found = meta.get("routing_replay") if isinstance(meta, dict) else None
+    if not isinstance(found, list) or not found or not all(isinstance(s, dict) for s in found):
+        return None
+    try:
+        differ = sum(int(s["differ"]) for s in found)
+        pairs = sum(int(s["pairs"]) for s in found)
+    except (KeyError, TypeError, ValueError):
+        return None
+    first = next((f"; first at step {k}: {s.get('first')}" for k, s in enumerate(found) if s.get("differ")), "")
+    return differ, (f"{differ} of {pairs} (token, MoE layer) pairs over {len(found)} step(s) not routed as the "
+                    f"round's rollout routed them{first}")
+

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from qualify.errors import QualifyError
+from qualify.rounds.checks import ROUTES_REPLAYED, routes_replayed
 from qualify.store import read_json, read_tensors
 
 MAX_LISTED = 5
@@ -151,6 +152,9 @@ def round_expectations(where: Path, rnd: int) -> dict[str, Any]:
         out["replay logprobs agree with HF"] = (doc.get("replay_agreement") or {}).get("max_abs")
         main = "logprobs agree with HF" if rnd == 0 else "rollout logprobs agree with HF"
         out[main] = agreement_max(where / f"round-{rnd}" / "agreement.safetensors")
+        replayed = routes_replayed(_read(where / f"round-{rnd}" / "train" / "meta.json"))
+        if replayed is not None:
+            out[ROUTES_REPLAYED] = replayed[0]
         if rnd > 0:
             out["engine serves the installed version"] = (doc.get("served_version") or [None])[0]
             out[SENSITIVITY] = (doc.get("agreement_vs_previous") or {}).get("max_abs")

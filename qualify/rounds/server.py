@@ -28,6 +28,7 @@ import time
 from typing import IO, Any
 
 from qualify.errors import Refused
+from qualify.rollout.vllm_worker import result_of
 from qualify.rounds.acks import ack_problems
 from qualify.store import dumps_json
 
@@ -98,16 +99,21 @@ class Engine:
                                  detokenize=False, stop_token_ids=stop)
                   for seed in req["seeds"]]
         started = time.monotonic()
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in req["prompts"]], params,
-                                    use_tqdm=False)
-        results = []
-        for out in outputs:
-            c = out.outputs[0]
-            results.append({"prompt": list(out.prompt_token_ids), "tokens": list(c.token_ids),
-                            "logprobs": [step[tok].logprob for step, tok in zip(c.logprobs, c.token_ids)],
-                            "num_cached_tokens": int(out.num_cached_tokens or 0), "finish_reason": c.finish_reason})
+        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in req["prompts"]]
+        routed = {}
+        if req.get("routes"):  # a MoE actor's rollout: every fed token's experts, one request at a time
+            from qualify.errors import QualifyError
+            from qualify.rollout.vllm_worker import generate_with_routes
+
+            try:
+                results, layers = generate_with_routes(self.llm, prompts, params)
+            except QualifyError as exc:  # a request whose routes are incomplete (a prefix-cache hit feeds fewer)
+                raise Refused("routes", f"generate with routes refused: {exc}") from exc
+            routed = {"routes_layers": layers}
+        else:
+            results = [result_of(out) for out in self.llm.generate(prompts, params, use_tqdm=False)]
         return {"version": self.version, "cache_reset_since_install": self.cache_reset, "results": results,
-                "seconds": round(time.monotonic() - started, 3)}
+                "seconds": round(time.monotonic() - started, 3), **routed}
 
     def install(self, req: dict[str, Any]) -> dict[str, Any]:
         version = req["version"]

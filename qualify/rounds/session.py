@@ -73,6 +73,8 @@ class Session:
         self.engine: RolloutEngine | None = None
         self.expected_cache: dict[int, list[dict[str, str]]] = {}
         self.hf_model: tuple[int | None, Any] = (None, None)  # the last version's HF model, reused
+        # a MoE actor's rollouts record their routes, as the reference's capture does: a round trains on them
+        self.routed = self.config.get("model_type") == "qwen3_moe"
 
     # engine ---------------------------------------------------------------------------------
     def expected(self, version: Version) -> list[dict[str, str]]:
@@ -127,8 +129,12 @@ class Session:
                           "fault": ack_fault})
         return record | {"cache_reset": reset}
 
-    def generate(self, prompts: list[list[int]], seeds: list[int]) -> dict[str, Any]:
-        return self.engine.call({"cmd": "generate", "prompts": prompts, "seeds": seeds, "sampling": self.sampling})
+    def generate(self, prompts: list[list[int]], seeds: list[int], rollout: bool = False) -> dict[str, Any]:
+        """Sample prompts at the served version; rollout (a request whose rows a round trains on, on a cold cache):
+        with a MoE actor, each result also holds its routes (qualify.rollout.routes)."""
+        routes = {"routes": True} if rollout and self.routed else {}
+        return self.engine.call({"cmd": "generate", "prompts": prompts, "seeds": seeds, "sampling": self.sampling,
+                                 **routes})
 
     def refused_kind(self, req: dict[str, Any]) -> str | None:
         """The kind of refusal of req (None: it was accepted)."""

@@ -74,9 +74,14 @@ def frozen_digests(base: Base, targets_file: Path | None, captured: Path | None 
     return out
 
 
-def write_rollout(out: Path, results: list[dict[str, Any]], info: dict[str, Any]) -> str:
-    """Seal a round's rollout in the reference's rollout format; return its digest."""
-    return write_tensor_stage(out, ROLLOUT_FILE, rollout_tensors(results), "rollout.json", info | {
+def write_rollout(out: Path, results: list[dict[str, Any]], info: dict[str, Any],
+                  routes_layers: list[int] | None = None) -> str:
+    """Seal a round's rollout in the reference's rollout format (a MoE actor's with its routes, routes_layers its
+    MoE layer ids); return its digest."""
+    from qualify.rollout.routes import SOURCE
+
+    routes = {} if routes_layers is None else {"routes": {"source": SOURCE, "moe_layers": routes_layers}}
+    return write_tensor_stage(out, ROLLOUT_FILE, rollout_tensors(results), "rollout.json", info | routes | {
         "logprobs_mode": "processed_logprobs", "finish_reasons": [r["finish_reason"] for r in results]})
 
 
@@ -114,9 +119,10 @@ def round_zero(s: Session, v0: Version, rdir: Path) -> tuple[Path, str]:
     """Round 0: the cache behaves, the engine serves v0 as HF computes it; returns the rollout to train on."""
     first = s.generate(s.cache_prompts, s.cache_seeds)
     if s.base.rollout_dir is None:  # no reference: round 0 captures its rollout with this engine
-        captured = s.generate(s.prompts, s.seeds)
+        captured = s.generate(s.prompts, s.seeds, rollout=True)
         s.base.control = s.agreement(v0, captured["results"])["max_abs"]
-        digest = write_rollout(rdir / "rollout", captured["results"], {"version": 0, "vllm_tp": s.tp})
+        digest = write_rollout(rdir / "rollout", captured["results"], {"version": 0, "vllm_tp": s.tp},
+                               captured.get("routes_layers"))
         rollout_dir = rdir / "rollout"
         s.made["round-0 rollout"] = digest
     else:
@@ -131,14 +137,15 @@ def round_zero(s: Session, v0: Version, rdir: Path) -> tuple[Path, str]:
 
 def later_round(s: Session, version: Version, prev: Version, rdir: Path) -> tuple[Path, str]:
     """Round r >= 1: the first request after the install rolls out with v(r), cold; then the replay."""
-    first = s.generate(s.prompts + s.cache_prompts, s.seeds + s.cache_seeds)
+    first = s.generate(s.prompts + s.cache_prompts, s.seeds + s.cache_seeds, rollout=True)
     rnd = version.number
     s.add(checks.equal_row("engine serves the installed version", rnd, first["version"], rnd))
     stats = s.agreement(version, first["results"], rdir / "agreement.safetensors")
     s.add(checks.agreement_row("rollout logprobs agree with HF", rnd, stats, s.base.bound, rnd))
     stale = s.agreement(prev, first["results"])
     s.add(checks.sensitivity_row(rnd, stale, s.base.bound, rnd, prev.number))
-    digest = write_rollout(rdir / "rollout", first["results"][:len(s.prompts)], {"version": rnd, "vllm_tp": s.tp})
+    digest = write_rollout(rdir / "rollout", first["results"][:len(s.prompts)], {"version": rnd, "vllm_tp": s.tp},
+                           first.get("routes_layers"))
     evidence = {"version": rnd, "rollout_digest": digest, "agreement": stats, "agreement_vs_previous": stale,
                 **cache_rows(s, rnd, version, first, f"rollout and cache prompts, first request at v{rnd}")}
     write_json(rdir / "round.json", evidence)
@@ -152,6 +159,9 @@ def train_and_install(s: Session, opts: RoundsOptions, version: Version, rollout
         step = train_step(s.settings, engine=opts.engine, tp=opts.train_tp, model_dir=version.path,
                           rollout_dir=rollout[0], rollout_digest=rollout[1], targets_dir=targets[0],
                           targets_digest=targets[1], out=rdir / "train", vocab_size=s.vocab)
+    replayed = checks.routes_replayed(read_json(rdir / "train" / "meta.json"))
+    if replayed is not None:  # the round's own routes, not an earlier round's (captured before the weight sync)
+        s.add(checks.equal_row(checks.ROUTES_REPLAYED, version.number, replayed[0], 0, replayed[1]))
     new = write_version(version, step["updates"], s.out / "versions" / f"v{version.number + 1}",
                         {"trained_by": step["case"], "loss": step["loss"], "grad_norm": step["grad_norm"]})
     with s.log.step(f"install v{new.number} on {s.tp} vLLM rank(s)"):
