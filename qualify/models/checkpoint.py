@@ -53,6 +53,27 @@ def initial_parameters(model_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+_FUSED = re.compile(r"(?P<prefix>.+\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)")
+
+
+def checkpoint_layout(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """initial_parameters' inverse: tensors named and laid out as the model's parameters (a Qwen3-MoE layer's fused
+    gate_up_proj and down_proj) under the checkpoint's names, each expert's projections on their own (slices, exact)."""
+    out = {}
+    for name, tensor in params.items():
+        m = _FUSED.fullmatch(name)
+        if m is None:
+            out[name] = tensor
+        elif m["proj"] == "down_proj":
+            out.update({f"{m['prefix']}.{e}.down_proj.weight": t for e, t in enumerate(tensor)})
+        else:
+            width = tensor.shape[1] // 2
+            for e, t in enumerate(tensor):
+                out[f"{m['prefix']}.{e}.gate_proj.weight"] = t[:width]
+                out[f"{m['prefix']}.{e}.up_proj.weight"] = t[width:]
+    return out
+
+
 def quiet_transformers() -> None:
     """No per-load progress bars from transformers (stage progress is qualify's own)."""
     from transformers.utils import logging

@@ -22,6 +22,7 @@ from qualify.matrix import ROUNDS_PROBES
 from qualify.rounds import checks
 from qualify.rounds.client import Refused
 from qualify.rounds.session import InstallRejected, Session
+from qualify.rounds.shards import moe_layers
 from qualify.rounds.weights import Version
 from qualify.store import write_json
 from qualify.verdict import fact
@@ -29,10 +30,15 @@ from qualify.verdict import fact
 PROBES = ROUNDS_PROBES
 
 
-def corrupt_target(version: Version) -> str:
-    """A sharded tensor to corrupt: the last layer's down_proj (row-parallel, every rank holds a block)."""
-    layers = version.config["num_hidden_layers"]
-    return f"model.layers.{layers - 1}.mlp.down_proj.weight"
+def corrupt_target(version: Version) -> tuple[str, str]:
+    """A sharded tensor to corrupt, (its checkpoint name, the name of the vLLM tensor that holds it): the last
+    layer's down_proj (row-parallel, every rank holds a block); in a MoE layer, expert 0's down_proj (held in the
+    fused experts' w2)."""
+    config = version.config
+    last = config["num_hidden_layers"] - 1
+    if last in moe_layers(config):
+        return f"model.layers.{last}.mlp.experts.0.down_proj.weight", f"model.layers.{last}.mlp.experts.w2_weight"
+    return (f"model.layers.{last}.mlp.down_proj.weight",) * 2
 
 
 def record(s: Session, name: str, outcome: dict[str, Any]) -> dict[str, Any]:
@@ -129,8 +135,8 @@ def failure_probes(s: Session, versions: list[Version], selected: tuple[str, ...
     """The selected probes that fail an installation, each on an engine rebuilt at v0."""
     v0, v1 = versions[0], versions[1]
     last = s.tp - 1
-    target = corrupt_target(v1)
-    plan = {"wrong-shard": ({"corrupt_rank": last, "corrupt_tensor": target}, f"rank {last}: {target} holds"),
+    target, held = corrupt_target(v1)
+    plan = {"wrong-shard": ({"corrupt_rank": last, "corrupt_tensor": target}, f"rank {last}: {held} holds"),
             "missing-ack": ({"silent_rank": last}, f"rank {last}: no acknowledgment"),
             "duplicate-ack": ({"duplicate_rank": 0}, "rank 0: 2 acknowledgments")}
     for name, (fault, mention) in plan.items():

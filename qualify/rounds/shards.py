@@ -11,6 +11,12 @@ the file the rank was told to load). vLLM's layout of Qwen3 at TP degree tp, ran
   embed_tokens, lm_head  vocab padded to a multiple of 64 and split in equal row blocks; a rank's
                rows past the real vocabulary are zero; a tied lm_head holds the embedding's rows
   norms (input_layernorm, post_attention_layernorm, q_norm, k_norm, model.norm) replicated.
+Qwen3-MoE (Qwen3MoeForCausalLM) is the same but for its MoE layers' MLP (every layer but mlp_only_layers, at
+decoder_sparse_step), sharded over TP (no expert parallelism: every rank holds every expert):
+  mlp.gate             the router, replicated
+  mlp.experts.w13_weight  (experts, 2 I/tp, hidden): per expert gate rows [r*I/tp, (r+1)*I/tp), then up, same rows
+  mlp.experts.w2_weight   (experts, hidden, I/tp): per expert the down columns [r*I/tp, (r+1)*I/tp)
+  (I the moe_intermediate_size; qualify.rounds.vllm_ext reports vLLM's fused experts under these names).
 The happy path checks this function against what vLLM actually holds, rank by rank.
 """
 
@@ -27,9 +33,9 @@ from qualify.rounds.digests import tensor_digest
 VOCAB_PADDING = 64  # vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
 REPLICATED = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
               "self_attn.k_norm.weight")
-LAYER_TENSORS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-                 *REPLICATED)
+ATTENTION = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight")
+DENSE_MLP = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def _divide(a: int, b: int, what: str) -> int:
@@ -53,6 +59,32 @@ def _vocab_rows(t: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
     return block
 
 
+def moe_layers(config: Mapping[str, Any]) -> list[int]:
+    """The layers whose MLP is a mixture of experts (transformers' Qwen3MoeDecoderLayer rule); none for dense Qwen3."""
+    if config.get("architectures") != ["Qwen3MoeForCausalLM"]:
+        return []
+    dense, step = set(config.get("mlp_only_layers") or ()), config.get("decoder_sparse_step", 1)
+    return [i for i in range(config["num_hidden_layers"]) if i not in dense and step > 0 and (i + 1) % step == 0]
+
+
+def _expert_shards(w: Mapping[str, torch.Tensor], config: Mapping[str, Any], rank: int,
+                   tp: int) -> tuple[list[str], Iterator[tuple[str, torch.Tensor]]]:
+    """(HF names used, (vLLM name, tensor)) of one MoE layer's router and experts on rank `rank` (names relative)."""
+    experts = config.get("num_experts", config.get("num_local_experts"))
+    width = _divide(config["moe_intermediate_size"], tp, "the experts' MLP width")
+    names = ["mlp.gate.weight"] + [f"mlp.experts.{e}.{n}_proj.weight" for e in range(experts)
+                                   for n in ("gate", "up", "down")]
+
+    def shards() -> Iterator[tuple[str, torch.Tensor]]:
+        yield "mlp.gate.weight", w["mlp.gate.weight"]
+        yield "mlp.experts.w13_weight", torch.stack([
+            torch.cat([_rows(w[f"mlp.experts.{e}.gate_proj.weight"], rank, width),
+                       _rows(w[f"mlp.experts.{e}.up_proj.weight"], rank, width)]) for e in range(experts)])
+        yield "mlp.experts.w2_weight", torch.stack([
+            _rows(w[f"mlp.experts.{e}.down_proj.weight"].t(), rank, width).t() for e in range(experts)])
+    return names, shards()
+
+
 def rank_shards(hf: Mapping[str, torch.Tensor], config: Mapping[str, Any], rank: int,
                 tp: int) -> Iterator[tuple[str, torch.Tensor]]:
     """(vLLM name, tensor) of everything rank `rank` of TP `tp` holds, in the HF tensors' dtype."""
@@ -63,19 +95,26 @@ def rank_shards(hf: Mapping[str, torch.Tensor], config: Mapping[str, Any], rank:
         kv_rows, kv_shard = head_dim, rank // _divide(tp, kv_heads, "the replicated kv heads")
     else:
         kv_rows, kv_shard = _divide(kv_heads, tp, "the kv heads") * head_dim, rank
-    ffn = _divide(config["intermediate_size"], tp, "the MLP width")
+    moe = set(moe_layers(config))
+    ffn = None if len(moe) == config["num_hidden_layers"] else _divide(config["intermediate_size"], tp, "the MLP width")
     used = set()
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         w = {k.removeprefix(p): v for k, v in hf.items() if k.startswith(p)}
-        used.update(p + k for k in LAYER_TENSORS)
+        used.update(p + k for k in ATTENTION + REPLICATED)
         yield p + "self_attn.qkv_proj.weight", torch.cat([_rows(w["self_attn.q_proj.weight"], rank, q_rows),
                                                           _rows(w["self_attn.k_proj.weight"], kv_shard, kv_rows),
                                                           _rows(w["self_attn.v_proj.weight"], kv_shard, kv_rows)])
         yield p + "self_attn.o_proj.weight", _rows(w["self_attn.o_proj.weight"].t(), rank, q_rows).t()
-        yield p + "mlp.gate_up_proj.weight", torch.cat([_rows(w["mlp.gate_proj.weight"], rank, ffn),
-                                                        _rows(w["mlp.up_proj.weight"], rank, ffn)])
-        yield p + "mlp.down_proj.weight", _rows(w["mlp.down_proj.weight"].t(), rank, ffn).t()
+        if i in moe:
+            names, shards = _expert_shards(w, config, rank, tp)
+            used.update(p + k for k in names)
+            yield from ((p + name, t) for name, t in shards)
+        else:
+            used.update(p + k for k in DENSE_MLP)
+            yield p + "mlp.gate_up_proj.weight", torch.cat([_rows(w["mlp.gate_proj.weight"], rank, ffn),
+                                                            _rows(w["mlp.up_proj.weight"], rank, ffn)])
+            yield p + "mlp.down_proj.weight", _rows(w["mlp.down_proj.weight"].t(), rank, ffn).t()
         for name in REPLICATED:
             yield p + name, w[name]
     yield "model.embed_tokens.weight", _vocab_rows(hf["model.embed_tokens.weight"], rank, tp)
@@ -94,6 +133,7 @@ def rank_shards(hf: Mapping[str, torch.Tensor], config: Mapping[str, Any], rank:
 def expected_shard_digests(hf: Mapping[str, torch.Tensor], config: Mapping[str, Any], tp: int,
                            dtype: torch.dtype) -> list[dict[str, str]]:
     """Per rank: vLLM name -> digest of the shard that rank must hold, cast to vLLM's dtype."""
-    if config.get("architectures", ["Qwen3ForCausalLM"]) != ["Qwen3ForCausalLM"]:
-        raise QualifyError(f"rounds knows vLLM's layout of Qwen3ForCausalLM only, not {config.get('architectures')}")
+    found = config.get("architectures", ["Qwen3ForCausalLM"])
+    if len(found) != 1 or found[0] not in ARCHITECTURES:
+        raise QualifyError(f"rounds knows vLLM's layout of {' and '.join(ARCHITECTURES)} only, not {found}")
     return [{name: tensor_digest(t.to(dtype)) for name, t in rank_shards(hf, config, rank, tp)} for rank in range(tp)]

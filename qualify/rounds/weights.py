@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from qualify.errors import EvidenceError
-from qualify.models.checkpoint import checkpoint_tensors
+from qualify.models.checkpoint import checkpoint_layout, checkpoint_tensors
 from qualify.rounds.digests import digests_of, version_digest
 from qualify.stages import complete_stage, prepare_stage, require_complete
 from qualify.store import read_json, write_json, write_tensors
@@ -67,8 +67,9 @@ def apply_update(prev: Version, updates: dict[str, torch.Tensor]) -> dict[str, t
 
 
 def write_version(prev: Version, updates: dict[str, torch.Tensor], out: Path, info: dict[str, Any]) -> Version:
-    """Make and seal version prev.number + 1 in out (an HF checkpoint directory)."""
-    tensors = apply_update(prev, updates)
+    """Make and seal version prev.number + 1 in out (an HF checkpoint directory). updates are named as the model's
+    parameters (a MoE layer's fused experts): they are applied to the checkpoint's tensors of the same elements."""
+    tensors = apply_update(prev, checkpoint_layout(updates))
     prepare_stage(out)
     write_tensors(out / WEIGHTS_FILE, tensors)
     for name in CONFIG_FILES:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 import yaml
 
 from qualify.matrix import load_matrix
+from qualify.store import read_json
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -114,3 +116,30 @@ def bf16_temperature_problems(verdict: dict) -> list[str]:
         if not rows or any(r["note"] == "not measured" for r in rows):
             out.append(f"{bf16}: logprobs not judged in {family}: {rows}")
     return out
+
+
+def copy_run(frozen_run, dst):
+    """A new run holding frozen_run's reference and acceptance (for a rounds run of its own)."""
+    for part in ("reference", "acceptance"):
+        shutil.copytree(frozen_run / part, dst / part)
+    return dst
+
+
+def forged_copy(run, tmp_path, edit, tp: int = 1):
+    """A copy of the rounds run (vLLM TP tp) with edit(rounds_dir, verdict) applied and the stage sealed again over it (what a
+    writer who recomputes the completion marker's sha256 list does); the report's verification of the copy."""
+    from qualify.layout import RunLayout
+    from qualify.report import load_docs
+    from qualify.report_verify import verify_run
+    from qualify.stages import complete_stage, stage_info
+    from qualify.store import write_json
+
+    copy = tmp_path / "forged"
+    shutil.copytree(run, copy)
+    out = RunLayout(copy).rounds_dir(tp)
+    verdict = read_json(out / "verdict.json")
+    edit(out, verdict)
+    write_json(out / "verdict.json", verdict)
+    complete_stage(out, stage_info(out) | {"passed": verdict["passed"]})
+    docs = load_docs(copy)
+    return verify_run(docs.layout, docs.reference, docs.acceptance, docs.verdict, docs.rounds).problems

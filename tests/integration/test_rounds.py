@@ -8,24 +8,17 @@ agreement check must fail against the previous version, a one-ulp shard must fai
 
 from __future__ import annotations
 
-import shutil
 import time
 
 import pytest
 
 from qualify.rounds.stage import RoundsOptions, run_rounds
 from qualify.store import read_json
-from tests.integration._support import probe_problems
+from tests.integration._support import copy_run, forged_copy, probe_problems
 
 pytestmark = pytest.mark.vllm
 
 PROBES = ("stale-reinstall-v0", "stale-skip-to-v2", "wrong-shard", "missing-ack", "duplicate-ack", "warm-cache")
-
-
-def copy_run(frozen_run, dst):
-    for part in ("reference", "acceptance"):
-        shutil.copytree(frozen_run / part, dst / part)
-    return dst
 
 
 @pytest.fixture(scope="module")
@@ -135,26 +128,6 @@ def test_tp2_install_is_verified_on_both_ranks_after_a_deepspeed_step(frozen_run
     assert install["acks"][0]["holds"] != install["acks"][1]["holds"], "each rank holds its own shard"
     assert read_json(out / "versions" / "v1" / "version.json")["trained_by"] == "deepspeed-fp32-tp1-actor"
     assert set(read_json(out / "round-1" / "round.json")["first_cached_tokens"]) == {0}
-
-
-def forged_copy(run, tmp_path, edit):
-    """A copy of the rounds run with edit(rounds_dir, verdict) applied and the stage sealed again over it (what a
-    writer who recomputes the completion marker's sha256 list does); the report's verification of the copy."""
-    from qualify.layout import RunLayout
-    from qualify.report import load_docs
-    from qualify.report_verify import verify_run
-    from qualify.stages import complete_stage, stage_info
-    from qualify.store import write_json
-
-    copy = tmp_path / "forged"
-    shutil.copytree(run, copy)
-    out = RunLayout(copy).rounds_dir(1)
-    verdict = read_json(out / "verdict.json")
-    edit(out, verdict)
-    write_json(out / "verdict.json", verdict)
-    complete_stage(out, stage_info(out) | {"passed": verdict["passed"]})
-    docs = load_docs(copy)
-    return verify_run(docs.layout, docs.reference, docs.acceptance, docs.verdict, docs.rounds).problems
 
 
 def _set(verdict, check, **fields):

@@ -68,6 +68,24 @@ def test_initial_parameters_are_the_loaded_models_parameters_by_name(tmp_path, a
     assert stored["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 32, SPEC.hidden_size)
 
 
+def test_checkpoint_layout_gives_back_the_checkpoints_own_tensors(tmp_path, actor):
+    """A rounds version is the checkpoint plus the trainer's update, which is named as the model's parameters:
+    checkpoint_layout undoes initial_parameters' fusing exactly, name for name (transformers' saved file is the
+    independent side)."""
+    from qualify.models.checkpoint import checkpoint_layout, checkpoint_tensors
+
+    actor.save_pretrained(tmp_path, safe_serialization=True)
+    saved = checkpoint_tensors(tmp_path)
+    back = checkpoint_layout(initial_parameters(tmp_path))
+    assert sorted(back) == sorted(saved) and all(torch.equal(back[n], saved[n]) for n in saved)
+    swapped = initial_parameters(tmp_path)  # negative control: gate and up halves exchanged
+    fused = swapped["model.layers.0.mlp.experts.gate_up_proj"]
+    swapped["model.layers.0.mlp.experts.gate_up_proj"] = fused.roll(fused.shape[1] // 2, dims=1)
+    wrong = checkpoint_layout(swapped)
+    assert not torch.equal(wrong["model.layers.0.mlp.experts.0.gate_proj.weight"],
+                           saved["model.layers.0.mlp.experts.0.gate_proj.weight"])
+
+
 def test_initial_parameters_refuse_an_expert_without_one_of_its_projections(tmp_path, actor):
     from safetensors.torch import load_file, save_file
 

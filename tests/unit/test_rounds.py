@@ -58,6 +58,34 @@ def test_shards_match_a_head_by_head_layout(tp):
         assert torch.equal(shards["model.norm.weight"], hf["model.norm.weight"])
 
 
+MOE_CONFIG = CONFIG | {"architectures": ["Qwen3MoeForCausalLM"], "num_local_experts": 3, "moe_intermediate_size": 8,
+                       "decoder_sparse_step": 1, "mlp_only_layers": [0]}
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_a_moe_layers_router_is_replicated_and_each_expert_sharded_like_a_dense_mlp(tp):
+    """Layer 0 dense (mlp_only_layers), layer 1 MoE: its fused w13 holds, expert by expert, the rank's gate rows then
+    the same up rows; w2 the same columns of down; the router whole on every rank."""
+    g = torch.Generator().manual_seed(1)
+    hf = {k: t for k, t in hf_tensors().items() if not k.startswith("model.layers.1.mlp.")}
+    hf["model.layers.1.mlp.gate.weight"] = torch.randn(3, 16, generator=g)
+    for e in range(3):
+        for proj, shape in (("gate", (8, 16)), ("up", (8, 16)), ("down", (16, 8))):
+            hf[f"model.layers.1.mlp.experts.{e}.{proj}_proj.weight"] = torch.randn(shape, generator=g)
+    for rank in range(tp):
+        shards = dict(rank_shards(hf, MOE_CONFIG, rank, tp))
+        rows = slice(rank * 8 // tp, (rank + 1) * 8 // tp)
+        expert = lambda e, proj: hf[f"model.layers.1.mlp.experts.{e}.{proj}_proj.weight"]
+        for e in range(3):
+            assert torch.equal(shards["model.layers.1.mlp.experts.w13_weight"][e],
+                               torch.cat([expert(e, "gate")[rows], expert(e, "up")[rows]]))
+            assert torch.equal(shards["model.layers.1.mlp.experts.w2_weight"][e], expert(e, "down")[:, rows])
+        assert torch.equal(shards["model.layers.1.mlp.gate.weight"], hf["model.layers.1.mlp.gate.weight"])
+        assert "model.layers.0.mlp.gate_up_proj.weight" in shards and "model.layers.1.mlp.gate_up_proj.weight" not in shards
+    with pytest.raises(QualifyError, match="no known vLLM Qwen3 layout"):  # an expert past num_local_experts
+        list(rank_shards(hf | {"model.layers.1.mlp.experts.3.up_proj.weight": torch.zeros(8, 16)}, MOE_CONFIG, 0, 1))
+
+
 def test_vocab_is_padded_to_64_and_split_with_zero_rows():
     hf = hf_tensors()  # vocab 100 -> padded 128
     r0, r1 = (dict(rank_shards(hf, CONFIG, r, 2))["lm_head.weight"] for r in (0, 1))
@@ -70,7 +98,7 @@ def test_vocab_is_padded_to_64_and_split_with_zero_rows():
 def test_unknown_tensors_and_architectures_are_refused():
     with pytest.raises(QualifyError, match="no known vLLM Qwen3 layout"):
         list(rank_shards(hf_tensors() | {"model.layers.0.self_attn.q_proj.bias": torch.zeros(32)}, CONFIG, 0, 1))
-    with pytest.raises(QualifyError, match="Qwen3ForCausalLM only"):
+    with pytest.raises(QualifyError, match="Qwen3ForCausalLM and Qwen3MoeForCausalLM only"):
         expected_shard_digests(hf_tensors(), CONFIG | {"architectures": ["LlamaForCausalLM"]}, 1, torch.float32)
     with pytest.raises(QualifyError, match="cannot shard"):
         list(rank_shards(hf_tensors(), CONFIG, 0, 3))
