@@ -256,12 +256,14 @@ def rejudge_problems(layout: RunLayout, reference: dict[str, Any], acceptance: d
     from qualify.matrix import Case, Matrix
     from qualify.models.checkpoint import initial_parameters
     from qualify.reference.context import ScoringContext
+    from qualify.resident import Resident
     from qualify.schema import from_dict
 
     matrix = from_dict(Matrix, reference["matrix"], str(layout.reference_summary))
     ctx = ScoringContext.of(matrix, layout, reference["rollout_digest"], reference["targets_digest"])
     bounds, models = load_bounds(layout, acceptance), ctx.models
     befores: dict[str, Any] = {}
+    resident = Resident()  # the r0 runs and fp64 starts every case is judged against, on the metrics GPU once
     problems = []
     for name in names:
         parts = CASE_NAME.match(name)
@@ -271,8 +273,8 @@ def rejudge_problems(layout: RunLayout, reference: dict[str, Any], acceptance: d
         if case.role not in befores:
             befores[case.role] = initial_parameters(models[case.role])
         try:
-            judged = [r.to_json() for r in judge_case(ctx, case, bounds, befores[case.role],
-                                                      frozenset(names))]  # sealed_problems verified every named case
+            judged = [r.to_json() for r in judge_case(ctx, case, bounds, befores[case.role], frozenset(names),
+                                                      resident=resident)]  # sealed_problems verified each named case
         except EvidenceError as exc:  # a replay the judge reads is not sealed: nothing is computed here
             problems.append(f"{name}: cannot be judged again: {exc}")
             continue

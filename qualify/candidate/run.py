@@ -42,6 +42,7 @@ from qualify.layout import RunLayout, launch_log, work_dir
 from qualify.matrix import Candidates, Case, Matrix
 from qualify.models.checkpoint import initial_parameters
 from qualify.reference.context import ScoringContext
+from qualify.resident import Resident
 from qualify.stagelog import StageLog
 from qualify.stages import stage_info, stage_is_complete
 from qualify.store import read_json, write_json
@@ -192,8 +193,10 @@ def judged_reads(ctx: ScoringContext, case: Case, inputs: StepInputs, verified: 
 
 
 def judge_or_reuse(ctx: ScoringContext, case: Case, bounds: dict, before: dict, verified: frozenset[str],
-                   inputs: StepInputs, acceptance_digest: str, log: StageLog) -> list[Row]:
-    """judge_case, or the rows it gave before on the same evidence (qualify.candidate.judged), then kept."""
+                   inputs: StepInputs, acceptance_digest: str, log: StageLog,
+                   resident: Resident | None = None) -> list[Row]:
+    """judge_case, or the rows it gave before on the same evidence (qualify.candidate.judged), then kept (resident:
+    as judge_case's)."""
     from qualify.candidate.judged import judged_key, load_judged, save_judged
 
     layout = ctx.layout
@@ -206,30 +209,35 @@ def judge_or_reuse(ctx: ScoringContext, case: Case, bounds: dict, before: dict, 
                  f"{layout.case(case.name).name}.work/judged.json)")
         return rows
     with log.step(f"judge {case.name}"):
-        rows = judge_case(ctx, case, bounds, before, verified, inputs)
+        rows = judge_case(ctx, case, bounds, before, verified, inputs, resident)
     save_judged(layout.case(case.name), key, rows)
     return rows
 
 
 def judge_case(ctx: ScoringContext, case: Case, bounds: dict, before: dict, verified: frozenset[str] = frozenset(),
-               inputs: StepInputs | None = None) -> list[Row]:
+               inputs: StepInputs | None = None, resident: Resident | None = None) -> list[Row]:
     """Every step of a case against the reference's families, its evidence checks, and TPn against TP1 (verified
     names cases whose seal this process has checked since they were last written: not hashed again).
 
     Clip decisions are judged as decisions (qualify.candidate.decided): where the case decided a token otherwise
-    than the reference, its tensors are compared with the reference replayed on its decisions."""
+    than the reference, its tensors are compared with the reference replayed on its decisions. resident: the
+    stage's copies on the metrics GPU (qualify.resident; one made here when not given): the case's run is moved there
+    once for every comparison and derivation, each r0 and each role's fp64 start once for the stage."""
+    resident = resident or Resident()
     layout, objective = ctx.layout, ctx.objective
-    cand = load_steps(layout.case(case.name))
-    starts = params_before_steps(cand, before)
+    cand = resident.transient(load_steps(layout.case(case.name)))
+    starts = params_before_steps(cand, resident.start(case.role, before))
     inputs = inputs or ctx.inputs()
     formula, truncates = declared_formula(cand[0].meta)  # its logprobs are judged against the reference's formula
     rows, own_ref = [], None
     for family, ref_run in case_families(case):
         precision, control = ref_run.split("-", 1)
-        ref, fam = load_steps(layout.scores(precision, control, case.role)), bounds[(case.role, family)]
-        own_ref = ref if own_ref is None else own_ref  # the case's own precision's r0 comes first
+        ref_dir = layout.scores(precision, control, case.role)
+        r0, fam = resident.base(ref_dir, load_steps(ref_dir)), bounds[(case.role, family)]
+        own_ref = r0 if own_ref is None else own_ref  # the case's own precision's r0 comes first
         comparison = f"vs ref {ref_run} [{family}]"
-        ref, decided = aligned_reference(ctx, inputs, case.name, case.role, comparison, precision, cand, ref, fam)
+        ref, decided = aligned_reference(ctx, inputs, case.name, case.role, comparison, precision, cand, r0, fam)
+        ref = ref if ref is r0 else resident.transient(ref)  # r0 replayed on the case's decisions: this case's alone
         judged = judge_steps(case.name, case.role, comparison, cand, formula_steps(ref, formula, truncates),
                              formula_bounds(fam, formula, truncates), starts, objective.optimizer, family=family)
         rows += explain_formula(judged, cand, ref, fam, formula) + decided
@@ -247,7 +255,7 @@ def judge_case(ctx: ScoringContext, case: Case, bounds: dict, before: dict, veri
     for axis, base in invariance_bases(case):
         if not (base.name in verified or stage_is_complete(layout.case(base.name))):
             continue
-        base_steps = load_steps(layout.case(base.name))
+        base_steps = resident.transient(load_steps(layout.case(base.name)))
         comparison = f"vs {axis} [{case.precision}-repeat]"
         fam = formula_bounds(bounds[(case.role, f"{case.precision}-repeat")], formula, truncates)
         same, mine, theirs = comparable_steps(objective, case.role, cand, base_steps, inputs)
@@ -312,12 +320,14 @@ def run_candidates(matrix: Matrix, run_dir: Path, *, acceptance: Path | None = N
     for case in cases:
         if case.name not in errors:
             seal_replays(ctx, case, inputs, log)
+    resident = Resident()  # the r0 runs and fp64 starts every case is judged against, on the metrics GPU once
     for case in cases:
         if case.name in errors:
             rows.append(Row(case.name, case.role, "run", "case", "exit", 1.0, 0.0, False, errors[case.name],
                             rule="the case runs to completion and seals its evidence"))
         else:
-            rows += judge_or_reuse(ctx, case, bounds, befores[case.role], verified, inputs, doc["digest"], log)
+            rows += judge_or_reuse(ctx, case, bounds, befores[case.role], verified, inputs, doc["digest"], log,
+                                   resident)
     extra = case_platforms(layout, cases, doc.get("platform"))
     for case in cases:  # the invariance tier of every tensor of a TP > 1 or DP > 1 case
         invariance = case_invariance(layout, case, rows) if case.name not in errors else {}

@@ -31,6 +31,7 @@ def same_bits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
         return False
     if not a.numel():
         return True
+    b = b.to(a.device)  # either may be held on the metrics GPU (qualify.resident): bits are bits anywhere
     return bool((a.reshape(-1).contiguous().view(torch.uint8) == b.reshape(-1).contiguous().view(torch.uint8)).all())
 
 
@@ -62,7 +63,7 @@ def bitwise_rows(case: str, role: str, axis: str, cand: list[Any], base: list[An
                 x, y = getattr(c, group).get(name), getattr(b, group).get(name)
                 equal = same_bits(x, y)
                 value = 0.0 if equal else math.inf if x is None or y is None or x.shape != y.shape else \
-                    float((x.double() - y.double()).abs().max().nan_to_num(math.inf))
+                    float((x.double() - y.to(x.device).double()).abs().max().nan_to_num(math.inf))
                 rows.append(Row(case, role, f"vs {axis} [bitwise]", f"step{k}/{group}/{name}", "max_abs", value, 0.0,
                                 equal, note="" if equal else "not bitwise (signed zeros or NaN bits if max_abs is 0)",
                                 step=k, rule=BITWISE_RULE.format(axis=axis), family="bitwise"))

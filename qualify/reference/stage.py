@@ -155,7 +155,7 @@ class Scoring:
         self.targets = load_targets(ctx.layout, ctx.targets_digest)
         self.vocab = model_config(ctx.models["actor"])["vocab_size"]
         self.verified: set[Path] = set()  # r0 directories whose seal this stage has checked (qualify.stages)
-        from qualify.reference.resident import Resident
+        from qualify.resident import Resident
 
         self.resident = Resident()  # what the records measure again and again, on the metrics GPU when it fits
 

@@ -24,7 +24,7 @@ from qualify.errors import EvidenceError
 from qualify.layout import RunLayout
 from qualify.reference.context import ScoringContext
 from qualify.reference.inputs import StepInputs
-from qualify.reference.resident import Resident
+from qualify.resident import Resident, meminfo
 from qualify.stages import complete_stage, prepare_stage, stage_is_complete
 from qualify.store import tree_bytes, write_json, write_tensors
 
@@ -98,12 +98,7 @@ def replay_fits(ctx: ScoringContext, role: str, steps: int) -> bool:
     control's replay is held in memory beside the control's own run, not written to scratch and read back (at the
     Qwen3-0.6B shape 9.5 GB a replay, 16 bytes per parameter per step)."""
     need = 4 * steps * tree_bytes(ctx.models[role])  # gradients, update and two moments in fp32, per step
-    try:
-        with open("/proc/meminfo") as f:
-            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return False
-    return 2 * need <= available
+    return 2 * need <= meminfo("MemAvailable")
 
 
 def control_record(ctx: ScoringContext, role: str, run_name: str, result: dict[str, Any], controls: list[str],
@@ -112,7 +107,7 @@ def control_record(ctx: ScoringContext, role: str, run_name: str, result: dict[s
     """The record of control run_name ('<precision>-<control>') of role: per family it belongs to, each step's
     pair_record against the run it is compared with, and its layer metrics against the family's r0; with base (an
     r0 kept lean), also what freeze needs of its updates and moments (qualify.bounds.control_error.base_record).
-    resident: the stage's copies on the metrics GPU (qualify.reference.resident; one made here when not given)."""
+    resident: the stage's copies on the metrics GPU (qualify.resident; one made here when not given)."""
     resident = resident or Resident()
     host_steps = in_memory_steps(result)
     steps = resident.transient(host_steps)  # measured against every family and replayed: moved to the GPU once

@@ -1,6 +1,6 @@
-"""qualify.reference.resident on a GPU: records made from copies held on the metrics GPU are the records made by
-moving each tensor per comparison. Needs CUDA, not vLLM (the reference scores the committed rollout), so it runs on a
-GPU host without vLLM."""
+"""qualify.resident on a GPU: records made, and cases judged, from copies held on the metrics GPU are the records and
+rows made by moving each tensor per comparison. Needs CUDA, not vLLM (the reference scores the committed rollout), so
+it runs on a GPU host without vLLM."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import yaml
 from qualify.layout import RunLayout
 from qualify.store import read_json
 from tests.conftest import COMMITTED, TINY
+from tests.integration._support import matrix_with, plugins_importable  # noqa: F401  (autouse fixture)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the metrics GPU: resident copies need CUDA")
 
@@ -32,14 +33,14 @@ def full_run(tmp_path_factory):
 
 
 def test_records_made_from_resident_gpu_copies_are_the_records_made_per_tensor(full_run):
-    """qualify.reference.resident moves a control's tensors, the r0 it is compared with and its fp64 start to the
+    """qualify.resident moves a control's tensors, the r0 it is compared with and its fp64 start to the
     metrics GPU once; without it every comparison moves them again tensor by tensor. The records are the same number
     for number (the metrics run on the GPU either way)."""
     from qualify.matrix import load_matrix
     from qualify.models.checkpoint import initial_parameters
     from qualify.reference import summary
     from qualify.reference.context import ScoringContext
-    from qualify.reference.resident import Resident
+    from qualify.resident import Resident
 
     layout = RunLayout(full_run)
     ctx = ScoringContext.of(load_matrix(full_run.parent / "matrix.yaml"), layout)
@@ -61,3 +62,30 @@ def test_records_made_from_resident_gpu_copies_are_the_records_made_per_tensor(f
         want = summary.control_record(ctx, role, run_name, result, controls, before, resident=on_host)
         assert resident.kept, "nothing was kept on the GPU"
         assert json.dumps(got, sort_keys=True) == json.dumps(want, sort_keys=True)
+
+
+def test_rows_judged_from_resident_gpu_copies_are_the_rows_judged_per_tensor(run_copy):
+    """The candidate stage's judging with its Resident (the case's run, each r0 and the fp64 start on the GPU, moved
+    once) gives the rows of judging with none (every comparison moves its tensors itself): rtol=0, atol=0."""
+    from qualify.acceptance import Acceptance
+    from qualify.candidate.run import judge_case, run_candidates
+    from qualify.models.checkpoint import initial_parameters
+    from qualify.reference.context import ScoringContext
+    from qualify.resident import Resident
+
+    m = matrix_with(run_copy.parent, engines=["torch-tp"], precisions=["bf16"], tp=[1], roles=["actor", "critic"])
+    verdict = run_candidates(m, run_copy).to_json()
+    layout = RunLayout(run_copy)
+    ctx = ScoringContext.of(m, layout)
+    acc = Acceptance.load(layout.acceptance, layout.reference)
+    bounds = {key: fam["bounds"] for key, fam in acc.families.items()}
+    resident = Resident()
+    assert resident.device is not None and resident.device.type == "cuda"
+    for case in m.cases():
+        before = initial_parameters(ctx.models[case.role])
+        per_tensor = [json.dumps(r.to_json(), sort_keys=True)
+                      for r in judge_case(ctx, case, bounds, before, resident=Resident(None))]
+        assert per_tensor == [json.dumps(r, sort_keys=True) for r in verdict["rows"] if r["case"] == case.name]
+        assert [json.dumps(r.to_json(), sort_keys=True)
+                for r in judge_case(ctx, case, bounds, before, resident=resident)] == per_tensor, case.name
+    assert sorted(k[0] for k in resident.kept) == ["base"] * 4 + ["start"] * 2, sorted(resident.kept)

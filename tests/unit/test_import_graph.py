@@ -21,7 +21,7 @@ LAYERS = [  # top floor first: a package may import its own modules and any pack
     {"candidate", "freeze"},
     {"reference", "examples"},
     {"engines", "rollout", "acceptance"},
-    {"bounds", "models", "slurm", "case"},
+    {"bounds", "models", "slurm", "case", "resident"},
     {"matrix", "compare", "manifest", "stages", "memory"},
     {"ppo", "schema", "store", "hashing", "contract", "versions"},
     {"errors", "layout", "metrics", "hardware", "progress", "stagelog", "childlog", "verdict"},
