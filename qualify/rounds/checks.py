@@ -8,6 +8,7 @@ teacher-forced fp32 forward of the version the engine claims to serve, on respon
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -77,3 +78,34 @@ def routes_replayed(meta: Any) -> tuple[int, str] | None:
     return differ, (f"{differ} of {pairs} (token, MoE layer) pairs over {len(found)} step(s) not routed as the "
                     f"round's rollout routed them{first}")
 
+
+
+ROLLOUT_EXACT = "trainer's step-0 logprobs are the round's rollout's"
+EXACT_REPORTED = "reported, not judged (the trainer does not declare rollout_exact in the rollout's precision)"
+
+
+def rollout_exact(train_dir: Path, targets_dir: Path) -> tuple[int, str, str]:
+    """Seed 002's exact tier after a weight sync: the round's training step's step-0 logprobs against the logprobs
+    vLLM sampled the round's rollout with (its targets' old_logprobs_BT), bit for bit on every response token, from
+    the sealed step, targets and rollout: (tokens that differ, the rule: '== 0' where the trainer's spec declares
+    rollout_exact in the rollout's precision, else reported, a description)."""
+    from qualify.candidate.rollout_exact import mismatch
+    from qualify.compare import load_run
+    from qualify.rollout.capture import load_rollout
+    from qualify.store import read_json, read_tensors
+
+    spec = read_json(Path(train_dir) / "meta.json").get("case") or {}
+    judged = spec.get("rollout_exact") is True and spec.get("precision") == spec.get("rollout_dtype")
+    own = load_run(Path(train_dir), 0).outputs["logprobs_BT"]
+    old = read_tensors(Path(targets_dir) / "targets.safetensors")["old_logprobs_BT"]
+    m = mismatch(own, old, load_rollout(Path(spec["rollout_dir"]))["response_mask_BT"])
+    where = "" if m["first"] is None else f"; first at row {m['first'][0]} position {m['first'][1]}"
+    note = (f"{m['num_not_bitwise']} of {m['num_tokens']} response tokens differ from the logprobs vLLM sampled "
+            f"this round's rollout with, max |delta| {m['max_abs']:.3g}{where} ({spec.get('precision')} step, "
+            f"{spec.get('logprob_formula', 'full')} formula)")
+    return m["num_not_bitwise"], ("== 0" if judged else EXACT_REPORTED), note
+
+
+def rollout_exact_row(rnd: int, observed: tuple[int, str, str]) -> Row:
+    count, rule, note = observed
+    return fact(ROLLOUT_EXACT, rnd, count, rule, count == 0 or rule == EXACT_REPORTED, note)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from qualify.errors import QualifyError
-from qualify.rounds.checks import ROUTES_REPLAYED, routes_replayed
+from qualify.rounds.checks import EXACT_REPORTED, ROLLOUT_EXACT, ROUTES_REPLAYED, rollout_exact, routes_replayed
 from qualify.store import read_json, read_tensors
 
 MAX_LISTED = 5
@@ -71,6 +71,7 @@ RULES: list[tuple[re.Pattern[str], Callable[[re.Match[str], Any, Any], bool]]] =
                                                                                else float(m[1]))),
     (re.compile(r"== (.*)", re.DOTALL), lambda m, v, b: str(v) == m[1]),
     (re.compile(re.escape(FAILURE)), lambda m, v, b: False),
+    (re.compile(re.escape(EXACT_REPORTED)), lambda m, v, b: True),
 ]
 
 
@@ -152,6 +153,9 @@ def round_expectations(where: Path, rnd: int) -> dict[str, Any]:
         out["replay logprobs agree with HF"] = (doc.get("replay_agreement") or {}).get("max_abs")
         main = "logprobs agree with HF" if rnd == 0 else "rollout logprobs agree with HF"
         out[main] = agreement_max(where / f"round-{rnd}" / "agreement.safetensors")
+        exact = _exact(where, rnd)
+        if exact is not None:
+            out[ROLLOUT_EXACT] = exact[0]
         replayed = routes_replayed(_read(where / f"round-{rnd}" / "train" / "meta.json"))
         if replayed is not None:
             out[ROUTES_REPLAYED] = replayed[0]
@@ -159,6 +163,20 @@ def round_expectations(where: Path, rnd: int) -> dict[str, Any]:
             out["engine serves the installed version"] = (doc.get("served_version") or [None])[0]
             out[SENSITIVITY] = (doc.get("agreement_vs_previous") or {}).get("max_abs")
     return out
+
+
+def _exact(where: Path, rnd: int) -> tuple[int | None, str | None] | None:
+    """Round rnd's exact-tier row as its sealed train step, targets and rollout give it: (count, rule), (None, None)
+    where they are unreadable; None when the round did not train (the last one)."""
+    train = where / f"round-{rnd}" / "train"
+    if not (train / "meta.json").is_file():
+        return None
+    targets = Path(((_read(train / "meta.json") or {}).get("case") or {}).get("targets_dir", ""))
+    try:
+        count, rule, _ = rollout_exact(train, targets)
+    except (QualifyError, KeyError, OSError, RuntimeError, TypeError):
+        return None, None
+    return count, rule
 
 
 def install_problems(where: Path, rnd: int, row: dict[str, Any] | None) -> list[str]:
@@ -232,6 +250,10 @@ def evidence_problems(where: Path, rows: list[dict[str, Any]], rounds: int) -> l
                 out.append(f"{check} (round {rnd}): its sealed evidence is unreadable")
             elif not (row.get("value") == value or same_number(row.get("value"), value)):
                 out.append(f"{check} (round {rnd}): the verdict says {row.get('value')!r}, its evidence {value!r}")
+        exact, row = _exact(where, rnd), mine.get(ROLLOUT_EXACT)
+        if exact is not None and row is not None and exact[1] is not None and row.get("rule") != exact[1]:
+            out.append(f"{ROLLOUT_EXACT} (round {rnd}): the verdict's rule is {row.get('rule')!r}; the trainer's "
+                       f"sealed spec gives {exact[1]!r}")
         out += install_problems(where, rnd, next((r for r in rows if r.get("tensor") == ACKS
                                                   and r.get("step") == rnd + 1), None))
     return out

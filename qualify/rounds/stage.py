@@ -159,6 +159,7 @@ def train_and_install(s: Session, opts: RoundsOptions, version: Version, rollout
         step = train_step(s.settings, engine=opts.engine, tp=opts.train_tp, model_dir=version.path,
                           rollout_dir=rollout[0], rollout_digest=rollout[1], targets_dir=targets[0],
                           targets_digest=targets[1], out=rdir / "train", vocab_size=s.vocab)
+    s.add(checks.rollout_exact_row(version.number, checks.rollout_exact(rdir / "train", targets[0])))
     replayed = checks.routes_replayed(read_json(rdir / "train" / "meta.json"))
     if replayed is not None:  # the round's own routes, not an earlier round's (captured before the weight sync)
         s.add(checks.equal_row(checks.ROUTES_REPLAYED, version.number, replayed[0], 0, replayed[1]))

@@ -204,3 +204,33 @@ def test_a_forged_complete_run_is_not_reused(tp1, tiny_matrix, tmp_path):
     with pytest.raises(EvidenceError, match="fresh engine: nothing cached .*move it away"):
         run_rounds(tiny_matrix, tmp_path / "forged", RoundsOptions(vllm_tp=1))
     assert RunLayout(tmp_path / "forged").rounds_dir(1).is_dir()
+
+
+def test_a_trainer_declared_exact_is_judged_after_each_weight_sync(tp1, frozen_run, tmp_path):
+    """Seed 002's claim after an update and a weight sync: every training round compares the trainer's step-0
+    logprobs with the logprobs vLLM sampled that round's rollout with, bit for bit. Undeclared (tp1's torch-tp) the
+    count is reported; declared (candidates.rollout_exact) it is judged, and no CPU trainer is exact (an HF forward
+    is not vLLM's decode), so both rounds fail on that row alone, naming the count; a verdict that turns the declared
+    rule into a reported one is not verified."""
+    from qualify.rounds.checks import EXACT_REPORTED, ROLLOUT_EXACT
+    from tests.integration._support import matrix_with
+
+    reported = rows(tp1[1], ROLLOUT_EXACT)
+    assert [(r["step"], r["rule"], r["passed"]) for r in reported] == [(0, EXACT_REPORTED, True)]
+    assert reported[0]["value"] > 0 and "response tokens differ from the logprobs vLLM sampled" in reported[0]["note"]
+    m = matrix_with(tmp_path, rollout_exact=["torch-tp"])
+    run = copy_run(frozen_run, tmp_path / "run")
+    verdict = run_rounds(m, run, RoundsOptions(vllm_tp=1, rounds=3, probes=())).to_json()
+    judged = rows(verdict, ROLLOUT_EXACT)
+    assert [(r["step"], r["rule"], r["passed"]) for r in judged] == [(0, "== 0", False), (1, "== 0", False)]
+    assert all(r["value"] > 0 for r in judged) and judged[0]["value"] == reported[0]["value"]
+    assert not verdict["passed"] and {r["tensor"] for r in verdict["rows"] if not r["passed"]} == {ROLLOUT_EXACT}
+
+    def edit(out, forged):
+        for r in forged["rows"]:
+            if r["tensor"] == ROLLOUT_EXACT:
+                r.update(rule=EXACT_REPORTED, passed=True)
+        forged["passed"] = True
+
+    problems = forged_copy(run, tmp_path / "forged", edit)
+    assert any(f"{ROLLOUT_EXACT} (round 0): the verdict's rule" in p for p in problems), problems
