@@ -34,7 +34,7 @@ class RolloutEngine:
         self.log_path, self.timeout_s = Path(log_path), timeout_s
         self.log = open(self.log_path, "ab")  # noqa: SIM115 (open as long as the engine runs)
         self.proc = subprocess.Popen([sys.executable, "-m", "qualify.rounds.server"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log, env=vllm_env(start["tp"]))
+                                     stdout=subprocess.PIPE, stderr=self.log, env=vllm_env(start["tp"], bool(start.get("batch_invariant"))))
         self.shm = ShmWatch(self.proc.pid)  # only this engine's own segments are ever its leftovers
         self.shm_removed: list[str] = []
         self.buffer = b""

@@ -28,6 +28,7 @@ import time
 from typing import IO, Any
 
 from qualify.errors import Refused
+from qualify.rollout.capture import BATCH_INVARIANT_SETTINGS
 from qualify.rollout.vllm_worker import result_of
 from qualify.rounds.acks import ack_problems
 from qualify.store import dumps_json
@@ -55,6 +56,13 @@ class Engine:
         from vllm import LLM
 
         c = self.config
+        if c.get("batch_invariant"):  # the rollout engine of seed 002's exact tier: refused where it cannot run
+            from qualify.rollout.capture import batch_invariant_problem
+
+            problem = batch_invariant_problem()
+            if problem is not None:
+                self.fail(problem)
+                raise Refused("batch_invariant", problem)
         started = time.monotonic()
         self.llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype=c["dtype"], enforce_eager=True, seed=c["seed"],
                        tensor_parallel_size=c["tp"], logprobs_mode="processed_logprobs",
@@ -68,8 +76,10 @@ class Engine:
             self.fail(f"version {version} as loaded at start is not what every rank must hold: {problems[:5]}")
             raise Refused("install_failed", self.failure, {"acks": acks, "problems": problems})
         self.state, self.version, self.pending, self.cache_reset = "ready", version, None, True
+        invariant = {"batch_invariant": {k: os.environ.get(k) for k in BATCH_INVARIANT_SETTINGS}} \
+            if c.get("batch_invariant") else {}
         return {"version": version, "acks": acks, "load_s": round(loaded - started, 3),
-                "report_s": round(time.monotonic() - loaded, 3)}
+                "report_s": round(time.monotonic() - loaded, 3), **invariant}
 
     def shutdown(self) -> None:
         if self.llm is not None:

@@ -90,7 +90,8 @@ class Session:
         start = {"model_dir": str(version.path), "version": version.number, "expected": self.expected(version),
                  "tp": self.tp, "dtype": DTYPE_NAMES[r.dtype], "seed": r.seed,
                  "max_model_len": r.max_model_len, "kv_cache_memory_bytes": r.kv_cache_memory_bytes,
-                 "block_size": r.block_size, "max_num_seqs": len(self.prompts) + NUM_CACHE_PROMPTS}
+                 "block_size": r.block_size, "max_num_seqs": len(self.prompts) + NUM_CACHE_PROMPTS,
+                 "batch_invariant": r.batch_invariant}
         self.engine = RolloutEngine(start, self.out / "engine.log")
         return self.summarize_acks(self.engine.started, version)
 

@@ -234,3 +234,21 @@ def test_a_trainer_declared_exact_is_judged_after_each_weight_sync(tp1, frozen_r
 
     problems = forged_copy(run, tmp_path / "forged", edit)
     assert any(f"{ROLLOUT_EXACT} (round 0): the verdict's rule" in p for p in problems), problems
+
+
+def test_a_batch_invariant_rounds_engine_is_refused_in_one_line_where_vllm_cannot_run_it(tmp_path, monkeypatch):
+    """rollout.batch_invariant: the rounds engine starts vLLM in its batch-invariant mode (the rollout engine of the
+    exact tier); where that mode cannot run (the CPU here, or a vLLM without it) the start is refused with the
+    capture's one-line reason, before vLLM is built."""
+    from qualify.rollout.capture import batch_invariant_problem
+    from qualify.rounds.client import Refused, RolloutEngine
+
+    problem = batch_invariant_problem()
+    if problem is None:
+        pytest.skip("vLLM's batch-invariant mode can run here")
+    start = {"model_dir": str(tmp_path), "version": 0, "expected": [{}], "tp": 1, "dtype": "float32", "seed": 0,
+             "max_model_len": 64, "kv_cache_memory_bytes": 1 << 24, "block_size": 32, "max_num_seqs": 1,
+             "batch_invariant": True}
+    with pytest.raises(Refused, match="batch-invariant") as refused:
+        RolloutEngine(start, tmp_path / "engine.log")
+    assert refused.value.kind == "batch_invariant" and str(refused.value).endswith(problem)
