@@ -697,9 +697,11 @@ class Matrix:
             if (t.moe is None) != (self.rollout.routing is None):
                 raise ValueError("rollout.routing (replay or recompute) is required for a MoE family (models.tiny.moe) "
                                  "and refused for a dense one")
-            if t.moe is not None and "megatron" in self.candidates.engines:
-                raise ValueError("candidates.engines lists megatron, whose checkpoint conversion knows dense Qwen3 only, "
-                                 "not the MoE family of models.tiny.moe")
+            if t.moe is not None and "megatron" in self.candidates.engines and max(self.candidates.tp) > 1:
+                raise ValueError(f"candidates.engines lists megatron beside the MoE family of models.tiny.moe with "
+                                 f"candidates.tp {list(self.candidates.tp)}: megatron runs a Qwen3-MoE model at TP 1 "
+                                 "only (megatron-core trains MoE under TP with sequence parallelism alone, which the "
+                                 "norms of its local spec refuse); give megatron a matrix of its own with tp [1]")
             self.check_family(t.num_heads, t.num_kv_heads, t.intermediate_size, t.vocab_size, "models.tiny")
             if self.rollout.max_model_len > t.max_position_embeddings:
                 raise ValueError(f"rollout.max_model_len {self.rollout.max_model_len} exceeds "

@@ -1,7 +1,10 @@
 """megatron: a megatron-core GPTModel (local layer spec, no TransformerEngine) behind the engine Protocol.
 
 The HF Qwen3 checkpoint is converted to this rank's TP shard (qualify.engines.megatron_convert)
-and loaded into GPTModel with RMSNorm, q/k layernorm, swiglu and RoPE. The actor gathers the
+and loaded into GPTModel with RMSNorm, q/k layernorm, swiglu and RoPE. A Qwen3-MoE checkpoint gets megatron-core's
+MoE layers (router, allgather dispatcher, local experts) at TP 1 and replays a batch's routes through megatron-core's
+RouterReplay, recording them for the routes() and router_outputs() hooks (qualify.engines.megatron_moe says why its
+softmax router is Qwen3-MoE's, and why TP 1). The actor gathers the
 vocab-parallel logits to the full padded vocab and scores with the sampler formula over the real
 vocab; the critic replaces the output layer by HF's replicated score Linear(hidden, 1).
 Training is Megatron's own: DistributedDataParallel with FP32 gradient buffers, Float16Module and
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -29,10 +33,14 @@ from qualify.engines.megatron_convert import (
     hf_to_megatron,
     megatron_to_hf,
     padded_rows,
+    param_name,
 )
+from qualify.engines.megatron_moe import RouteRecorder, define_router_gemm, moe_config
 from qualify.errors import EngineError
 
 VOCAB_DIVISIBLE_BY = 128  # Megatron-LM's default make_vocab_size_divisible_by
+MOE_TP_REASON = ("the megatron engine runs a Qwen3-MoE model at TP 1 only: megatron-core trains MoE under TP with "
+                 "sequence parallelism alone, which the norms of its local spec (no TransformerEngine) refuse")
 
 
 class ValueHead(torch.nn.Module):
@@ -51,7 +59,7 @@ class ValueHead(torch.nn.Module):
 
 
 def transformer_config(hf_config: Any, layout: Qwen3Layout, ctx: EngineContext):
-    """megatron-core TransformerConfig of an HF Qwen3 config (no dropout, no fusions, no TE)."""
+    """megatron-core TransformerConfig of an HF Qwen3 or Qwen3-MoE config (no dropout, no fusions, no TE)."""
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
@@ -62,7 +70,8 @@ def transformer_config(hf_config: Any, layout: Qwen3Layout, ctx: EngineContext):
         hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=ctx.tp,
         bf16=ctx.precision == "bf16", params_dtype=torch.float32, attention_softmax_in_fp32=True,
         use_cpu_initialization=True, gradient_accumulation_fusion=False, bias_activation_fusion=False,
-        bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False)
+        bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
+        **moe_config(layout))
 
 
 def rope_theta(hf_config: Any) -> float:
@@ -100,23 +109,30 @@ class MegatronEngine(OutputScoring):
         self.layout = Qwen3Layout.from_hf_config(hf_config, ctx.role, VOCAB_DIVISIBLE_BY)
         if hf_config.vocab_size != ctx.vocab_size:
             raise EngineError(f"checkpoint vocab {hf_config.vocab_size} != rollout vocab {ctx.vocab_size}")
+        if self.layout.num_experts and ctx.tp > 1:
+            raise EngineError(MOE_TP_REASON)
         self.plan = conversion_plan(self.layout)
         self.config = transformer_config(hf_config, self.layout, ctx)
         shard = self._load_shard()
         self.gpt = self._build_model(hf_config, shard)
+        self.recorder = None
+        if self.layout.num_experts:
+            define_router_gemm()
+            self.recorder = RouteRecorder(self.gpt)
         self._wrap_and_build_optimizer(shard)
 
     def _load_shard(self) -> dict[str, torch.Tensor]:
-        from qualify.models.checkpoint import checkpoint_tensors
+        from qualify.models.checkpoint import initial_parameters
 
-        hf = {k: v.float() for k, v in checkpoint_tensors(self.ctx.model_dir).items()}
+        hf = {k: v.float() for k, v in initial_parameters(self.ctx.model_dir).items()}
         return hf_to_megatron(hf, self.layout, self.ctx.tp)[self.tp_rank]
 
     def _build_model(self, hf_config: Any, shard: dict[str, torch.Tensor]) -> torch.nn.Module:
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-        layer_spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+        layer_spec = get_gpt_layer_local_spec(num_experts=self.layout.num_experts or None, moe_grouped_gemm=False,
+                                              qk_layernorm=True, normalization="RMSNorm")
         gpt = GPTModel(self.config, layer_spec, vocab_size=self.layout.padded_vocab(self.ctx.tp),
                        max_sequence_length=hf_config.max_position_embeddings, position_embedding_type="rope",
                        rotary_base=int(rope_theta(hf_config)),
@@ -155,8 +171,8 @@ class MegatronEngine(OutputScoring):
             # {} (not None): no wd_mult=0 group for norms and biases; every tensor decays, as in the reference
             self.optimizer = get_megatron_optimizer(opt_config, [self.model], config_overrides={})
         parts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-        assert len(parts) == 1, f"one dense optimizer expected, got {len(parts)}"
-        self.adam = parts[0].optimizer  # the torch AdamW holding the moments, keyed by master params
+        # a MoE model's experts get an optimizer of their own, clipped by the chain's one global norm
+        self.adams = [part.optimizer for part in parts]  # the torch AdamWs holding the moments, keyed by master params
         self.named = {n: p for n, p in self.gpt.named_parameters()}
         self.master = {n: getattr(p, "main_param", p) for n, p in self.named.items()}
         if self.ctx.precision == "bf16":
@@ -172,9 +188,17 @@ class MegatronEngine(OutputScoring):
     def score(self, batch: Batch) -> torch.Tensor:
         ids_BT = batch.input_ids_BT.to(self.ctx.device)
         pos_BT = torch.arange(ids_BT.shape[1], device=ids_BT.device).expand_as(ids_BT)
-        out_BTX = self.model(input_ids=ids_BT, position_ids=pos_BT, attention_mask=None,
-                             runtime_gather_output=True)
+        with self._replaying(batch):
+            out_BTX = self.model(input_ids=ids_BT, position_ids=pos_BT, attention_mask=None,
+                                 runtime_gather_output=True)
+        if self.recorder is not None:
+            self.last_routes = self.recorder.routes(*ids_BT.shape)
+            self.last_router = self.recorder.router_outputs(*ids_BT.shape)
         return self.scores_from(out_BTX, ids_BT)
+
+    def _replaying(self, batch: Batch):
+        """A MoE model's forward replays batch.routes_BTLK (None: routes afresh); a dense model's runs as it is."""
+        return nullcontext() if self.recorder is None else self.recorder.replaying(batch.routes_BTLK)
 
     def layer_outputs(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Full fp32 (B, T, H) outputs of every decoder layer's modules and the final norm under HF names (qualify
@@ -184,8 +208,10 @@ class MegatronEngine(OutputScoring):
 
         ids_BT = batch.input_ids_BT.to(self.ctx.device)
         pos_BT = torch.arange(ids_BT.shape[1], device=ids_BT.device).expand_as(ids_BT)
-        return capture_outputs(megatron_modules(self.gpt), lambda: self.model(
-            input_ids=ids_BT, position_ids=pos_BT, attention_mask=None, runtime_gather_output=True), seq_first=True)
+        with self._replaying(batch):
+            return capture_outputs(megatron_modules(self.gpt), lambda: self.model(
+                input_ids=ids_BT, position_ids=pos_BT, attention_mask=None, runtime_gather_output=True),
+                seq_first=True)
 
     def backward(self, loss: torch.Tensor) -> None:
         from megatron.core.distributed import finalize_model_grads
@@ -210,7 +236,7 @@ class MegatronEngine(OutputScoring):
         return self._gathered({n: p.main_grad for n, p in self.named.items()})
 
     def grad_dtypes(self) -> dict[str, str]:
-        return {hf: str(self.named[m].main_grad.dtype).removeprefix("torch.")
+        return {param_name(hf): str(self.named[m].main_grad.dtype).removeprefix("torch.")
                 for m, (_, names) in self.plan.items() for hf in names}
 
     def step(self) -> torch.Tensor:
@@ -227,9 +253,10 @@ class MegatronEngine(OutputScoring):
         return self._gathered({n: p.float() for n, p in self.master.items()})
 
     def optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        if not all(p in self.adam.state for p in self.master.values()):  # no step was taken (skipped)
+        state = {p: s for adam in self.adams for p, s in adam.state.items()}
+        if not all(p in state for p in self.master.values()):  # no step was taken (skipped)
             return {"exp_avg": {}, "exp_avg_sq": {}}
-        return {key: self._gathered({n: self.adam.state[p][key] for n, p in self.master.items()})
+        return {key: self._gathered({n: state[p][key] for n, p in self.master.items()})
                 for key in ("exp_avg", "exp_avg_sq")}
 
     def replicated(self) -> dict[str, torch.Tensor]:
@@ -255,5 +282,7 @@ class MegatronEngine(OutputScoring):
     def close(self) -> None:
         from megatron.core import parallel_state as ps
 
-        self.optimizer = self.adam = self.model = self.gpt = None
+        if self.recorder is not None:
+            self.recorder.close()
+        self.optimizer = self.adams = self.model = self.gpt = self.recorder = None
         ps.destroy_model_parallel()

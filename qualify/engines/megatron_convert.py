@@ -1,4 +1,4 @@
-"""HF Qwen3 <-> megatron-core GPTModel (local layer spec) tensor-parallel shards, both ways.
+"""HF Qwen3 and Qwen3-MoE <-> megatron-core GPTModel (local layer spec) tensor-parallel shards, both ways.
 
 Pure tensor code, no megatron import: the same functions convert parameters, gradients and
 optimizer moments, since all of them have the parameters' shapes. Megatron's layouts:
@@ -10,6 +10,12 @@ optimizer moments, since all of them have the parameters' shapes. Megatron's lay
   replicated on every rank.
 - vocab-sized matrices (embedding, output layer) get zero rows up to a multiple of
   vocab_divisible_by x tp, then split by rows.
+- a Qwen3-MoE layer (every layer sparse): the router (HF mlp.gate, Megatron mlp.router) is replicated; expert e is
+  mlp.experts.local_experts.<e>, an MLP sharded over TP like the dense one (Megatron's expert TP = TP, no expert
+  parallelism): linear_fc1 per rank [gate rows of r; up rows of r], linear_fc2 split by its input. transformers 5
+  holds each layer's experts fused (experts.gate_up_proj (E, 2I, H): gate rows then up rows; experts.down_proj
+  (E, H, I)); the plan names each expert's own projections (the checkpoint's names, exact slices of the fused ones)
+  and hf_to_megatron / megatron_to_hf unfuse and fuse at the edges, so the HF side is the model's parameters.
 Megatron modules carry `_extra_state` entries (None for local layers, serialized bytes for
 TransformerEngine's FP8 metadata). They are not parameters: megatron_to_hf skips them with a note
 and refuses one that holds a real (floating) tensor.
@@ -18,6 +24,7 @@ and refuses one that holds a real (floating) tensor.
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,10 +57,20 @@ class Qwen3Layout:
     """Critic only: whether score has a bias (transformers' token_classification_bias, default True)."""
     vocab_divisible_by: int = 128
     """Megatron's make_vocab_size_divisible_by; the padded vocab is a multiple of this x tp."""
+    num_experts: int = 0
+    """Qwen3-MoE: experts of every (sparse) layer; 0 for a dense Qwen3."""
+    moe_top_k: int = 0
+    """Qwen3-MoE: experts each token is routed to (num_experts_per_tok)."""
+    moe_intermediate_size: int = 0
+    """Qwen3-MoE: each expert's intermediate size."""
+    norm_topk_prob: bool = True
+    """Qwen3-MoE: the top-k routing weights are renormalized to sum to 1."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise EngineError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.num_experts and not 0 < self.moe_top_k <= self.num_experts:
+            raise EngineError(f"moe_top_k {self.moe_top_k} must be in 1..num_experts {self.num_experts}")
 
     @classmethod
     def from_hf_config(cls, config: Any, role: str, vocab_divisible_by: int = 128) -> Qwen3Layout:
@@ -66,7 +83,7 @@ class Qwen3Layout:
                    head_dim=head_dim, intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
                    tie_word_embeddings=role == "actor" and bool(config.tie_word_embeddings),
                    value_bias=bool(getattr(config, "token_classification_bias", True)),
-                   vocab_divisible_by=vocab_divisible_by)
+                   vocab_divisible_by=vocab_divisible_by, **moe_fields(config))
 
     def padded_vocab(self, tp: int) -> int:
         """Megatron's vocab size with padding: the next multiple of vocab_divisible_by x tp."""
@@ -77,7 +94,10 @@ class Qwen3Layout:
         """Refuse a TP degree Megatron cannot shard this model to."""
         if self.num_heads % self.num_kv_heads:
             raise EngineError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
-        for what, count in (("num_heads", self.num_heads), ("intermediate_size", self.intermediate_size)):
+        counts = [("num_heads", self.num_heads), ("intermediate_size", self.intermediate_size)]
+        if self.num_experts:
+            counts.append(("moe_intermediate_size", self.moe_intermediate_size))
+        for what, count in counts:
             if tp < 1 or count % tp:
                 raise EngineError(f"tp {tp} does not divide {what} {count}: Megatron cannot shard this model")
         if self.num_kv_heads % tp and tp % self.num_kv_heads:
@@ -88,6 +108,19 @@ class Qwen3Layout:
         """(start, stop) rows of the padded vocab held by rank."""
         per_rank = self.padded_vocab(tp) // tp
         return rank * per_rank, (rank + 1) * per_rank
+
+
+def moe_fields(config: Any) -> dict[str, Any]:
+    """Qwen3Layout's MoE fields of an HF config ({} for a dense Qwen3); refuses a Qwen3-MoE with dense layers (the
+    conversion and the engine make every layer sparse)."""
+    if getattr(config, "model_type", "qwen3") != "qwen3_moe":
+        return {}
+    if list(getattr(config, "mlp_only_layers", None) or []) or getattr(config, "decoder_sparse_step", 1) != 1:
+        raise EngineError(f"the megatron engine converts a Qwen3-MoE whose every layer is sparse; this one has "
+                          f"mlp_only_layers {config.mlp_only_layers} and decoder_sparse_step "
+                          f"{config.decoder_sparse_step}")
+    return {"num_experts": config.num_experts, "moe_top_k": config.num_experts_per_tok,
+            "moe_intermediate_size": config.moe_intermediate_size, "norm_topk_prob": bool(config.norm_topk_prob)}
 
 
 # A plan maps each Megatron name to (kind, HF names); kinds: vocab, qkv, fc1, row, replicated.
@@ -107,6 +140,13 @@ def conversion_plan(layout: Qwen3Layout) -> Plan:
         plan[m + "self_attention.k_layernorm.weight"] = ("replicated", (attn + "k_norm.weight",))
         plan[m + "self_attention.linear_proj.weight"] = ("row", (attn + "o_proj.weight",))
         plan[m + "pre_mlp_layernorm.weight"] = ("replicated", (h + "post_attention_layernorm.weight",))
+        if layout.num_experts:
+            plan[m + "mlp.router.weight"] = ("replicated", (h + "mlp.gate.weight",))
+            for e in range(layout.num_experts):
+                x, y = f"{m}mlp.experts.local_experts.{e}.", f"{h}mlp.experts.{e}."
+                plan[x + "linear_fc1.weight"] = ("fc1", (y + "gate_proj.weight", y + "up_proj.weight"))
+                plan[x + "linear_fc2.weight"] = ("row", (y + "down_proj.weight",))
+            continue
         plan[m + "mlp.linear_fc1.weight"] = ("fc1", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"))
         plan[m + "mlp.linear_fc2.weight"] = ("row", (h + "mlp.down_proj.weight",))
     plan["decoder.final_layernorm.weight"] = ("replicated", ("model.norm.weight",))
@@ -120,9 +160,57 @@ def conversion_plan(layout: Qwen3Layout) -> Plan:
     return plan
 
 
+_EXPERT = re.compile(r"(?P<prefix>.+\.mlp\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
+
+
+def param_name(name: str) -> str:
+    """The model parameter an HF name of the plan belongs to: an expert's own projection (experts.<e>.gate_proj
+    .weight) is a slice of its layer's fused experts.gate_up_proj or experts.down_proj; any other name is itself."""
+    m = _EXPERT.fullmatch(name)
+    if m is None:
+        return name
+    return f"{m['prefix']}.{'down_proj' if m['proj'] == 'down_proj' else 'gate_up_proj'}"
+
+
 def hf_names(layout: Qwen3Layout) -> list[str]:
-    """Every HF name conversion expects, in plan order."""
-    return [name for _, names in conversion_plan(layout).values() for name in names]
+    """Every HF parameter name conversion expects and gives back (fused experts for a Qwen3-MoE), in plan order."""
+    names = [param_name(name) for _, names in conversion_plan(layout).values() for name in names]
+    return list(dict.fromkeys(names))
+
+
+def unfuse_experts(hf: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """hf with each fused experts.gate_up_proj (E, 2I, H) and experts.down_proj (E, H, I) replaced by every expert's
+    own gate_proj, up_proj and down_proj (views, exact); other tensors as they are."""
+    out = {}
+    for name, t in hf.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            prefix = name.removesuffix(".gate_up_proj")
+            for e, (gate, up) in enumerate(x.chunk(2, dim=0) for x in t):
+                out[f"{prefix}.{e}.gate_proj.weight"], out[f"{prefix}.{e}.up_proj.weight"] = gate, up
+        elif name.endswith(".mlp.experts.down_proj"):
+            prefix = name.removesuffix(".down_proj")
+            out.update({f"{prefix}.{e}.down_proj.weight": x for e, x in enumerate(t)})
+        else:
+            out[name] = t
+    return out
+
+
+def fuse_experts(per_expert: Mapping[str, torch.Tensor], layout: Qwen3Layout) -> dict[str, torch.Tensor]:
+    """unfuse_experts' inverse, in hf_names order: every expert's projections stacked into its layer's fused
+    gate_up_proj ([gate; up] per expert) and down_proj."""
+    out = {}
+    for name in hf_names(layout):
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            prefix = name.removesuffix(".gate_up_proj")
+            out[name] = torch.stack([torch.cat([per_expert[f"{prefix}.{e}.gate_proj.weight"],
+                                                per_expert[f"{prefix}.{e}.up_proj.weight"]])
+                                     for e in range(layout.num_experts)])
+        elif name.endswith(".mlp.experts.down_proj"):
+            prefix = name.removesuffix(".down_proj")
+            out[name] = torch.stack([per_expert[f"{prefix}.{e}.down_proj.weight"] for e in range(layout.num_experts)])
+        else:
+            out[name] = per_expert[name]
+    return out
 
 
 def _check_keys(given: Sequence[str], expected: Sequence[str], what: str) -> None:
@@ -150,6 +238,7 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], layout: Qwen3Layout, tp: int)
         del hf["lm_head.weight"]
     plan = conversion_plan(layout)
     _check_keys(list(hf), hf_names(layout), f"HF {layout.role} checkpoint")
+    hf = unfuse_experts(hf)
     shards: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
     for mname, (kind, names) in plan.items():
         pieces = _split(kind, [hf[n] for n in names], layout, tp)
@@ -198,7 +287,7 @@ def megatron_to_hf(shards: Sequence[Mapping[str, Any]], layout: Qwen3Layout,
         _check_local_shapes(mname, parts, kind, layout)
         for name, full in zip(names, _merge(kind, parts, layout), strict=True):
             out[name] = full
-    return out
+    return fuse_experts(out, layout)
 
 
 def drop_extra_state(shard: Mapping[str, Any], rank: int, notes: list[str] | None) -> dict[str, Any]:
@@ -222,7 +311,8 @@ def drop_extra_state(shard: Mapping[str, Any], rank: int, notes: list[str] | Non
 
 def _check_local_shapes(mname: str, parts: list[torch.Tensor], kind: str, layout: Qwen3Layout) -> None:
     tp = len(parts)
-    h, hd, ffn = layout.hidden_size, layout.head_dim, layout.intermediate_size
+    h, hd = layout.hidden_size, layout.head_dim
+    ffn = layout.moe_intermediate_size if ".mlp.experts." in mname else layout.intermediate_size
     qkv_rows = (layout.num_heads + 2 * layout.num_kv_heads) * hd
     if kind == "vocab":
         want = (layout.padded_vocab(tp) // tp, h)

@@ -212,3 +212,86 @@ def test_megatron_side_refusals_and_extra_state():
     wrong[0]["embedding.word_embeddings.weight"] = wrong[0]["embedding.word_embeddings.weight"][:-1]
     with pytest.raises(EngineError, match=r"embedding\.word_embeddings\.weight on rank 0/2 has shape \(511, 64\)"):
         megatron_to_hf(wrong, layout)
+
+
+def tiny_moe_hf(tie: bool = False, dtype=torch.float32, **moe):
+    """A tiny random HF Qwen3-MoE actor (2 layers, 4 experts of intermediate 32, top-2), every tensor random; its
+    parameters as the model holds them (fused experts.gate_up_proj and experts.down_proj)."""
+    config = transformers.Qwen3MoeConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=32, intermediate_size=128,
+                                         moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                         norm_topk_prob=True, vocab_size=1000, tie_word_embeddings=tie,
+                                         **({"decoder_sparse_step": 1, "mlp_only_layers": []} | moe))
+    torch.manual_seed(3)
+    model = transformers.Qwen3MoeForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p))
+    return config, {n: p.detach().to(dtype) for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_moe_round_trip_bit_exact(tp):
+    config, sd = tiny_moe_hf()
+    layout = Qwen3Layout.from_hf_config(config, "actor")
+    assert (layout.num_experts, layout.moe_top_k, layout.moe_intermediate_size) == (4, 2, 32)
+    assert set(hf_names(layout)) == set(sd)  # the model's own parameter names: fused experts
+    shards = hf_to_megatron(sd, layout, tp)
+    assert all(set(s) == set(conversion_plan(layout)) for s in shards)
+    assert "decoder.layers.1.mlp.router.weight" in shards[0] and "decoder.layers.1.mlp.linear_fc1.weight" not in shards[0]
+    back = megatron_to_hf(shards, layout)
+    assert list(back) == hf_names(layout)
+    for name, t in sd.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_moe_expert_layout_matches_slow_loop(tp):
+    """Expert e of rank r: linear_fc1 = [gate rows of r; up rows of r] of gate_up_proj[e] (gate rows first),
+    linear_fc2 = the r-th column block of down_proj[e]; the router whole on every rank."""
+    config, sd = tiny_moe_hf()
+    layout = Qwen3Layout.from_hf_config(config, "actor")
+    shards = hf_to_megatron(sd, layout, tp)
+    fused, down = sd["model.layers.1.mlp.experts.gate_up_proj"], sd["model.layers.1.mlp.experts.down_proj"]
+    n = 32 // tp
+    for rank, shard in enumerate(shards):
+        assert torch.equal(shard["decoder.layers.1.mlp.router.weight"], sd["model.layers.1.mlp.gate.weight"])
+        for e in range(4):
+            gate = torch.stack([fused[e, i] for i in range(rank * n, (rank + 1) * n)])
+            up = torch.stack([fused[e, 32 + i] for i in range(rank * n, (rank + 1) * n)])
+            prefix = f"decoder.layers.1.mlp.experts.local_experts.{e}."
+            assert torch.equal(shard[prefix + "linear_fc1.weight"], torch.cat([gate, up]))
+            cols = torch.stack([down[e][:, j] for j in range(rank * n, (rank + 1) * n)], dim=1)
+            assert torch.equal(shard[prefix + "linear_fc2.weight"], cols)
+
+
+def test_moe_negative_controls_break_the_round_trip():
+    """Experts merged back in another order, or gate and up exchanged, must not give the model's tensors back."""
+    config, sd = tiny_moe_hf()
+    layout = Qwen3Layout.from_hf_config(config, "actor")
+    shards = hf_to_megatron(sd, layout, 2)
+    mirrored = [{k.replace("local_experts.0.", "local_experts.#.").replace("local_experts.3.", "local_experts.0.")
+                 .replace("local_experts.#.", "local_experts.3."): v for k, v in s.items()} for s in shards]
+    back = megatron_to_hf(mirrored, layout)
+    assert not torch.equal(back["model.layers.0.mlp.experts.down_proj"], sd["model.layers.0.mlp.experts.down_proj"])
+    fused = sd["model.layers.0.mlp.experts.gate_up_proj"]
+    swapped = hf_to_megatron(sd | {"model.layers.0.mlp.experts.gate_up_proj": fused.roll(32, dims=1)}, layout, 1)
+    assert not torch.equal(swapped[0]["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"],
+                           shards[0]["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"])
+
+
+def test_moe_refusals():
+    config, _ = tiny_moe_hf(mlp_only_layers=[1])
+    with pytest.raises(EngineError, match=r"every layer is sparse; this one has mlp_only_layers \[1\]"):
+        Qwen3Layout.from_hf_config(config, "actor")
+    config, _ = tiny_moe_hf(decoder_sparse_step=2)
+    with pytest.raises(EngineError, match="decoder_sparse_step 2"):
+        Qwen3Layout.from_hf_config(config, "actor")
+    layout = Qwen3Layout(role="actor", num_layers=1, hidden_size=8, num_heads=8, num_kv_heads=8, head_dim=4,
+                         intermediate_size=16, vocab_size=64, tie_word_embeddings=False, num_experts=4, moe_top_k=2,
+                         moe_intermediate_size=12)
+    with pytest.raises(EngineError, match="tp 8 does not divide moe_intermediate_size 12"):
+        layout.check_tp(8)
+    with pytest.raises(EngineError, match="moe_top_k 5 must be in 1..num_experts 4"):
+        Qwen3Layout(role="actor", num_layers=1, hidden_size=8, num_heads=8, num_kv_heads=8, head_dim=4,
+                    intermediate_size=16, vocab_size=64, tie_word_embeddings=False, num_experts=4, moe_top_k=5)

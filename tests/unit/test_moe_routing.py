@@ -206,7 +206,6 @@ def _matrix(tmp_path, edit):
 @pytest.mark.parametrize(("edit", "message"), [
     (lambda d: d["rollout"].pop("routing"), "rollout.routing .replay or recompute. is required for a MoE family"),
     (lambda d: d["models"]["tiny"].pop("moe"), "refused for a dense one"),
-    (lambda d: d["candidates"].update(engines=["torch-tp", "megatron"]), "knows dense Qwen3 only"),
     (lambda d: d["models"]["tiny"]["moe"].update(top_k=5), "top_k 5 is more than num_experts 4"),
     (lambda d: d["models"]["tiny"]["moe"].update(num_experts=1), "num_experts must be >= 2"),
     (lambda d: d["rollout"].update(routing="replayed"), "routing"),
@@ -219,6 +218,15 @@ def test_the_matrix_refuses_routing_settings_that_cannot_run(tmp_path, edit, mes
 def test_the_shipped_moe_matrix_loads(tmp_path):
     m = _matrix(tmp_path, lambda d: None)
     assert m.models.tiny.moe == TinyMoE() and m.rollout.routing == "replay"
+
+
+def test_megatron_may_run_beside_a_moe_actor(tmp_path):
+    """megatron's conversion knows Qwen3-MoE (qualify.engines.megatron_convert) and replays routes through
+    megatron-core's RouterReplay (tests/integration/test_megatron_moe.py): the tiny MoE family takes it at TP 1."""
+    m = _matrix(tmp_path, lambda d: d["candidates"].update(engines=["torch-tp", "megatron"], tp=[1]))
+    assert m.candidates.engines == ("torch-tp", "megatron") and m.models.tiny.moe is not None
+    with pytest.raises(ValueError, match=r"megatron runs a Qwen3-MoE model at TP 1 only"):  # the shipped tp [1, 2]
+        _matrix(tmp_path, lambda d: d["candidates"].update(engines=["torch-tp", "megatron"]))
 
 
 def test_only_the_actor_of_a_replaying_matrix_replays(tmp_path):
