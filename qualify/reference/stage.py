@@ -249,19 +249,23 @@ def rollout_mismatch(ctx: ScoringContext, controls: list[str]) -> dict[str, Any]
     return report
 
 
-def require_routing_setting(routing: str | None, engines: tuple[str, ...], actor_dir: Path) -> None:
+def require_routing_setting(routing: str | None, engines: tuple[str, ...], actor_dir: Path,
+                            tps: tuple[int, ...] = (1,)) -> None:
     """rollout.routing is required for a MoE actor and refused for a dense one (a tiny family's matrix says so when it
-    loads; a checkpoint's model type is known once its config is read), and megatron's conversion (candidates.engines)
-    is dense only."""
+    loads; a checkpoint's model type is known once its config is read), and megatron (candidates.engines) runs a
+    Qwen3-MoE actor at TP 1 only (candidates.tp tps: megatron-core trains MoE under TP with sequence parallelism
+    alone, which the norms of its local spec refuse)."""
     from qualify.models.hf import model_type
 
     moe = model_type(actor_dir) == "qwen3_moe"
     if moe != (routing is not None):
         raise QualifyError(f"{actor_dir} is a {'Qwen3-MoE' if moe else 'dense Qwen3'} actor: rollout.routing (replay "
                            "or recompute) is required for a MoE actor and refused for a dense one")
-    if moe and "megatron" in engines:
-        raise QualifyError("candidates.engines lists megatron, whose checkpoint conversion knows dense Qwen3 only, "
-                           f"not the Qwen3-MoE actor {actor_dir}")
+    if moe and "megatron" in engines and max(tps) > 1:
+        raise QualifyError(f"candidates.engines lists megatron beside the Qwen3-MoE actor {actor_dir} with "
+                           f"candidates.tp {list(tps)}: megatron runs a Qwen3-MoE model at TP 1 only (megatron-core "
+                           "trains MoE under TP with sequence parallelism alone, which the norms of its local spec "
+                           "refuse); give megatron a matrix of its own with tp [1]")
 
 
 def routing_agreement(ctx: ScoringContext) -> dict[str, Any] | None:
@@ -305,7 +309,8 @@ def run_reference(matrix: Matrix, run_dir: Path, stage: str = "all", rollout: Pa
     matrix_digest = snapshot_matrix(matrix, layout)
     with log.step("models"):
         models = prepare_models(matrix.models, layout, matrix.resolve)
-    require_routing_setting(matrix.rollout.routing, matrix.candidates.engines, models["actor"])
+    require_routing_setting(matrix.rollout.routing, matrix.candidates.engines, models["actor"],
+                            matrix.candidates.tp)
     if stage in ("all", "capture"):
         capture_all(matrix.capture, layout, models, log, rollout)
     if stage == "capture":

@@ -278,7 +278,8 @@ def test_router_outputs_are_the_first_forwards_logits_and_the_weights_used(actor
 
 def test_a_checkpoints_model_type_and_the_routing_setting_must_agree(tmp_path):
     """A real family's model type is known once its config is read: the reference refuses a MoE actor without
-    rollout.routing, a dense one with it, and megatron beside a MoE actor, before anything runs."""
+    rollout.routing, a dense one with it, and megatron beside a MoE actor at a TP degree above 1, before anything
+    runs."""
     import json
 
     from qualify.reference.stage import require_routing_setting
@@ -295,9 +296,10 @@ def test_a_checkpoints_model_type_and_the_routing_setting_must_agree(tmp_path):
         require_routing_setting(plain.rollout.routing, plain.candidates.engines, moe)
     with pytest.raises(QualifyError, match="is a dense Qwen3 actor"):
         require_routing_setting(routed.rollout.routing, routed.candidates.engines, dense)
-    with pytest.raises(QualifyError, match="megatron"):
-        mega = _megatron(tmp_path)
-        require_routing_setting(mega.rollout.routing, mega.candidates.engines, moe)
+    mega = _megatron(tmp_path)
+    require_routing_setting(mega.rollout.routing, mega.candidates.engines, moe, (1,))  # megatron replays at TP 1
+    with pytest.raises(QualifyError, match=r"megatron .* candidates.tp \[1, 2\]: megatron runs a Qwen3-MoE model at TP 1"):
+        require_routing_setting(mega.rollout.routing, mega.candidates.engines, moe, (1, 2))
 
 
 def _megatron(tmp_path):
