@@ -53,8 +53,6 @@ class Engine:
     # lifecycle ------------------------------------------------------------------------------
     def build(self, model_dir: str, version: int, expected: list[dict[str, str]]) -> dict[str, Any]:
         """Start vLLM on model_dir and verify that every rank holds `version` as expected."""
-        from vllm import LLM
-
         c = self.config
         if c.get("batch_invariant"):  # the rollout engine of seed 002's exact tier: refused where it cannot run
             from qualify.rollout.capture import batch_invariant_problem
@@ -63,6 +61,8 @@ class Engine:
             if problem is not None:
                 self.fail(problem)
                 raise Refused("batch_invariant", problem)
+        from vllm import LLM
+
         started = time.monotonic()
         self.llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype=c["dtype"], enforce_eager=True, seed=c["seed"],
                        tensor_parallel_size=c["tp"], logprobs_mode="processed_logprobs",
