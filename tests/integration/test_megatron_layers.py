@@ -10,12 +10,13 @@ Qwen3, and compare them with HF's modules on the same input. Negative control: t
 from __future__ import annotations
 
 import json
-import socket
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+
+from qualify.case.ranks import free_port
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 transformers = pytest.importorskip("transformers")
@@ -58,12 +59,6 @@ def naive_shards(hf: dict[str, torch.Tensor], tp: int) -> list[dict[str, torch.T
     fc1 = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]]).chunk(tp)
     return [{"decoder.layers.0.self_attention.linear_qkv.weight": a.contiguous(),
              "decoder.layers.0.mlp.linear_fc1.weight": b.contiguous()} for a, b in zip(qkv, fc1, strict=True)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int, hf_by_vocab: dict, expected_by_vocab: dict, inputs: dict, out_dir: str) -> None:
@@ -169,7 +164,7 @@ def layer_results(tmp_path_factory) -> dict[str, dict[str, float]]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
-    torch.multiprocessing.start_processes(_worker, args=(_free_port(), hf_by_vocab, expected_by_vocab, inputs,
+    torch.multiprocessing.start_processes(_worker, args=(free_port(), hf_by_vocab, expected_by_vocab, inputs,
                                                          str(out_dir)), nprocs=WORLD, join=True, start_method="fork")
     per_rank = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
     return {case: {m: max(r[case][m] for r in per_rank) for m in per_rank[0][case]} for case in per_rank[0]}

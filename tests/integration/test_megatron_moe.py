@@ -15,12 +15,13 @@ swapped in the fused gate_up_proj, and the replay skipped.
 from __future__ import annotations
 
 import json
-import socket
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+
+from qualify.case.ranks import free_port
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 transformers = pytest.importorskip("transformers")
@@ -76,12 +77,6 @@ def expected(model, x_SBH: torch.Tensor, g_SBH: torch.Tensor, routes_BSLK: torch
         used = torch.where(routes_BSLK < 0, used, routes_BSLK)
     grads = {MLP + n: p.grad.detach().clone() for n, p in block.named_parameters()}
     return {"out": out_BSH.detach().transpose(0, 1), "routes": used, **outs, "grads": grads}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int, models: dict, wants: dict, inputs: dict, out_dir: str) -> None:
@@ -220,7 +215,7 @@ def moe_results(tmp_path_factory) -> dict[str, dict[str, float]]:
     with warnings.catch_warnings():  # fork, not spawn: the children inherit the imported megatron-core
         warnings.simplefilter("ignore")
         import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
-    torch.multiprocessing.start_processes(_worker, args=(_free_port(), models, wants, inputs, str(out_dir)),
+    torch.multiprocessing.start_processes(_worker, args=(free_port(), models, wants, inputs, str(out_dir)),
                                           nprocs=WORLD, join=True, start_method="fork")
     per_rank = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
     return {case: {m: max(r[case][m] for r in per_rank) for m in per_rank[0][case]} for case in per_rank[0]}
@@ -318,7 +313,7 @@ def test_the_engines_gpt_model_replays_to_hf(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import megatron.core.models.gpt  # noqa: F401
-    torch.multiprocessing.start_processes(_gpt_worker, args=(_free_port(), config, params, want,
+    torch.multiprocessing.start_processes(_gpt_worker, args=(free_port(), config, params, want,
                                                              {"ids": ids, "routes": routes, "w": w}, str(tmp_path)),
                                           nprocs=1, join=True, start_method="fork")
     errors = json.loads((tmp_path / "gpt.json").read_text())
