@@ -103,9 +103,9 @@ def held_experts(module: torch.nn.Module, leaf: str, param: torch.Tensor, read_b
     with, I its share of the expert width, in the loaded order."""
     isa = experts_packing(module) if read_back else None
     held = param.detach().cpu() if isa is None else unpacked(param.detach().cpu(), isa)
-    width = module.moe_config.intermediate_size_per_partition
+    width = getattr(module.moe_config, "intermediate_size_per_partition", None)
     padded = held.shape[1] // 2 if leaf == "w13_weight" else held.shape[2]
-    if padded == width:
+    if width is None or padded == width:  # no padding (or a vLLM that does not say): the tensor as held
         return held
     if leaf == "w13_weight":
         real = torch.cat([held[:, :width], held[:, padded:padded + width]], dim=1)
