@@ -59,25 +59,29 @@ def equal_row(check: str, rnd: int | None, observed: Any, expected: Any, detail:
 
 
 ROUTES_REPLAYED = "trainer replays the round's routes"
+NOT_OBSERVED = "not observed"
 
 
-def routes_replayed(meta: Any) -> tuple[int, str] | None:
+def routes_replayed(meta: Any) -> tuple[int | str, str] | None:
     """A round's training step against the routes of the rollout it trained on (a MoE actor under rollout.routing
     replay), from the case's sealed meta.json: ((token, MoE layer) pairs routed otherwise, summed over its steps; a
-    description). None when it recorded none: a dense actor, rollout.routing recompute, or an engine without a
-    routes() hook (then whether it replays is not verified, as in a candidate case)."""
+    description). An engine without a routes() hook (or that gave none) cannot show that it replays this round's
+    routes, and nothing else in a rounds run would see it: 'not observed', which fails the row. None when the step
+    replayed nothing (a dense actor, rollout.routing recompute)."""
     found = meta.get("routing_replay") if isinstance(meta, dict) else None
-    if not isinstance(found, list) or not found or not all(isinstance(s, dict) for s in found):
+    if not isinstance(found, list) or not found:
         return None
+    if not all(isinstance(s, dict) for s in found):
+        return NOT_OBSERVED, ("the trainer exposes no routes() hook (or it gave none): whether it replays this round's "
+                              "routes is not verified")
     try:
         differ = sum(int(s["differ"]) for s in found)
         pairs = sum(int(s["pairs"]) for s in found)
     except (KeyError, TypeError, ValueError):
-        return None
+        return NOT_OBSERVED, "the step's replay record is not a count"
     first = next((f"; first at step {k}: {s.get('first')}" for k, s in enumerate(found) if s.get("differ")), "")
     return differ, (f"{differ} of {pairs} (token, MoE layer) pairs over {len(found)} step(s) not routed as the "
                     f"round's rollout routed them{first}")
-
 
 
 ROLLOUT_EXACT = "trainer's step-0 logprobs are the round's rollout's"

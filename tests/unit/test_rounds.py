@@ -178,3 +178,19 @@ def test_a_rounds_tp_degree_the_model_cannot_split_is_refused_before_vllm_starts
     (tmp_path / "m.yaml").write_text(yaml.safe_dump(data))
     with pytest.raises(MatrixError, match="rounds.train_tp 3 does not divide"):
         load_matrix(tmp_path / "m.yaml")
+
+
+def test_the_rounds_replay_row_counts_pairs_and_fails_a_trainer_that_cannot_show_its_routes():
+    """A MoE round's training step: its replay records summed over steps; a trainer without a routes() hook (its
+    records None) or a record that is not a count is 'not observed', which fails the row (nothing else in a rounds
+    run judges the step's tensors); a step that replayed nothing has no row."""
+    from qualify.rounds.checks import NOT_OBSERVED, ROUTES_REPLAYED, equal_row, routes_replayed
+
+    counts = {"routing_replay": [{"differ": 0, "pairs": 600}, {"differ": 3, "pairs": 600, "first": "row 1"}]}
+    assert routes_replayed(counts)[0] == 3 and "3 of 1200" in routes_replayed(counts)[1]
+    assert routes_replayed({"routing_replay": [{"differ": 0, "pairs": 600}]})[0] == 0
+    for meta in ({"routing_replay": [None, None]}, {"routing_replay": [{"differ": "x", "pairs": 600}]}):
+        value, note = routes_replayed(meta)
+        row = equal_row(ROUTES_REPLAYED, 1, value, 0, note)
+        assert value == NOT_OBSERVED and not row.passed and row.rule == "== 0"
+    assert routes_replayed({}) is None and routes_replayed({"routing_replay": []}) is None
