@@ -20,6 +20,7 @@ import torch
 from qualify import metrics
 from qualify.layout import step_dir
 from qualify.store import TensorFile, read_json, read_tensors, tensor_spec
+from qualify.tensor_codec import StepCoding
 
 GROUPS = ("outputs", "grads", "updates", "moments")
 LEAN_GROUPS = ("outputs", "grads")
@@ -46,13 +47,29 @@ class RunTensors:
 
 
 def write_step(directory: Path, step: dict[str, dict[str, torch.Tensor]],
-               groups: tuple[str, ...] = GROUPS) -> None:
+               groups: tuple[str, ...] = GROUPS, coding: StepCoding | None = None) -> frozenset[str]:
     """Write one step's tensor groups (full FP32 tensors in HF names; all four unless groups says which) into
-    directory."""
+    directory. The gradients are coded (qualify.tensor_codec: bf16 values kept in bf16) and, given coding (the
+    optimizer, the step before's moments, the start and new parameters), the moments and updates too; every file
+    reads back the same fp32 bits. Returns the updates coded by their new parameter (the next step's
+    coding.startable)."""
     from qualify.store import write_tensors
+    from qualify.tensor_codec import encode_grads, encode_moments, encode_updates, param_coded
 
+    directory, coded = Path(directory), frozenset()
     for group in groups:
-        write_tensors(Path(directory) / f"{group}.safetensors", step[group])
+        tensors, metadata = step[group], None
+        if group == "grads":
+            tensors, metadata = encode_grads(tensors)
+        elif group == "moments" and coding is not None and "grad_norm" in step.get("outputs", {}):
+            norm = float(step["outputs"]["grad_norm"].reshape(-1)[0])
+            tensors, metadata = encode_moments(tensors, step["grads"], norm, coding)
+        elif group == "updates" and coding is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+            tensors, metadata = encode_updates(tensors, step.get("moments", {}), coding, directory)
+            coded = param_coded(metadata)
+        write_tensors(directory / f"{group}.safetensors", tensors, metadata)
+    return coded
 
 
 def load_run(directory: Path, step: int = 0) -> RunTensors:

@@ -7,6 +7,7 @@ summary, Markdown, JSON, HTML (qualify.report_html) or JUnit XML (qualify.junit)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,7 +109,25 @@ def evidence_summary(docs: RunDocs) -> dict[str, Any]:
     .evidence_sizes) and each case of the verdict, measured now."""
     cases = sorted(docs.verdict["cases"]) if readable(docs.verdict) else []
     return {"reference": docs.reference.get("evidence"),
-            "cases": {name: tree_bytes(docs.layout.case(name)) for name in cases}}
+            "cases": {name: tree_bytes(docs.layout.case(name)) for name in cases},
+            "cases_bytes_per_parameter_step": {name: bytes_per_parameter_step(docs.layout.case(name))
+                                               for name in cases}}
+
+
+def bytes_per_parameter_step(role_dir: Path) -> float | None:
+    """A run's gradients, updates and moments on disk per parameter per step (16 for plain fp32 files; fewer where
+    qualify.tensor_codec coded them); None where it has no readable gradients."""
+    from qualify.store import TensorFile
+
+    steps = sorted(p for p in Path(role_dir).glob("step*") if p.is_dir())
+    try:
+        grads = TensorFile(Path(role_dir) / "step0" / "grads.safetensors")
+    except EvidenceError:
+        return None
+    params = sum(math.prod(grads.spec(name)[0]) for name in grads)
+    kept = sum(tree_bytes(s) - ((s / "outputs.safetensors").stat().st_size if (s / "outputs.safetensors").is_file()
+                                else 0) for s in steps)
+    return round(kept / (params * len(steps)), 3) if params and steps else None
 
 
 def rounds_summary(rounds: dict[int, Any]) -> list[dict[str, Any]]:
@@ -215,8 +234,10 @@ def to_markdown(summary: dict[str, Any]) -> str:
     if evidence.get("reference"):
         lines.append(f"- {evidence_line(evidence['reference']).strip()}")
     if evidence.get("cases"):
-        lines.append("- cases' evidence: " + ", ".join(f"{name} {size / 1e6:.1f} MB"
-                                                         for name, size in evidence["cases"].items()))
+        per = evidence.get("cases_bytes_per_parameter_step") or {}
+        lines.append("- cases' evidence: " + ", ".join(
+            f"{name} {size / 1e6:.1f} MB" + (f" ({per[name]:g} bytes per parameter per step)" if per.get(name) else "")
+            for name, size in evidence["cases"].items()))
     acc = summary["acceptance"]
     if acc is None:
         lines.append("- acceptance: not frozen")

@@ -168,9 +168,22 @@ def read_tensors(path: Path) -> dict[str, Any]:
     if not Path(path).is_file():
         raise EvidenceError(f"missing tensor file: {path}")
     try:
-        return load_file(str(path))
+        tensors = load_file(str(path))
     except SafetensorError as exc:
         raise EvidenceError(f"{path}: not a readable safetensors file: {exc}") from exc
+    if _is_coded(path):  # a coded file (qualify.tensor_codec): its logical tensors
+        coded = TensorFile(path)
+        return {name: coded[name] for name in coded}
+    return tensors
+
+
+def _is_coded(path: Path) -> bool:
+    from safetensors import safe_open
+
+    from qualify.tensor_codec import CODEC_KEY
+
+    with safe_open(str(path), framework="pt") as f:
+        return CODEC_KEY in (f.metadata() or {})
 
 
 def _safetensors_dtypes() -> dict[str, Any]:
@@ -199,6 +212,8 @@ class TensorFile(Mapping):
     def __init__(self, path: Path) -> None:
         from safetensors import SafetensorError, safe_open
 
+        from qualify.tensor_codec import CodedFile, parse
+
         self.path = Path(path)
         if not self.path.is_file():
             raise EvidenceError(f"missing tensor file: {path}")
@@ -207,20 +222,35 @@ class TensorFile(Mapping):
                 # in the file's order, as read_tensors (load_file) returns them: sums over a group add in one order
                 self._keys = list(f.offset_keys() if hasattr(f, "offset_keys") else f.keys())
                 self._specs = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in self._keys}
+                doc = parse(f.metadata())
         except SafetensorError as exc:
             raise EvidenceError(f"{path}: not a readable safetensors file: {exc}") from exc
+        self._stored = frozenset(self._keys)
+        # a coded file (qualify.tensor_codec): its logical tensors, in a plain file's order, each fp32
+        self.coded = None if doc is None else CodedFile(self.path, doc, self._stored_tensor)
+        if self.coded is not None:
+            self._keys = self.coded.names
+            self._specs = {n: (self.coded.shapes[n], "F32") for n in self._keys}
         self._index = frozenset(self._keys)
 
-    def __getitem__(self, name: str) -> Any:
+    def _stored_tensor(self, name: str) -> Any:
+        """A tensor as stored (a coded file's part), None when the file has none of that name."""
         from safetensors import SafetensorError, safe_open
 
-        if name not in self._index:
-            raise KeyError(name)
+        if name not in self._stored:
+            return None
         try:
             with safe_open(str(self.path), framework="pt") as f:
                 return f.get_tensor(name)
         except SafetensorError as exc:
             raise EvidenceError(f"{self.path}: tensor {name} is not readable: {exc}") from exc
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._index:
+            raise KeyError(name)
+        if self.coded is not None and self.coded.is_coded(name):
+            return self.coded.decode(name)
+        return self._stored_tensor(name)
 
     def spec(self, name: str) -> tuple[tuple[int, ...], Any]:
         """(shape, torch dtype) of a tensor, from the file's header (nothing read)."""

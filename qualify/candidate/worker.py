@@ -49,6 +49,7 @@ from qualify.ppo.objective import grpo_dp_share, grpo_share, role_objective, row
 from qualify.rollout.capture import load_rollout
 from qualify.stages import complete_stage, prepare_stage
 from qualify.store import json_safe, read_tensors, write_json
+from qualify.tensor_codec import Adam, StepCoding
 from qualify.versions import provenance
 
 
@@ -184,7 +185,7 @@ def run_case(spec: CaseSpec, rank: int) -> None:
     padded_before = {k: v.detach().clone() for k, v in engine.padded_rows().items()}
     padding = {"found": padding_found(engine, before, spec.vocab_size, spec.tp, ctx.tp_rank),
                "exposed": exposed_rows(padded_before)}
-    steps, grad_dtypes, params, sampler, layout, replayed = [], {}, {}, [], None, []
+    steps, grad_dtypes, params, sampler, layout, replayed, starts = [], {}, {}, [], None, [], []
     for step in step_rows(rollout["input_ids_BT"].shape[0], spec.ppo.epochs, spec.ppo.minibatches):
         rows, offset = rank_rows(step, spec.dp, ctx.dp_rank)
         batch = case_batch(spec, rollout, rows)
@@ -208,8 +209,11 @@ def run_case(spec: CaseSpec, rank: int) -> None:
         start = params or before
         params, state = engine.params(), engine.optimizer_state()
         steps.append({"outputs": {k: v.float().cpu() for k, v in outputs.items()}, "grads": grads,
-                      "updates": {n: p.float() - start[n].float() for n, p in params.items() if n in start},
+                      "updates": {n: p.float().cpu() - start[n].float().cpu() for n, p in params.items() if n in start},
                       "moments": {f"{k}/{n}": t for k, ts in state.items() for n, t in ts.items()}})
+        if rank == 0:  # what the evidence's coding predicts the step's new parameters from (qualify.tensor_codec)
+            starts.append(start)
+            params = {n: p.detach().float().cpu().clone() for n, p in params.items()}
     replicas = gather_replicas(engine.replicated())
     padded = gather_by_rank(padded_rows_report(padded_before, engine.padded_rows()))
     padding_by_rank = gather_all(padding)
@@ -220,8 +224,11 @@ def run_case(spec: CaseSpec, rank: int) -> None:
     if rank == 0:
         out = Path(spec.case_dir)
         prepare_stage(out)
+        adam, startable = Adam.of(spec.optimizer), None
         for k, step in enumerate(steps):
-            write_step(out / step_dir(k), step)
+            new = starts[k + 1] if k + 1 < len(starts) else params
+            startable = write_step(out / step_dir(k), step, coding=StepCoding(
+                adam, k, steps[k - 1]["moments"] if k else None, starts[k], new, Path(spec.model_dir), startable))
         meta = {"grad_dtypes": grad_dtypes, "state_dtypes": {n: str(t.dtype).removeprefix("torch.")
                                                              for n, t in state.get("exp_avg", {}).items()},
                 "replica_max_abs": replicas, "padded_rows": padded, "padding": padding_by_rank, "extra_params": sorted(set(params) - set(before)),

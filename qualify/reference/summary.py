@@ -167,7 +167,7 @@ def evidence_sizes(ctx: ScoringContext, controls: list[str]) -> dict[str, Any]:
     """What the reference's evidence weighs: the whole, the runs kept in full (the r0 runs, and every control under
     reference.evidence full) with their tensor bytes per parameter per optimizer step, the controls kept as summaries
     and the replays."""
-    from safetensors import safe_open
+    from qualify.store import TensorFile
 
     layout = ctx.layout
     full, summaries, tensor_bytes, parameter_steps, counts = 0, 0, 0, 0, [0, 0]
@@ -179,8 +179,8 @@ def evidence_sizes(ctx: ScoringContext, controls: list[str]) -> dict[str, Any]:
                 if (role_dir / step_dir(0) / "grads.safetensors").is_file():
                     full, counts[0] = full + size, counts[0] + 1
                     steps = sorted(role_dir.glob("step*"))
-                    with safe_open(str(role_dir / step_dir(0) / "grads.safetensors"), framework="pt") as f:
-                        params = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118
+                    grads = TensorFile(role_dir / step_dir(0) / "grads.safetensors")  # a coded file's logical shapes
+                    params = sum(_numel(grads.spec(k)[0]) for k in grads)
                     tensor_bytes += sum(tree_bytes(s) - (s / "outputs.safetensors").stat().st_size for s in steps)
                     parameter_steps += params * len(steps)
                 else:

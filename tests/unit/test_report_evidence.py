@@ -21,9 +21,28 @@ def test_each_case_is_measured_on_disk_and_the_reference_as_recorded(tmp_path):
     case = {"passed": True, "num_checks": 1, "num_failed": 0}
     verdict = {"passed": True, "rows": [], "cases": {"a-case": case, "b-case": case, "c-never-ran": case}}
     docs = RunDocs(layout, {"evidence": REFERENCE}, None, verdict, {})
-    assert evidence_summary(docs) == {"reference": REFERENCE, "cases": {"a-case": 123, "b-case": 7, "c-never-ran": 0}}
+    assert evidence_summary(docs) == {"reference": REFERENCE, "cases": {"a-case": 123, "b-case": 7, "c-never-ran": 0},
+                                      "cases_bytes_per_parameter_step": {"a-case": None, "b-case": None,
+                                                                         "c-never-ran": None}}
     unreadable = RunDocs(layout, {}, None, "not a verdict", {})
-    assert evidence_summary(unreadable) == {"reference": None, "cases": {}}
+    assert evidence_summary(unreadable) == {"reference": None, "cases": {}, "cases_bytes_per_parameter_step": {}}
+
+
+def test_a_cases_bytes_per_parameter_step_counts_its_tensors_not_its_outputs(tmp_path):
+    """16 bytes a parameter a step for plain fp32 gradients, updates and moments; fewer when coded."""
+    import torch
+
+    from qualify.compare import write_step
+    from qualify.report import bytes_per_parameter_step
+
+    step = {"outputs": {"loss": torch.zeros(40000)}, "grads": {"w": torch.randn(20000)}, "updates": {"w": torch.randn(20000)},
+            "moments": {"exp_avg/w": torch.randn(20000), "exp_avg_sq/w": torch.rand(20000)}}
+    for k in range(2):
+        write_step(tmp_path / "plain" / f"step{k}", step)
+    assert 16 < bytes_per_parameter_step(tmp_path / "plain") < 16.5  # and the files' headers
+    bf16 = step | {"grads": {"w": torch.randn(20000).bfloat16().float()}}
+    write_step(tmp_path / "coded" / "step0", bf16)
+    assert 14 < bytes_per_parameter_step(tmp_path / "coded") < 14.6
 
 
 def test_the_evidence_line_names_mode_sizes_and_bytes_per_parameter():

@@ -1,0 +1,436 @@
+"""Lossless coding of a run's gradients, updates and moments: evidence that grows with the model, not 16 bytes a
+parameter a step (issue 29).
+
+A case keeps, per step, its gradients, its updates (new - start parameter) and AdamW's two moments, all fp32: 16 bytes
+a parameter. Most of those bits are implied by the others: a bf16 engine's gradients are bf16 values, the moments are
+AdamW's function of the clipped gradients, the new parameters AdamW's step of the moments. A coded file keeps, for such
+a tensor, only what the implication does not give, and reads back the same fp32 bits:
+
+    bf16    the tensor's values are all bf16 values: kept in bf16 (2 bytes), widened on read
+    moment  AdamW's moment: the difference of its fp32 bit pattern from a prediction made of this step's gradient
+            (grads.safetensors beside it), the clip coefficient of its reported norm and the previous step's moment
+    param   an update u = new - start: the new parameter's bit pattern as a difference from AdamW's step of this step's
+            moments from the start, the start being the initial parameter (the run's model directory) or the previous
+            step's new parameter; u is read back as the fp32 difference new - start, the operation the case made
+
+A difference of bit patterns is an integer, zero where the prediction is exact; it is kept in whichever form is
+smallest: nothing (all zero), dense in 8 or 16 bits with the elements that do not fit listed apart, a sparse list, or
+all 32 bits. The predictions are fp32 elementwise arithmetic on the CPU, one IEEE operation at a time (correctly
+rounded on every CPU), so any machine reads back the same bits; a CRC32 of each predicted tensor's bytes is checked on
+read, so a changed start or gradient is an error, never a wrong number. An engine whose optimizer is not AdamW, or
+whose moments are not fp32, loses nothing: the difference is then large and kept in 32 bits.
+
+The file's metadata key CODEC_KEY (JSON) lists the logical tensors in order with their shapes and how each is kept;
+a file without it is a plain safetensors file (every file written before this module, and every group not coded).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from qualify.errors import EvidenceError
+
+CODEC_KEY = "qualify.codec"
+FORMAT = 1
+PART = "#"
+"""Separator of a coded tensor's stored parts (name#r, name#i, name#v): no parameter name holds it."""
+
+
+def f32(x: float) -> np.float32:
+    return np.float32(x)
+
+
+def _hex(x: np.float32) -> str:
+    return float(x).hex()
+
+
+def _unhex(s: str) -> np.float32:
+    return np.float32(float.fromhex(s))
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.float32).view(np.int32)
+
+
+def crc(a: np.ndarray) -> int:
+    return zlib.crc32(np.ascontiguousarray(a).view(np.uint8).reshape(-1).data)
+
+
+# ---------------------------------------------------------------------------------------------------- the residual
+
+def residual_parts(r: np.ndarray, name: str) -> tuple[dict[str, np.ndarray], str]:
+    """An int32 difference kept in its smallest form: (stored parts by name, form)."""
+    r = r.reshape(-1)
+    idx = np.flatnonzero(r)
+    if not idx.size:
+        return {}, "zero"
+    itype = np.int32 if r.size < 2 ** 31 else np.int64
+    isize = np.dtype(itype).itemsize
+    sizes = {"sparse": idx.size * (isize + 4), "int32": 4 * r.size}
+    outside = {}
+    for form, dt in (("int8", np.int8), ("int16", np.int16)):
+        info = np.iinfo(dt)
+        out = np.flatnonzero((r < info.min) | (r > info.max))
+        outside[form] = out
+        sizes[form] = r.size * info.bits // 8 + out.size * (isize + 4)
+    form = min(sizes, key=lambda f: (sizes[f], f != "int32"))
+    if form == "int32":
+        return {f"{name}{PART}r": r.copy()}, form
+    if form == "sparse":
+        return {f"{name}{PART}i": idx.astype(itype), f"{name}{PART}v": r[idx].copy()}, form
+    dt = np.int8 if form == "int8" else np.int16
+    out = outside[form]
+    dense = r.copy()
+    dense[out] = 0
+    parts = {f"{name}{PART}r": dense.astype(dt)}
+    if out.size:
+        parts |= {f"{name}{PART}i": out.astype(itype), f"{name}{PART}v": r[out].copy()}
+    return parts, form
+
+
+def residual_from(read: Callable[[str], np.ndarray | None], name: str, form: str, numel: int) -> np.ndarray:
+    """The int32 difference back from its stored parts (read(part) -> array or None)."""
+    if form == "zero":
+        return np.zeros(numel, np.int32)
+    if form == "sparse":
+        r = np.zeros(numel, np.int32)
+        r[read(f"{name}{PART}i")] = read(f"{name}{PART}v")
+        return r
+    r = read(f"{name}{PART}r").astype(np.int32)
+    if r.size != numel:
+        raise EvidenceError(f"coded tensor {name}: {r.size} stored elements, {numel} expected")
+    idx = read(f"{name}{PART}i")
+    if idx is not None:
+        r[idx] = read(f"{name}{PART}v")
+    return r
+
+
+# ------------------------------------------------------------------------------------------------ the predictions
+
+@dataclass(frozen=True)
+class Adam:
+    """What the predictions take of the optimizer (from the case's spec), as the fp32 scalars the arithmetic uses."""
+
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    max_grad_norm: float | None
+
+    @classmethod
+    def of(cls, optimizer: Any) -> Adam:
+        get = (lambda k: optimizer.get(k)) if isinstance(optimizer, Mapping) else (lambda k: getattr(optimizer, k))
+        b1, b2 = get("betas")
+        return cls(float(get("lr")), (float(b1), float(b2)), float(get("eps")), float(get("weight_decay")),
+                   None if get("max_grad_norm") is None else float(get("max_grad_norm")))
+
+    def clip(self, norm: float) -> np.float32:
+        """The clip coefficient of a reported norm, min(1, max_norm / (norm + 1e-6)) in fp32 as torch's
+        clip_grad_norm_ computes it (the predictions' only use of it)."""
+        if not self.max_grad_norm or not math.isfinite(norm):
+            return f32(1.0)
+        with np.errstate(all="ignore"):
+            return min(f32(1.0), f32(self.max_grad_norm) / (f32(norm) + f32(1e-6)))
+
+
+def fma(a: np.float32 | torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """a x b + c rounded once to fp32 (as a fused multiply-add), through float64: the product of two fp32 values is
+    exact there, the sum rounds twice (a different last bit about once in 2^29 elements: a residual, never an error)."""
+    a64 = float(a) if isinstance(a, np.floating) else a.double()
+    return (b.double() * a64 + c.double()).float()
+
+
+def predict_moment(kind: str, g: torch.Tensor, prev: torch.Tensor | None, beta: np.float32, one_minus: np.float32,
+                   clip: np.float32) -> torch.Tensor:
+    """AdamW's moment of the clipped gradient c g in torch's form: lerp(m, c g, 1 - beta) (m + (1 - beta)(c g - m),
+    fused), or fma((1 - beta) c g, c g, beta v) (1 - beta: the fp32 of the double difference, as an optimizer takes
+    its scalars). CPU tensors, fp32 and float64 elementwise operations, each correctly rounded."""
+    cg = g * _scalar(clip)
+    prev = torch.zeros_like(cg) if prev is None else prev
+    if kind == "exp_avg":
+        return fma(one_minus, cg - prev, prev)
+    return fma(cg * _scalar(one_minus), cg, prev * _scalar(beta))
+
+
+def predict_param(p: torch.Tensor, m: torch.Tensor | None, v: torch.Tensor | None, adam_step: int,
+                  adam: Adam) -> torch.Tensor:
+    """AdamW's new parameter in torch's form, fp32: p (1 - lr wd) - ((lr / bc1) m) / (sqrt(v) / sqrt(bc2) + eps)."""
+    b1, b2 = adam.betas
+    decayed = p * _scalar(f32(1 - adam.lr * adam.weight_decay))
+    if m is None or v is None:
+        return decayed
+    size, bc2 = f32(adam.lr / (1 - b1 ** adam_step)), f32(math.sqrt(1 - b2 ** adam_step))
+    denom = v.sqrt() / _scalar(bc2) + _scalar(f32(adam.eps))
+    return decayed - (m * _scalar(size)) / denom
+
+
+def _scalar(x: np.float32) -> torch.Tensor:
+    """An fp32 scalar as a 0-d fp32 tensor: the arithmetic stays fp32 whatever the operand (a Python float would be
+    rounded to the tensor's dtype too, but a tensor says so)."""
+    return torch.tensor(float(x), dtype=torch.float32)
+
+
+# -------------------------------------------------------------------------------------------------------- writing
+
+@dataclass
+class StepCoding:
+    """What a step's coding needs beyond its own tensors: the optimizer, which step it is, the moments of the step
+    before (logical, None at the first), the start parameters and the new ones (fp32), and where a reader finds the
+    start: model_dir (the first step's, from the step's directory) or the step before's updates."""
+
+    adam: Adam
+    step: int
+    prev_moments: Mapping[str, torch.Tensor] | None = None
+    start: Mapping[str, torch.Tensor] | None = None
+    new: Mapping[str, torch.Tensor] | None = None
+    model_dir: Path | None = None
+    startable: frozenset[str] | None = None
+    """Past the first step, the updates whose new parameter the step before coded (a reader's start); None: all."""
+
+
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().cpu()
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return _cpu(t).numpy()
+
+
+def _bf16_exact(t: torch.Tensor) -> bool:
+    if t.dtype != torch.float32 or not t.numel():
+        return False
+    return bool(torch.equal(t.bfloat16().float().view(torch.int32), t.view(torch.int32)))
+
+
+def _logical(tensors: Mapping[str, torch.Tensor]) -> dict[str, Any] | None:
+    """The group's names in a plain file's order (safetensors sorts equal dtypes by name) with shapes, or None when the
+    group is not all fp32 (then it is not coded)."""
+    if not tensors or any(t.dtype != torch.float32 for t in tensors.values()):
+        return None
+    return {"format": FORMAT, "names": sorted(tensors), "shapes": {n: list(t.shape) for n, t in tensors.items()},
+            "coded": {}}
+
+
+def encode_grads(grads: Mapping[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, str] | None]:
+    """A gradient group: every bf16-valued tensor kept in bf16 (a bf16 engine's gradients are)."""
+    doc = _logical(grads)
+    if doc is None:
+        return dict(grads), None
+    stored: dict[str, Any] = {}
+    for name, t in grads.items():
+        t = t.detach().contiguous().cpu()
+        if _bf16_exact(t):
+            stored[name] = t.bfloat16()
+            doc["coded"][name] = {"form": "bf16"}
+        else:
+            stored[name] = t
+    return stored, _meta(doc)
+
+
+def _meta(doc: dict[str, Any]) -> dict[str, str] | None:
+    return {CODEC_KEY: json.dumps(doc, sort_keys=True, separators=(",", ":"))} if doc["coded"] else None
+
+
+def encode_moments(moments: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor], grad_norm: float,
+                   coding: StepCoding) -> tuple[dict[str, Any], dict[str, str] | None]:
+    """A moments group ('exp_avg/<name>', 'exp_avg_sq/<name>'): each as its difference from AdamW's moment of the
+    step's gradient and the step before's moment."""
+    doc = _logical(moments)
+    if doc is None:
+        return dict(moments), None
+    clip = coding.adam.clip(grad_norm)
+    stored: dict[str, Any] = {}
+    for key, t in moments.items():
+        kind, _, name = key.partition("/")
+        g = grads.get(name)
+        prev = None if coding.prev_moments is None else coding.prev_moments.get(key)
+        if (kind not in ("exp_avg", "exp_avg_sq") or g is None or g.dtype != torch.float32 or g.shape != t.shape
+                or (coding.step and (prev is None or prev.shape != t.shape or prev.dtype != torch.float32))):
+            stored[key] = t
+            continue
+        b = coding.adam.betas[0 if kind == "exp_avg" else 1]
+        beta, one_minus = f32(b), f32(1.0 - b)
+        actual = _np(t)
+        predicted = predict_moment(kind, _cpu(g), None if prev is None else _cpu(prev), beta, one_minus, clip)
+        parts, form = residual_parts(bits(actual) - bits(predicted.numpy()), key)
+        stored |= {k: torch.from_numpy(v) for k, v in parts.items()}
+        doc["coded"][key] = {"form": "moment", "kind": kind, "grad": name, "beta": _hex(beta),
+                             "one_minus": _hex(one_minus), "clip": _hex(clip),
+                             "residual": form, "crc": crc(actual)}
+    doc["step"] = coding.step
+    return stored, _meta(doc)
+
+
+def encode_updates(updates: Mapping[str, torch.Tensor], moments: Mapping[str, torch.Tensor], coding: StepCoding,
+                   step_dir: Path) -> tuple[dict[str, Any], dict[str, str] | None]:
+    """An updates group: each update u = new - start kept as its new parameter's difference from AdamW's step of the
+    step's moments, where new - start read back is u bit for bit; any other tensor is kept as it is."""
+    doc = _logical(updates)
+    if doc is None or coding.start is None or coding.new is None or (coding.step == 0 and coding.model_dir is None):
+        return dict(updates), None
+    stored: dict[str, Any] = {}
+    for name, u in updates.items():
+        p, new = coding.start.get(name), coding.new.get(name)
+        unreadable = coding.step > 0 and coding.startable is not None and name not in coding.startable
+        if p is None or new is None or p.shape != u.shape or new.shape != u.shape or unreadable:
+            stored[name] = u
+            continue
+        p32, new32, u32 = _cpu(p.float()), _cpu(new.float()), _cpu(u)
+        if not torch.equal((new32 - p32).view(torch.int32), u32.view(torch.int32)):  # not new - start as the reader would make it: kept whole
+            stored[name] = u
+            continue
+        m, v = moments.get(f"exp_avg/{name}"), moments.get(f"exp_avg_sq/{name}")
+        usable = m is not None and v is not None and m.shape == u.shape and v.shape == u.shape
+        predicted = predict_param(p32, _cpu(m.float()) if usable else None, _cpu(v.float()) if usable else None,
+                                  coding.step + 1, coding.adam)
+        parts, form = residual_parts(bits(new32.numpy()) - bits(predicted.numpy()), name)
+        stored |= {k: torch.from_numpy(x) for k, x in parts.items()}
+        doc["coded"][name] = {"form": "param", "moments": usable, "residual": form, "crc": crc(new32.numpy())}
+    if doc["coded"]:
+        doc["step"] = coding.step
+        doc["adam"] = {"lr": coding.adam.lr, "betas": list(coding.adam.betas), "eps": coding.adam.eps,
+                       "weight_decay": coding.adam.weight_decay}
+        doc["start"] = (_relative(coding.model_dir, step_dir) if coding.step == 0
+                        else f"../step{coding.step - 1}/updates.safetensors")
+    return stored, _meta(doc)
+
+
+def param_coded(metadata: Mapping[str, str] | None) -> frozenset[str]:
+    """The updates an encode_updates metadata coded by their new parameter (the next step's StepCoding.startable)."""
+    doc = parse(metadata)
+    return frozenset(n for n, e in (doc or {}).get("coded", {}).items() if e["form"] == "param")
+
+
+def _relative(target: Path, start: Path) -> str:
+    import os
+
+    return os.path.relpath(Path(target).resolve(), Path(start).resolve())
+
+
+# -------------------------------------------------------------------------------------------------------- reading
+
+class CodedFile:
+    """The logical view of a coded file: its names in order, shapes, and each tensor decoded on access. read(part)
+    reads a stored part (None when absent); the sibling files a prediction needs are opened as TensorFiles."""
+
+    def __init__(self, path: Path, doc: dict[str, Any], read: Callable[[str], torch.Tensor | None]) -> None:
+        if doc.get("format") != FORMAT:
+            raise EvidenceError(f"{path}: coded with format {doc.get('format')!r}; this qualify reads format {FORMAT}")
+        self.path, self.doc, self._read = Path(path), doc, read
+        self.names: list[str] = list(doc["names"])
+        self.shapes = {n: tuple(s) for n, s in doc["shapes"].items()}
+
+    def is_coded(self, name: str) -> bool:
+        return name in self.doc["coded"]
+
+    def _part(self, part: str) -> np.ndarray | None:
+        t = self._read(part)
+        return None if t is None else t.numpy()
+
+    def decode(self, name: str) -> torch.Tensor:
+        entry = self.doc["coded"][name]
+        shape = self.shapes[name]
+        if entry["form"] == "bf16":
+            return self._read(name).float()
+        numel = math.prod(shape)
+        r = residual_from(self._part, name, entry["residual"], numel)
+        if entry["form"] == "moment":
+            out = self._moment(name, entry, r)
+        elif entry["form"] == "param":
+            out = (torch.from_numpy(self.new_param(name)) - self._start(name)).numpy()
+        else:
+            raise EvidenceError(f"{self.path}: tensor {name} is coded as {entry['form']!r}, which this qualify does "
+                                "not read")
+        return torch.from_numpy(np.ascontiguousarray(out).reshape(shape))
+
+    def _check(self, name: str, entry: dict[str, Any], value: np.ndarray, what: str) -> np.ndarray:
+        if crc(value) != entry["crc"]:
+            raise EvidenceError(f"{self.path}: {name} does not decode to what was written (CRC32 differs): {what} is not "
+                                "what the case had")
+        return value
+
+    def _moment(self, key: str, entry: dict[str, Any], r: np.ndarray) -> np.ndarray:
+        from qualify.store import TensorFile
+
+        g = TensorFile(self.path.parent / "grads.safetensors")[entry["grad"]].reshape(-1)
+        prev = None
+        if self.doc.get("step", 0):
+            prev = TensorFile(self.path.parent.parent / f"step{self.doc['step'] - 1}" / self.path.name)[key]
+            prev = prev.reshape(-1)
+        predicted = predict_moment(entry["kind"], g, prev, _unhex(entry["beta"]), _unhex(entry["one_minus"]),
+                                   _unhex(entry["clip"]))
+        value = (bits(predicted.numpy()) + r).view(np.float32)
+        return self._check(key, entry, value, "its gradient or the step before's moment")
+
+    def new_param(self, name: str) -> np.ndarray:
+        """The new parameter of a 'param'-coded update (flat fp32)."""
+        from qualify.store import TensorFile
+
+        entry = self.doc["coded"][name]
+        r = residual_from(self._part, name, entry["residual"], math.prod(self.shapes[name]))
+        m = v = None
+        if entry["moments"]:
+            moments = TensorFile(self.path.parent / "moments.safetensors")
+            m, v = (moments[f"{k}/{name}"].reshape(-1) for k in ("exp_avg", "exp_avg_sq"))
+        a = self.doc["adam"]
+        adam = Adam(a["lr"], tuple(a["betas"]), a["eps"], a["weight_decay"], None)
+        predicted = predict_param(self._start(name), m, v, self.doc["step"] + 1, adam)
+        value = (bits(predicted.numpy()) + r).view(np.float32)
+        return self._check(name, entry, value, f"the start it is decoded from ({self.doc['start']})")
+
+    def _start(self, name: str) -> torch.Tensor:
+        from qualify.store import TensorFile
+
+        where = (self.path.parent / self.doc["start"]).resolve()
+        if self.doc["step"] == 0:
+            return initial_parameter(where, name).reshape(-1)
+        before = TensorFile(where)
+        coded = before.coded
+        if coded is not None and coded.is_coded(name) and coded.doc["coded"][name]["form"] == "param":
+            return torch.from_numpy(coded.new_param(name))
+        raise EvidenceError(f"{self.path}: {name}'s start, the step before's new parameter, is not kept in {where}")
+
+
+_STARTS: dict[str, Any] = {}
+
+
+def initial_parameter(model_dir: Path, name: str) -> torch.Tensor:
+    """One initial parameter (fp32, as a case starts from it) of a model directory; the directory's parameters are
+    held while it is the one asked for (each update of a step asks for its own)."""
+    from qualify.models.checkpoint import initial_parameters
+
+    key = str(Path(model_dir).resolve())
+    if _STARTS.get("dir") != key:
+        if not Path(key).is_dir():
+            raise EvidenceError(f"the start parameters of coded updates are in {key}, which does not exist (a case's "
+                                "evidence is read within its run directory)")
+        _STARTS.clear()
+        _STARTS.update({"dir": key, "params": initial_parameters(Path(key))})
+    params = _STARTS["params"]
+    if name not in params:
+        raise EvidenceError(f"{key} has no parameter {name}, which a coded update starts from")
+    return params[name].float().contiguous()
+
+
+def forget_starts() -> None:
+    """Drop the held initial parameters (a stage done with a model)."""
+    _STARTS.clear()
+
+
+def parse(metadata: Mapping[str, str] | None) -> dict[str, Any] | None:
+    """The codec document of a safetensors file's metadata, or None for a plain file."""
+    if not metadata or CODEC_KEY not in metadata:
+        return None
+    try:
+        return json.loads(metadata[CODEC_KEY])
+    except json.JSONDecodeError as exc:
+        raise EvidenceError(f"unreadable {CODEC_KEY} metadata: {exc}") from exc
