@@ -227,7 +227,7 @@ class TensorFile(Mapping):
             raise EvidenceError(f"{path}: not a readable safetensors file: {exc}") from exc
         self._stored = frozenset(self._keys)
         # a coded file (qualify.tensor_codec): its logical tensors, in a plain file's order, each fp32
-        self.coded = None if doc is None else CodedFile(self.path, doc, self._stored_tensor)
+        self.coded = None if doc is None else CodedFile(self.path, doc, self._stored_tensor, TensorFile)
         if self.coded is not None:
             self._keys = self.coded.names
             self._specs = {n: (self.coded.shapes[n], "F32") for n in self._keys}

@@ -280,7 +280,12 @@ def encode_updates(updates: Mapping[str, torch.Tensor], moments: Mapping[str, to
     stored: dict[str, Any] = {}
     for name, u in updates.items():
         p, new = coding.start.get(name), coding.new.get(name)
-        unreadable = coding.step > 0 and coding.startable is not None and name not in coding.startable
+        if coding.step == 0:  # a reader's start: the checkpoint's tensor of that name, which must be this one
+            stored_start = checkpoint_tensor(coding.model_dir, name)
+            unreadable = (stored_start is None or p is None or stored_start.shape != p.shape
+                          or not torch.equal(stored_start.float().view(torch.int32), _cpu(p.float()).view(torch.int32)))
+        else:
+            unreadable = coding.startable is not None and name not in coding.startable
         if p is None or new is None or p.shape != u.shape or new.shape != u.shape or unreadable:
             stored[name] = u
             continue
@@ -320,12 +325,14 @@ def _relative(target: Path, start: Path) -> str:
 
 class CodedFile:
     """The logical view of a coded file: its names in order, shapes, and each tensor decoded on access. read(part)
-    reads a stored part (None when absent); the sibling files a prediction needs are opened as TensorFiles."""
+    reads a stored part (None when absent); open_file(path) opens a sibling file a prediction needs, as the caller
+    reads files (qualify.store.TensorFile: a coded sibling decoded in turn)."""
 
-    def __init__(self, path: Path, doc: dict[str, Any], read: Callable[[str], torch.Tensor | None]) -> None:
+    def __init__(self, path: Path, doc: dict[str, Any], read: Callable[[str], torch.Tensor | None],
+                 open_file: Callable[[Path], Any]) -> None:
         if doc.get("format") != FORMAT:
             raise EvidenceError(f"{path}: coded with format {doc.get('format')!r}; this qualify reads format {FORMAT}")
-        self.path, self.doc, self._read = Path(path), doc, read
+        self.path, self.doc, self._read, self._open = Path(path), doc, read, open_file
         self.names: list[str] = list(doc["names"])
         self.shapes = {n: tuple(s) for n, s in doc["shapes"].items()}
 
@@ -359,12 +366,10 @@ class CodedFile:
         return value
 
     def _moment(self, key: str, entry: dict[str, Any], r: np.ndarray) -> np.ndarray:
-        from qualify.store import TensorFile
-
-        g = TensorFile(self.path.parent / "grads.safetensors")[entry["grad"]].reshape(-1)
+        g = self._open(self.path.parent / "grads.safetensors")[entry["grad"]].reshape(-1)
         prev = None
         if self.doc.get("step", 0):
-            prev = TensorFile(self.path.parent.parent / f"step{self.doc['step'] - 1}" / self.path.name)[key]
+            prev = self._open(self.path.parent.parent / f"step{self.doc['step'] - 1}" / self.path.name)[key]
             prev = prev.reshape(-1)
         predicted = predict_moment(entry["kind"], g, prev, _unhex(entry["beta"]), _unhex(entry["one_minus"]),
                                    _unhex(entry["clip"]))
@@ -373,13 +378,11 @@ class CodedFile:
 
     def new_param(self, name: str) -> np.ndarray:
         """The new parameter of a 'param'-coded update (flat fp32)."""
-        from qualify.store import TensorFile
-
         entry = self.doc["coded"][name]
         r = residual_from(self._part, name, entry["residual"], math.prod(self.shapes[name]))
         m = v = None
         if entry["moments"]:
-            moments = TensorFile(self.path.parent / "moments.safetensors")
+            moments = self._open(self.path.parent / "moments.safetensors")
             m, v = (moments[f"{k}/{name}"].reshape(-1) for k in ("exp_avg", "exp_avg_sq"))
         a = self.doc["adam"]
         adam = Adam(a["lr"], tuple(a["betas"]), a["eps"], a["weight_decay"], None)
@@ -388,42 +391,45 @@ class CodedFile:
         return self._check(name, entry, value, f"the start it is decoded from ({self.doc['start']})")
 
     def _start(self, name: str) -> torch.Tensor:
-        from qualify.store import TensorFile
-
         where = (self.path.parent / self.doc["start"]).resolve()
         if self.doc["step"] == 0:
-            return initial_parameter(where, name).reshape(-1)
-        before = TensorFile(where)
-        coded = before.coded
+            if not where.is_dir():
+                raise EvidenceError(f"{self.path}: the start parameters of its coded updates are in {where}, which does "
+                                    "not exist (a case's evidence is read within its run directory)")
+            start = checkpoint_tensor(where, name)
+            if start is None:
+                raise EvidenceError(f"{self.path}: {where} has no tensor {name}, which its coded update starts from")
+            return start.float().reshape(-1)
+        coded = self._open(where).coded
         if coded is not None and coded.is_coded(name) and coded.doc["coded"][name]["form"] == "param":
             return torch.from_numpy(coded.new_param(name))
         raise EvidenceError(f"{self.path}: {name}'s start, the step before's new parameter, is not kept in {where}")
 
 
-_STARTS: dict[str, Any] = {}
+_INDEX: dict[str, dict[str, Path]] = {}
 
 
-def initial_parameter(model_dir: Path, name: str) -> torch.Tensor:
-    """One initial parameter (fp32, as a case starts from it) of a model directory; the directory's parameters are
-    held while it is the one asked for (each update of a step asks for its own)."""
-    from qualify.models.checkpoint import initial_parameters
+def checkpoint_tensor(model_dir: Path, name: str) -> torch.Tensor | None:
+    """One tensor of a checkpoint directory's safetensors shards, as stored (None when no shard holds that name): the
+    start of a first step's coded update, read alone (a real model's parameters are never held whole for it)."""
+    from safetensors import SafetensorError, safe_open
 
     key = str(Path(model_dir).resolve())
-    if _STARTS.get("dir") != key:
-        if not Path(key).is_dir():
-            raise EvidenceError(f"the start parameters of coded updates are in {key}, which does not exist (a case's "
-                                "evidence is read within its run directory)")
-        _STARTS.clear()
-        _STARTS.update({"dir": key, "params": initial_parameters(Path(key))})
-    params = _STARTS["params"]
-    if name not in params:
-        raise EvidenceError(f"{key} has no parameter {name}, which a coded update starts from")
-    return params[name].float().contiguous()
-
-
-def forget_starts() -> None:
-    """Drop the held initial parameters (a stage done with a model)."""
-    _STARTS.clear()
+    if key not in _INDEX:
+        index: dict[str, Path] = {}
+        try:
+            for shard in sorted(Path(key).glob("*.safetensors")):
+                with safe_open(str(shard), framework="pt") as f:
+                    index.update(dict.fromkeys(f.keys(), shard))
+        except SafetensorError as exc:
+            raise EvidenceError(f"{key}: a shard is not readable safetensors: {exc}") from exc
+        _INDEX.clear()  # the model directory being read: one at a time
+        _INDEX[key] = index
+    shard = _INDEX[key].get(name)
+    if shard is None:
+        return None
+    with safe_open(str(shard), framework="pt") as f:
+        return f.get_tensor(name)
 
 
 def parse(metadata: Mapping[str, str] | None) -> dict[str, Any] | None:

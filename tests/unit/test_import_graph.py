@@ -24,6 +24,7 @@ LAYERS = [  # top floor first: a package may import its own modules and any pack
     {"bounds", "models", "slurm", "case", "resident"},
     {"matrix", "compare", "manifest", "stages", "memory"},
     {"ppo", "schema", "store", "hashing", "contract", "versions"},
+    {"tensor_codec"},
     {"errors", "layout", "metrics", "hardware", "progress", "stagelog", "childlog", "verdict"},
 ]
 

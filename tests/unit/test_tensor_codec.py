@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from qualify.compare import GROUPS, load_run, write_step
 from qualify.errors import EvidenceError
 from qualify.store import TensorFile, read_tensors, write_json, write_tensors
-from qualify.tensor_codec import CODEC_KEY, Adam, StepCoding, forget_starts, residual_from, residual_parts
+from qualify.tensor_codec import CODEC_KEY, Adam, StepCoding, residual_from, residual_parts
 
 OPT = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "max_grad_norm": 0.5}
 SHAPES = {"embed.weight": (64, 16), "layer.weight": (16, 16), "norm.weight": (16,), "head.bias": (3,)}
@@ -82,7 +82,6 @@ def test_real_adamw_steps_read_back_bit_for_bit_in_fewer_bytes(tmp_path, bf16_gr
     case, plain = tmp_path / "candidates" / "case", tmp_path / "plain"
     write_case(case, model, records, starts, final)
     write_case(plain, model, records, starts, final, coded=False)
-    forget_starts()
     for k, step in enumerate(records):
         run = load_run(case, k)
         for group in GROUPS[1:]:
@@ -120,14 +119,12 @@ def test_a_changed_start_is_an_error_not_another_number(tmp_path):
     model, records, starts, final = adamw_steps(tmp_path, steps=2)
     case = tmp_path / "candidates" / "case"
     write_case(case, model, records, starts, final)
-    forget_starts()
     tensors = read_tensors(model / "model.safetensors")
     tensors["layer.weight"] = tensors["layer.weight"] + 1e-3
     save_file(tensors, str(model / "model.safetensors"))
     run = load_run(case, 1)  # step 1 starts from step 0's new parameters, themselves decoded from the model
     with pytest.raises(EvidenceError, match=r"layer\.weight does not decode to what was written .*start"):
         run.updates["layer.weight"]
-    forget_starts()
     assert same_bits(load_run(case, 0).updates["embed.weight"], records[0]["updates"]["embed.weight"])
 
 
@@ -158,7 +155,6 @@ def test_an_optimizer_that_is_not_adamw_loses_nothing(tmp_path):
         step["moments"] = {k.replace("exp_inf", "exp_avg_sq"): v for k, v in step["moments"].items()}
     case = tmp_path / "case"
     write_case(case, model, records, starts, final)
-    forget_starts()
     for k, step in enumerate(records):
         run = load_run(case, k)
         for group in ("updates", "moments"):
