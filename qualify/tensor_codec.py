@@ -155,7 +155,8 @@ def predict_moment(kind: str, g: torch.Tensor, prev: torch.Tensor | None, beta: 
     fused), or fma((1 - beta) c g, c g, beta v) (1 - beta: the fp32 of the double difference, as an optimizer takes
     its scalars). CPU tensors, fp32 and float64 elementwise operations, each correctly rounded."""
     cg = g * _scalar(clip)
-    prev = torch.zeros_like(cg) if prev is None else prev
+    if prev is None:  # the first step, from zero: one fp32 product (the fused forms' value but for the sign of a 0)
+        return cg * _scalar(one_minus) if kind == "exp_avg" else (cg * _scalar(one_minus)) * cg
     if kind == "exp_avg":
         return fma(one_minus, cg - prev, prev)
     return fma(cg * _scalar(one_minus), cg, prev * _scalar(beta))
