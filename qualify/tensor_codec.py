@@ -77,11 +77,13 @@ def residual_parts(r: np.ndarray, name: str) -> tuple[dict[str, np.ndarray], str
     isize = np.dtype(itype).itemsize
     sizes = {"sparse": idx.size * (isize + 4), "int32": 4 * r.size}
     outside = {}
-    for form, dt in (("int8", np.int8), ("int16", np.int16)):
-        info = np.iinfo(dt)
-        out = np.flatnonzero((r < info.min) | (r > info.max))
-        outside[form] = out
-        sizes[form] = r.size * info.bits // 8 + out.size * (isize + 4)
+    if sizes["sparse"] > r.size:  # a dense form may be smaller: which elements each width cannot hold (of the nonzero)
+        nonzero = r[idx]
+        for form, dt in (("int8", np.int8), ("int16", np.int16)):
+            info = np.iinfo(dt)
+            out = idx[(nonzero < info.min) | (nonzero > info.max)]
+            outside[form] = out
+            sizes[form] = r.size * info.bits // 8 + out.size * (isize + 4)
     form = min(sizes, key=lambda f: (sizes[f], f != "int32"))
     if form == "int32":
         return {f"{name}{PART}r": r.copy()}, form
