@@ -41,22 +41,20 @@ def load_targets(layout: RunLayout, expected_digest: str | None = None) -> dict[
 
 
 def write_role(out: Path, result: dict[str, Any], info: dict[str, Any], record: dict[str, Any] | None = None,
-               lean: bool = False, optimizer: Any = None) -> None:
+               lean: bool = False) -> None:
     """Seal one role's K steps: step<k>/{outputs,grads,updates,moments}.safetensors, and meta.json (and, for a run
     that is also a control measured while it ran, its record: qualify.bounds.records). lean (an r0 under
-    reference.evidence lean, whose record holds its base_record): outputs and gradients only. optimizer (the
-    matrix's): the moments are kept as their difference from AdamW's of the gradients (qualify.tensor_codec)."""
+    reference.evidence lean, whose record holds its base_record): outputs and gradients only. The gradients are coded
+    (bf16 values in bf16), not the moments: a reference run's files are each read on their own (a replay on another
+    platform is its own gradients, moments and updates; qualify.tensor_codec's moments would read its gradients)."""
     from qualify.bounds.records import write_record
     from qualify.compare import GROUPS, LEAN_GROUPS
-    from qualify.tensor_codec import Adam, StepCoding
 
     if lean and (record is None or "base" not in record):
         raise ValueError("a run kept lean needs its record's base_record (what freeze needs of its updates)")
     prepare_stage(out)
-    steps = result["steps"]
-    for k, step in enumerate(steps):
-        coding = None if optimizer is None else StepCoding(Adam.of(optimizer), k, steps[k - 1]["moments"] if k else None)
-        write_step(out / step_dir(k), step, LEAN_GROUPS if lean else GROUPS, coding)
+    for k, step in enumerate(result["steps"]):
+        write_step(out / step_dir(k), step, LEAN_GROUPS if lean else GROUPS)
     if "layers" in result:  # step 1's per-layer activations, for qualify diagnose (qualify.bounds.layers)
         write_tensors(out / LAYERS_FILE, result["layers"])
     if record is not None:

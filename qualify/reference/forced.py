@@ -85,7 +85,7 @@ def make_replay(ctx: ScoringContext, precision: str, role: str, decided: list[to
     if stage_is_complete(out):
         return out
     result, info = run_replay(ctx, precision, role, decided)
-    write_role(out, result, info, optimizer=ctx.objective.optimizer)
+    write_role(out, result, info)
     return out
 
 

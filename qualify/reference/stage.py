@@ -200,13 +200,13 @@ class Scoring:
         recorded = time.monotonic()
         lean = ctx.reference.evidence == "lean" and control.name == self.controls[0]  # r0: outputs and gradients
         if ctx.reference.evidence == "full" or not (lean or recorded_families(name, self.controls)):
-            write_role(out, result, info, optimizer=ctx.objective.optimizer)
+            write_role(out, result, info)
         else:
             record = control_record(ctx, role, name, result, self.controls, initial_parameters(self.models[role]),
                                     base=lean, verified=self.verified, resident=self.resident)
             recorded = time.monotonic()
             if control.name == self.controls[0]:
-                write_role(out, result, info, record, lean=lean, optimizer=ctx.objective.optimizer)
+                write_role(out, result, info, record, lean=lean)
             else:
                 write_summarized_role(out, result, info, record)
         if self.log is not None:  # where a run's time goes (information: not part of the evidence)
