@@ -23,9 +23,9 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from qualify.compare import GROUPS, load_run, write_step  # noqa: E402
-from qualify.store import tree_bytes, write_json  # noqa: E402
-from qualify.tensor_codec import Adam, StepCoding  # noqa: E402
+from qualify.compare import GROUPS, load_run, write_step
+from qualify.store import tree_bytes, write_json
+from qualify.tensor_codec import Adam, StepCoding
 
 OPT = {"lr": 1e-5, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "max_grad_norm": 1.0}
 

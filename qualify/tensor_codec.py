@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +41,9 @@ import torch
 from qualify.errors import EvidenceError
 
 CODEC_KEY = "qualify.codec"
-FORMAT = 1
+FORMAT = 2
+"""The predictions' arithmetic: a file is read only by the code that predicts as its writer did (1: torch's square
+root, which is not correctly rounded; never in a stopped commit)."""
 PART = "#"
 """Separator of a coded tensor's stored parts (name#r, name#i, name#v): no parameter name holds it."""
 
@@ -357,10 +360,8 @@ class CodedFile:
         shape = self.shapes[name]
         if entry["form"] == "bf16":
             return self._read(name).float()
-        numel = math.prod(shape)
-        r = residual_from(self._part, name, entry["residual"], numel)
         if entry["form"] == "moment":
-            out = self._moment(name, entry, r)
+            out = self._cached("moment", name, lambda: self._moment(name, entry))
         elif entry["form"] == "param":
             out = (torch.from_numpy(self.new_param(name)) - self._start(name)).numpy()
         else:
@@ -374,7 +375,25 @@ class CodedFile:
                                 "what the case had")
         return value
 
-    def _moment(self, key: str, entry: dict[str, Any], r: np.ndarray) -> np.ndarray:
+    def _cached(self, kind: str, name: str, compute: Callable[[], np.ndarray]) -> np.ndarray:
+        """compute(), or a copy of it from the decoded tensors held (a later step's prediction reads the step
+        before's moment and new parameter: without them every step would decode all the steps before it again)."""
+        stat = self.path.stat()
+        key = (str(self.path.resolve()), stat.st_mtime_ns, stat.st_size, kind, name)
+        held = _DECODED.get(key)
+        if held is not None:
+            _DECODED.move_to_end(key)
+            return held.copy()
+        value = compute()
+        if value.nbytes <= DECODED_BYTES // 4:
+            _DECODED[key] = value.copy()
+            _HELD[0] += value.nbytes
+            while _HELD[0] > DECODED_BYTES:
+                _HELD[0] -= _DECODED.popitem(last=False)[1].nbytes
+        return value
+
+    def _moment(self, key: str, entry: dict[str, Any]) -> np.ndarray:
+        r = residual_from(self._part, key, entry["residual"], math.prod(self.shapes[key]))
         g = self._open(self.path.parent / "grads.safetensors")[entry["grad"]].reshape(-1)
         prev = None
         if self.doc.get("step", 0):
@@ -387,6 +406,9 @@ class CodedFile:
 
     def new_param(self, name: str) -> np.ndarray:
         """The new parameter of a 'param'-coded update (flat fp32)."""
+        return self._cached("new", name, lambda: self._new_param(name))
+
+    def _new_param(self, name: str) -> np.ndarray:
         entry = self.doc["coded"][name]
         r = residual_from(self._part, name, entry["residual"], math.prod(self.shapes[name]))
         m = v = None
@@ -414,6 +436,11 @@ class CodedFile:
             return torch.from_numpy(coded.new_param(name))
         raise EvidenceError(f"{self.path}: {name}'s start, the step before's new parameter, is not kept in {where}")
 
+
+DECODED_BYTES = 256 << 20
+"""How many bytes of decoded moments and new parameters a process holds (the most recently used)."""
+_DECODED: OrderedDict[tuple, np.ndarray] = OrderedDict()
+_HELD = [0]
 
 _INDEX: dict[str, dict[str, Path]] = {}
 
