@@ -10,7 +10,7 @@
 # deepspeed (`pip wheel deepspeed==0.19.8 --no-deps -w .whl`), hjson, py-cpuinfo, msgpack, einops.
 # STAGES (default all of them: reference freeze candidate verify report) runs some of them, for a chain split over
 # several calls of at most 10 minutes on one warm machine (the run directory stays in /tmp between calls).
-# CASES (a glob) runs only the cases it matches.
+# CASES (a glob) runs only the cases it matches; LAUNCHES (default 2) launch groups run at once on the GPU.
 # Usage: [STAGES="..."] [CASES=GLOB] bash benchmarks/gpu_chain.sh OUT_DIR [MATRIX] [RUN_DIR] [ROLLOUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,7 +38,7 @@ for stage in $stages; do
   case $stage in
     reference) cmd=(reference "$matrix" --run "$run"); [ -z "$rollout" ] || cmd+=(--rollout "$rollout") ;;
     freeze) cmd=(freeze "$run") ;;
-    candidate) cmd=(candidate "$matrix" --run "$run"); [ -z "${CASES:-}" ] || cmd+=(--only "$CASES") ;;
+    candidate) cmd=(candidate "$matrix" --run "$run" --launches "${LAUNCHES:-2}"); [ -z "${CASES:-}" ] || cmd+=(--only "$CASES") ;;
     verify) cmd=(verify "$run/acceptance/acceptance.json") ;;
     report) cmd=(report "$run" --format html --out "$out/report.html") ;;
     *) echo "gpu_chain.sh: unknown stage $stage" >&2; exit 2 ;;

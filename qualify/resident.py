@@ -66,6 +66,8 @@ def steps_bytes(steps: Sequence[RunTensors]) -> int:
 
 
 def _moved(group: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    if isinstance(group, TensorFile):  # read (a coded tensor decoded) straight onto the device
+        return {n: group.tensor(n, device) for n in group}
     return {n: t.to(device) for n, t in group.items()}
 
 

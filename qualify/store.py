@@ -246,11 +246,17 @@ class TensorFile(Mapping):
             raise EvidenceError(f"{self.path}: tensor {name} is not readable: {exc}") from exc
 
     def __getitem__(self, name: str) -> Any:
+        return self.tensor(name)
+
+    def tensor(self, name: str, device: Any = None) -> Any:
+        """The tensor of that name on device (default the CPU); a coded one is decoded there (a GPU decodes a
+        case's moments and new parameters where a CPU would take seconds a tensor, to the same bits)."""
         if name not in self._index:
             raise KeyError(name)
         if self.coded is not None and self.coded.is_coded(name):
-            return self.coded.decode(name)
-        return self._stored_tensor(name)
+            return self.coded.decode(name, device)
+        t = self._stored_tensor(name)
+        return t if device is None else t.to(device)
 
     def spec(self, name: str) -> tuple[tuple[int, ...], Any]:
         """(shape, torch dtype) of a tensor, from the file's header (nothing read)."""

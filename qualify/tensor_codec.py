@@ -42,6 +42,7 @@ from qualify.errors import EvidenceError
 
 CODEC_KEY = "qualify.codec"
 FORMAT = 2
+READS = (2,)
 """The predictions' arithmetic: a file is read only by the code that predicts as its writer did (1: torch's square
 root, which is not correctly rounded; never in a stopped commit)."""
 PART = "#"
@@ -64,7 +65,10 @@ def bits(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.float32).view(np.int32)
 
 
-def crc(a: np.ndarray) -> int:
+def crc(a: np.ndarray | torch.Tensor) -> int:
+    """CRC32 of an array's bytes (a GPU tensor's copied to the host for it)."""
+    if isinstance(a, torch.Tensor):
+        a = a.detach().contiguous().cpu().numpy()
     return zlib.crc32(np.ascontiguousarray(a).view(np.uint8).reshape(-1).data)
 
 
@@ -102,20 +106,24 @@ def residual_parts(r: np.ndarray, name: str) -> tuple[dict[str, np.ndarray], str
     return parts, form
 
 
-def residual_from(read: Callable[[str], np.ndarray | None], name: str, form: str, numel: int) -> np.ndarray:
-    """The int32 difference back from its stored parts (read(part) -> array or None)."""
+def residual_from(read: Callable[[str], torch.Tensor | None], name: str, form: str, numel: int,
+                  device: torch.device | None = None) -> torch.Tensor:
+    """The int32 difference back from its stored parts (read(part) -> CPU tensor or None), on device (default the
+    CPU): only the stored parts are copied there (an int8 form a quarter of the difference's bytes)."""
+    device = torch.device("cpu") if device is None else device
+    part = (lambda p: None if (t := read(f"{name}{PART}{p}")) is None else t.to(device))
     if form == "zero":
-        return np.zeros(numel, np.int32)
+        return torch.zeros(numel, dtype=torch.int32, device=device)
     if form == "sparse":
-        r = np.zeros(numel, np.int32)
-        r[read(f"{name}{PART}i")] = read(f"{name}{PART}v")
+        r = torch.zeros(numel, dtype=torch.int32, device=device)
+        r[part("i").long()] = part("v").to(torch.int32)
         return r
-    r = read(f"{name}{PART}r").astype(np.int32)
-    if r.size != numel:
-        raise EvidenceError(f"coded tensor {name}: {r.size} stored elements, {numel} expected")
-    idx = read(f"{name}{PART}i")
+    r = part("r").to(torch.int32)
+    if r.numel() != numel:
+        raise EvidenceError(f"coded tensor {name}: {r.numel()} stored elements, {numel} expected")
+    idx = part("i")
     if idx is not None:
-        r[idx] = read(f"{name}{PART}v")
+        r[idx.long()] = part("v").to(torch.int32)
     return r
 
 
@@ -180,9 +188,18 @@ def predict_param(p: torch.Tensor, m: torch.Tensor | None, v: torch.Tensor | Non
     # torch divides by a scalar as a product with its fp32 reciprocal: written so here, never left to torch's choice;
     # the square root is numpy's (the CPU's instruction, correctly rounded): torch 2.13's CPU sqrt is not (11,064 of
     # 65,536 fp32 roots a bit off here), so it could differ between machines
-    root = torch.from_numpy(np.sqrt(v.contiguous().numpy()))
+    root = _sqrt(v)
     denom = root * _scalar(f32(1.0) / bc2) + _scalar(f32(adam.eps))
     return decayed - (m * _scalar(size)) / denom
+
+
+def _sqrt(v: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded square root: numpy's on the CPU (the instruction; torch 2.13's CPU sqrt is not correctly
+    rounded), CUDA's own on a GPU (IEEE-rounded sqrt, as torch is built without fast math): the same bits, which
+    tests/gpu/test_codec_gpu.py measures against numpy for every fp32 value."""
+    if v.device.type == "cpu":
+        return torch.from_numpy(np.sqrt(v.contiguous().numpy()))
+    return torch.sqrt(v)
 
 
 def _scalar(x: np.float32) -> torch.Tensor:
@@ -336,14 +353,17 @@ def _relative(target: Path, start: Path) -> str:
 # -------------------------------------------------------------------------------------------------------- reading
 
 class CodedFile:
-    """The logical view of a coded file: its names in order, shapes, and each tensor decoded on access. read(part)
-    reads a stored part (None when absent); open_file(path) opens a sibling file a prediction needs, as the caller
-    reads files (qualify.store.TensorFile: a coded sibling decoded in turn)."""
+    """The logical view of a coded file: its names in order, shapes, and each tensor decoded on access, on the CPU or
+    on a GPU (the same bits: every prediction's operation is correctly rounded on either; the check of each decoded
+    tensor makes any difference an error). read(part) reads a stored part (None when absent); open_file(path) opens
+    a sibling file a prediction needs, as the caller reads files (qualify.store.TensorFile: a coded sibling decoded
+    in turn, its .tensor(name, device) on a device)."""
 
     def __init__(self, path: Path, doc: dict[str, Any], read: Callable[[str], torch.Tensor | None],
                  open_file: Callable[[Path], Any]) -> None:
-        if doc.get("format") != FORMAT:
-            raise EvidenceError(f"{path}: coded with format {doc.get('format')!r}; this qualify reads format {FORMAT}")
+        if doc.get("format") not in READS:
+            raise EvidenceError(f"{path}: coded with format {doc.get('format')!r}; this qualify reads formats "
+                                f"{', '.join(map(str, READS))}")
         self.path, self.doc, self._read, self._open = Path(path), doc, read, open_file
         self.names: list[str] = list(doc["names"])
         self.shapes = {n: tuple(s) for n, s in doc["shapes"].items()}
@@ -351,77 +371,81 @@ class CodedFile:
     def is_coded(self, name: str) -> bool:
         return name in self.doc["coded"]
 
-    def _part(self, part: str) -> np.ndarray | None:
-        t = self._read(part)
-        return None if t is None else t.numpy()
-
-    def decode(self, name: str) -> torch.Tensor:
+    def decode(self, name: str, device: torch.device | str | None = None) -> torch.Tensor:
+        """The logical fp32 tensor, made on device (default the CPU)."""
+        device = torch.device("cpu") if device is None else torch.device(device)
         entry = self.doc["coded"][name]
         shape = self.shapes[name]
         if entry["form"] == "bf16":
-            return self._read(name).float()
+            return self._read(name).to(device).float()
         if entry["form"] == "moment":
-            out = self._cached("moment", name, lambda: self._moment(name, entry))
+            out = self._cached("moment", name, device, lambda: self._moment(name, entry, device))
         elif entry["form"] == "param":
-            out = (torch.from_numpy(self.new_param(name)) - self._start(name)).numpy()
+            out = self.new_param(name, device) - self._start(name, device)
         else:
             raise EvidenceError(f"{self.path}: tensor {name} is coded as {entry['form']!r}, which this qualify does "
                                 "not read")
-        return torch.from_numpy(np.ascontiguousarray(out).reshape(shape))
+        return out.reshape(shape)
 
-    def _check(self, name: str, entry: dict[str, Any], value: np.ndarray, what: str) -> np.ndarray:
+    def _check(self, name: str, entry: dict[str, Any], value: torch.Tensor, what: str) -> torch.Tensor:
         if crc(value) != entry["crc"]:
             raise EvidenceError(f"{self.path}: {name} does not decode to what was written (CRC32 differs): {what} is not "
                                 "what the case had")
         return value
 
-    def _cached(self, kind: str, name: str, compute: Callable[[], np.ndarray]) -> np.ndarray:
-        """compute(), or a copy of it from the decoded tensors held (a later step's prediction reads the step
-        before's moment and new parameter: without them every step would decode all the steps before it again)."""
+    def _cached(self, kind: str, name: str, device: torch.device,
+                compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """compute(), or a copy of it from the decoded tensors held on that device (a later step's prediction reads
+        the step before's moment and new parameter: without them every step would decode all the steps before it
+        again)."""
         stat = self.path.stat()
-        key = (str(self.path.resolve()), stat.st_mtime_ns, stat.st_size, kind, name)
+        key = (str(self.path.resolve()), stat.st_mtime_ns, stat.st_size, kind, name, str(device))
         held = _DECODED.get(key)
         if held is not None:
             _DECODED.move_to_end(key)
-            return held.copy()
+            return held.clone()
         value = compute()
-        if value.nbytes <= DECODED_BYTES // 4:
-            _DECODED[key] = value.copy()
-            _HELD[0] += value.nbytes
-            while _HELD[0] > DECODED_BYTES:
-                _HELD[0] -= _DECODED.popitem(last=False)[1].nbytes
+        nbytes = value.numel() * value.element_size()
+        if nbytes <= held_bytes(device) // 4:
+            _DECODED[key] = value.clone()
+            _HELD[key[-1]] = _HELD.get(key[-1], 0) + nbytes
+            while _HELD[key[-1]] > held_bytes(device):
+                oldest = next(k for k in _DECODED if k[-1] == key[-1])
+                gone = _DECODED.pop(oldest)
+                _HELD[key[-1]] -= gone.numel() * gone.element_size()
         return value
 
-    def _moment(self, key: str, entry: dict[str, Any]) -> np.ndarray:
-        r = residual_from(self._part, key, entry["residual"], math.prod(self.shapes[key]))
-        g = self._open(self.path.parent / "grads.safetensors")[entry["grad"]].reshape(-1)
+    def _moment(self, key: str, entry: dict[str, Any], device: torch.device) -> torch.Tensor:
+        r = residual_from(self._read, key, entry["residual"], math.prod(self.shapes[key]), device)
+        g = self._open(self.path.parent / "grads.safetensors").tensor(entry["grad"], device).reshape(-1)
         prev = None
         if self.doc.get("step", 0):
-            prev = self._open(self.path.parent.parent / f"step{self.doc['step'] - 1}" / self.path.name)[key]
-            prev = prev.reshape(-1)
+            prev = self._open(self.path.parent.parent / f"step{self.doc['step'] - 1}" / self.path.name)
+            prev = prev.tensor(key, device).reshape(-1)
         predicted = predict_moment(entry["kind"], g, prev, _unhex(entry["beta"]), _unhex(entry["one_minus"]),
                                    _unhex(entry["clip"]))
-        value = (bits(predicted.numpy()) + r).view(np.float32)
+        value = (predicted.view(torch.int32) + r).view(torch.float32)
         return self._check(key, entry, value, "its gradient or the step before's moment")
 
-    def new_param(self, name: str) -> np.ndarray:
-        """The new parameter of a 'param'-coded update (flat fp32)."""
-        return self._cached("new", name, lambda: self._new_param(name))
+    def new_param(self, name: str, device: torch.device | str | None = None) -> torch.Tensor:
+        """The new parameter of a 'param'-coded update (flat fp32), made on device (default the CPU)."""
+        device = torch.device("cpu") if device is None else torch.device(device)
+        return self._cached("new", name, device, lambda: self._new_param(name, device))
 
-    def _new_param(self, name: str) -> np.ndarray:
+    def _new_param(self, name: str, device: torch.device) -> torch.Tensor:
         entry = self.doc["coded"][name]
-        r = residual_from(self._part, name, entry["residual"], math.prod(self.shapes[name]))
+        r = residual_from(self._read, name, entry["residual"], math.prod(self.shapes[name]), device)
         m = v = None
         if entry["moments"]:
             moments = self._open(self.path.parent / "moments.safetensors")
-            m, v = (moments[f"{k}/{name}"].reshape(-1) for k in ("exp_avg", "exp_avg_sq"))
+            m, v = (moments.tensor(f"{k}/{name}", device).reshape(-1) for k in ("exp_avg", "exp_avg_sq"))
         a = self.doc["adam"]
         adam = Adam(a["lr"], tuple(a["betas"]), a["eps"], a["weight_decay"], None)
-        predicted = predict_param(self._start(name), m, v, self.doc["step"] + 1, adam)
-        value = (bits(predicted.numpy()) + r).view(np.float32)
+        predicted = predict_param(self._start(name, device), m, v, self.doc["step"] + 1, adam)
+        value = (predicted.view(torch.int32) + r).view(torch.float32)
         return self._check(name, entry, value, f"the start it is decoded from ({self.doc['start']})")
 
-    def _start(self, name: str) -> torch.Tensor:
+    def _start(self, name: str, device: torch.device) -> torch.Tensor:
         where = (self.path.parent / self.doc["start"]).resolve()
         if self.doc["step"] == 0:
             if not where.is_dir():
@@ -430,17 +454,36 @@ class CodedFile:
             start = checkpoint_tensor(where, name)
             if start is None:
                 raise EvidenceError(f"{self.path}: {where} has no tensor {name}, which its coded update starts from")
-            return start.float().reshape(-1)
+            return start.to(device).float().reshape(-1)
         coded = self._open(where).coded
         if coded is not None and coded.is_coded(name) and coded.doc["coded"][name]["form"] == "param":
-            return torch.from_numpy(coded.new_param(name))
+            return coded.new_param(name, device)
         raise EvidenceError(f"{self.path}: {name}'s start, the step before's new parameter, is not kept in {where}")
 
 
 DECODED_BYTES = 256 << 20
-"""How many bytes of decoded moments and new parameters a process holds (the most recently used)."""
-_DECODED: OrderedDict[tuple, np.ndarray] = OrderedDict()
-_HELD = [0]
+"""How many bytes of decoded moments and new parameters a process holds in host memory (the most recently used)."""
+DECODED_GPU_SHARE = 0.1
+"""The share of a GPU's memory the decoded tensors held there may take: a step's moments and new parameters, which the
+next step's decode reads (7.2 GB at Qwen3-0.6B, 14 GB of an H200)."""
+_DECODED: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+_HELD: dict[str, int] = {}
+
+
+def held_bytes(device: torch.device) -> int:
+    """How many bytes of decoded tensors may be held on device."""
+    if device.type == "cuda":
+        return int(DECODED_GPU_SHARE * torch.cuda.get_device_properties(device).total_memory)
+    return DECODED_BYTES
+
+
+def release(device: torch.device | str | None = None) -> None:
+    """Drop the decoded tensors held (on device, or everywhere)."""
+    where = None if device is None else str(torch.device(device))
+    for key in [k for k in _DECODED if where is None or k[-1] == where]:
+        gone = _DECODED.pop(key)
+        _HELD[key[-1]] -= gone.numel() * gone.element_size()
+
 
 _INDEX: dict[str, dict[str, Path]] = {}
 

@@ -46,6 +46,7 @@ from qualify.resident import Resident
 from qualify.stagelog import StageLog
 from qualify.stages import stage_info, stage_is_complete
 from qualify.store import read_json, write_json
+from qualify.tensor_codec import release as release_decoded
 from qualify.verdict import VERDICT_SCHEMA, Row, Verdict, make_verdict
 
 
@@ -268,6 +269,8 @@ def judge_case(ctx: ScoringContext, case: Case, bounds: dict, before: dict, veri
                      for r in decision_rows(case.name, case.role, comparison, mine, theirs, fam, steps=same + 1)[-1:]]
         if bitwise:
             rows += bitwise_rows(case.name, case.role, axis, cand, base_steps)
+    if resident.device is not None:  # the case's decoded tensors held there (qualify.tensor_codec): no longer read
+        release_decoded(resident.device)
     return rows
 
 
@@ -289,8 +292,9 @@ def case_invariance(layout: RunLayout, case: Case, rows: list[Row]) -> dict[str,
 
 
 def run_candidates(matrix: Matrix, run_dir: Path, *, acceptance: Path | None = None,
-                   only: str | None = None, expect: str | None = None) -> Verdict:
-    """Run and judge the (selected) cases; returns the verdict document."""
+                   only: str | None = None, expect: str | None = None, launches: int = 1) -> Verdict:
+    """Run and judge the (selected) cases; returns the verdict document. launches: how many launch groups run at
+    once (each its own ranks; the judging starts when all have ended)."""
     layout = RunLayout(Path(run_dir))
     check_engines(matrix.candidates, matrix.source)
     acc = Acceptance.load(Path(acceptance) if acceptance else layout.acceptance, layout.reference)
@@ -310,9 +314,17 @@ def run_candidates(matrix: Matrix, run_dir: Path, *, acceptance: Path | None = N
                                      targets_digest=doc["targets_digest"], case_dir=layout.case(c.name),
                                      vocab_size=vocab, device=device), doc) for c in cases}
     errors: dict[str, str] = {}
-    for _, group in itertools.groupby(sorted(cases, key=lambda c: (c.tp, c.dp, c.engine)),
-                                      key=lambda c: (c.engine, c.tp, c.dp)):
-        errors |= run_group(layout, list(group), specs, device, log)
+    groups = [list(group) for _, group in itertools.groupby(sorted(cases, key=lambda c: (c.tp, c.dp, c.engine)),
+                                                            key=lambda c: (c.engine, c.tp, c.dp))]
+    if launches > 1 and len(groups) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(launches, len(groups))) as pool:
+            for found in pool.map(lambda group: run_group(layout, group, specs, device, log), groups):
+                errors |= found
+    else:
+        for group in groups:
+            errors |= run_group(layout, group, specs, device, log)
     befores = {role: initial_parameters(path) for role, path in models.items()}
     rows: list[Row] = []
     verified = frozenset(c.name for c in cases if c.name not in errors)  # run_group checked each seal

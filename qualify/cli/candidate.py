@@ -26,6 +26,10 @@ def main(
     junit: Annotated[Path | None, typer.Option("--junit", help="Also write the verdict as JUnit XML to this file.")]
     = None,
     expect: ExpectOpt = None,
+    launches: Annotated[int, typer.Option(
+        "--launches", min=1,
+        help="How many launches (cases sharing engine, TP and DP) run at once. On one GPU they share it: at the "
+             "Qwen3-0.6B shape two launches take one's time (their ranks spend it importing and loading).")] = 1,
 ) -> None:
     from qualify.candidate.run import run_candidates
     from qualify.cli.verdict_view import show_verdict
@@ -37,7 +41,8 @@ def main(
         from qualify.errors import QualifyError
 
         raise QualifyError(f"--junit {junit}: directory {junit.parent} does not exist")
-    verdict = run_candidates(m, run or default_run_dir(m.name), acceptance=acceptance, only=only, expect=expect)
+    verdict = run_candidates(m, run or default_run_dir(m.name), acceptance=acceptance, only=only, expect=expect,
+                             launches=launches)
     if junit is not None:
         from qualify.junit import to_junit
         from qualify.store import atomic_write_bytes

@@ -59,7 +59,8 @@ def test_freeze_makes_actor_bounds_only(grpo_run):
 
 
 def test_torch_tp_passes_at_tp1_dp2_and_tp2(grpo_run, grpo_matrix):
-    verdict = run_candidates(grpo_matrix, grpo_run, only="torch-tp-fp32-*").to_json()
+    # the three launches (TP1xDP1, TP1xDP2, TP2xDP1) run at once (`qualify candidate --launches 3`)
+    verdict = run_candidates(grpo_matrix, grpo_run, only="torch-tp-fp32-*", launches=3).to_json()
     cases = verdict["cases"]
     assert set(cases) == {"torch-tp-fp32-tp1-actor", "torch-tp-fp32-tp1-dp2-actor", "torch-tp-fp32-tp2-actor"}
     failed = [r for r in verdict["rows"] if not r["passed"]]

@@ -1,0 +1,88 @@
+"""qualify.tensor_codec decodes on a GPU to the bits the CPU decodes: every operation of its predictions is correctly
+rounded on both (CUDA's square root, products, sums and quotients against numpy's and the CPU's), and a coded case
+read on the GPU is the case read on the CPU, tensor for tensor. Needs CUDA."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from qualify.errors import EvidenceError
+from qualify.store import TensorFile
+from qualify.tensor_codec import release
+from tests.unit.test_tensor_codec import adamw_steps, write_case
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="decoding on a GPU needs CUDA")
+
+
+def test_cuda_square_root_is_numpys_for_every_positive_fp32_value():
+    """All 2^31 non-negative fp32 bit patterns (normals, subnormals, infinity, NaNs): CUDA's sqrt gives numpy's
+    bits (the CPU's correctly rounded instruction) in every one that is not a NaN, and a NaN where numpy's is."""
+    chunk = 1 << 27
+    for start in range(0, 1 << 31, chunk):
+        b = torch.arange(start, start + chunk, dtype=torch.int64).to(torch.int32)
+        x = b.view(torch.float32)
+        ours = torch.sqrt(x.cuda()).cpu().numpy()
+        theirs = np.sqrt(x.numpy())
+        nan = np.isnan(theirs)
+        assert np.array_equal(np.isnan(ours), nan)
+        differ = np.flatnonzero(ours.view(np.int32)[~nan] != theirs.view(np.int32)[~nan])
+        assert not differ.size, f"{differ.size} roots differ from 0x{start:08x}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cuda_products_sums_and_quotients_are_the_cpus(dtype):
+    """2^24 random pairs over 40 binades (and their signs): product, sum, difference and quotient on the GPU are the
+    CPU's bits (each correctly rounded on both)."""
+    gen = torch.Generator().manual_seed(29)
+    n = 1 << 24
+
+    def draw():
+        mant = torch.rand(n, generator=gen, dtype=torch.float64) + 1.0
+        exp = torch.randint(-20, 20, (n,), generator=gen).to(torch.float64)
+        sign = torch.randint(0, 2, (n,), generator=gen).to(torch.float64) * 2 - 1
+        return (sign * mant * torch.exp2(exp)).to(dtype)
+
+    a, b = draw(), draw()
+    ga, gb = a.cuda(), b.cuda()
+    for op in (torch.mul, torch.add, torch.sub, torch.div):
+        cpu, gpu = op(a, b), op(ga, gb).cpu()
+        assert torch.equal(cpu, gpu), f"{op.__name__} in {dtype}: {int((cpu != gpu).sum())} of {n} differ"
+
+
+@pytest.mark.parametrize("bf16_grads", [False, True])
+def test_a_case_decoded_on_the_gpu_is_the_case_decoded_on_the_cpu(tmp_path, bf16_grads):
+    model, records, starts, final = adamw_steps(tmp_path, steps=3, bf16_grads=bf16_grads)
+    case = tmp_path / "case"
+    write_case(case, model, records, starts, final)
+    checked = 0
+    for k in range(3):
+        for group in ("grads", "updates", "moments"):
+            f = TensorFile(case / f"step{k}" / f"{group}.safetensors")
+            for name in f:
+                release()
+                on_gpu = f.tensor(name, "cuda")
+                assert on_gpu.is_cuda
+                assert torch.equal(on_gpu.cpu().view(torch.int32), f[name].view(torch.int32)), (k, group, name)
+                checked += 1
+    assert checked == 3 * (4 + 4 + 8)
+
+
+def test_a_changed_start_fails_the_gpu_decode_by_name(tmp_path):
+    """The negative control: the start of a first step's coded update changed after the case was written; decoded
+    on the GPU it is refused by its check, as on the CPU, never read as another number."""
+    from safetensors.torch import load_file, save_file
+
+    model, records, starts, final = adamw_steps(tmp_path, steps=1)
+    case = tmp_path / "case"
+    write_case(case, model, records, starts, final)
+    weights = load_file(str(model / "model.safetensors"))
+    weights["layer.weight"] = weights["layer.weight"] + 1e-3
+    save_file(weights, str(model / "model.safetensors"))
+    release()
+    from qualify import tensor_codec
+
+    tensor_codec._INDEX.clear()
+    with pytest.raises(EvidenceError, match="layer.weight does not decode"):
+        TensorFile(case / "step0" / "updates.safetensors").tensor("layer.weight", "cuda")
