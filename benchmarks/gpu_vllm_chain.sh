@@ -6,7 +6,8 @@
 # tool, whose calls carry at most 64 MiB, back to back so the machine stays warm (/tmp survives between calls):
 #   stash .gpu/xz/pNN     (one call per part, carry .gpu/xz/pNN; for slurm also .gpu/slurm-debs): copy it to /tmp/carry
 #   run OUT [MATRIX] [RUN]  (after the last stash): join the parts, install, then the chain, probe and rounds
-#   chain OUT [MATRIX] [RUN]: as run, without the probe and rounds (capture, reference, freeze, every case, report)
+#   chain OUT [MATRIX] [RUN]: as run, without the probe and rounds (capture, reference, freeze, every case, verify,
+#                         report; REPORT_JSON=1 also writes OUT/report.json, judging every case once more)
 #   slurm OUT [MATRIX] [RUN] [CASES]: scripts/slurm-gpu.sh, then `qualify sbatch --submit --wait` with one
 #                         candidate task requeued while it runs
 # Run it from a clean copy of a commit (git archive HEAD | tar -x -C .gpu/src; carry .gpu/src) so the figures
@@ -128,10 +129,11 @@ chain() {  # the product path without the probe and rounds: GPU vLLM capture, re
   [ -e .whl ] || [ ! -d /tmp/bundle/.whl ] || ln -s /tmp/bundle/.whl .whl
   versions
   mkdir -p "$out"
-  timed "qualify reference --stage capture (vLLM TP1 and TP2)" qualify reference "$matrix" --run "$run" --stage capture
-  local rc=0
+  local start=$EPOCHREALTIME rc=0
+  timed "qualify reference --stage capture (vLLM)" qualify reference "$matrix" --run "$run" --stage capture
   bash benchmarks/gpu_chain.sh "$out" "$matrix" "$run" || rc=$?
-  qualify report "$run" --format json > "$out/report.json" 2>/dev/null || true
+  awk -v s="$start" -v e="$EPOCHREALTIME" 'BEGIN{printf "== capture to report: %.1f s\n", e - s}' | tee -a "$out/stages.md"
+  [ -z "${REPORT_JSON:-}" ] || qualify report "$run" --format json > "$out/report.json" 2>/dev/null || true
   return $rc
 }
 

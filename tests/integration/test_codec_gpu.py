@@ -86,3 +86,19 @@ def test_a_changed_start_fails_the_gpu_decode_by_name(tmp_path):
     tensor_codec._INDEX.clear()
     with pytest.raises(EvidenceError, match="layer.weight does not decode"):
         TensorFile(case / "step0" / "updates.safetensors").tensor("layer.weight", "cuda")
+
+
+def test_no_tensor_fell_back_to_the_cpu(tmp_path):
+    """After a case decoded on the GPU, no tensor was made again on the CPU (qualify.tensor_codec.FELL_BACK): the
+    GPU's predictions are the written ones, not rescued by the fallback."""
+    from qualify import tensor_codec
+
+    tensor_codec.FELL_BACK.clear()
+    model, records, starts, final = adamw_steps(tmp_path, steps=2, bf16_grads=True)
+    write_case(tmp_path / "case", model, records, starts, final)
+    for k in range(2):
+        for group in ("updates", "moments"):
+            f = TensorFile(tmp_path / "case" / f"step{k}" / f"{group}.safetensors")
+            for name in f:
+                f.tensor(name, "cuda")
+    assert tensor_codec.FELL_BACK == []
