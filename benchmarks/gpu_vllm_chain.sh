@@ -6,6 +6,7 @@
 # tool, whose calls carry at most 64 MiB, back to back so the machine stays warm (/tmp survives between calls):
 #   stash .gpu/xz/pNN     (one call per part, carry .gpu/xz/pNN; for slurm also .gpu/slurm-debs): copy it to /tmp/carry
 #   run OUT [MATRIX] [RUN]  (after the last stash): join the parts, install, then the chain, probe and rounds
+#   exact OUT: seed 002's counts (benchmarks/gpu-tiny-exact.yaml and its -off twin: rollout, layout and rounds rows)
 #   chain OUT [MATRIX] [RUN]: as run, without the probe and rounds (capture, reference, freeze, every case, verify,
 #                         report; REPORT_JSON=1 also writes OUT/report.json, judging every case once more)
 #   slurm OUT [MATRIX] [RUN] [CASES]: scripts/slurm-gpu.sh, then `qualify sbatch --submit --wait` with one
@@ -137,8 +138,26 @@ chain() {  # the product path without the probe and rounds: GPU vLLM capture, re
   return $rc
 }
 
+exact() {  # issue 33: the tiny family's bf16 T = 1 rollout with vLLM's batch-invariant mode on and off, torch-tp's
+           # rollout and layout rows, and the count after each weight sync (qualify rounds)
+  local out=${1:?} m
+  install
+  versions
+  mkdir -p "$out"
+  for m in gpu-tiny-exact gpu-tiny-exact-off; do
+    local run=/tmp/$m
+    timed "$m: reference (GPU vLLM capture, HF on the GPU)" qualify reference benchmarks/$m.yaml --run $run || continue
+    timed "$m: freeze" qualify freeze $run || continue
+    timed "$m: candidate" qualify candidate benchmarks/$m.yaml --run $run > "$out/$m-candidate.txt" || true
+    timed "$m: rounds" qualify rounds benchmarks/$m.yaml --run $run --format json > "$out/$m-rounds.json" || true
+    python3 benchmarks/exact_rows.py $run "$out/$m-rounds.json" | tee "$out/$m-counts.txt" || true
+    grep -h batch_invariant -A6 $run/reference/rollout/tp1/rollout.json | head -n 12 || true
+  done
+}
+
 case ${1:-} in
   chain) shift; chain "$@" ;;
+  exact) shift; exact "$@" ;;
   stash) mkdir -p /tmp/carry && cp "$here/${2:?}"/* /tmp/carry/ && ls -l /tmp/carry && df -h /tmp | tail -n 1 ;;
   run) shift; run "$@" ;;
   slurm) shift; slurm "$@" ;;

@@ -64,6 +64,6 @@ def exact_rows(case: str, role: str, outputs: dict[str, torch.Tensor], meta: dic
     where = "" if m["first"] is None else f"; first at row {m['first'][0]} position {m['first'][1]}"
     note = (f"{'exact' if m['num_not_bitwise'] == 0 else 'not exact'}: {m['num_not_bitwise']} of {m['num_tokens']} "
             f"response tokens differ from the rollout's logprobs, max |delta| {m['max_abs']:.3g}{where} "
-            f"({formula} formula, {spec.get('precision')} case, {dtype} rollout)")
+            f"({formula} formula, {spec.get('precision')} case{'' if dtype is None else f', {dtype} rollout'})")
     return [Row(case, role, ROLLOUT, TENSOR, "num_not_bitwise", float(m["num_not_bitwise"]),
                 0.0 if judged else math.inf, m["num_not_bitwise"] == 0 or not judged, note, step=0, rule=rule)]

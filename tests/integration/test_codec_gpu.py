@@ -102,3 +102,17 @@ def test_no_tensor_fell_back_to_the_cpu(tmp_path):
             for name in f:
                 f.tensor(name, "cuda")
     assert tensor_codec.FELL_BACK == []
+
+
+def test_a_gpu_tensors_crc_is_zlibs_crc_of_its_bytes(monkeypatch):
+    """A GPU tensor's CRC32 is summed in pieces, each copied to a pinned host buffer by its thread: zlib's CRC of
+    the whole tensor's bytes."""
+    import zlib
+
+    from qualify import tensor_codec
+
+    t = torch.randn(3_000_001, generator=torch.Generator().manual_seed(5))
+    whole = zlib.crc32(t.numpy().view(np.uint8).data)
+    for chunk in (1 << 16, 1 << 20, 1 << 26):
+        monkeypatch.setattr(tensor_codec, "CRC_CHUNK", chunk)
+        assert tensor_codec.crc(t.cuda()) == whole

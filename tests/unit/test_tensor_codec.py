@@ -241,3 +241,23 @@ def test_the_predictions_are_the_same_bits_at_any_thread_count_and_in_numpy():
         torch.set_num_threads(threads)
     for a, b, c in zip(one, many, numpy_side()):
         assert np.array_equal(a, b) and np.array_equal(a, c)
+
+
+def test_a_crc_summed_in_pieces_is_zlibs_crc_of_the_whole(monkeypatch):
+    """qualify.tensor_codec.crc sums a large tensor's bytes in pieces (threads) joined by crc32_combine: the value is
+    zlib.crc32 of all the bytes, at piece boundaries that fall anywhere (the negative control: the pieces' CRCs
+    XOR-ed without carrying the first through the second's length are not it)."""
+    import zlib
+
+    from qualify import tensor_codec
+
+    data = np.random.default_rng(3).integers(0, 256, 1_000_003, dtype=np.uint8)
+    whole = zlib.crc32(data.data)
+    for chunk in (4096, 333_333, 1 << 20):
+        monkeypatch.setattr(tensor_codec, "CRC_CHUNK", chunk)
+        assert tensor_codec.crc(data) == whole
+        assert tensor_codec.crc(torch.from_numpy(data.copy())) == whole
+    a, b = data[:1000].tobytes(), data[1000:5000].tobytes()
+    assert tensor_codec.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+    assert tensor_codec.crc32_combine(zlib.crc32(a), zlib.crc32(b), 0) == zlib.crc32(a)
+    assert zlib.crc32(a) ^ zlib.crc32(b) != zlib.crc32(a + b)
