@@ -2,7 +2,7 @@
 time to read every gradient, update and moment back (as the judge does), for real AdamW steps of a model-sized set of
 parameters.
 
-    python benchmarks/codec_bench.py [--params 50e6] [--steps 1] [--bf16] [--dir /dev/shm/codec-bench]
+    python benchmarks/codec_bench.py [--params 50e6] [--steps 1] [--bf16] [--dir /dev/shm/codec-bench] [--device cuda]
 
 The parameters are Qwen3-0.6B-like shapes scaled to --params (an embedding and square and wide matrices, norm
 vectors); the gradients are random (bf16 values with --bf16, as a bf16 engine's are); the optimizer is torch's AdamW
@@ -52,7 +52,10 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--profile", action="store_true", help="where the coded read's time goes (cProfile)")
     ap.add_argument("--dir", type=Path, default=Path("/tmp/codec-bench"))
+    ap.add_argument("--device", default="cpu", help="where the coded case is coded and read back (cuda: as a GPU "
+                    "case worker codes and the judge reads; the plain case is read there too)")
     a = ap.parse_args()
+    on_gpu = a.device != "cpu"
     shutil.rmtree(a.dir, ignore_errors=True)
     gen = torch.Generator().manual_seed(0)
     params = {n: torch.nn.Parameter(torch.randn(s, generator=gen) * 0.02) for n, s in shapes(a.params).items()}
@@ -85,8 +88,10 @@ def main() -> None:
         for k, step in enumerate(records):
             coding = None if label == "plain" else StepCoding(
                 Adam.of(OPT), k, records[k - 1]["moments"] if k else None, starts[k],
-                starts[k + 1] if k + 1 < len(starts) else start, model, startable)
+                starts[k + 1] if k + 1 < len(starts) else start, model, startable, device=None if not on_gpu else a.device)
             startable = write_step(case / f"step{k}", step, coding=coding)
+        if on_gpu:
+            torch.cuda.synchronize()
         write_json(case / "meta.json", {"num_steps": len(records)})
         written = time.perf_counter() - t
         t = time.perf_counter()
@@ -97,8 +102,11 @@ def main() -> None:
         for k in range(len(records)):
             run = load_run(case, k)
             for group in GROUPS[1:]:
-                for name in getattr(run, group):
-                    getattr(run, group)[name].sum()  # every byte read (a plain file's tensor maps its pages lazily)
+                files = getattr(run, group)
+                for name in files:  # every byte read (a plain file's tensor maps its pages lazily)
+                    (files.tensor(name, a.device) if on_gpu else files[name]).sum()
+        if on_gpu:
+            torch.cuda.synchronize()
         read = time.perf_counter() - t
         if a.profile and label == "coded":
             import pstats
@@ -111,7 +119,7 @@ def main() -> None:
               f"write {written:.2f} s, read back {read:.2f} s")
     (ps, pw, pr), (cs, cw, cr) = result["plain"], result["coded"]
     print(f"{numel / 1e6:.1f}M parameters, {a.steps} step(s), {'bf16' if a.bf16 else 'fp32'} gradients, "
-          f"{torch.get_num_threads()} threads: coded/plain bytes {cs / ps:.3f}, write {cw / pw:.2f}x, read {cr / pr:.2f}x")
+          f"{torch.get_num_threads()} threads, {a.device}: coded/plain bytes {cs / ps:.3f}, write {cw / pw:.2f}x, read {cr / pr:.2f}x")
     shutil.rmtree(a.dir, ignore_errors=True)
 
 

@@ -304,13 +304,16 @@ def evidence_problems(layout: RunLayout, reference: dict[str, Any], acceptance: 
 def frozen_rounds_bound(layout: RunLayout, reference: dict[str, Any], acceptance: dict[str, Any] | None
                         ) -> float | None:
     """The logprob bound a rounds run must have used: the acceptance's rule (k, logprob floor) applied to the
-    reference's vLLM-vs-HF fp32 control (qualify.rounds.base); None without a readable acceptance."""
+    reference's vLLM-vs-HF control in the rollout's precision (qualify.rounds.base.reference_control); None without
+    a readable acceptance."""
     from qualify.bounds.rule import logprob_bound, logprob_rule
+    from qualify.rounds.base import reference_control
 
     try:
         k, floor = logprob_rule(acceptance["rule"])
-        return logprob_bound(float(reference["rollout_mismatch"]["fp32"]["max_abs"]), k, floor)
-    except (KeyError, TypeError, ValueError):
+        control, _ = reference_control(reference, layout.rollout(int(reference.get("primary_vllm_tp", 1))))
+        return logprob_bound(control, k, floor)
+    except (KeyError, TypeError, ValueError, QualifyError):
         return None
 
 

@@ -62,10 +62,6 @@ def _unhex(s: str) -> np.float32:
     return np.float32(float.fromhex(s))
 
 
-def bits(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a, dtype=np.float32).view(np.int32)
-
-
 CRC_CHUNK = 64 << 20
 """Bytes per piece of a large tensor's CRC32: the pieces are summed up in threads (zlib lets go of the GIL), a GPU
 tensor's each copied to the host by the thread that sums it, and joined with crc32_combine."""
@@ -166,35 +162,36 @@ def _through_zeros(crc1: int, len2: int) -> int:
 
 # ---------------------------------------------------------------------------------------------------- the residual
 
-def residual_parts(r: np.ndarray, name: str) -> tuple[dict[str, np.ndarray], str]:
-    """An int32 difference kept in its smallest form: (stored parts by name, form)."""
-    r = r.reshape(-1)
-    idx = np.flatnonzero(r)
-    if not idx.size:
+def residual_parts(r: np.ndarray | torch.Tensor, name: str) -> tuple[dict[str, torch.Tensor], str]:
+    """An int32 difference kept in its smallest form: (stored parts by name, as CPU tensors; form). r may lie on a GPU:
+    only the parts are copied to the host."""
+    r = (torch.from_numpy(np.ascontiguousarray(r)) if isinstance(r, np.ndarray) else r).reshape(-1)
+    idx = torch.nonzero(r).reshape(-1)
+    if not idx.numel():
         return {}, "zero"
-    itype = np.int32 if r.size < 2 ** 31 else np.int64
-    isize = np.dtype(itype).itemsize
-    sizes = {"sparse": idx.size * (isize + 4), "int32": 4 * r.size}
+    n = r.numel()
+    itype = torch.int32 if n < 2 ** 31 else torch.int64
+    isize = torch.empty((), dtype=itype).element_size()
+    sizes = {"sparse": idx.numel() * (isize + 4), "int32": 4 * n}
     outside = {}
-    if sizes["sparse"] > r.size:  # a dense form may be smaller: which elements each width cannot hold (of the nonzero)
+    if sizes["sparse"] > n:  # a dense form may be smaller: which elements each width cannot hold (of the nonzero)
         nonzero = r[idx]
-        for form, dt in (("int8", np.int8), ("int16", np.int16)):
-            info = np.iinfo(dt)
+        for form, dt in (("int8", torch.int8), ("int16", torch.int16)):
+            info = torch.iinfo(dt)
             out = idx[(nonzero < info.min) | (nonzero > info.max)]
             outside[form] = out
-            sizes[form] = r.size * info.bits // 8 + out.size * (isize + 4)
+            sizes[form] = n * info.bits // 8 + out.numel() * (isize + 4)
     form = min(sizes, key=lambda f: (sizes[f], f != "int32"))
     if form == "int32":
-        return {f"{name}{PART}r": r.copy()}, form
+        return {f"{name}{PART}r": r.cpu().clone()}, form
     if form == "sparse":
-        return {f"{name}{PART}i": idx.astype(itype), f"{name}{PART}v": r[idx].copy()}, form
-    dt = np.int8 if form == "int8" else np.int16
+        return {f"{name}{PART}i": idx.to(itype).cpu(), f"{name}{PART}v": r[idx].cpu()}, form
     out = outside[form]
-    dense = r.copy()
+    dense = r.clone()
     dense[out] = 0
-    parts = {f"{name}{PART}r": dense.astype(dt)}
-    if out.size:
-        parts |= {f"{name}{PART}i": out.astype(itype), f"{name}{PART}v": r[out].copy()}
+    parts = {f"{name}{PART}r": dense.to(torch.int8 if form == "int8" else torch.int16).cpu()}
+    if out.numel():
+        parts |= {f"{name}{PART}i": out.to(itype).cpu(), f"{name}{PART}v": r[out].cpu()}
     return parts, form
 
 
@@ -316,14 +313,22 @@ class StepCoding:
     model_dir: Path | None = None
     startable: frozenset[str] | None = None
     """Past the first step, the updates whose new parameter the step before coded (a reader's start); None: all."""
+    device: torch.device | str | None = None
+    """Where the predictions are made (None: the CPU). A GPU makes the same bits (every operation correctly rounded:
+    tests/integration/test_codec_gpu.py) where the tensors already are, and only the stored parts come back."""
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().cpu()
 
 
-def _np(t: torch.Tensor) -> np.ndarray:
-    return _cpu(t).numpy()
+def _device(coding: StepCoding) -> torch.device:
+    return torch.device("cpu") if coding.device is None else torch.device(coding.device)
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """t flat-contiguous on device (a copy only where it lies elsewhere)."""
+    return t.detach().to(device).contiguous()
 
 
 def _bf16_exact(t: torch.Tensor) -> bool:
@@ -380,10 +385,12 @@ def encode_moments(moments: Mapping[str, torch.Tensor], grads: Mapping[str, torc
             continue
         b = coding.adam.betas[0 if kind == "exp_avg" else 1]
         beta, one_minus = f32(b), f32(1.0 - b)
-        actual = _np(t)
-        predicted = predict_moment(kind, _cpu(g), None if prev is None else _cpu(prev), beta, one_minus, clip)
-        parts, form = residual_parts(bits(actual) - bits(predicted.numpy()), key)
-        stored |= {k: torch.from_numpy(v) for k, v in parts.items()}
+        device = _device(coding)
+        actual = _on(t, device)
+        predicted = predict_moment(kind, _on(g, device), None if prev is None else _on(prev, device), beta,
+                                   one_minus, clip)
+        parts, form = residual_parts(actual.view(torch.int32) - predicted.view(torch.int32), key)
+        stored |= parts
         doc["coded"][key] = {"form": "moment", "kind": kind, "grad": name, "beta": _hex(beta),
                              "one_minus": _hex(one_minus), "clip": _hex(clip),
                              "residual": form, "crc": crc(actual)}
@@ -410,17 +417,18 @@ def encode_updates(updates: Mapping[str, torch.Tensor], moments: Mapping[str, to
         if p is None or new is None or p.shape != u.shape or new.shape != u.shape or unreadable:
             stored[name] = u
             continue
-        p32, new32, u32 = _cpu(p.float()), _cpu(new.float()), _cpu(u)
+        device = _device(coding)
+        p32, new32, u32 = _on(p.float(), device), _on(new.float(), device), _on(u, device)
         if not torch.equal((new32 - p32).view(torch.int32), u32.view(torch.int32)):  # not new - start as the reader would make it: kept whole
             stored[name] = u
             continue
         m, v = moments.get(f"exp_avg/{name}"), moments.get(f"exp_avg_sq/{name}")
         usable = m is not None and v is not None and m.shape == u.shape and v.shape == u.shape
-        predicted = predict_param(p32, _cpu(m.float()) if usable else None, _cpu(v.float()) if usable else None,
-                                  coding.step + 1, coding.adam)
-        parts, form = residual_parts(bits(new32.numpy()) - bits(predicted.numpy()), name)
-        stored |= {k: torch.from_numpy(x) for k, x in parts.items()}
-        doc["coded"][name] = {"form": "param", "moments": usable, "residual": form, "crc": crc(new32.numpy())}
+        predicted = predict_param(p32, _on(m.float(), device) if usable else None,
+                                  _on(v.float(), device) if usable else None, coding.step + 1, coding.adam)
+        parts, form = residual_parts(new32.view(torch.int32) - predicted.view(torch.int32), name)
+        stored |= parts
+        doc["coded"][name] = {"form": "param", "moments": usable, "residual": form, "crc": crc(new32)}
     if doc["coded"]:
         doc["step"] = coding.step
         doc["adam"] = {"lr": coding.adam.lr, "betas": list(coding.adam.betas), "eps": coding.adam.eps,

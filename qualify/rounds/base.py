@@ -2,8 +2,8 @@
 
 Three cases, best first. With a frozen acceptance the reference evidence is verified against it,
 and the bound is the acceptance's rule (k x control + logprob floor) applied to the frozen
-control of this very comparison: the reference's vLLM-vs-HF fp32 logprob mismatch of v0
-(reference.json, rollout_mismatch.fp32.max_abs). With a reference but no acceptance the same
+control of this very comparison: the reference's vLLM-vs-HF logprob mismatch of v0 in the rollout's precision
+(reference.json, rollout_mismatch.<fp32 or bf16>.max_abs: control_precision). With a reference but no acceptance the same
 numbers are used unfrozen, and the evidence says so. Without a reference, round 0's rollout is
 captured by the rounds engine, its targets are computed here, and the control is measured on it
 (recorded as measured in this run, not frozen).
@@ -46,7 +46,7 @@ class Base:
     floor: float
     """Logprob floor."""
     control: float | None
-    """vLLM-vs-HF fp32 logprob max |delta| at v0 (None: measured in round 0)."""
+    """vLLM-vs-HF logprob max |delta| at v0 in the rollout's precision (None: measured in round 0)."""
     source: str
     """Where k, floor and control come from."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -61,12 +61,34 @@ class Base:
         return logprob_bound(self.control, self.k, self.floor)
 
 
-def _reference_numbers(layout: RunLayout) -> tuple[float, dict[str, Any]]:
-    summary = read_json(layout.reference_summary)
+def control_precision(summary: dict[str, Any], rollout_dir: Path) -> str:
+    """The reference's precision whose train-vs-rollout mismatch is the rounds' control: the rollout's own (its
+    sampling.dtype), where the reference scored in it, else fp32. A bf16 rollout's logprobs sit a bf16 rounding from
+    any fp32 forward (0.03 on the tiny family), so the fp32 mismatch (3e-5, over the few tokens within its limit)
+    would make every correct bf16 round fail its agreement rows."""
+    from qualify.models.precision import DTYPE_NAMES
+
     try:
-        return float(summary["rollout_mismatch"]["fp32"]["max_abs"]), summary
+        dtype = read_json(Path(rollout_dir) / "rollout.json")["sampling"]["dtype"]
+    except (OSError, KeyError, TypeError, ValueError):
+        return "fp32"
+    precision = next((p for p, name in DTYPE_NAMES.items() if name == dtype), "fp32")
+    return precision if precision in (summary.get("rollout_mismatch") or {}) else "fp32"
+
+
+def reference_control(summary: dict[str, Any], rollout_dir: Path, where: Path | str = "reference.json"
+                      ) -> tuple[float, str]:
+    """(the rounds' control error, its source): the reference's vLLM-vs-HF logprob mismatch max |delta| of v0 in
+    the rollout's precision (control_precision)."""
+    precision = control_precision(summary, rollout_dir)
+    try:
+        return float(summary["rollout_mismatch"][precision]["max_abs"]), f"rollout_mismatch.{precision}.max_abs"
     except (KeyError, TypeError) as exc:
-        raise EvidenceError(f"{layout.reference_summary} has no rollout_mismatch.fp32.max_abs") from exc
+        raise EvidenceError(f"{where} has no rollout_mismatch.{precision}.max_abs") from exc
+
+
+def _reference_numbers(layout: RunLayout, rollout_dir: Path) -> tuple[float, str]:
+    return reference_control(read_json(layout.reference_summary), rollout_dir, layout.reference_summary)
 
 
 def resolve_base(layout: RunLayout, primary_tp: int, models: dict[str, Path], rule: Freeze) -> Base:
@@ -81,17 +103,17 @@ def resolve_base(layout: RunLayout, primary_tp: int, models: dict[str, Path], ru
         acc = Acceptance.load(layout.acceptance, layout.reference)
         doc = acc.document
         k, floor = logprob_rule(doc["rule"])
-        control, _ = _reference_numbers(layout)
+        control, key = _reference_numbers(layout, primary)
         acc.require_rollout(primary)
         repeat = acc.bounds("actor", "fp32-repeat").get("step0/outputs/logprobs_BT", {}).get("max_abs", {})
         return Base(models=models, rollout_dir=primary, rollout_digest=doc["rollout_digest"],
                     targets_dir=layout.targets, targets_digest=doc["targets_digest"], k=k,
                     floor=floor, control=control,
-                    source=f"acceptance {doc['digest']}: rule k x reference rollout_mismatch.fp32.max_abs + floor",
+                    source=f"acceptance {doc['digest']}: rule k x reference {key} + floor",
                     extra={"acceptance_digest": doc["digest"], "fp32_repeat_logprob_bound": repeat.get("bound")})
     floors = rule.floors
     if layout.reference_summary.is_file() and stage_is_complete(primary) and stage_is_complete(layout.targets):
-        control, _ = _reference_numbers(layout)
+        control, _ = _reference_numbers(layout, primary)
         return Base(models=models, rollout_dir=primary, rollout_digest=stage_info(primary)["digest"],
                     targets_dir=layout.targets, targets_digest=stage_info(layout.targets)["digest"],
                     k=rule.k, floor=floors["logprob"], control=control,

@@ -116,3 +116,30 @@ def test_a_gpu_tensors_crc_is_zlibs_crc_of_its_bytes(monkeypatch):
     for chunk in (1 << 16, 1 << 20, 1 << 26):
         monkeypatch.setattr(tensor_codec, "CRC_CHUNK", chunk)
         assert tensor_codec.crc(t.cuda()) == whole
+
+
+@pytest.mark.parametrize("bf16_grads", [False, True])
+def test_a_case_coded_on_the_gpu_is_the_case_coded_on_the_cpu_byte_for_byte(tmp_path, bf16_grads):
+    """The case worker codes on its GPU (StepCoding.device): every file is byte for byte the one the CPU writes,
+    so any machine reads it; its tensors on the GPU, as a GPU engine's are."""
+    import hashlib
+
+    from qualify.compare import write_step
+    from qualify.store import write_json
+    from qualify.tensor_codec import Adam, StepCoding
+    from tests.unit.test_tensor_codec import OPT
+
+    model, records, starts, final = adamw_steps(tmp_path, steps=3, bf16_grads=bf16_grads)
+    digests = {}
+    for where in ("cpu", "cuda"):
+        case, startable = tmp_path / where, None
+        for k, step in enumerate(records):
+            new = starts[k + 1] if k + 1 < len(starts) else final
+            on = {g: {n: t.to(where) for n, t in group.items()} for g, group in step.items()}
+            coding = StepCoding(Adam.of(OPT), k, records[k - 1]["moments"] if k else None, starts[k], new, model,
+                                startable, device=None if where == "cpu" else "cuda")
+            startable = write_step(case / f"step{k}", on, coding=coding)
+        write_json(case / "meta.json", {"num_steps": len(records)})
+        digests[where] = {f.relative_to(case).as_posix(): hashlib.sha256(f.read_bytes()).hexdigest()
+                          for f in sorted(case.rglob("*.safetensors"))}
+    assert digests["cuda"] == digests["cpu"] and len(digests["cpu"]) == 3 * 4

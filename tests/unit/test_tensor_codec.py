@@ -176,8 +176,40 @@ def test_each_residual_form_reads_back_exactly(scale, expected):
         r[[5, 77]] = [2 ** 31 - 1, -2 ** 31]  # outliers: kept apart
     parts, form = residual_parts(r, "t")
     assert form == expected
-    read = (lambda k: None if k not in parts else torch.from_numpy(parts[k]))  # as a file's parts are read
-    assert np.array_equal(residual_from(read, "t", form, n).numpy(), r)
+    assert np.array_equal(residual_from(parts.get, "t", form, n).numpy(), r)
+    # the parts are the ones an independent numpy coding of the same rule keeps, byte for byte (and from a tensor)
+    theirs, their_form = numpy_residual_parts(r, "t")
+    assert their_form == form and sorted(theirs) == sorted(parts)
+    for k, v in theirs.items():
+        assert parts[k].numpy().dtype == v.dtype and parts[k].numpy().tobytes() == v.tobytes(), k
+    again, _ = residual_parts(torch.from_numpy(r), "t")
+    assert all(torch.equal(again[k], parts[k]) for k in parts)
+
+
+def numpy_residual_parts(r, name):
+    """The residual forms' rule written in numpy (the first version of qualify.tensor_codec.residual_parts)."""
+    idx = np.flatnonzero(r)
+    if not idx.size:
+        return {}, "zero"
+    itype, isize = np.int32, 4
+    sizes = {"sparse": idx.size * (isize + 4), "int32": 4 * r.size}
+    outside = {}
+    if sizes["sparse"] > r.size:
+        for form, dt in (("int8", np.int8), ("int16", np.int16)):
+            info = np.iinfo(dt)
+            outside[form] = idx[(r[idx] < info.min) | (r[idx] > info.max)]
+            sizes[form] = r.size * info.bits // 8 + outside[form].size * (isize + 4)
+    form = min(sizes, key=lambda f: (sizes[f], f != "int32"))
+    if form == "int32":
+        return {f"{name}#r": r.copy()}, form
+    if form == "sparse":
+        return {f"{name}#i": idx.astype(itype), f"{name}#v": r[idx].copy()}, form
+    dense = r.copy()
+    dense[outside[form]] = 0
+    parts = {f"{name}#r": dense.astype(np.int8 if form == "int8" else np.int16)}
+    if outside[form].size:
+        parts |= {f"{name}#i": outside[form].astype(itype), f"{name}#v": r[outside[form]].copy()}
+    return parts, form
 
 
 def test_nan_inf_and_negative_zero_read_back(tmp_path):
