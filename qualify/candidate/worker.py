@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -230,9 +231,12 @@ def run_case(spec: CaseSpec, rank: int) -> None:
         coding_device = torch.device("cuda", torch.cuda.current_device()) if spec.device == "cuda" else None
         for k, step in enumerate(steps):
             new = starts[k + 1] if k + 1 < len(starts) else params
-            startable = write_step(out / step_dir(k), step, coding=StepCoding(
-                adam, k, steps[k - 1]["moments"] if k else None, starts[k], new, Path(spec.model_dir), startable,
-                device=coding_device))
+            coding = StepCoding(adam, k, steps[k - 1]["moments"] if k else None, starts[k], new,
+                                Path(spec.model_dir), startable, device=coding_device)
+            try:
+                startable = write_step(out / step_dir(k), step, coding=coding)
+            except torch.OutOfMemoryError:  # the GPU is full: the same bits from the CPU
+                startable = write_step(out / step_dir(k), step, coding=replace(coding, device=None))
         meta = {"grad_dtypes": grad_dtypes, "state_dtypes": {n: str(t.dtype).removeprefix("torch.")
                                                              for n, t in state.get("exp_avg", {}).items()},
                 "replica_max_abs": replicas, "padded_rows": padded, "padding": padding_by_rank, "extra_params": sorted(set(params) - set(before)),
