@@ -78,6 +78,16 @@ def on_device(steps: Sequence[RunTensors], device: torch.device) -> list[RunTens
                                 moments=_moved(s.moments, device)) for s in steps]
 
 
+def on_demand(steps: Sequence[RunTensors], device: torch.device) -> list[RunTensors]:
+    """The steps with their gradient, update and moment files read onto device tensor by tensor, when asked (a coded
+    tensor decoded there): what does not fit is not moved by the host's decoder."""
+    def view(group: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        return group.on(device) if isinstance(group, TensorFile) else group
+
+    return [dataclasses.replace(s, grads=view(s.grads), updates=view(s.updates), moments=view(s.moments))
+            for s in steps]
+
+
 class Resident:
     """Per stage: which copies are on the metrics GPU, and the stage-long ones (r0 runs by directory, fp64 starts by
     role). device: where copies are held (default the metrics device when it is a GPU; none on the CPU, where every
@@ -105,9 +115,12 @@ class Resident:
         return meminfo("MemTotal")
 
     def transient(self, steps: Sequence[RunTensors]) -> Sequence[RunTensors]:
-        """steps on the device for one record or case when they fit in its free memory, else as they are."""
-        if self.device is None or steps_bytes(steps) > self.room():
+        """steps on the device for one record or case when they fit in its free memory, else read onto it tensor by
+        tensor as the metrics ask (on_demand: a real model's coded case is decoded there, not on the host)."""
+        if self.device is None:
             return steps
+        if steps_bytes(steps) > self.room():
+            return on_demand(steps, self.device)
         return on_device(steps, self.device)
 
     def base(self, directory: Path, steps: Sequence[RunTensors]) -> Sequence[RunTensors]:

@@ -232,6 +232,19 @@ class TensorFile(Mapping):
             self._keys = self.coded.names
             self._specs = {n: (self.coded.shapes[n], "F32") for n in self._keys}
         self._index = frozenset(self._keys)
+        self.device: Any = None
+        """Where tensor() reads to when no device is named (None: the CPU; on(device) gives such a view)."""
+
+    def on(self, device: Any) -> TensorFile:
+        """This file read onto device by default: a view, each tensor read (a coded one decoded) there when asked,
+        never held."""
+        import copy
+
+        import torch
+
+        view = copy.copy(self)
+        view.device = torch.device(device)
+        return view
 
     def _stored_tensor(self, name: str) -> Any:
         """A tensor as stored (a coded file's part), None when the file has none of that name."""
@@ -253,6 +266,7 @@ class TensorFile(Mapping):
         case's moments and new parameters where a CPU would take seconds a tensor, to the same bits)."""
         if name not in self._index:
             raise KeyError(name)
+        device = self.device if device is None else device
         if self.coded is not None and self.coded.is_coded(name):
             return self.coded.decode(name, device)
         t = self._stored_tensor(name)

@@ -143,3 +143,17 @@ def test_a_case_coded_on_the_gpu_is_the_case_coded_on_the_cpu_byte_for_byte(tmp_
         digests[where] = {f.relative_to(case).as_posix(): hashlib.sha256(f.read_bytes()).hexdigest()
                           for f in sorted(case.rglob("*.safetensors"))}
     assert digests["cuda"] == digests["cpu"] and len(digests["cpu"]) == 3 * 4
+
+
+def test_a_files_gpu_view_reads_each_tensor_there(tmp_path):
+    """TensorFile.on('cuda') (qualify.resident.on_demand, for runs that do not fit the GPU whole): every tensor,
+    coded or plain, comes back on the GPU with the CPU's bits."""
+    model, records, starts, final = adamw_steps(tmp_path, steps=2, bf16_grads=True)
+    write_case(tmp_path / "case", model, records, starts, final)
+    for k in range(2):
+        for group in ("grads", "updates", "moments"):
+            f = TensorFile(tmp_path / "case" / f"step{k}" / f"{group}.safetensors")
+            view = f.on("cuda")
+            for name in f:
+                t = view[name]
+                assert t.is_cuda and torch.equal(t.cpu().view(torch.int32), f[name].view(torch.int32))

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from qualify.candidate.run import case_families, case_replays, judge_case, run_candidates
+from qualify.compare import load_steps
 from qualify.layout import RunLayout
+from qualify.store import TensorFile
 from tests.integration._support import matrix_with, plugins_importable  # noqa: F401  (autouse fixture)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.engines, pytest.mark.slow]
@@ -44,6 +46,18 @@ def test_rows_judged_from_held_copies_are_the_rows_judged_per_tensor(run_copy):
                                          if r["case"] == case.name]
         assert judged(ctx, case, bounds, before, held) == per_tensor[case.name], case.name
     assert sorted(k[0] for k in held.kept) == ["base", "base", "start"]  # bf16-r0 and fp32-r0, the actor's start
+
+    # a run that does not fit where the copies are held is read onto that device tensor by tensor (qualify.resident
+    # .on_demand: at 8B a case's coded run is decoded on the GPU, not on the host): the same rows again
+    class Full(Resident):
+        def room(self) -> int:
+            return 0
+
+    full = Full(torch.device("cpu"))
+    steps = full.transient(load_steps(layout.case(m.cases()[0].name)))
+    assert all(isinstance(s.grads, TensorFile) and s.grads.device == torch.device("cpu") for s in steps)
+    for case in m.cases():
+        assert judged(ctx, case, bounds, before, full) == per_tensor[case.name], case.name
 
     # negative control: a held r0 with one gradient moved by 1.0 is what a case compared with that r0 itself (not with
     # r0 replayed on its clip decisions) is judged against
