@@ -159,6 +159,18 @@ class Scoring:
 
         self.resident = Resident()  # what the records measure again and again, on the metrics GPU when it fits
 
+    def fits_on_device(self, role: str) -> bool:
+        """Whether a control run's gradients, updates and moments (four fp32 copies of the model a step) fit twice in
+        what the metrics GPU has free now: then they stay there, where its record measures them (Resident), and are
+        never copied to the host (a control kept as a summary writes none of them)."""
+        if self.resident.device is None or self.resident.device.type != "cuda":
+            return False
+        ppo = self.ctx.objective.ppo
+        from qualify.store import tree_bytes
+
+        need = 4 * ppo.epochs * ppo.minibatches * tree_bytes(self.models[role])
+        return 2 * need <= self.resident.room()
+
     def score(self, control: Any, precision: str, role: str) -> None:
         """Score and seal one run. Under reference.evidence summary or lean, a run that is a control of some family
         is measured against it while in memory (its record); a control other than r0 is then kept as that summary
@@ -185,9 +197,12 @@ class Scoring:
         started = time.monotonic()
         master = load_model(self.models[role], role, control.attn_impl)
         loaded = time.monotonic()
+        lean = ctx.reference.evidence == "lean" and control.name == self.controls[0]  # r0: outputs and gradients
+        summarized = ctx.reference.evidence != "full" and control.name != self.controls[0] \
+            and bool(recorded_families(name, self.controls))
         with torch.enable_grad():
             result = run_role(ctx, role, precision, control, master, self.rollout, self.targets, self.vocab,
-                              self.models[role])
+                              self.models[role], keep_on_device=summarized and self.fits_on_device(role))
         ran = time.monotonic()
         info = {"precision": precision, "control": control.name, "role": role, "attn_impl": control.attn_impl,
                 "microbatches": control.microbatches, "reverse_rows": control.reverse_rows, "tp_split": control.tp,
@@ -198,7 +213,6 @@ class Scoring:
             | ({"optimizer_form": "fused"} if control.adam_form == "fused" else {}) \
             | ({"fused_norm": True} if control.fused_norm else {})
         recorded = time.monotonic()
-        lean = ctx.reference.evidence == "lean" and control.name == self.controls[0]  # r0: outputs and gradients
         if ctx.reference.evidence == "full" or not (lean or recorded_families(name, self.controls)):
             write_role(out, result, info)
         else:

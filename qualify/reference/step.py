@@ -139,6 +139,11 @@ def _host(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
 
 
+def _kept(t: torch.Tensor) -> torch.Tensor:
+    """A copy of t where it is (the step goes on changing it)."""
+    return t.detach().clone()
+
+
 def _compute_model(master: torch.nn.Module, precision: str, model_dir: Path, role: str, attn_impl: str,
                    device: torch.device, offload: bool) -> torch.nn.Module:
     """The module forward and backward run in, on device: the master itself in fp32 unless the master is offloaded
@@ -157,10 +162,12 @@ def _compute_model(master: torch.nn.Module, precision: str, model_dir: Path, rol
 
 def run_role(ctx: ScoringContext, role: str, precision: str, control: Control, master: torch.nn.Module,
              batch: dict[str, torch.Tensor], targets: dict[str, torch.Tensor], vocab_size: int,
-             model_dir: Path, decided: list[torch.Tensor] | None = None) -> dict[str, Any]:
+             model_dir: Path, decided: list[torch.Tensor] | None = None, keep_on_device: bool = False) -> dict[str, Any]:
     """K = epochs x minibatches optimizer steps on master; returns {'steps': [per-step tensors], 'meta': ...,
     'layers': step 1's per-layer activations (qualify.models.hooks)}. decided[k] (bool, the step's rows) imposes
-    step k's clip decisions (qualify.reference.forced).
+    step k's clip decisions (qualify.reference.forced). keep_on_device: each step's gradients, updates and moments
+    are kept where the step made them (a control measured there and kept as a summary: copied to the host and back
+    for nothing), else copied to the host; the outputs always are.
 
     One AdamW instance lives across the steps (its step count, bias correction and moments carry
     over); after each step the compute copy is refreshed from the stepped FP32 master.
@@ -204,7 +211,9 @@ def run_role(ctx: ScoringContext, role: str, precision: str, control: Control, m
             step_targets[DECIDED_KEY] = decided[k].to(device)
         outputs = _forward_backward(ctx, role, control, model, mb, step_targets, vocab_size)
         grad_dtypes = _master_grads(master, model)
-        grads = {n: (_host(q.grad) if q.grad is not None else torch.zeros(q.shape, dtype=q.dtype))
+        kept = _kept if keep_on_device else _host
+        grads = {n: (kept(q.grad) if q.grad is not None else torch.zeros(q.shape, dtype=q.dtype,
+                                                                      device=q.device if keep_on_device else "cpu"))
                  for n, q in zip(names, params)}
         master_grad_dtypes = {n: str(q.grad.dtype).removeprefix("torch.") for n, q in zip(names, params)
                               if q.grad is not None}
@@ -216,8 +225,8 @@ def run_role(ctx: ScoringContext, role: str, precision: str, control: Control, m
         outputs = {k: _host(v) for k, v in outputs.items()}
         state = {n: opt.state[q] for n, q in zip(names, params)}
         steps.append({"outputs": outputs, "grads": grads,
-                      "updates": {n: _host(q.detach() - before[n]) for n, q in zip(names, params)},
-                      "moments": {f"{key}/{n}": _host(st[key]) for n, st in state.items()
+                      "updates": {n: kept(q.detach() - before[n]) for n, q in zip(names, params)},
+                      "moments": {f"{key}/{n}": kept(st[key]) for n, st in state.items()
                                   for key in ("exp_avg", "exp_avg_sq")}})
         del before
         coverage.append(step_coverage(role, p, o.max_grad_norm, outputs, rows_of(targets_host, rows),

@@ -109,7 +109,7 @@ def control_record(ctx: ScoringContext, role: str, run_name: str, result: dict[s
     r0 kept lean), also what freeze needs of its updates and moments (qualify.bounds.control_error.base_record).
     resident: the stage's copies on the metrics GPU (qualify.resident; one made here when not given)."""
     resident = resident or Resident()
-    host_steps = in_memory_steps(result)
+    host_steps = in_memory_steps(result)  # on the host, or on the metrics GPU where run_role kept them there
     steps = resident.transient(host_steps)  # measured against every family and replayed: moved to the GPU once
     start = resident.start(role, before)
     layout, inputs = ctx.layout, ctx.inputs()
@@ -140,7 +140,8 @@ def control_record(ctx: ScoringContext, role: str, run_name: str, result: dict[s
         families[family] = {"compared_with": compared_with, "replay_kept": False, "steps": records}
         if "layers" in result and (base_dir / LAYERS_FILE).is_file():
             base_acts, base_grads = run_layers(base_dir)
-            families[family]["layers"] = layer_metrics(result["layers"], base_acts, host_steps[0].grads, base_grads)
+            grads = {n: t.cpu() for n, t in host_steps[0].grads.items()}  # kept on the GPU by run_role, maybe
+            families[family]["layers"] = layer_metrics(result["layers"], base_acts, grads, base_grads)
     record: dict[str, Any] = {"run": run_name, "role": role, "families": families}
     if base:
         record["base"] = base_record(steps, starts_of(steps, start), optimizer, replays)

@@ -34,17 +34,19 @@ KEPT_SET_FLOOR = 1e-4
 def compute_targets(objective: Objective, reference: Reference, sampling: Rollout, models: dict[str, Path],
                     rollout: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
     """Reference logprobs, rewards, old values, advantages and returns (all fp32, (B, T) or (B,)), and the
-    actor's sampler evidence (sampler_evidence)."""
+    actor's sampler evidence (sampler_evidence). The forwards run where the reference's runs do (reference.device: a
+    GPU when there is one), the GAE and rewards on the host."""
     ids_BT, mask_BT = rollout["input_ids_BT"], rollout["response_mask_BT"]
     old_logp_BT = rollout["sampler_logprobs_BT"]
-    ref = load_model(models["reference"], "reference")
-    ref_logp_BT = actor_logprobs(ref, ids_BT, sampling.temperature, reference.logprob_chunk_tokens,
-                                 vocab_size) * mask_BT
-    score_B = reward_scores(load_model(models["reward"], "reward"), ids_BT, mask_BT)
+    device = scoring_device(reference)
+    ids, mask = ids_BT.to(device), mask_BT.to(device)
+    ref_logp_BT = (actor_logprobs(_on(models["reference"], "reference", device), ids, sampling.temperature,
+                                  reference.logprob_chunk_tokens, vocab_size) * mask).cpu()
+    score_B = reward_scores(_on(models["reward"], "reward", device), ids, mask).cpu()
     if objective.algorithm == "grpo":  # no critic, no GAE: the objective makes group-relative advantages of score_B
         return {"old_logprobs_BT": old_logp_BT, "ref_logprobs_BT": ref_logp_BT, "score_B": score_B} \
             | sampler_evidence(reference, sampling, models["actor"], rollout, vocab_size)
-    old_values_BT = critic_values(load_model(models["critic"], "critic"), ids_BT) * mask_BT
+    old_values_BT = (critic_values(_on(models["critic"], "critic", device), ids) * mask).cpu()
     p = objective.ppo
     rewards_BT = token_rewards(score_B, old_logp_BT, ref_logp_BT, mask_BT, p.kl_coef)
     advantages_BT, returns_BT = masked_gae(rewards_BT, old_values_BT, mask_BT, p.gamma, p.lam)
@@ -53,6 +55,18 @@ def compute_targets(objective: Objective, reference: Reference, sampling: Rollou
     return {"old_logprobs_BT": old_logp_BT, "ref_logprobs_BT": ref_logp_BT, "score_B": score_B,
             "old_values_BT": old_values_BT, "rewards_BT": rewards_BT, "advantages_BT": advantages_BT,
             "returns_BT": returns_BT} | sampler_evidence(reference, sampling, models["actor"], rollout, vocab_size)
+
+
+def scoring_device(reference: Reference) -> torch.device:
+    """Where the targets' forwards run: the reference's device (qualify.reference.step.reference_device)."""
+    from qualify.reference.step import reference_device
+
+    return reference_device(reference)
+
+
+def _on(model_dir: Path, role: str, device: torch.device) -> torch.nn.Module:
+    """The role's fp32 model on device."""
+    return load_model(model_dir, role).to(device)
 
 
 def sampler_evidence(reference: Reference, sampling: Rollout, actor_dir: Path, rollout: dict[str, torch.Tensor],
@@ -67,20 +81,20 @@ def sampler_evidence(reference: Reference, sampling: Rollout, actor_dir: Path, r
     rollout.routing is replay, and its own routes are kept (actor_routes_BTLK: the reference's routing at the
     rollout's weights, -1 where the rollout fed no token), for the routing agreement with the rollout.
     """
-    r = sampling
+    r, device = sampling, scoring_device(reference)
     ids_BT, mask_BT = rollout["input_ids_BT"], rollout["response_mask_BT"]
-    actor, own = load_model(actor_dir, "actor"), []
+    actor, own = _on(actor_dir, "actor", device), []
     with routing(actor, replayed_routes(sampling, "actor", rollout), own):
-        logits_BTV = actor(input_ids=ids_BT, use_cache=False).logits
+        logits_BTV = actor(input_ids=ids_BT.to(device), use_cache=False).logits
     routes = {}
     if "routes_BTLK" in rollout:
         fed = rollout["routes_BTLK"] != NO_ROUTE
         routes["actor_routes_BTLK"] = torch.where(fed, own_routes_BTLK(own, *ids_BT.shape), NO_ROUTE)
-    evidence = processed_logprobs(logits_BTV[:, :-1], ids_BT[:, 1:], temperature=r.temperature, top_k=r.top_k,
-                                  top_p=r.top_p, min_p=r.min_p, chunk_tokens=reference.logprob_chunk_tokens,
-                                  vocab_size=vocab_size)
+    evidence = processed_logprobs(logits_BTV[:, :-1], ids_BT[:, 1:].to(device), temperature=r.temperature,
+                                  top_k=r.top_k, top_p=r.top_p, min_p=r.min_p,
+                                  chunk_tokens=reference.logprob_chunk_tokens, vocab_size=vocab_size)
     # logp[:, t] scores token t from the logits at t - 1; position 0 has no context.
-    return {f"{name}_BT": torch.where(mask_BT, torch.nn.functional.pad(x_BT, (1, 0)), 0)
+    return {f"{name}_BT": torch.where(mask_BT, torch.nn.functional.pad(x_BT.cpu(), (1, 0)), 0)
             for name, x_BT in zip(("processed_logprobs", "full_logprobs", "log_kept_mass", "kept_size"), evidence,
                                   strict=True)} | routes
 

@@ -78,3 +78,30 @@ def test_reference_device_auto_follows_cuda_availability():
     assert reference_device(dataclasses.replace(m.reference, device="auto")).type \
         == expected
     assert reference_device(dataclasses.replace(m.reference, device="cpu")).type == "cpu"
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_control_kept_on_its_device_is_bitwise_the_host_copy(tmp_path, device):
+    """run_role(keep_on_device=True), used for a control measured where it ran and kept as a summary: the same
+    tensors as the host copies, left on the run's device (outputs always on the host)."""
+    spec = _matrix(None).models.tiny
+    build_tiny_model(spec, "critic").save_pretrained(tmp_path)
+    batch, targets = _inputs(spec.vocab_size)
+    matrix = dataclasses.replace(_matrix(None), reference=dataclasses.replace(_matrix(None).reference, device=device))
+    results = {}
+    for keep in (False, True):
+        master = hf.load_model(tmp_path, "critic")
+        with torch.enable_grad():
+            results[keep] = run_role(ScoringContext.of(matrix, RunLayout(tmp_path), "sha256:r", "sha256:t"), "critic",
+                                     "bf16", Control(name="r1"), master, batch, targets, spec.vocab_size, tmp_path,
+                                     keep_on_device=keep)
+    for a, b in zip(results[False]["steps"], results[True]["steps"], strict=True):
+        for group in ("outputs", "grads", "updates", "moments"):
+            assert a[group].keys() == b[group].keys()
+            for name in a[group]:
+                assert a[group][name].device.type == "cpu"
+                assert b[group][name].device.type == ("cpu" if group == "outputs" else device), (group, name)
+                assert torch.equal(a[group][name], b[group][name].cpu()), (group, name)
