@@ -7,8 +7,8 @@
 #   stash .gpu/xz/pNN     (one call per part, carry .gpu/xz/pNN; for slurm also .gpu/slurm-debs): copy it to /tmp/carry
 #   run OUT [MATRIX] [RUN]  (after the last stash): join the parts, install, then the chain, probe and rounds
 #   exact OUT: seed 002's counts (benchmarks/gpu-tiny-exact.yaml and its -off twin: rollout, layout and rounds rows)
-#   chain OUT [MATRIX] [RUN]: as run, without the probe and rounds (capture, reference, freeze, every case, verify,
-#                         report; REPORT_JSON=1 also writes OUT/report.json, judging every case once more)
+#   chain OUT [MATRIX] [RUN]: as run, without the probe and rounds (reference with its capture, freeze, every case,
+#                         verify, report; REPORT_JSON=1 also writes OUT/report.json, judging every case once more)
 #   slurm OUT [MATRIX] [RUN] [CASES]: scripts/slurm-gpu.sh, then `qualify sbatch --submit --wait` with one
 #                         candidate task requeued while it runs
 # Run it from a clean copy of a commit (git archive HEAD | tar -x -C .gpu/src; carry .gpu/src) so the figures
@@ -131,7 +131,7 @@ chain() {  # the product path without the probe and rounds: GPU vLLM capture, re
   versions
   mkdir -p "$out"
   local start=$EPOCHREALTIME rc=0
-  timed "qualify reference --stage capture (vLLM)" qualify reference "$matrix" --run "$run" --stage capture
+  # one reference stage: the capture (its own log line) and the scoring in one process
   bash benchmarks/gpu_chain.sh "$out" "$matrix" "$run" || rc=$?
   awk -v s="$start" -v e="$EPOCHREALTIME" 'BEGIN{printf "== capture to report: %.1f s\n", e - s}' | tee -a "$out/stages.md"
   [ -z "${REPORT_JSON:-}" ] || qualify report "$run" --format json > "$out/report.json" 2>/dev/null || true

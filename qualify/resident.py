@@ -16,9 +16,10 @@ on the metrics device either way).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,10 @@ HEADROOM = 4 << 30
 
 CACHE_SHARE = 0.3
 """The share of the GPU's memory the stage-long cache (r0 runs, fp64 starts) may hold."""
+
+LAUNCH_SHARE = 0.5
+"""The share of the GPU's memory left to the candidate stage's launches while they run beside its judging (a case is
+judged as soon as it is sealed): what their ranks may still take, which the judge cannot know."""
 
 
 def gpu_room(device: torch.device) -> int:
@@ -101,11 +106,33 @@ class Resident:
         self.device: torch.device | None = None if device is None else torch.device(device)
         self.kept: dict[Any, Any] = {}
         self.kept_bytes = 0
+        self.reserved = 0  # bytes left to others (reserving)
+
+    @contextlib.contextmanager
+    def reserving(self, share: float) -> Iterator[None]:
+        """Within the block, leave share of the device's memory to other processes (launches on the same GPU):
+        room() counts as taken what of it they do not hold yet."""
+        if self.device is None:
+            yield
+            return
+        self.reserved = int(share * self.total())
+        try:
+            yield
+        finally:
+            self.reserved = 0
 
     def room(self) -> int:
-        """Bytes that may still be placed where the copies are held."""
+        """Bytes that may still be placed where the copies are held (less what is reserved for others and not yet
+        taken by them)."""
         assert self.device is not None
-        return gpu_room(self.device) if self.device.type == "cuda" else meminfo("MemAvailable") - HEADROOM
+        if self.device.type != "cuda":
+            return meminfo("MemAvailable") - HEADROOM - self.reserved
+        room = gpu_room(self.device)
+        if self.reserved:
+            free, total = torch.cuda.mem_get_info(self.device)
+            others = total - free - torch.cuda.memory_reserved(self.device)  # other processes' memory on it now
+            room -= max(0, self.reserved - others)
+        return room
 
     def total(self) -> int:
         """Bytes of memory where the copies are held (CACHE_SHARE of it for what is kept)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import fnmatch
 import itertools
 import shutil
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ from qualify.layout import RunLayout, launch_log, work_dir
 from qualify.matrix import Candidates, Case, Matrix
 from qualify.models.checkpoint import initial_parameters
 from qualify.reference.context import ScoringContext
-from qualify.resident import Resident
+from qualify.resident import LAUNCH_SHARE, Resident
 from qualify.stagelog import StageLog
 from qualify.stages import stage_info, stage_is_complete
 from qualify.store import read_json, write_json
@@ -99,11 +100,10 @@ def stale_reason(case_dir: Path, key: dict[str, str]) -> str | None:
     return f"{', '.join(changed)} changed since it was sealed" if changed else None
 
 
-def run_group(layout: RunLayout, cases: list[Case], specs_by_case: dict[Case, Path], device: str,
-              log: StageLog) -> dict[str, str]:
-    """Run cases sharing engine and TP in one launch (imports are paid once); a failed launch is retried case by
-    case so that each failure carries its own log. specs_by_case: each case's spec file (write_spec). Returns errors
-    by case name."""
+def pending_cases(layout: RunLayout, cases: list[Case], specs_by_case: dict[Case, Path], log: StageLog) -> list[Case]:
+    """The cases of a launch group that must run: those not sealed, and those sealed with a stale key (removed here,
+    before any launch starts, so that a sealed case seen while the launches run is one of this run's or a fresh
+    one). specs_by_case: each case's spec file (write_spec)."""
     pending = []
     for c in cases:
         if not stage_is_complete(layout.case(c.name)):
@@ -116,6 +116,13 @@ def run_group(layout: RunLayout, cases: list[Case], specs_by_case: dict[Case, Pa
         log.note(f"redo case {c.name}: {reason}")
         shutil.rmtree(layout.case(c.name))
         pending.append(c)
+    return pending
+
+
+def launch_group(layout: RunLayout, pending: list[Case], specs_by_case: dict[Case, Path], device: str,
+                 log: StageLog) -> dict[str, str]:
+    """Run cases sharing engine and TP in one launch (imports are paid once); a failed launch is retried case by
+    case so that each failure carries its own log. Returns errors by case name."""
     if not pending:
         return {}
     specs = [specs_by_case[c] for c in pending]
@@ -137,6 +144,37 @@ def run_group(layout: RunLayout, cases: list[Case], specs_by_case: dict[Case, Pa
                                              launch_log(layout.case(case.name)) if len(pending) > 1 else group_log,
                                              code)
     return errors
+
+
+POLL_S = 2.0
+"""Seconds between looks for a newly sealed case while launches run (a look reads each marker's name only)."""
+
+
+def run_groups(layout: RunLayout, groups: list[list[Case]], specs_by_case: dict[Case, Path], device: str,
+               log: StageLog, launches: int, judge_ready: Callable[[], bool]) -> dict[str, str]:
+    """Run the launch groups, launches of them at once, and meanwhile judge what is sealed: judge_ready() judges one
+    case whose evidence is ready, if any, and says whether it did (it is called again at once when it did, else
+    after POLL_S or when a launch ends). Returns errors by case name."""
+    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+    pending = [p for p in (pending_cases(layout, g, specs_by_case, log) for g in groups) if p]
+    errors: dict[str, str] = {}
+    if not pending:
+        return errors
+    with ThreadPoolExecutor(max(1, min(launches, len(pending)))) as pool:
+        running = {pool.submit(launch_group, layout, p, specs_by_case, device, log) for p in pending}
+        while running:
+            done, running = wait(running, timeout=0 if judge_ready() else POLL_S, return_when=FIRST_COMPLETED)
+            for future in done:
+                errors |= future.result()
+    return errors
+
+
+def marked_complete(path: Path) -> bool:
+    """Whether a stage directory holds its marker (cheap: nothing is hashed; stage_is_complete checks it)."""
+    from qualify.stages import MARKER
+
+    return (path / MARKER).is_file()
 
 
 def case_families(case: Case) -> list[tuple[str, str]]:
@@ -294,7 +332,9 @@ def case_invariance(layout: RunLayout, case: Case, rows: list[Row]) -> dict[str,
 def run_candidates(matrix: Matrix, run_dir: Path, *, acceptance: Path | None = None,
                    only: str | None = None, expect: str | None = None, launches: int = 1) -> Verdict:
     """Run and judge the (selected) cases; returns the verdict document. launches: how many launch groups run at
-    once (each its own ranks; the judging starts when all have ended)."""
+    once (each its own ranks). A case is judged as soon as its evidence (and that of the TP1/DP1 case it is compared
+    with) is sealed, while other launches run; the verdict lists the cases in matrix order whatever order they were
+    judged in."""
     layout = RunLayout(Path(run_dir))
     check_engines(matrix.candidates, matrix.source)
     acc = Acceptance.load(Path(acceptance) if acceptance else layout.acceptance, layout.reference)
@@ -313,33 +353,44 @@ def run_candidates(matrix: Matrix, run_dir: Path, *, acceptance: Path | None = N
                                      targets_dir=layout.targets, rollout_digest=doc["rollout_digest"],
                                      targets_digest=doc["targets_digest"], case_dir=layout.case(c.name),
                                      vocab_size=vocab, device=device), doc) for c in cases}
-    errors: dict[str, str] = {}
     groups = [list(group) for _, group in itertools.groupby(sorted(cases, key=lambda c: (c.tp, c.dp, c.engine)),
                                                             key=lambda c: (c.engine, c.tp, c.dp))]
-    if launches > 1 and len(groups) > 1:
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(min(launches, len(groups))) as pool:
-            for found in pool.map(lambda group: run_group(layout, group, specs, device, log), groups):
-                errors |= found
-    else:
-        for group in groups:
-            errors |= run_group(layout, group, specs, device, log)
     befores = {role: initial_parameters(path) for role, path in models.items()}
-    rows: list[Row] = []
-    verified = frozenset(c.name for c in cases if c.name not in errors)  # run_group checked each seal
     inputs = ctx.inputs()
-    for case in cases:
-        if case.name not in errors:
-            seal_replays(ctx, case, inputs, log)
     resident = Resident()  # the r0 runs and fp64 starts every case is judged against, on the metrics GPU once
+    judged: dict[str, list[Row]] = {}
+
+    def judge(case: Case, verified: frozenset[str]) -> None:
+        seal_replays(ctx, case, inputs, log)  # the judge's one computation, sealed before the case is judged
+        judged[case.name] = judge_or_reuse(ctx, case, bounds, befores[case.role], verified, inputs, doc["digest"],
+                                           log, resident)
+
+    def judge_ready() -> bool:
+        """Judge the first case (in matrix order) whose evidence is sealed while launches still run, with the TP1/DP1
+        cases it is compared with sealed too; True when one was."""
+        for case in cases:
+            bases = [b for _, b in invariance_bases(case) if b in cases]
+            if case.name in judged or not all(marked_complete(layout.case(c.name)) for c in [case, *bases]):
+                continue
+            if not all(stage_is_complete(layout.case(c.name)) for c in [case, *bases]):
+                continue  # a marker seen before its files were all in place (or a sealed case changed since)
+            judge(case, frozenset(c.name for c in [case, *bases]))
+            return True
+        return False
+
+    with resident.reserving(LAUNCH_SHARE):  # what launches running on the same GPU may still take
+        errors = run_groups(layout, groups, specs, device, log, launches, judge_ready)
+    verified = frozenset(c.name for c in cases if c.name not in errors)  # launch_group checked each seal
+    for case in cases:
+        if case.name not in errors and case.name not in judged:
+            judge(case, verified)
+    rows: list[Row] = []
     for case in cases:
         if case.name in errors:
             rows.append(Row(case.name, case.role, "run", "case", "exit", 1.0, 0.0, False, errors[case.name],
                             rule="the case runs to completion and seals its evidence"))
         else:
-            rows += judge_or_reuse(ctx, case, bounds, befores[case.role], verified, inputs, doc["digest"], log,
-                                   resident)
+            rows += judged[case.name]
     extra = case_platforms(layout, cases, doc.get("platform"))
     for case in cases:  # the invariance tier of every tensor of a TP > 1 or DP > 1 case
         invariance = case_invariance(layout, case, rows) if case.name not in errors else {}

@@ -110,11 +110,11 @@ def _row_slices(B: int, n: int) -> list[slice]:
 
 
 def reference_device(reference: Reference) -> torch.device:
-    """Where the reference's forward and backward run: reference.device, auto = CUDA when present."""
-    want = reference.device
-    if want == "auto":
-        want = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(want)
+    """Where the reference's forward and backward run: reference.device, auto = CUDA when present (the cases' too:
+    qualify.case.ranks.device_of)."""
+    from qualify.case.ranks import device_of
+
+    return torch.device(device_of(reference))
 
 
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:

@@ -58,10 +58,10 @@ def compute_targets(objective: Objective, reference: Reference, sampling: Rollou
 
 
 def scoring_device(reference: Reference) -> torch.device:
-    """Where the targets' forwards run: the reference's device (qualify.reference.step.reference_device)."""
-    from qualify.reference.step import reference_device
+    """Where the targets' forwards run: the reference's device, as its runs' (qualify.case.ranks.device_of)."""
+    from qualify.case.ranks import device_of
 
-    return reference_device(reference)
+    return torch.device(device_of(reference))
 
 
 def _on(model_dir: Path, role: str, device: torch.device) -> torch.nn.Module:

@@ -105,3 +105,27 @@ def test_a_control_kept_on_its_device_is_bitwise_the_host_copy(tmp_path, device)
                 assert a[group][name].device.type == "cpu"
                 assert b[group][name].device.type == ("cpu" if group == "outputs" else device), (group, name)
                 assert torch.equal(a[group][name], b[group][name].cpu()), (group, name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: the targets' forwards on the GPU")
+def test_targets_made_on_the_gpu_agree_with_the_hosts(tmp_path):
+    """compute_targets runs its forwards on the reference's device: on CUDA, host tensors within fp32 agreement of
+    the same targets made on the CPU, and the same GAE of them."""
+    from qualify.models.tiny import make_tiny_family
+    from qualify.reference.targets import compute_targets
+
+    matrix = _matrix(None)
+    models = make_tiny_family(matrix.models.tiny, tmp_path / "models")
+    batch, _ = _inputs(matrix.models.tiny.vocab_size)
+    rollout = batch | {"sampler_logprobs_BT": -torch.rand(batch["input_ids_BT"].shape) * batch["response_mask_BT"]}
+    made = {device: compute_targets(matrix.objective, dataclasses.replace(matrix.reference, device=device),
+                                    matrix.rollout, models, rollout, matrix.models.tiny.vocab_size)
+            for device in ("cpu", "cuda")}
+    assert made["cpu"].keys() == made["cuda"].keys()
+    for name, host in made["cpu"].items():
+        gpu = made["cuda"][name]
+        assert gpu.device.type == "cpu" and gpu.dtype == host.dtype, name
+        if host.is_floating_point():
+            assert torch.allclose(gpu, host, rtol=1e-4, atol=1e-4), (name, float((gpu - host).abs().max()))
+        else:
+            assert torch.equal(gpu, host), name

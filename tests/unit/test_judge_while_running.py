@@ -1,0 +1,70 @@
+"""The candidate stage judges a case as soon as it is sealed, while other launch groups still run
+(qualify.candidate.run.run_groups), and the judge's GPU copies leave the launches their share of the device
+(qualify.resident.Resident.reserving)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from qualify.candidate import run as candidate_run
+from qualify.layout import RunLayout
+from qualify.matrix import Case
+from qualify.resident import Resident
+from qualify.stagelog import StageLog
+from qualify.stages import MARKER
+
+
+def _case(engine: str) -> Case:
+    return Case(engine=engine, precision="fp32", tp=1, role="actor")
+
+
+def test_a_sealed_case_is_judged_while_another_launch_still_runs(tmp_path, monkeypatch):
+    """Two launch groups, one launch at a time: the second group's launch cannot end before the first group's case
+    has been judged (it waits for it), so the stage only finishes when judging runs beside the launches."""
+    layout = RunLayout(tmp_path)
+    first, second = _case("torch-tp"), _case("megatron")
+    judged_first, launched = threading.Event(), []
+
+    def launch_group(layout, pending, specs, device, log):
+        launched.append([c.name for c in pending])
+        if pending == [first]:  # seal the first case, as a worker does at its end
+            layout.case(first.name).mkdir(parents=True)
+            (layout.case(first.name) / MARKER).write_text("{}")
+            return {}
+        return {} if judged_first.wait(timeout=120) else {second.name: "never judged while this launch ran"}
+
+    def judge_ready() -> bool:
+        if not judged_first.is_set() and candidate_run.marked_complete(layout.case(first.name)):
+            judged_first.set()
+            return True
+        return False
+
+    monkeypatch.setattr(candidate_run, "launch_group", launch_group)  # the launches' order and sealing, not ranks
+    errors = candidate_run.run_groups(layout, [[first], [second]], {}, "cpu", StageLog("test"), 1, judge_ready)
+    assert launched == [[first.name], [second.name]]
+    assert errors == {} and judged_first.is_set()
+
+
+def test_marked_complete_reads_the_marker_only(tmp_path):
+    assert not candidate_run.marked_complete(tmp_path)
+    (tmp_path / MARKER).write_text("{}")
+    assert candidate_run.marked_complete(tmp_path)
+
+
+def test_reserving_leaves_its_share_to_others_then_gives_it_back():
+    resident = Resident(torch.device("cpu"))
+    with resident.reserving(0.25):
+        assert resident.reserved == int(0.25 * resident.total())
+        inside = resident.room()
+    outside = resident.room()
+    assert resident.reserved == 0
+    assert outside - inside == pytest.approx(int(0.25 * resident.total()), rel=0.05)
+
+
+def test_nothing_is_reserved_where_nothing_is_held():
+    resident = Resident(None)
+    with resident.reserving(0.5):
+        assert resident.reserved == 0
