@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -67,15 +68,24 @@ CRC_CHUNK = 64 << 20
 tensor's each copied to the host by the thread that sums it, and joined with crc32_combine."""
 
 
+CRC_SPENT = {"seconds": 0.0, "bytes": 0}
+"""What crc() has summed in this process, and in how long (information for the stages' logs, not evidence)."""
+
+
 def crc(a: np.ndarray | torch.Tensor) -> int:
     """CRC32 of an array's bytes (zlib.crc32 of them, whatever the array's device)."""
+    started = time.monotonic()
     if isinstance(a, torch.Tensor) and a.device.type != "cpu":
         flat = a.detach().contiguous().reshape(-1).view(torch.uint8)
-        return _crc_pieces(flat.numel(), lambda lo, hi: _host_piece(flat[lo:hi]))
-    if isinstance(a, torch.Tensor):
-        a = a.detach().contiguous().numpy()
-    flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-    return _crc_pieces(flat.size, lambda lo, hi: flat[lo:hi])
+        out = _crc_pieces(flat.numel(), lambda lo, hi: _host_piece(flat[lo:hi]))
+    else:
+        if isinstance(a, torch.Tensor):
+            a = a.detach().contiguous().numpy()
+        flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        out = _crc_pieces(flat.size, lambda lo, hi: flat[lo:hi])
+    CRC_SPENT["seconds"] += time.monotonic() - started
+    CRC_SPENT["bytes"] += int(flat.numel() if isinstance(flat, torch.Tensor) else flat.size)
+    return out
 
 
 def _crc_pieces(n: int, piece: Callable[[int, int], np.ndarray]) -> int:

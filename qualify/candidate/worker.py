@@ -186,12 +186,15 @@ def run_case(spec: CaseSpec, rank: int) -> None:
     padded_before = {k: v.detach().clone() for k, v in engine.padded_rows().items()}
     padding = {"found": padding_found(engine, before, spec.vocab_size, spec.tp, ctx.tp_rank),
                "exposed": exposed_rows(padded_before)}
+    phases = {"setup": time.monotonic() - started}  # where the case's time went (information, not evidence)
     steps, grad_dtypes, params, sampler, layout, replayed, starts = [], {}, {}, [], None, [], []
     for step in step_rows(rollout["input_ids_BT"].shape[0], spec.ppo.epochs, spec.ppo.minibatches):
         rows, offset = rank_rows(step, spec.dp, ctx.dp_rank)
         batch = case_batch(spec, rollout, rows)
         if layout is None:  # before the first step: the step-0 rows in other layouts, no gradient
+            probing = time.monotonic()
             layout = probe_layouts(engine, batch)
+            phases["layout probe"] = time.monotonic() - probing
         share = step_share(spec, rows_of(targets, rows), batch.response_mask_BT, offset, group)
         scores_BT = engine.score(batch)
         sampler.append(own_logits_check(engine, spec, scores_BT, batch, offset))
@@ -215,6 +218,7 @@ def run_case(spec: CaseSpec, rank: int) -> None:
         if rank == 0:  # what the evidence's coding predicts the step's new parameters from (qualify.tensor_codec)
             starts.append(start)
             params = {n: p.detach().float().cpu().clone() for n, p in params.items()}
+    phases["steps"] = time.monotonic() - started - sum(phases.values())
     replicas = gather_replicas(engine.replicated())
     padded = gather_by_rank(padded_rows_report(padded_before, engine.padded_rows()))
     padding_by_rank = gather_all(padding)
@@ -225,6 +229,7 @@ def run_case(spec: CaseSpec, rank: int) -> None:
     if rank == 0:
         out = Path(spec.case_dir)
         prepare_stage(out)
+        writing = time.monotonic()
         adam, startable = Adam.of(spec.optimizer), None
         # the coding's predictions on this rank's GPU where it has one (the same bits as the CPU's, in a fraction of
         # the time: at Qwen3-0.6B the CPU coded a case's four steps in most of its minute)
@@ -237,13 +242,15 @@ def run_case(spec: CaseSpec, rank: int) -> None:
                 startable = write_step(out / step_dir(k), step, coding=coding)
             except torch.OutOfMemoryError:  # the GPU is full: the same bits from the CPU
                 startable = write_step(out / step_dir(k), step, coding=replace(coding, device=None))
+        phases["code and write"] = time.monotonic() - writing
         meta = {"grad_dtypes": grad_dtypes, "state_dtypes": {n: str(t.dtype).removeprefix("torch.")
                                                              for n, t in state.get("exp_avg", {}).items()},
                 "replica_max_abs": replicas, "padded_rows": padded, "padding": padding_by_rank, "extra_params": sorted(set(params) - set(before)),
                 "num_steps": len(steps), "own_objective": hasattr(engine, "objective"), "contract": contract,
                 "sampler_derivation": worst_by_step(sampler_by_rank), "layout": merge_ranks(layout_by_rank),
                 **({"routing_replay": replay_by_step(replayed_by_rank)} if replayed else {}),
-                "case": spec.to_json(), "seconds": round(time.monotonic() - started, 3), **provenance()}
+                "case": spec.to_json(), "seconds": round(time.monotonic() - started, 3),
+                "phases_s": {k: round(v, 3) for k, v in phases.items()}, **provenance()}
         write_json(out / "meta.json", json_safe(meta))
         key = (spec.resume_key or {}) | {IMPORTED_KEY: record_imported(work_dir(spec.case_dir))}
         complete_stage(out, {"case": spec.name, "rollout_digest": spec.rollout_digest, "key": key})
