@@ -42,9 +42,28 @@ def mismatch(own_BT: torch.Tensor, rollout_BT: torch.Tensor, mask_BT: torch.Tens
             "max_abs": float(delta.max()) if delta.numel() else 0.0, "first": first}
 
 
+def engine_self_note(record: dict[str, Any] | None) -> str:
+    """What the rollout engine's prefill of its own sequences says of an exact claim (the rollout's
+    prefill_vs_decode, qualify.rollout.capture): '' when the rollout predates the check."""
+    if not record:
+        return ""
+    if "skipped" in record:
+        return f"; the rollout engine's prefill against its decode: not measured ({record['skipped']})"
+    n, differ = record["num_tokens"], record["num_not_bitwise"]
+    if differ == 0:
+        return (f"; the rollout engine's prefill reproduces its decode (0 of {n} tokens differ): a teacher-forced "
+                "forward can be exact")
+    first = ", ".join(f"row {t['row']} position {t['position']}" for t in record["tokens"][:3])
+    return (f"; the rollout engine's own prefill differs from its decode on {differ} of {n} tokens (max |delta| "
+            f"{record['max_abs']:.3g}; {first}): no teacher-forced forward can be exact there, only a replay of its "
+            "decode steps")
+
+
 def exact_rows(case: str, role: str, outputs: dict[str, torch.Tensor], meta: dict[str, Any],
-               rollout_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor) -> list[Row]:
-    """One row for an actor case (none for a critic): its step-0 logprobs against the rollout's."""
+               rollout_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor,
+               engine_self: dict[str, Any] | None = None) -> list[Row]:
+    """One row for an actor case (none for a critic): its step-0 logprobs against the rollout's. engine_self: the
+    rollout's prefill_vs_decode record, cited in the note."""
     if role != "actor":
         return []
     spec = meta.get("case") or {}
@@ -64,6 +83,7 @@ def exact_rows(case: str, role: str, outputs: dict[str, torch.Tensor], meta: dic
     where = "" if m["first"] is None else f"; first at row {m['first'][0]} position {m['first'][1]}"
     note = (f"{'exact' if m['num_not_bitwise'] == 0 else 'not exact'}: {m['num_not_bitwise']} of {m['num_tokens']} "
             f"response tokens differ from the rollout's logprobs, max |delta| {m['max_abs']:.3g}{where} "
-            f"({formula} formula, {spec.get('precision')} case{'' if dtype is None else f', {dtype} rollout'})")
+            f"({formula} formula, {spec.get('precision')} case{'' if dtype is None else f', {dtype} rollout'})"
+            f"{engine_self_note(engine_self)}")
     return [Row(case, role, ROLLOUT, TENSOR, "num_not_bitwise", float(m["num_not_bitwise"]),
                 0.0 if judged else math.inf, m["num_not_bitwise"] == 0 or not judged, note, step=0, rule=rule)]

@@ -292,7 +292,7 @@ def judge_case(ctx: ScoringContext, case: Case, bounds: dict, before: dict, veri
     rows += replay_rows(case.name, case.role, cand)
     rows += layout_rows(case.name, case.role, cand[0].meta)
     rows += exact_rows(case.name, case.role, cand[0].outputs, cand[0].meta, inputs.targets[0]["old_logprobs_BT"],
-                       inputs.masks[0])
+                       inputs.masks[0], read_json(layout.rollout(ctx.primary_tp) / "rollout.json").get("prefill_vs_decode"))
     rows += evidence_rows(case.name, case.role, cand[0].meta)
     rows += precision_rows(case.name, case.role, cand, own_ref)
     # TPn against TP1 and DPn against DP1 (the same case at the lower degree), when that case ran

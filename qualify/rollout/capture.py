@@ -10,6 +10,7 @@ that digest before reading anything.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
@@ -160,6 +161,31 @@ def rollout_tensors(results: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def prefill_vs_decode(results: list[dict[str, Any]], error: str | None = None, routed: bool = False) -> dict[str, Any]:
+    """The rollout engine against itself: each sampled token's decode logprob against the logprob vLLM's prefill of
+    the same sequence gives it (qualify.rollout.vllm_worker.prefill_logprobs), over the prompts whose sampling makes
+    the two the same formula (T = 1, nothing truncated). If they differ, no teacher-forced forward can give the
+    decode's logprobs bit for bit, only a replay of its decode steps can: what an exact claim (seed 002) rests on.
+    Response positions are (row, position) of rollout_tensors; tokens lists the first few that differ."""
+    checked = [(b, r) for b, r in enumerate(results) if "prefill_logprobs" in r]
+    if not checked:
+        reason = (f"the prefill pass failed: {error}" if error else "a routed capture (MoE) is not fed again" if routed
+                  else "no prompt sampled at T = 1 without truncation: vLLM's prompt logprobs are log_softmax of the "
+                       "raw logits, another formula than these decode logprobs")
+        return {"skipped": reason}
+    n, differ, worst = 0, [], 0.0
+    for b, r in checked:
+        start = len(r["prompt"])
+        for t, (decode, prefill) in enumerate(zip(r["logprobs"], r["prefill_logprobs"], strict=True)):
+            n += 1
+            if decode != prefill:
+                differ.append({"row": b, "position": start + t, "decode": decode, "prefill": prefill})
+                if math.isfinite(decode) and math.isfinite(prefill):
+                    worst = max(worst, abs(decode - prefill))
+    return {"num_rows": len(checked), "num_tokens": n, "num_not_bitwise": len(differ), "max_abs": worst,
+            "tokens": differ[:10]}
+
+
 # Written into every config by whichever transformers saved it: not part of what the model is.
 VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path")
 
@@ -301,6 +327,8 @@ def capture_rollout(capture: Capture, model_dir: Path, tp: int, out_dir: Path, *
         "env": {k: v for k, v in vllm_env(tp, bool(request.get("batch_invariant"))).items()
                 if k.startswith(("VLLM_", "TRITON_"))},
         "shm_removed": result["shm_removed"], **provenance(), "platform": result["platform"]}
+    meta["prefill_vs_decode"] = prefill_vs_decode(result["results"], result.get("prefill_error"),
+                                                  bool(request.get("routes")))
     if request.get("batch_invariant"):  # the mode's kernel settings as vLLM's process held them
         meta["batch_invariant"] = result.get("batch_invariant_settings")
     if request.get("routes"):

