@@ -163,6 +163,7 @@ def summarize_docs(docs: RunDocs, verification: Verification) -> dict[str, Any]:
         "tp_agreement": ref["tp_agreement"],
         "rollout_mismatch": ref["rollout_mismatch"],
         "routing_agreement": ref.get("routing_agreement"),
+        "rollout_self": ref.get("rollout_self"),
         "controls": ref["controls"],
         "acceptance": None if acc is None else {"digest": acc.get("digest"), "num_artifacts": len(acc.get("files", [])),
                                                 "k": acc.get("rule", {}).get("k"),
@@ -214,6 +215,15 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     return summarize_docs(docs, verification)
 
 
+def rollout_self_line(record: dict[str, Any]) -> str:
+    """One line on the rollout engine's prefill of its own sequences against its decode (reference.json's
+    rollout_self)."""
+    if "skipped" in record:
+        return f"vLLM's prefill vs its own decode: not measured ({record['skipped']})"
+    return (f"vLLM's prefill vs its own decode: {record['num_not_bitwise']} of {record['num_tokens']} sampled tokens "
+            f"differ, max |delta| {_ratio(record['max_abs'])} (an exact claim needs 0)")
+
+
 def to_markdown(summary: dict[str, Any]) -> str:
     """The summary as a Markdown document."""
     lines = [f"# qualify run: {summary['matrix']}", "", f"- run directory: `{summary['run_dir']}`",
@@ -227,6 +237,8 @@ def to_markdown(summary: dict[str, Any]) -> str:
             lines.append(f"- train-vs-rollout {precision}: {mm['num_not_bitwise']}/{mm['num_tokens']} not bitwise, "
                          f"max |delta| {_ratio(mm['max_abs'])}, mean {_ratio(mm['mean_abs'])}")
     lines += [f"- {line.strip()}" for line in routing_lines(summary.get("routing_agreement"))]
+    if summary.get("rollout_self"):
+        lines.append(f"- {rollout_self_line(summary['rollout_self'])}")
     platform = summary["provenance"].get("platform")
     if platform:
         lines.append(f"- platform: {describe(platform)}")

@@ -348,6 +348,8 @@ def run_reference(matrix: Matrix, run_dir: Path, stage: str = "all", rollout: Pa
                "controls": controls, "control_replays": replays, "precisions": list(matrix.reference.precisions),
                "rollout_mismatch": mismatch, "routing_agreement": routing_agreement(ctx), "git": git_state(),
                "rollout_platform": read_json(layout.rollout(primary) / "rollout.json").get("platform"),
+               # the rollout engine against itself (qualify.rollout.capture.prefill_vs_decode); None before the check
+               "rollout_self": read_json(layout.rollout(primary) / "rollout.json").get("prefill_vs_decode"),
                "rollout_source": None if rollout is None else str(rollout),
                "evidence": evidence_sizes(ctx, controls), **provenance()}
     if not layout.reference_summary.is_file():

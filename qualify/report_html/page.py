@@ -5,7 +5,7 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
-from qualify.report import FAILED, NO_VERDICT, NOT_VERIFIED, PASSED
+from qualify.report import FAILED, NO_VERDICT, NOT_VERIFIED, PASSED, rollout_self_line
 from qualify.report_html.data import fmt
 
 CSS = """
@@ -77,8 +77,10 @@ def rollout_section(summary: dict[str, Any], histogram_svg: str | None) -> str:
     moe_layers = ra.get("moe_layers") or []
     routes = [[moe_layers[a["layer"]] if a["layer"] < len(moe_layers) else a["layer"], a["tokens"], a["tokens_differ"],
                a["pairs"], a["pairs_differ"]] for a in ra.get("reference_fp32_vs_rollout", [])]
+    own = summary.get("rollout_self")
     return ('<section id="rollout"><h2>Train vs rollout</h2>'
             + table(["precision", "tokens", "not bitwise", "max |delta|", "mean |delta|"], rows)
+            + (f"<p>{escape(rollout_self_line(own))}</p>" if own else "")
             + (table(["vLLM TP", "tokens equal", "logprob max |delta|"], tp) if tp else "")
             + (f'<h3 id="routing">Routing ({escape(str(ra.get("routing")))}): the rollout\'s routes vs the fp32 '
                "reference's own top-k</h3>"

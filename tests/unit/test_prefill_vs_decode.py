@@ -79,3 +79,16 @@ def test_the_exact_row_cites_the_engine_against_itself():
     [row] = exact_rows("c", "actor", {"logprobs_BT": old + 1e-3}, spec, old, mask, record)
     assert not row.passed and row.note.startswith("not exact: 8 of 8")
     assert row.note.endswith(engine_self_note(record)) and "differs from its decode on 1 of 2 tokens" in row.note
+
+
+def test_the_report_shows_the_engine_against_itself():
+    from qualify.report import rollout_self_line
+    from qualify.report_html.page import rollout_section
+
+    measured = prefill_vs_decode([result(1, [-1.0, -2.0], [-1.0, -2.5])])
+    assert rollout_self_line(measured).startswith("vLLM's prefill vs its own decode: 1 of 2 sampled tokens differ")
+    skipped = prefill_vs_decode([result(1, [-1.0])])
+    assert "not measured (no prompt sampled at T = 1" in rollout_self_line(skipped)
+    page = rollout_section({"rollout_mismatch": {}, "tp_agreement": {}, "rollout_self": measured}, None)
+    assert "1 of 2 sampled tokens differ" in page
+    assert "prefill" not in rollout_section({"rollout_mismatch": {}, "tp_agreement": {}}, None)  # before the check
