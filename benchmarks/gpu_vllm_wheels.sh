@@ -122,8 +122,10 @@ for wheel in sys.argv[2:]:
 PY
 mkdir -p .gpu/xz
 tar -C "$work/site" -cf - . | xz -6 -T0 > .gpu/xz/site.tar.xz
-tree=$(git ls-files -z | xargs -0 du -cb | tail -n 1 | cut -f1)
-part=$(( 64 * 1024 * 1024 - tree - 4 * 1024 * 1024 ))  # 4 MiB for the untracked files a session adds
+# the device tool counts the tree as the disk holds it (whole blocks: du -c, not du -cb; session 21 found a part that
+# fitted the bytes refused), and a part travels with its SHA256SUMS
+tree=$(( $(git ls-files -z | xargs -0 du -c | tail -n 1 | cut -f1) * 1024 ))
+part=$(( 64 * 1024 * 1024 - tree - 1024 * 1024 ))  # 1 MiB for the untracked files a session adds
 (cd .gpu/xz && sha256sum site.tar.xz > SHA256SUMS && split -b "$part" -d -a 2 site.tar.xz part- && rm site.tar.xz)
 for p in .gpu/xz/part-*; do n=${p##*-}; mkdir -p .gpu/xz/p"$n" && mv "$p" .gpu/xz/p"$n"/; done
 mv .gpu/xz/SHA256SUMS .gpu/xz/p00/
