@@ -59,8 +59,9 @@ def test_freeze_makes_actor_bounds_only(grpo_run):
 
 
 def test_torch_tp_passes_at_tp1_dp2_and_tp2(grpo_run, grpo_matrix):
-    # the three launches (TP1xDP1, TP1xDP2, TP2xDP1) run at once (`qualify candidate --launches 3`)
-    verdict = run_candidates(grpo_matrix, grpo_run, only="torch-tp-fp32-*", launches=3).to_json()
+    # the three launches (TP1xDP1, TP1xDP2, TP2xDP1) run at once (`qualify candidate --launches 3`), each case judged
+    # as soon as it and its TP1/DP1 case are sealed (the default on a GPU)
+    verdict = run_candidates(grpo_matrix, grpo_run, only="torch-tp-fp32-*", launches=3, judge_early=True).to_json()
     cases = verdict["cases"]
     assert set(cases) == {"torch-tp-fp32-tp1-actor", "torch-tp-fp32-tp1-dp2-actor", "torch-tp-fp32-tp2-actor"}
     failed = [r for r in verdict["rows"] if not r["passed"]]
