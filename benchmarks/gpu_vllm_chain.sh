@@ -144,7 +144,8 @@ exact() {  # issue 33: the tiny family's bf16 T = 1 rollout with vLLM's batch-in
   install
   versions
   mkdir -p "$out"
-  for m in gpu-tiny-exact gpu-tiny-exact-off; do
+  timed "the exact engine's kernels" python3 benchmarks/exact_gpu_smoke.py || return 1
+  for m in ${EXACT_MATRICES:-gpu-tiny-exact gpu-tiny-exact-off}; do
     local run=/tmp/$m
     timed "$m: reference (GPU vLLM capture, HF on the GPU)" qualify reference benchmarks/$m.yaml --run $run || continue
     timed "$m: freeze" qualify freeze $run || continue

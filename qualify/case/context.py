@@ -76,6 +76,9 @@ class EngineContext:
 
     vocab_tile: int | None = None
     """candidates.vocab_tile: the deterministic vocab-parallel logprob path with tiles of this width (torch-tp)."""
+    rollout_dir: Path | None = None
+    """The sealed rollout the case replays: its rollout.json says how vLLM sampled it (dtype, batch-invariant mode, KV
+    block size), which an engine that computes with vLLM's own kernels must follow (qualify.examples.vllm_gpu_exact)."""
     routing: str | None = None
     """rollout.routing of a MoE family: 'replay' (every batch carries the rollout's routes, Batch.routes_BTLK, which
     the actor must route by while its routing weights come from its live router) or 'recompute'; None: dense."""

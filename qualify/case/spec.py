@@ -106,7 +106,8 @@ def engine_context(spec: CaseSpec, rank: int, work: Path, *, dp: int | None = No
                          model_dir=Path(spec.model_dir), optimizer=spec.optimizer, temperature=spec.temperature,
                          logprob_chunk_tokens=spec.logprob_chunk_tokens, vocab_size=spec.vocab_size, work_dir=work,
                          logprob_formula=spec.logprob_formula, top_k=spec.top_k, top_p=spec.top_p, min_p=spec.min_p,
-                         dp=spec.dp if dp is None else dp, vocab_tile=spec.vocab_tile, routing=spec.routing)
+                         dp=spec.dp if dp is None else dp, vocab_tile=spec.vocab_tile, routing=spec.routing,
+                         rollout_dir=Path(spec.rollout_dir))
 
 
 def case_batch(spec: CaseSpec, rollout: dict[str, torch.Tensor], rows: slice) -> Batch:

@@ -121,7 +121,7 @@ def round_zero(s: Session, v0: Version, rdir: Path) -> tuple[Path, str]:
     if s.base.rollout_dir is None:  # no reference: round 0 captures its rollout with this engine
         captured = s.generate(s.prompts, s.seeds, rollout=True)
         s.base.control = s.agreement(v0, captured["results"])["max_abs"]
-        digest = write_rollout(rdir / "rollout", captured["results"], {"version": 0, "vllm_tp": s.tp},
+        digest = write_rollout(rdir / "rollout", captured["results"], s.rollout_meta(0),
                                captured.get("routes_layers"))
         rollout_dir = rdir / "rollout"
         s.made["round-0 rollout"] = digest
@@ -144,7 +144,7 @@ def later_round(s: Session, version: Version, prev: Version, rdir: Path) -> tupl
     s.add(checks.agreement_row("rollout logprobs agree with HF", rnd, stats, s.base.bound, rnd))
     stale = s.agreement(prev, first["results"])
     s.add(checks.sensitivity_row(rnd, stale, s.base.bound, rnd, prev.number))
-    digest = write_rollout(rdir / "rollout", first["results"][:len(s.prompts)], {"version": rnd, "vllm_tp": s.tp},
+    digest = write_rollout(rdir / "rollout", first["results"][:len(s.prompts)], s.rollout_meta(rnd),
                            first.get("routes_layers"))
     evidence = {"version": rnd, "rollout_digest": digest, "agreement": stats, "agreement_vs_previous": stale,
                 **cache_rows(s, rnd, version, first, f"rollout and cache prompts, first request at v{rnd}")}

@@ -31,11 +31,13 @@ def grpo_spec(tmp_path):
 def test_every_shared_field_comes_from_the_spec(tmp_path):
     spec = grpo_spec(tmp_path)
     ctx = engine_context(spec, 1, tmp_path / "work")
-    shared = ({f.name for f in dataclasses.fields(EngineContext)} & {f.name for f in dataclasses.fields(spec)}) - {"model_dir"}
+    paths = {"model_dir", "rollout_dir"}  # str in the spec (JSON), Path in the context
+    shared = ({f.name for f in dataclasses.fields(EngineContext)} & {f.name for f in dataclasses.fields(spec)}) - paths
     assert shared >= {"role", "precision", "tp", "dp", "device", "optimizer", "temperature", "vocab_size",
                       "logprob_formula", "top_k", "top_p", "min_p", "vocab_tile", "logprob_chunk_tokens"}
     assert {n: getattr(ctx, n) for n in shared} == {n: getattr(spec, n) for n in shared}
     assert (ctx.rank, ctx.work_dir, ctx.model_dir) == (1, tmp_path / "work", Path(spec.model_dir))
+    assert ctx.rollout_dir == Path(spec.rollout_dir)
     assert ctx.dp == 2 and ctx.vocab_tile == 64
 
 

@@ -1,0 +1,385 @@
+"""An engine whose step-0 logprobs can be GPU vLLM's own, bit for bit: seed 002's exact tier on a CUDA GPU.
+
+A teacher-forced forward gives the rollout's logprobs bit for bit only if every kernel rounds as the rollout engine's
+did. This engine is torch-tp whose bf16 actor forward is vLLM's Qwen3 forward, step for step, on vLLM's own kernels
+(qualify.examples.vllm_cpu_exact is the CPU counterpart):
+- the residual stream as vLLM carries it: the first layer's input RMSNorm alone, every later norm fused with the
+  residual add (`fused_add_rms_norm`), the final norm too;
+- q/k/v and gate/up as one GEMM each over the concatenated weights (vLLM's merged linears), every GEMM `F.linear`;
+- RMSNorm by vLLM's CUDA kernel (`_C.rms_norm`), or in batch-invariant mode by its Triton `rms_norm_batch_invariant`,
+  as vLLM's RMSNorm dispatches; q_norm and k_norm per head;
+- rotary by `_C.rotary_embedding` (neox style) over a cos/sin cache vLLM's `get_rope` makes on the device;
+- attention by vLLM's FlashAttention (`flash_attn_varlen_func`) over a paged KV cache written by
+  `reshape_and_cache_flash` in the rollout's block size, with `num_splits=1` in batch-invariant mode (what vLLM's
+  backend passes then) and FA's own heuristic otherwise;
+- SiLU-and-mul by `_C.silu_and_mul`;
+- the sampler formula as vLLM's sampler computes it: fp32 logits / T, then log_softmax, by vLLM's Triton log_softmax in
+  batch-invariant mode (vLLM's mode replaces aten's there) and torch's otherwise.
+With the rollout captured in batch-invariant mode, the engine puts the mode's cuBLAS settings in place in setup(),
+before this process's first GEMM (CUBLAS_WORKSPACE_CONFIG=:16:8, CUBLASLT_WORKSPACE_SIZE=1, cuBLASLt preferred, no
+reduced-precision bf16 reductions, IEEE fp32): settings installed after cuBLAS starts do not count. It does not install
+vLLM's aten overrides, which would replace softmax, mean and bmm in the trainer's loss and backward too.
+
+Each kernel's backward is the reference formula's (recomputed in torch and differentiated): seed 002's claim is about
+the forward, and the backward is not part of it. Everything else (the critic, cases in another precision than the
+rollout's, diagnose's layer outputs) is torch-tp's HF forward.
+
+Name it in a matrix as `qualify.examples.vllm_gpu_exact:engine`, declare it in `candidates.rollout_exact` and capture
+the rollout with `rollout.batch_invariant: true`; its bf16 TP1 actor's step-0 logprobs must then equal the rollout's on
+every response token (qualify.candidate.rollout_exact), and after each weight sync in `qualify rounds --engine
+qualify.examples.vllm_gpu_exact:engine`. CUDA, TP1, DP1, a dense Qwen3 with default RoPE, vLLM 0.26's module layout;
+refused otherwise, before anything runs. The mode, the rollout's dtype and its block size are read from the sealed
+rollout's rollout.json. `Kernels` holds the kernel set: `torch_kernels()` is the reference formula of each, which lets
+the forward's wiring be checked against Hugging Face's on any device (tests/unit/test_vllm_gpu_exact.py).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from qualify.engines.base import Batch, EngineContext
+from qualify.engines.torch_tp import TorchTPEngine, local
+from qualify.errors import EngineError
+
+DEFAULT_BLOCK = 32  # matrix rollout.block_size's default, for a rollout sealed before rollout.json recorded it
+INVARIANT_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1"}
+"""vLLM's batch-invariant mode on Hopper and later: split-K off through the cuBLAS workspace (read when cuBLAS starts)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutMode:
+    """How the sealed rollout was sampled, as far as the forward must follow it."""
+
+    dtype: str
+    """'bfloat16', 'float32', ... (rollout.json sampling.dtype)."""
+    batch_invariant: bool
+    block_size: int
+
+
+def rollout_mode(rollout_dir: Path | None) -> RolloutMode:
+    """The mode, dtype and KV block size a rollout was captured with, from its rollout.json (the reference's capture
+    and each round's rollout of `qualify rounds` record them)."""
+    from qualify.store import read_json
+
+    if rollout_dir is None or not (Path(rollout_dir) / "rollout.json").is_file():
+        raise EngineError(f"vllm_gpu_exact reads how the rollout was sampled from its rollout.json; none under "
+                          f"{rollout_dir}")
+    meta = read_json(Path(rollout_dir) / "rollout.json")
+    dtype = (meta.get("sampling") or {}).get("dtype")
+    if not isinstance(dtype, str):
+        raise EngineError(f"{rollout_dir}/rollout.json records no sampling.dtype: vllm_gpu_exact cannot tell the "
+                          "precision the rollout was sampled in")
+    invariant = bool(meta.get("batch_invariant")) or (meta.get("env") or {}).get("VLLM_BATCH_INVARIANT") == "1"
+    return RolloutMode(dtype=dtype, batch_invariant=invariant, block_size=int(meta.get("block_size") or DEFAULT_BLOCK))
+
+
+class Kernel(torch.autograd.Function):
+    """out = fast(*inputs) in the forward; the backward differentiates reference(*inputs), recomputed in torch."""
+
+    @staticmethod
+    def forward(ctx, fast: Callable[..., Any], reference: Callable[..., Any], *inputs: torch.Tensor):
+        ctx.reference = reference
+        ctx.save_for_backward(*inputs)
+        with torch.no_grad():
+            out = fast(*inputs)
+        ctx.tuple_out = isinstance(out, tuple)
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        needs = ctx.needs_input_grad[2:]
+        inputs = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs, strict=True)]
+        with torch.enable_grad():
+            out = ctx.reference(*inputs)
+        outs = out if ctx.tuple_out else (out,)
+        used = [(o, g) for o, g in zip(outs, grads, strict=True) if g is not None and o.requires_grad]
+        wanted = [t for t in inputs if t.requires_grad]
+        if not used or not wanted:
+            return (None, None, *(None for _ in inputs))
+        found = iter(torch.autograd.grad([o for o, _ in used], wanted, [g for _, g in used], allow_unused=True))
+        return (None, None, *(next(found) if t.requires_grad else None for t in inputs))
+
+
+def kernel(fast: Callable[..., Any], reference: Callable[..., Any], *inputs: torch.Tensor) -> Any:
+    """fast's values with reference's gradient."""
+    return Kernel.apply(fast, reference, *inputs)
+
+
+# the reference formula of each kernel (torch; also the backward of the fast ones) -----------------------------------
+
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as vLLM's kernels define it: fp32 statistics, the normalized value rounded, times the weight."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+def torch_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    summed = x + residual
+    return torch_rms_norm(summed, weight, eps), summed
+
+
+def torch_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cache: torch.Tensor,
+                 head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary of q (N, Hq*D) and k (N, Hkv*D) at positions by cache (P, D) = [cos | sin]."""
+    cos, sin = cache[positions].chunk(2, dim=-1)  # (N, D/2) each
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x = x.view(x.shape[0], -1, head_dim)
+        x1, x2 = x.chunk(2, dim=-1)
+        c, s = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).flatten(1)
+
+    return rotate(q), rotate(k)
+
+
+def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int, scale: float) -> torch.Tensor:
+    """Causal attention of `rows` sequences of equal length, tokens flattened: q (N, Hq, D), k and v (N, Hkv, D) in,
+    (N, Hq, D) out (grouped kv heads repeated)."""
+    n, heads, dim = q.shape
+    t = n // rows
+    qb, kb, vb = (x.view(rows, t, x.shape[1], dim).transpose(1, 2) for x in (q, k, v))
+    groups = heads // kb.shape[1]
+    kb, vb = kb.repeat_interleave(groups, dim=1), vb.repeat_interleave(groups, dim=1)
+    scores = (qb.float() @ kb.float().transpose(-1, -2)) * scale
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+    return (probs @ vb.float()).to(q.dtype).transpose(1, 2).reshape(n, heads, dim)
+
+
+def torch_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@dataclass(frozen=True, slots=True)
+class Kernels:
+    """The kernels of a vLLM-shaped Qwen3 forward, each (inputs) -> outputs with gradients."""
+
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+    rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+    attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    log_softmax: Callable[[torch.Tensor], torch.Tensor]
+    """fp32 (N, V) -> fp32 (N, V), over the last dimension."""
+    name: str
+
+
+def torch_kernels() -> Kernels:
+    """The reference formula of every kernel: the forward's wiring checked against Hugging Face's, on any device."""
+    return Kernels(rms_norm=torch_rms_norm, add_rms_norm=torch_add_rms_norm, rotary=torch_rotary,
+                   attention=torch_attention, silu_and_mul=torch_silu_and_mul,
+                   log_softmax=lambda x: torch.log_softmax(x, dim=-1), name="torch")
+
+
+def vllm_kernels(mode: RolloutMode) -> Kernels:
+    """vLLM's own CUDA kernels, dispatched as vLLM 0.26's modules dispatch them in eager mode (enforce_eager: the IR
+    ops' CUDA implementations), in batch-invariant mode when the rollout was captured in it."""
+    import vllm._custom_ops as ops
+    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
+
+    fa_version = get_flash_attn_version()
+    splits = 1 if mode.batch_invariant else 0
+    block = mode.block_size
+    if mode.batch_invariant:
+        from vllm.model_executor.layers.batch_invariant import log_softmax as invariant_log_softmax
+        from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant
+
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        def fast(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            if mode.batch_invariant:
+                return rms_norm_batch_invariant(x, weight, eps)
+            out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+            torch.ops._C.rms_norm(out, x, weight, eps)
+            return out
+
+        return kernel(fast, lambda x, w: torch_rms_norm(x, w, eps), x, weight)
+
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        def fast(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            x, residual = x.clone(), residual.clone()  # in place in vLLM: x becomes the output, residual the sum
+            ops.fused_add_rms_norm(x, residual, weight, eps)
+            return x, residual
+
+        return kernel(fast, lambda x, r, w: torch_add_rms_norm(x, r, w, eps), x, residual, weight)
+
+    def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cache: torch.Tensor,
+               head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        def fast(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            q, k = q.clone(), k.clone()  # rotated in place
+            ops.rotary_embedding(positions, q, k, head_dim, cache, True)
+            return q, k
+
+        return kernel(fast, lambda q, k: torch_rotary(positions, q, k, cache, head_dim), q, k)
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int, scale: float) -> torch.Tensor:
+        def fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            n, _, dim = q.shape
+            t, kv = n // rows, k.shape[1]
+            blocks = -(-t // block)
+            device = q.device
+            # vLLM's NHD cache: (blocks, block_size, kv heads, 2 x head_dim), keys and values packed in the last dim
+            cache = torch.zeros(rows * blocks, block, kv, 2 * dim, dtype=q.dtype, device=device)
+            key_cache, value_cache = cache.split(dim, dim=-1)
+            slots = (torch.arange(rows, device=device)[:, None] * blocks * block
+                     + torch.arange(t, device=device)[None]).reshape(-1)
+            one = torch.ones((), dtype=torch.float32, device=device)
+            ops.reshape_and_cache_flash(k, v, key_cache, value_cache, slots, "auto", one, one)
+            out = torch.empty_like(q)
+            flash_attn_varlen_func(
+                q=q, k=key_cache, v=value_cache, out=out, max_seqlen_q=t, max_seqlen_k=t,
+                cu_seqlens_q=torch.arange(rows + 1, dtype=torch.int32, device=device) * t,
+                seqused_k=torch.full((rows,), t, dtype=torch.int32, device=device), softmax_scale=scale, causal=True,
+                block_table=torch.arange(rows * blocks, dtype=torch.int32, device=device).view(rows, blocks),
+                fa_version=fa_version, num_splits=splits)
+            return out
+
+        return kernel(fast, lambda q, k, v: torch_attention(q, k, v, rows, scale), q, k, v)
+
+    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+        def fast(x: torch.Tensor) -> torch.Tensor:
+            out = torch.empty(*x.shape[:-1], x.shape[-1] // 2, dtype=x.dtype, device=x.device)
+            torch.ops._C.silu_and_mul(out, x)
+            return out
+
+        return kernel(fast, torch_silu_and_mul, x)
+
+    def log_softmax(x: torch.Tensor) -> torch.Tensor:
+        if not mode.batch_invariant:  # vLLM's sampler: aten's log_softmax, per row whatever the row count
+            return torch.log_softmax(x, dim=-1)
+        return kernel(lambda x: invariant_log_softmax(x, dim=-1), lambda x: torch.log_softmax(x, dim=-1), x)
+
+    return Kernels(rms_norm=rms_norm, add_rms_norm=add_rms_norm, rotary=rotary, attention=attention,
+                   silu_and_mul=silu_and_mul, log_softmax=log_softmax,
+                   name=f"vllm (FA{fa_version}, batch-invariant {'on' if mode.batch_invariant else 'off'})")
+
+
+def rope_cache(config: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The cos/sin cache vLLM's rotary uses, (max positions, head_dim) = [cos | sin] of t x inv_freq in dtype: vLLM
+    0.26's RotaryEmbedding._compute_cos_sin_cache, computed in fp32 on the device as vLLM builds its model there (its
+    own note: on the GPU, not the CPU, so not bitwise Hugging Face's), then cast."""
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    if rope.get("rope_type", "default") != "default":
+        raise EngineError(f"vllm_gpu_exact: RoPE type {rope['rope_type']!r} is not supported (default only)")
+    theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    positions, dim = int(config.max_position_embeddings), int(config.head_dim)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
+    freqs = torch.einsum("i,j -> ij", torch.arange(positions, dtype=torch.float, device=device), inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
+
+
+def _w(t: torch.Tensor) -> torch.Tensor:
+    return local(t)  # a TP1 DTensor's local tensor, differentiably
+
+
+def vllm_forward(model: torch.nn.Module, ids_BT: torch.Tensor, kernels: Kernels, cache: torch.Tensor) -> torch.Tensor:
+    """(B, T, V) logits of an HF Qwen3 causal LM computed as vLLM's Qwen3 computes them, tokens flattened to one
+    (B x T, hidden) batch, each row a sequence of its own (right padding sits after every real token: causal)."""
+    config = model.config
+    rows, t = ids_BT.shape
+    core = model.model
+    eps = float(config.rms_norm_eps)
+    dim, heads, kv = int(config.head_dim), int(config.num_attention_heads), int(config.num_key_value_heads)
+    ids = ids_BT.reshape(-1)
+    positions = torch.arange(t, device=ids.device).repeat(rows)
+    h = F.embedding(ids, _w(core.embed_tokens.weight))
+    residual = None
+    for layer in core.layers:
+        a, m = layer.self_attn, layer.mlp
+        if residual is None:
+            residual, x = h, kernels.rms_norm(h, _w(layer.input_layernorm.weight), eps)
+        else:
+            x, residual = kernels.add_rms_norm(h, residual, _w(layer.input_layernorm.weight), eps)
+        qkv_w = torch.cat([_w(a.q_proj.weight), _w(a.k_proj.weight), _w(a.v_proj.weight)])
+        qkv_b = None if a.q_proj.bias is None else torch.cat([_w(a.q_proj.bias), _w(a.k_proj.bias),
+                                                               _w(a.v_proj.bias)])
+        q, k, v = F.linear(x, qkv_w, qkv_b).split([heads * dim, kv * dim, kv * dim], dim=-1)
+        q = kernels.rms_norm(q.view(-1, heads, dim), _w(a.q_norm.weight), eps).view(-1, heads * dim)
+        k = kernels.rms_norm(k.view(-1, kv, dim), _w(a.k_norm.weight), eps).view(-1, kv * dim)
+        q, k = kernels.rotary(positions, q, k, cache, dim)
+        o = kernels.attention(q.view(-1, heads, dim), k.view(-1, kv, dim), v.reshape(-1, kv, dim), rows,
+                              float(a.scaling))
+        h = F.linear(o.reshape(-1, heads * dim), _w(a.o_proj.weight))
+        x, residual = kernels.add_rms_norm(h, residual, _w(layer.post_attention_layernorm.weight), eps)
+        gate_up = F.linear(x, torch.cat([_w(m.gate_proj.weight), _w(m.up_proj.weight)]))
+        h = F.linear(kernels.silu_and_mul(gate_up), _w(m.down_proj.weight))
+    x, _ = kernels.add_rms_norm(h, residual, _w(core.norm.weight), eps)
+    return F.linear(x, _w(model.lm_head.weight)).view(rows, t, -1)
+
+
+def sampler_logprobs(logits_BTV: torch.Tensor, ids_BT: torch.Tensor, temperature: float, vocab_size: int,
+                     chunk_tokens: int, log_softmax: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """(B, T) fp32 logprobs of ids_BT (position 0 is 0) as vLLM's sampler computes processed logprobs: the logits in
+    fp32, divided by T held as an fp32 tensor, log_softmax over the real vocabulary; chunk_tokens rows at a time."""
+    rows, t = ids_BT.shape
+    z = logits_BTV[:, :-1, :vocab_size].reshape(-1, vocab_size)
+    tokens = ids_BT[:, 1:].reshape(-1, 1)
+    temp = torch.full((1, 1), temperature, dtype=torch.float32, device=z.device)
+    parts = [log_softmax(z[i:i + chunk_tokens].float() / temp).gather(-1, tokens[i:i + chunk_tokens])[:, 0]
+             for i in range(0, z.shape[0], chunk_tokens)]
+    return F.pad(torch.cat(parts).view(rows, t - 1), (1, 0))
+
+
+def install_invariant_settings() -> dict[str, str]:
+    """vLLM's batch-invariant cuBLAS settings (Hopper and later), before this process's first GEMM; what was set."""
+    os.environ.update(INVARIANT_ENV)
+    torch.backends.cuda.preferred_blas_library(backend="cublaslt")
+    try:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = (False, False)
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = (False, False)
+    except (TypeError, RuntimeError):  # torch before 2.10 takes a bool
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+    torch.backends.cuda.matmul.fp32_precision = "ieee"
+    return dict(INVARIANT_ENV) | {"blas": "cublaslt", "bf16_reduced_precision_reduction": "off"}
+
+
+class VllmGpuExactEngine(TorchTPEngine):
+    """torch-tp whose bf16 actor forward is vLLM's Qwen3 forward on vLLM's CUDA kernels (see the module docstring)."""
+
+    name = "vllm-gpu-exact"
+
+    def setup(self, ctx: EngineContext) -> None:
+        if not ctx.device.startswith("cuda") or ctx.tp != 1 or ctx.dp != 1:
+            raise EngineError(f"vllm_gpu_exact runs GPU vLLM's kernels: CUDA, TP1 and DP1 only (this case: "
+                              f"{ctx.device}, TP{ctx.tp}, DP{ctx.dp})")
+        self.mode = rollout_mode(ctx.rollout_dir)
+        self.settings = install_invariant_settings() if self.mode.batch_invariant else {}
+        super().setup(ctx)
+        config = self.compute.config
+        if config.model_type != "qwen3":
+            raise EngineError(f"vllm_gpu_exact computes a dense Qwen3 as vLLM does; this model is {config.model_type}")
+        self.exact = ctx.role == "actor" and str(self.compute.dtype).removeprefix("torch.") == self.mode.dtype
+        if self.exact:
+            self.kernels = self.make_kernels(self.mode)
+            self.cache = rope_cache(config, self.compute.dtype, torch.device(ctx.device))
+
+    def make_kernels(self, mode: RolloutMode) -> Kernels:
+        """The forward's kernels: vLLM's own (a test's twin swaps one out)."""
+        return vllm_kernels(mode)
+
+    def score(self, batch: Batch) -> torch.Tensor:
+        if not self.exact:
+            return super().score(batch)
+        from qualify.models.hf import declared_logprobs
+
+        c = self.ctx
+        ids_BT = batch.input_ids_BT.to(c.device)
+        logits_BTV = vllm_forward(self.compute, ids_BT, self.kernels, self.cache)
+        self.declared_BT = declared_logprobs(c, logits_BTV.detach(), ids_BT)
+        self.last_logits = logits_BTV.detach()
+        return sampler_logprobs(logits_BTV, ids_BT, c.temperature, c.vocab_size, c.logprob_chunk_tokens,
+                                self.kernels.log_softmax).cpu()
+
+
+def engine() -> VllmGpuExactEngine:
+    return VllmGpuExactEngine()

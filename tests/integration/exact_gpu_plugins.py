@@ -1,0 +1,88 @@
+"""The shipped GPU exact engine (qualify.examples.vllm_gpu_exact) with one bug each that seed 002's review names
+(named 'tests.integration.exact_gpu_plugins:<factory>'). Declared rollout_exact by benchmarks/gpu-tiny-exact.yaml, each
+must fail the exact tier's row (comparison 'rollout', tensor step0/outputs/logprobs_BT), naming how many tokens differ;
+measured on one H200 (benchmarks/gpu_vllm_chain.sh exact, BENCHMARKS.md).
+
+  logsumexp_branch    the logprobs as z - logsumexp(z) (fp32) instead of the sampler's log_softmax
+  bf16_branch         log_softmax computed in bf16
+  fused_path          each token's logprob from an online logsumexp over vocabulary chunks (a fused path that skips
+                      the sampler formula)
+  norm_not_routed     RMSNorm (alone and fused with the residual add) in torch, not through vLLM's kernels
+  settings_too_late   vLLM's batch-invariant cuBLAS settings put in place after this process's first GEMM
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from qualify.engines.base import EngineContext
+from qualify.examples.vllm_gpu_exact import (Kernels, RolloutMode, VllmGpuExactEngine, torch_add_rms_norm,
+                                             torch_rms_norm, vllm_kernels)
+
+
+class Formula(VllmGpuExactEngine):
+    """The exact engine with its own log-softmax in the sampler formula."""
+
+    def log_softmax(self, z: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def make_kernels(self, mode: RolloutMode) -> Kernels:
+        return replace(vllm_kernels(mode), log_softmax=self.log_softmax)
+
+
+class LogsumexpBranch(Formula):
+    def log_softmax(self, z: torch.Tensor) -> torch.Tensor:
+        return z - torch.logsumexp(z, dim=-1, keepdim=True)
+
+
+class Bf16Branch(Formula):
+    def log_softmax(self, z: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(z.to(torch.bfloat16), dim=-1).float()
+
+
+class FusedPath(Formula):
+    CHUNK = 128
+
+    def log_softmax(self, z: torch.Tensor) -> torch.Tensor:
+        lse = None
+        for lo in range(0, z.shape[-1], self.CHUNK):
+            part = torch.logsumexp(z[..., lo:lo + self.CHUNK], dim=-1, keepdim=True)
+            lse = part if lse is None else torch.logaddexp(lse, part)
+        return z - lse
+
+
+class NormNotRouted(VllmGpuExactEngine):
+    def make_kernels(self, mode: RolloutMode) -> Kernels:
+        return replace(vllm_kernels(mode), rms_norm=torch_rms_norm, add_rms_norm=torch_add_rms_norm)
+
+
+class SettingsTooLate(VllmGpuExactEngine):
+    """A GEMM runs (cuBLAS starts) before the mode's settings are put in place."""
+
+    def setup(self, ctx: EngineContext) -> None:
+        if ctx.device.startswith("cuda"):
+            a = torch.ones(64, 64, dtype=torch.bfloat16, device=ctx.device)
+            (a @ a).sum().item()
+        super().setup(ctx)
+
+
+def logsumexp_branch() -> VllmGpuExactEngine:
+    return LogsumexpBranch()
+
+
+def bf16_branch() -> VllmGpuExactEngine:
+    return Bf16Branch()
+
+
+def fused_path() -> VllmGpuExactEngine:
+    return FusedPath()
+
+
+def norm_not_routed() -> VllmGpuExactEngine:
+    return NormNotRouted()
+
+
+def settings_too_late() -> VllmGpuExactEngine:
+    return SettingsTooLate()
