@@ -560,6 +560,10 @@ class Rounds:
     """vLLM TP degree of the rollout engine (default: the first of rollout.vllm_tp)."""
     train_tp: int = 1
     """TP degree of the training step."""
+    train_precision: Precision = "fp32"
+    """Precision of the training step: fp32, or bf16 (bf16 compute, FP32 master weights and updates). An engine that
+    claims seed 002's exact tier (candidates.rollout_exact) makes the claim in the rollout's precision: train in
+    rollout.dtype for its row after each weight sync to be judged rather than reported."""
     probes: tuple[str, ...] = ROUNDS_PROBES
     """Rejection probes to run (empty: none)."""
 
@@ -571,6 +575,8 @@ class Rounds:
             raise ValueError(f"rounds must be >= 2 (an install needs a round after it), got {self.rounds}")
         if self.train_tp < 1 or (self.vllm_tp is not None and self.vllm_tp < 1):
             raise ValueError("vllm_tp and train_tp must be >= 1")
+        if self.train_precision not in PRECISIONS:
+            raise ValueError(f"train_precision: {self.train_precision!r} is not one of {', '.join(PRECISIONS)}")
         _distinct("probes", self.probes, nonempty=False)
         unknown = sorted(set(self.probes) - set(ROUNDS_PROBES))
         if unknown:

@@ -24,6 +24,8 @@ def main(
     vllm_tp: Annotated[int | None, typer.Option("--vllm-tp", min=1, help="Override rounds.vllm_tp (default: the "
                                                 "matrix's first rollout.vllm_tp).")] = None,
     train_tp: Annotated[int | None, typer.Option("--train-tp", min=1, help="Override rounds.train_tp.")] = None,
+    train_precision: Annotated[str | None, typer.Option("--train-precision", help="Override rounds.train_precision "
+                                                        "(fp32 or bf16).")] = None,
     probe: Annotated[list[str] | None, typer.Option("--probe", help="Run only this probe (repeatable; overrides "
                                                     "rounds.probes): stale, wrong-shard, missing-ack, "
                                                     "duplicate-ack, warm-cache.")] = None,
@@ -38,6 +40,7 @@ def main(
 
     m = load_matrix(matrix)
     probes = () if no_probes else tuple(probe) if probe else None
-    opts = rounds_options(m, engine=engine, rounds=rounds, vllm_tp=vllm_tp, train_tp=train_tp, probes=probes)
+    opts = rounds_options(m, engine=engine, rounds=rounds, vllm_tp=vllm_tp, train_tp=train_tp, probes=probes,
+                          train_precision=train_precision)
     verdict = run_rounds(m, run or default_run_dir(m.name), opts)
     show_verdict(verdict.to_json(), format is Format.json)

@@ -69,7 +69,7 @@ def pick_rows(verdict: dict[str, Any]) -> list[dict[str, Any]]:
 def _title(verdict: dict[str, Any]) -> str:
     if verdict.get("schema") == ROUNDS_SCHEMA:
         return (f"qualify rounds: {verdict['matrix']} (vLLM TP{verdict['vllm_tp']}, trainer {verdict['engine']} "
-                f"TP{verdict['train_tp']})")
+                f"{verdict.get('train_precision', 'fp32')} TP{verdict['train_tp']})")
     return f"qualify verdict: {verdict['matrix']}"
 
 

@@ -281,9 +281,12 @@ def _w(t: torch.Tensor) -> torch.Tensor:
     return local(t)  # a TP1 DTensor's local tensor, differentiably
 
 
-def vllm_forward(model: torch.nn.Module, ids_BT: torch.Tensor, kernels: Kernels, cache: torch.Tensor) -> torch.Tensor:
+def vllm_forward(model: torch.nn.Module, ids_BT: torch.Tensor, kernels: Kernels, cache: torch.Tensor,
+                 trace: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """(B, T, V) logits of an HF Qwen3 causal LM computed as vLLM's Qwen3 computes them, tokens flattened to one
-    (B x T, hidden) batch, each row a sequence of its own (right padding sits after every real token: causal)."""
+    (B x T, hidden) batch, each row a sequence of its own (right padding sits after every real token: causal).
+    trace, when given, receives what each vLLM module returns, by vLLM's module names (flattened tokens, detached):
+    'model.layers.<i>.hidden' and '.residual' (what each decoder layer returns), 'model.norm.hidden' and 'logits'."""
     config = model.config
     rows, t = ids_BT.shape
     core = model.model
@@ -312,8 +315,14 @@ def vllm_forward(model: torch.nn.Module, ids_BT: torch.Tensor, kernels: Kernels,
         x, residual = kernels.add_rms_norm(h, residual, _w(layer.post_attention_layernorm.weight), eps)
         gate_up = F.linear(x, torch.cat([_w(m.gate_proj.weight), _w(m.up_proj.weight)]))
         h = F.linear(kernels.silu_and_mul(gate_up), _w(m.down_proj.weight))
+        if trace is not None:
+            trace[f"model.layers.{len(trace) // 2}.hidden"] = h.detach()
+            trace[f"model.layers.{(len(trace) - 1) // 2}.residual"] = residual.detach()
     x, _ = kernels.add_rms_norm(h, residual, _w(core.norm.weight), eps)
-    return F.linear(x, _w(model.lm_head.weight)).view(rows, t, -1)
+    logits = F.linear(x, _w(model.lm_head.weight))
+    if trace is not None:
+        trace["model.norm.hidden"], trace["logits"] = x.detach(), logits.detach()
+    return logits.view(rows, t, -1)
 
 
 def sampler_logprobs(logits_BTV: torch.Tensor, ids_BT: torch.Tensor, temperature: float, vocab_size: int,

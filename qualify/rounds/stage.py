@@ -49,9 +49,10 @@ RoundsOptions = Rounds
 
 def rounds_options(matrix: Matrix, *, engine: str | None = None, rounds: int | None = None,
                    vllm_tp: int | None = None, train_tp: int | None = None,
-                   probes: tuple[str, ...] | None = None) -> RoundsOptions:
+                   probes: tuple[str, ...] | None = None, train_precision: str | None = None) -> RoundsOptions:
     """The matrix's rounds settings, each overridden where given (the command line, or a Slurm topology)."""
-    given = {"engine": engine, "rounds": rounds, "vllm_tp": vllm_tp, "train_tp": train_tp, "probes": probes}
+    given = {"engine": engine, "rounds": rounds, "vllm_tp": vllm_tp, "train_tp": train_tp, "probes": probes,
+             "train_precision": train_precision}
     try:
         options = dataclasses.replace(matrix.rounds, **{k: v for k, v in given.items() if v is not None})
         # the whole matrix with them: a TP degree must divide the model's heads and MLP, as the matrix's own must
@@ -155,10 +156,12 @@ def later_round(s: Session, version: Version, prev: Version, rdir: Path) -> tupl
 def train_and_install(s: Session, opts: RoundsOptions, version: Version, rollout: tuple[Path, str],
                       targets: tuple[Path, str], rdir: Path) -> Version:
     """Train one step on the round's rollout, make v(r+1), install it on every rank."""
-    with s.log.step(f"round {version.number}: train one actor step ({opts.engine}, fp32, TP{opts.train_tp})"):
+    with s.log.step(f"round {version.number}: train one actor step ({opts.engine}, {opts.train_precision}, "
+                    f"TP{opts.train_tp})"):
         step = train_step(s.settings, engine=opts.engine, tp=opts.train_tp, model_dir=version.path,
                           rollout_dir=rollout[0], rollout_digest=rollout[1], targets_dir=targets[0],
-                          targets_digest=targets[1], out=rdir / "train", vocab_size=s.vocab)
+                          targets_digest=targets[1], out=rdir / "train", vocab_size=s.vocab,
+                          precision=opts.train_precision)
     s.add(checks.rollout_exact_row(version.number, checks.rollout_exact(rdir / "train", targets[0])))
     replayed = checks.routes_replayed(read_json(rdir / "train" / "meta.json"))
     if replayed is not None:  # the round's own routes, not an earlier round's (captured before the weight sync)
@@ -251,6 +254,7 @@ def finish(s: Session, opts: RoundsOptions, matrix_name: str, versions: list[Ver
            failure: str | None, seconds: float) -> Verdict:
     verdict = make_verdict(ROUNDS_SCHEMA, matrix_name, s.rows, [rounds_case(s.tp)], failure=failure, details={
         "engine": opts.engine, "rounds": opts.rounds, "vllm_tp": s.tp, "train_tp": opts.train_tp,
+        "train_precision": opts.train_precision,
         "bound": {"logprob_max_abs": s.base.bound if s.base.control is not None else None, "k": s.base.k,
                   "floor": s.base.floor, "control": s.base.control, "source": s.base.source, **s.base.extra},
         "actor_versions": [{"version": v.number, "digest": v.digest, "path": str(v.path)} for v in versions],

@@ -1,6 +1,6 @@
 """One actor training step of a round, by the candidate engine, through the candidate stage's own launcher.
 
-The step is a candidate case (engine x fp32 x TP x actor) on the round's rollout and targets,
+The step is a candidate case (engine x rounds.train_precision x TP x actor) on the round's rollout and targets,
 launched with torchrun exactly as `qualify candidate` launches it (its K = epochs x minibatches
 optimizer steps); the next version is made from the sum of its steps' updates (new - old fp32
 parameters in HF names).
@@ -36,10 +36,11 @@ def check_digest(path: Path, expected: str, what: str) -> None:
 
 
 def train_step(settings: CaseSettings, *, engine: str, tp: int, model_dir: Path, rollout_dir: Path, rollout_digest: str,
-               targets_dir: Path, targets_digest: str, out: Path, vocab_size: int) -> dict[str, Any]:
+               targets_dir: Path, targets_digest: str, out: Path, vocab_size: int,
+               precision: str = "fp32") -> dict[str, Any]:
     """Run the actor step into out (skipped when complete); return its updates and seconds."""
     check_digest(Path(targets_dir) / "targets.safetensors", targets_digest, "targets")
-    case = Case(engine=engine, precision="fp32", tp=tp, role="actor")
+    case = Case(engine=engine, precision=precision, tp=tp, role="actor")
     device = device_of(settings.reference)
     if not stage_is_complete(out):
         spec = make_spec(settings, case, model_dir=model_dir, rollout_dir=rollout_dir, targets_dir=targets_dir,

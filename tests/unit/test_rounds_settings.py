@@ -36,3 +36,17 @@ def test_a_bad_override_is_a_one_line_input_error(tmp_path):
         rounds_options(m, rounds=1)
     with pytest.raises(QualifyError, match=r"rounds: probes: unknown \['nosuch'\]"):
         rounds_options(m, probes=("nosuch",))
+
+
+def test_the_training_precision_is_a_setting_and_a_flag(tmp_path):
+    """rounds.train_precision (fp32 by default): the exact tier's claim after a weight sync is made in the rollout's
+    precision, so a bf16 rollout's trainer trains in bf16; anything but fp32 or bf16 is refused in one line."""
+    import pytest
+
+    from qualify.errors import QualifyError
+
+    m = load_matrix(write(tmp_path, edited(setter("rounds", {"train_precision": "bf16"}))))
+    assert rounds_options(m).train_precision == "bf16"
+    assert rounds_options(m, train_precision="fp32").train_precision == "fp32"
+    with pytest.raises(QualifyError, match="train_precision: 'fp16' is not one of fp32, bf16"):
+        rounds_options(m, train_precision="fp16")
