@@ -6,6 +6,7 @@
 # tool, whose calls carry at most 64 MiB, back to back so the machine stays warm (/tmp survives between calls):
 #   stash .gpu/xz/pNN     (one call per part, carry .gpu/xz/pNN; for slurm also .gpu/slurm-debs): copy it to /tmp/carry
 #   run OUT [MATRIX] [RUN]  (after the last stash): join the parts, install, then the chain, probe and rounds
+#   install: the stashed site only (a probe's first step)
 #   exact OUT: seed 002's counts (benchmarks/gpu-tiny-exact.yaml and its -off twin: rollout, layout and rounds rows)
 #   chain OUT [MATRIX] [RUN]: as run, without the probe and rounds (reference with its capture, freeze, every case,
 #                         verify, report; REPORT_JSON=1 also writes OUT/report.json, judging every case once more)
@@ -159,6 +160,7 @@ exact() {  # issue 33: the tiny family's bf16 T = 1 rollout with vLLM's batch-in
 case ${1:-} in
   chain) shift; chain "$@" ;;
   exact) shift; exact "$@" ;;
+  install) install; versions ;;  # the stashed site alone (before a probe that needs GPU vLLM)
   stash) mkdir -p /tmp/carry && cp "$here/${2:?}"/* /tmp/carry/ && ls -l /tmp/carry && df -h /tmp | tail -n 1 ;;
   run) shift; run "$@" ;;
   slurm) shift; slurm "$@" ;;
