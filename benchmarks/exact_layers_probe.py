@@ -24,6 +24,7 @@ if MODE == "on":
     os.environ["VLLM_BATCH_INVARIANT"] = "1"
 
 import torch
+import torch.nn.functional as F
 
 RECORDED: dict[str, list[torch.Tensor]] = {}
 
@@ -43,7 +44,14 @@ def hook(model) -> int:
     for i, layer in enumerate(model.model.layers):
         layer.register_forward_hook(keep(f"model.layers.{i}"))
     model.model.norm.register_forward_hook(keep("model.norm"))
-    model.logits_processor.register_forward_hook(keep("logits"))
+    compute = model.compute_logits
+
+    def compute_logits(hidden, *args, **kwargs):
+        out = compute(hidden, *args, **kwargs)
+        RECORDED.setdefault("logits", []).append(out.detach().clone())
+        return out
+
+    model.compute_logits = compute_logits
     return len(model.model.layers)
 
 
@@ -130,6 +138,18 @@ def main() -> None:
         print(f"  {name}: {differ(ours, theirs)}")
     print(f"engine logprobs vs vLLM decode: {int((mine[:, response] != decode_t).sum())} of {decode_t.numel()} differ,"
           f" max |delta| {float((mine[:, response] - decode_t).abs().max()):.3g}")
+    x, head = trace["model.norm.hidden"], model.lm_head.weight.detach()
+    variants = {"one GEMM over all rows": F.linear(x, head),
+                "one GEMM per sequence (the engine)": torch.cat([F.linear(p, head) for p in x.split(t)]),
+                "one GEMM per position, every sequence (as decode)":
+                    torch.stack([F.linear(xp.contiguous(), head) for xp in x.view(rows, t, -1).transpose(0, 1)])
+                    .transpose(0, 1).reshape(rows * t, -1)}
+    for label, lg in variants.items():
+        with torch.no_grad():
+            lp = sampler_logprobs(lg.view(rows, t, -1), ids, 1.0, spec.vocab_size, 32, kernels.log_softmax).cpu()
+        d = lp[:, response] - decode_t
+        print(f"LM head {label}: {int((d != 0).sum())} of {d.numel()} logprobs differ from vLLM decode, max |delta| "
+              f"{float(d.abs().max()):.3g}")
     print(f"vLLM's prompt logits: {len(prompt_logits)} calls of {t - 1} positions (one per sequence expected)")
     if len(prompt_logits) == rows:
         theirs = torch.stack([torch.cat([x, x[-1:]]) for x in prompt_logits])  # the last position is not scored
