@@ -9,8 +9,15 @@ from __future__ import annotations
 
 import torch
 
-from qualify.examples.vllm_gpu_exact import (RolloutMode, install_invariant_settings, rope_cache, sampler_logprobs,
-                                             torch_kernels, vllm_forward, vllm_kernels)
+from qualify.examples.vllm_gpu_exact import (
+    RolloutMode,
+    install_invariant_settings,
+    rope_cache,
+    sampler_logprobs,
+    torch_kernels,
+    vllm_forward,
+    vllm_kernels,
+)
 from qualify.matrix import TinyModel
 from qualify.models.tiny import build_tiny_model
 

@@ -20,6 +20,14 @@ before this process's first GEMM (CUBLAS_WORKSPACE_CONFIG=:16:8, CUBLASLT_WORKSP
 reduced-precision bf16 reductions, IEEE fp32): settings installed after cuBLAS starts do not count. It does not install
 vLLM's aten overrides, which would replace softmax, mean and bmm in the trainer's loss and backward too.
 
+Measured on one H200 (vLLM 0.26.0, the tiny family, bf16, T = 1, 8 x 24 response tokens; benchmarks/
+exact_layers_probe.py, BENCHMARKS.md): every decoder layer's output and residual and the final norm are vLLM's bit for
+bit, in batch-invariant mode and without it, yet 6 to 14 of 192 logprobs sit one fp32 rounding step (4.77e-7) from
+the rollout's, while vLLM's own prefill reproduces its decode (0 of 192). What differs lies after the final norm (the
+LM head GEMM or the sampler's log-softmax, not the LM head's row layout: one GEMM over every row, one per sequence and
+one per position give the same bits) and is not found yet: the engine does not reach 0 of N there, and its declared
+`rollout` row fails, naming the count.
+
 Each kernel's backward is the reference formula's (recomputed in torch and differentiated): seed 002's claim is about
 the forward, and the backward is not part of it. Everything else (the critic, cases in another precision than the
 rollout's, diagnose's layer outputs) is torch-tp's HF forward.
@@ -319,11 +327,7 @@ def vllm_forward(model: torch.nn.Module, ids_BT: torch.Tensor, kernels: Kernels,
             trace[f"model.layers.{len(trace) // 2}.hidden"] = h.detach()
             trace[f"model.layers.{(len(trace) - 1) // 2}.residual"] = residual.detach()
     x, _ = kernels.add_rms_norm(h, residual, _w(core.norm.weight), eps)
-    # the LM head one sequence at a time, as vLLM's prompt logprobs compute it (each request's positions alone): a GEMM
-    # over every row at once may take another cuBLAS kernel (measured on one H200: 6 to 14 of 192 logprobs one fp32
-    # step off with all 320 rows in one GEMM while every layer's output was vLLM's bit for bit)
-    head = _w(model.lm_head.weight)
-    logits = torch.cat([F.linear(part, head) for part in x.split(t)])
+    logits = F.linear(x, _w(model.lm_head.weight))  # one GEMM: per sequence or per position gives the same bits
     if trace is not None:
         trace["model.norm.hidden"], trace["logits"] = x.detach(), logits.detach()
     return logits.view(rows, t, -1)
