@@ -1,8 +1,11 @@
 """Known-bad engines under the candidate rules: per case, the worst bf16-repeat bound row (value / bound) and whether
 the case still fails (any failing row once the bf16-repeat bounds are re-made by the rule).
 Usage: python badeval.py NAME=RUN:EXTRACT.json"""
-import math, sys
+import math
+import sys
+
 from rules import FAM, RULES, Run, family_of, rule_bound
+
 
 def num(x):
     return isinstance(x, (int, float)) and not isinstance(x, bool)

@@ -1,6 +1,9 @@
 """Bad engines judged (offline) against the extended-perturbation acceptance (b) and the union (b'): value / bound."""
-import sys, math
-from rules import Run, FAM, family_of
+import math
+import sys
+
+from rules import FAM, Run, family_of
+
 bad, a, b = Run('bad', sys.argv[1], sys.argv[2]), Run('a', sys.argv[3], sys.argv[2]), Run('b', sys.argv[4], sys.argv[5])
 print("| case | worst bf16-repeat row: current | (b) extended controls | (b') union | failing bf16-repeat rows current / (b) / (b') |")
 print("|---|---|---|---|---|")

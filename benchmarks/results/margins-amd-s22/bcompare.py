@@ -1,8 +1,12 @@
 """Rule (b): the same matrix with batch_order, fused_projections, fused_norm added. Bound growth per family, values
 unchanged check, closest rows. Usage: python bcompare.py OLD NEW"""
-import json, statistics, sys
+import json
+import statistics
+import sys
 from pathlib import Path
-from rules import finite, family_of
+
+from rules import family_of, finite
+
 
 def load(run):
     b = {}

@@ -12,16 +12,20 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import sys
 from pathlib import Path
 
-import torch
-
-from qualify.bounds.control_error import (LOSS_KEY, MEAN_KEYS, NORM_KEY, grad_difference, means_scales,
-                                          pair_record, terms_difference)
+from qualify.bounds.control_error import (
+    LOSS_KEY,
+    MEAN_KEYS,
+    NORM_KEY,
+    grad_difference,
+    means_scales,
+    pair_record,
+    terms_difference,
+)
 from qualify.bounds.records import means_of, terms_of
-from qualify.compare import RunTensors, load_run, merge_max, num_steps, pair_metrics
+from qualify.compare import RunTensors, load_run, num_steps, pair_metrics
 from qualify.freeze import replays_of, verified_reference
 from qualify.layout import RunLayout
 from qualify.reference.context import ScoringContext
@@ -91,8 +95,8 @@ def main(run: str, out: str) -> None:
             r0 = load_run(layout.scores("bf16", "r0", role), k)
             f0 = load_run(layout.scores("fp32", "r0", role), k)
             runs = {n: (r0 if n == "bf16-r0" else load_run(layout.scores("bf16", n[5:], role), k)) for n in names}
-            tf = lambda run, s=k: terms(s, run)
-            mf = lambda run, s=k: means(s, run)
+            tf = lambda run, s=k, f=terms: f(s, run)
+            mf = lambda run, s=k, f=means: f(s, run)
             for n in names[1:]:
                 base = r0 if rep_bf[n] is None else load_run(rep_bf[n], k)
                 rec = pair_record(runs[n], base, None, None, k + 1, tf, mf, replay={})

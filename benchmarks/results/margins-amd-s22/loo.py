@@ -6,11 +6,10 @@ Usage: python loo.py NAME=RUN:EXTRACT.json ...
 """
 from __future__ import annotations
 
-import itertools
-import json
+import math
 import sys
 
-from rules import FAM, Run, control_effective, family_ce, finite, family_of
+from rules import FAM, Run, control_effective, family_ce, family_of, finite
 
 QS = (0.5, 0.9, 0.99)
 
@@ -21,7 +20,7 @@ def quant(xs, q):
 
 
 def summarize(label, xs):
-    xs = [x for x in xs if x == x]
+    xs = [x for x in xs if not math.isnan(x)]
     n = len(xs)
     if not n:
         return f"| {label} | 0 | | | | | | |"
@@ -50,7 +49,7 @@ def main():
                     without[c] = family_ce(recs)
                 keys = {(key, m) for c in names for key, ms in pc[c][s]["metrics"].items() for m in ms}
                 for key, m in keys:
-                    if not (key.startswith("outputs/") or key.startswith("grads/")):
+                    if not key.startswith(("outputs/", "grads/")):
                         continue
                     vals = {c: control_effective(pc[c][s], key, m) for c in names}
                     for c, v in vals.items():

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from qualify.bounds.control_error import LOSS_KEY, MEAN_KEYS, NORM_KEY
-from qualify.bounds.rule import MANTISSA_BITS, in_compute_precision, ulp
+from qualify.bounds.rule import in_compute_precision, ulp
 from qualify.compare import merge_max
 
 FAM = "bf16-repeat"

@@ -1,7 +1,10 @@
 """(b') union: the original matrix's controls and the extended matrix's (two 'combined' draws), bound = max of the two
 frozen bounds (same r0, floor and quantum). Optionally with the pairwise rule on each side."""
-import sys, statistics
-from rules import Run, FAM, finite, family_of, rule_bound
+import statistics
+import sys
+
+from rules import FAM, Run, family_of, finite, rule_bound
+
 for name in sys.argv[1:]:
     a, b = Run(name, name, f'{name}.extract.json'), Run(name + 'x', name + 'x', f'{name}x.extract.json')
     for rule in ('current', 'pairs'):
