@@ -32,6 +32,7 @@ from qualify.examples.vllm_gpu_exact import (
     torch_rms_norm,
     vllm_kernels,
 )
+from tests.integration import exact_plugins
 
 
 class Formula(VllmGpuExactEngine):
@@ -46,23 +47,21 @@ class Formula(VllmGpuExactEngine):
 
 class LogsumexpBranch(Formula):
     def log_softmax(self, z: torch.Tensor) -> torch.Tensor:
-        return z - torch.logsumexp(z, dim=-1, keepdim=True)
+        return exact_plugins.LogsumexpBranch.formula(self, z)
 
 
 class Bf16Branch(Formula):
     def log_softmax(self, z: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(z.to(torch.bfloat16), dim=-1).float()
+        return exact_plugins.Bf16Branch.formula(self, z).float()
 
 
 class FusedPath(Formula):
-    CHUNK = 128
+    """The CPU twin's online logsumexp over vocabulary chunks (tests/integration/exact_plugins.py)."""
+
+    CHUNK = exact_plugins.FusedPath.CHUNK
 
     def log_softmax(self, z: torch.Tensor) -> torch.Tensor:
-        lse = None
-        for lo in range(0, z.shape[-1], self.CHUNK):
-            part = torch.logsumexp(z[..., lo:lo + self.CHUNK], dim=-1, keepdim=True)
-            lse = part if lse is None else torch.logaddexp(lse, part)
-        return z - lse
+        return exact_plugins.FusedPath.formula(self, z)
 
 
 class NormNotRouted(VllmGpuExactEngine):
