@@ -155,3 +155,25 @@ def test_a_cpu_case_is_refused_before_anything_runs(tmp_path):
                         work_dir=tmp_path, rollout_dir=tmp_path)
     with pytest.raises(EngineError, match="CUDA, TP1 and DP1 only"):
         VllmGpuExactEngine().setup(ctx)
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_a_rounds_rollout_records_what_the_engine_reads(tmp_path, invariant):
+    """Each round's rollout.json (qualify.rounds.session.Session.rollout_meta) says how the round's rollout was sampled
+    as the reference's capture does: a trainer computing with vLLM's kernels after a weight sync reads the same dtype,
+    mode and KV block size (before, a round's rollout.json held only the version and vLLM's TP degree)."""
+    from types import SimpleNamespace
+
+    from qualify.matrix import load_matrix
+    from qualify.rounds.session import Session
+
+    m = load_matrix(Path(__file__).resolve().parents[2] / "benchmarks" / "gpu-tiny-exact.yaml")
+    s = object.__new__(Session)
+    s.settings = replace(m.case_settings, rollout=replace(m.case_settings.rollout, batch_invariant=invariant,
+                                                          block_size=48))
+    s.tp, s.sampling = 1, {"temperature": 1.0, "top_k": -1, "top_p": 1.0, "min_p": 0.0}
+    s.engine = SimpleNamespace(started={"batch_invariant": {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}} if invariant else {})
+    meta = s.rollout_meta(2)
+    assert (meta["version"], meta["vllm_tp"], meta["sampling"]["temperature"]) == (2, 1, 1.0)
+    write_json(tmp_path / "rollout.json", meta)
+    assert rollout_mode(tmp_path) == rollout_mode(tmp_path).__class__("bfloat16", invariant, 48)
