@@ -5,7 +5,9 @@ did. This engine is torch-tp whose bf16 actor forward is vLLM's Qwen3 forward, s
 (qualify.examples.vllm_cpu_exact is the CPU counterpart):
 - the residual stream as vLLM carries it: the first layer's input RMSNorm alone, every later norm fused with the
   residual add (`fused_add_rms_norm`), the final norm too;
-- q/k/v and gate/up as one GEMM each over the concatenated weights (vLLM's merged linears), every GEMM `F.linear`;
+- q/k/v and gate/up as one GEMM each over the concatenated weights (vLLM's merged linears); every GEMM, the LM head's
+  too, by `F.linear` (cuBLAS), or in batch-invariant mode by vLLM's `linear_batch_invariant` (its Triton persistent
+  matmul, which vLLM's linear and LM-head methods call in the mode);
 - RMSNorm by vLLM's CUDA kernel (`_C.rms_norm`), or in batch-invariant mode by its Triton `rms_norm_batch_invariant`,
   as vLLM's RMSNorm dispatches; q_norm and k_norm per head;
 - rotary by `_C.rotary_embedding` (neox style) over a cos/sin cache vLLM's `get_rope` makes on the device;
@@ -25,8 +27,10 @@ exact_layers_probe.py, BENCHMARKS.md): every decoder layer's output and residual
 bit, in batch-invariant mode and without it, yet 6 to 14 of 192 logprobs sit one fp32 rounding step (4.77e-7) from
 the rollout's, while vLLM's own prefill reproduces its decode (0 of 192). What differs lies after the final norm (the
 LM head GEMM or the sampler's log-softmax, not the LM head's row layout: one GEMM over every row, one per sequence and
-one per position give the same bits) and is not found yet: the engine does not reach 0 of N there, and its declared
-`rollout` row fails, naming the count.
+one per position give the same bits). That measurement ran every GEMM through cuBLAS; reading vLLM 0.26's source
+afterwards showed that in batch-invariant mode its linear and LM-head methods call its Triton persistent matmul, which
+the engine now does in the mode (the layers matched through cuBLAS at the tiny family's K = 64; not yet run on a GPU).
+Until a GPU run shows 0 of N, the declared `rollout` row fails, naming the count.
 
 Each kernel's backward is the reference formula's (recomputed in torch and differentiated): seed 002's claim is about
 the forward, and the backward is not part of it. Everything else (the critic, cases in another precision than the
@@ -179,6 +183,8 @@ class Kernels:
     log_softmax: Callable[[torch.Tensor], torch.Tensor]
     """fp32 (N, V) -> fp32 (N, V), over the last dimension."""
     name: str
+    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
+    """x (N, K) and weight (M, K) -> (N, M): every GEMM of the forward, the LM head's too (no biases in Qwen3's)."""
 
 
 def torch_kernels() -> Kernels:
@@ -198,8 +204,8 @@ def vllm_kernels(mode: RolloutMode) -> Kernels:
     splits = 1 if mode.batch_invariant else 0
     block = mode.block_size
     if mode.batch_invariant:
+        from vllm.model_executor.layers.batch_invariant import linear_batch_invariant, rms_norm_batch_invariant
         from vllm.model_executor.layers.batch_invariant import log_softmax as invariant_log_softmax
-        from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant
 
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         def fast(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -266,8 +272,15 @@ def vllm_kernels(mode: RolloutMode) -> Kernels:
             return torch.log_softmax(x, dim=-1)
         return kernel(lambda x: invariant_log_softmax(x, dim=-1), lambda x: torch.log_softmax(x, dim=-1), x)
 
+    def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # in the mode vLLM's linear layers and its LM head (UnquantizedLinearMethod, UnquantizedEmbeddingMethod) call
+        # linear_batch_invariant, its Triton persistent matmul, not cuBLAS; outside it F.linear
+        if not mode.batch_invariant:
+            return F.linear(x, weight)
+        return kernel(lambda x, w: linear_batch_invariant(x, w), F.linear, x, weight)
+
     return Kernels(rms_norm=rms_norm, add_rms_norm=add_rms_norm, rotary=rotary, attention=attention,
-                   silu_and_mul=silu_and_mul, log_softmax=log_softmax,
+                   silu_and_mul=silu_and_mul, log_softmax=log_softmax, linear=linear,
                    name=f"vllm (FA{fa_version}, batch-invariant {'on' if mode.batch_invariant else 'off'})")
 
 
@@ -313,21 +326,21 @@ def vllm_forward(model: torch.nn.Module, ids_BT: torch.Tensor, kernels: Kernels,
         qkv_w = torch.cat([_w(a.q_proj.weight), _w(a.k_proj.weight), _w(a.v_proj.weight)])
         qkv_b = None if a.q_proj.bias is None else torch.cat([_w(a.q_proj.bias), _w(a.k_proj.bias),
                                                                _w(a.v_proj.bias)])
-        q, k, v = F.linear(x, qkv_w, qkv_b).split([heads * dim, kv * dim, kv * dim], dim=-1)
+        q, k, v = (kernels.linear(x, qkv_w) if qkv_b is None else F.linear(x, qkv_w, qkv_b)).split([heads * dim, kv * dim, kv * dim], dim=-1)
         q = kernels.rms_norm(q.view(-1, heads, dim), _w(a.q_norm.weight), eps).view(-1, heads * dim)
         k = kernels.rms_norm(k.view(-1, kv, dim), _w(a.k_norm.weight), eps).view(-1, kv * dim)
         q, k = kernels.rotary(positions, q, k, cache, dim)
         o = kernels.attention(q.view(-1, heads, dim), k.view(-1, kv, dim), v.reshape(-1, kv, dim), rows,
                               float(a.scaling))
-        h = F.linear(o.reshape(-1, heads * dim), _w(a.o_proj.weight))
+        h = kernels.linear(o.reshape(-1, heads * dim), _w(a.o_proj.weight))
         x, residual = kernels.add_rms_norm(h, residual, _w(layer.post_attention_layernorm.weight), eps)
-        gate_up = F.linear(x, torch.cat([_w(m.gate_proj.weight), _w(m.up_proj.weight)]))
-        h = F.linear(kernels.silu_and_mul(gate_up), _w(m.down_proj.weight))
+        gate_up = kernels.linear(x, torch.cat([_w(m.gate_proj.weight), _w(m.up_proj.weight)]))
+        h = kernels.linear(kernels.silu_and_mul(gate_up), _w(m.down_proj.weight))
         if trace is not None:
             trace[f"model.layers.{len(trace) // 2}.hidden"] = h.detach()
             trace[f"model.layers.{(len(trace) - 1) // 2}.residual"] = residual.detach()
     x, _ = kernels.add_rms_norm(h, residual, _w(core.norm.weight), eps)
-    logits = F.linear(x, _w(model.lm_head.weight))  # one GEMM: per sequence or per position gives the same bits
+    logits = kernels.linear(x, _w(model.lm_head.weight))  # one GEMM: per sequence or position gives the same bits
     if trace is not None:
         trace["model.norm.hidden"], trace["logits"] = x.detach(), logits.detach()
     return logits.view(rows, t, -1)

@@ -177,3 +177,24 @@ def test_a_rounds_rollout_records_what_the_engine_reads(tmp_path, invariant):
     assert (meta["version"], meta["vllm_tp"], meta["sampling"]["temperature"]) == (2, 1, 1.0)
     write_json(tmp_path / "rollout.json", meta)
     assert rollout_mode(tmp_path) == rollout_mode(tmp_path).__class__("bfloat16", invariant, 48)
+
+
+def test_every_gemm_goes_through_the_kernel_sets_linear(model):
+    """In batch-invariant mode vLLM computes every linear layer and its LM head with its own Triton matmul: the forward
+    must route each of its GEMMs (q/k/v, o, gate/up, down per layer, then the head) through Kernels.linear."""
+    import torch.nn.functional as F
+
+    shapes = []
+
+    def counted(x, w):
+        shapes.append(tuple(w.shape))
+        return F.linear(x, w)
+
+    k = replace(torch_kernels(), linear=counted)
+    c = model.config
+    with torch.no_grad():
+        vllm_forward(model, ids(), k, rope_cache(c, torch.float32, torch.device("cpu")))
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    layer = [(q + 2 * kv, c.hidden_size), (c.hidden_size, q), (2 * c.intermediate_size, c.hidden_size),
+             (c.hidden_size, c.intermediate_size)]
+    assert shapes == layer * c.num_hidden_layers + [(c.vocab_size, c.hidden_size)], shapes
