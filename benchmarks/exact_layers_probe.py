@@ -101,7 +101,13 @@ def main() -> None:
     pre = llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs],
                        SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=1.0),
                        use_tqdm=False)
-    prompt_logits = [x for x in RECORDED.pop("logits", []) if x.shape[0] == len(seqs[0]) - 1]
+    calls = RECORDED.pop("logits", [])
+    print(f"vLLM's compute_logits calls during the prefill: {[tuple(x.shape) for x in calls]}")
+    # the sampling call holds one row per request; the prompt-logprob calls hold the rest, in request order, possibly
+    # chunked: joined and split per sequence when they hold exactly t - 1 positions of each
+    scored = [x for x in calls if x.shape[0] != len(seqs)]
+    joined = torch.cat(scored) if scored else torch.empty(0)
+    prompt_logits = list(joined.split(len(seqs[0]) - 1)) if joined.shape[0] == len(seqs) * (len(seqs[0]) - 1) else []
     vllm_out = {k: torch.cat(v) for k, v in RECORDED.items()}
     prefill = [[d[t].logprob for t, d in zip(s[len(p):], o.prompt_logprobs[len(p):], strict=True)]
                for s, p, o in zip(seqs, prompts, pre, strict=True)]
