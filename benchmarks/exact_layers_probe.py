@@ -79,6 +79,7 @@ def main() -> None:
     from qualify.models.hf import load_model
     from qualify.models.tiny import build_tiny_model
     from qualify.rollout.capture import make_prompts
+    from qualify.rollout.vllm_worker import model_runner
 
     m = load_matrix(Path(__file__).parent / "gpu-tiny-exact.yaml")
     r, spec = m.rollout, m.models.tiny
@@ -89,6 +90,7 @@ def main() -> None:
               logprobs_mode="processed_logprobs", max_model_len=r.max_model_len, block_size=r.block_size,
               kv_cache_memory_bytes=r.kv_cache_memory_bytes, enable_prefix_caching=False)
     layers = llm.apply_model(hook)[0]
+    runner = model_runner(llm)
     params = [SamplingParams(temperature=1.0, seed=r.seed + i, max_tokens=r.max_new_tokens, logprobs=0,
                              detokenize=False, ignore_eos=True) for i in range(len(prompts))]
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
@@ -107,7 +109,10 @@ def main() -> None:
     # chunked: joined and split per sequence when they hold exactly t - 1 positions of each
     scored = [x for x in calls if x.shape[0] != len(seqs)]
     joined = torch.cat(scored) if scored else torch.empty(0)
-    prompt_logits = list(joined.split(len(seqs[0]) - 1)) if joined.shape[0] == len(seqs) * (len(seqs[0]) - 1) else []
+    # vLLM 0.26 computes the logits of every prompt position in one call, the last one included (rows x t)
+    per_seq = joined.shape[0] // len(seqs) if joined.shape[0] % len(seqs) == 0 else 0
+    prompt_logits = ([x[:len(seqs[0]) - 1] for x in joined.split(per_seq)]
+                     if per_seq in (len(seqs[0]) - 1, len(seqs[0])) else [])
     vllm_out = {k: torch.cat(v) for k, v in RECORDED.items()}
     prefill = [[d[t].logprob for t, d in zip(s[len(p):], o.prompt_logprobs[len(p):], strict=True)]
                for s, p, o in zip(seqs, prompts, pre, strict=True)]
@@ -124,7 +129,7 @@ def main() -> None:
           f"{ {k: tuple(v.shape) for k, v in vllm_out.items()} }")
     print(f"vLLM prefill vs its decode: {int((prefill_t != decode_t).sum())} of {decode_t.numel()} differ")
 
-    mode = RolloutMode("bfloat16", MODE == "on", r.block_size)
+    mode = RolloutMode("bfloat16", MODE == "on", r.block_size, runner)
     if MODE == "on":
         install_invariant_settings()
     model = load_model(where, "actor", "sdpa", torch.bfloat16).cuda()
@@ -132,7 +137,8 @@ def main() -> None:
     trace: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         logits = vllm_forward(model, ids, kernels, rope_cache(model.config, torch.bfloat16, ids.device), trace)
-        mine = sampler_logprobs(logits, ids, 1.0, spec.vocab_size, 32, kernels.log_softmax).cpu()
+        mine = sampler_logprobs(logits, ids, 1.0, spec.vocab_size, 32, kernels.log_softmax,
+                                kernels.token_logprobs).cpu()
     response = slice(len(prompts[0]), t)
     print(f"the engine ({kernels.name}) against vLLM's prefill, module by module:")
     for name, theirs in vllm_out.items():
@@ -164,7 +170,10 @@ def main() -> None:
             on_theirs = sampler_logprobs(theirs, ids, 1.0, spec.vocab_size, 32, kernels.log_softmax).cpu()
             torch_ls = sampler_logprobs(theirs, ids, 1.0, spec.vocab_size, 32,
                                         lambda z: torch.log_softmax(z, dim=-1)).cpu()
-        for label, lp in (("the engine's log-softmax", on_theirs), ("torch's log_softmax", torch_ls)):
+            kernel_lp = sampler_logprobs(theirs, ids, 1.0, spec.vocab_size, 32, kernels.log_softmax,
+                                         kernels.token_logprobs).cpu()
+        for label, lp in (("the engine's log-softmax", on_theirs), ("torch's log_softmax", torch_ls),
+                          (f"the engine's token logprobs ({kernels.name})", kernel_lp)):
             d = lp[:, response] - decode_t
             print(f"{label} on vLLM's own logits vs vLLM decode: {int((d != 0).sum())} of {d.numel()} differ, "
                   f"max |delta| {float(d.abs().max()):.3g}")

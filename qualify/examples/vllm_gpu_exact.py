@@ -15,8 +15,11 @@ did. This engine is torch-tp whose bf16 actor forward is vLLM's Qwen3 forward, s
   `reshape_and_cache_flash` in the rollout's block size, with `num_splits=1` in batch-invariant mode (what vLLM's
   backend passes then) and FA's own heuristic otherwise;
 - SiLU-and-mul by `_C.silu_and_mul`;
-- the sampler formula as vLLM's sampler computes it: fp32 logits / T, then log_softmax, by vLLM's Triton log_softmax in
-  batch-invariant mode (vLLM's mode replaces aten's there) and torch's otherwise.
+- each token's logprob as the rollout's sampler computed it: under vLLM's V2 model runner (vLLM 0.26's default on a GPU
+  for a dense Qwen3; rollout.json records which), by the V2 runner's own kernels (its temperature kernel in place on
+  the logits in the model's dtype, then `compute_token_logprobs`); under V1, the formula fp32 logits / T then
+  log_softmax, by vLLM's Triton log_softmax in batch-invariant mode (vLLM's mode replaces aten's there), torch's
+  otherwise.
 With the rollout captured in batch-invariant mode, the engine puts the mode's cuBLAS settings in place in setup(),
 before this process's first GEMM (CUBLAS_WORKSPACE_CONFIG=:16:8, CUBLASLT_WORKSPACE_SIZE=1, cuBLASLt preferred, no
 reduced-precision bf16 reductions, IEEE fp32): settings installed after cuBLAS starts do not count. It does not install
@@ -73,6 +76,10 @@ class RolloutMode:
     """'bfloat16', 'float32', ... (rollout.json sampling.dtype)."""
     batch_invariant: bool
     block_size: int
+    runner: str | None = None
+    """vLLM's model runner, 'v1' or 'v2' (rollout.json model_runner; None for a rollout sealed before it was recorded,
+    taken as V1's log_softmax formula). V2 computes each token's logprob with its own Triton kernel over the logits in
+    the model's dtype, after its temperature kernel divides them in place (rounded back to that dtype)."""
 
 
 def rollout_mode(rollout_dir: Path | None) -> RolloutMode:
@@ -89,7 +96,12 @@ def rollout_mode(rollout_dir: Path | None) -> RolloutMode:
         raise EngineError(f"{rollout_dir}/rollout.json records no sampling.dtype: vllm_gpu_exact cannot tell the "
                           "precision the rollout was sampled in")
     invariant = bool(meta.get("batch_invariant")) or (meta.get("env") or {}).get("VLLM_BATCH_INVARIANT") == "1"
-    return RolloutMode(dtype=dtype, batch_invariant=invariant, block_size=int(meta.get("block_size") or DEFAULT_BLOCK))
+    runner = meta.get("model_runner")
+    if runner not in (None, "v1", "v2"):
+        raise EngineError(f"{rollout_dir}/rollout.json records model_runner {runner!r}: vllm_gpu_exact knows vLLM's "
+                          "'v1' and 'v2' runners")
+    return RolloutMode(dtype=dtype, batch_invariant=invariant, block_size=int(meta.get("block_size") or DEFAULT_BLOCK),
+                       runner=runner)
 
 
 class Kernel(torch.autograd.Function):
@@ -185,6 +197,9 @@ class Kernels:
     name: str
     linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
     """x (N, K) and weight (M, K) -> (N, M): every GEMM of the forward, the LM head's too (no biases in Qwen3's)."""
+    token_logprobs: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
+    """logits (N, V) in the model's dtype, token ids (N, 1) and T -> (N,) fp32, each token's logprob as the rollout's
+    sampler computed it; None: the formula log_softmax(fp32 logits / T), by log_softmax (vLLM's V1 runner)."""
 
 
 def torch_kernels() -> Kernels:
@@ -206,6 +221,9 @@ def vllm_kernels(mode: RolloutMode) -> Kernels:
     if mode.batch_invariant:
         from vllm.model_executor.layers.batch_invariant import linear_batch_invariant, rms_norm_batch_invariant
         from vllm.model_executor.layers.batch_invariant import log_softmax as invariant_log_softmax
+    if mode.runner == "v2":
+        from vllm.v1.worker.gpu.sample.gumbel import apply_temperature
+        from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
 
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         def fast(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -279,9 +297,25 @@ def vllm_kernels(mode: RolloutMode) -> Kernels:
             return F.linear(x, weight)
         return kernel(lambda x, w: linear_batch_invariant(x, w), F.linear, x, weight)
 
+    def token_logprobs(z: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+        # vLLM 0.26's V2 runner (its sampler and its prompt logprobs alike): the logits stay in the model's dtype, its
+        # temperature kernel divides them in place in fp32 and stores them back in that dtype (skipped at T = 1 or 0),
+        # then _topk_log_softmax_kernel gives x - max - log(sum exp) of each wanted token; its reduction over a row
+        # of bf16 loads differs from log_softmax's over fp32 ones in the last bit of some tokens
+        def fast(z: torch.Tensor) -> torch.Tensor:
+            z = z.contiguous().clone()
+            if temperature not in (0.0, 1.0):
+                apply_temperature(z, torch.zeros(z.shape[0], dtype=torch.int32, device=z.device),
+                                  torch.full((1,), temperature, dtype=torch.float32, device=z.device))
+            return compute_token_logprobs(z, tokens)[:, 0]
+
+        return kernel(fast, lambda z: formula_token_logprobs(z, tokens, temperature, torch_log_softmax), z)
+
     return Kernels(rms_norm=rms_norm, add_rms_norm=add_rms_norm, rotary=rotary, attention=attention,
                    silu_and_mul=silu_and_mul, log_softmax=log_softmax, linear=linear,
-                   name=f"vllm (FA{fa_version}, batch-invariant {'on' if mode.batch_invariant else 'off'})")
+                   token_logprobs=token_logprobs if mode.runner == "v2" else None,
+                   name=f"vllm (FA{fa_version}, batch-invariant {'on' if mode.batch_invariant else 'off'}, "
+                        f"{'V2 logprob kernel' if mode.runner == 'v2' else 'log_softmax'})")
 
 
 def rope_cache(config: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -346,15 +380,31 @@ def vllm_forward(model: torch.nn.Module, ids_BT: torch.Tensor, kernels: Kernels,
     return logits.view(rows, t, -1)
 
 
+def torch_log_softmax(z: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(z, dim=-1)
+
+
+def formula_token_logprobs(z: torch.Tensor, tokens: torch.Tensor, temperature: float,
+                           log_softmax: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """(N,) fp32: the sampler formula, log_softmax of the logits in fp32 divided by T held as an fp32 tensor, at each
+    token of tokens (N, 1)."""
+    temp = torch.full((1, 1), temperature, dtype=torch.float32, device=z.device)
+    return log_softmax(z.float() / temp).gather(-1, tokens)[:, 0]
+
+
 def sampler_logprobs(logits_BTV: torch.Tensor, ids_BT: torch.Tensor, temperature: float, vocab_size: int,
-                     chunk_tokens: int, log_softmax: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """(B, T) fp32 logprobs of ids_BT (position 0 is 0) as vLLM's sampler computes processed logprobs: the logits in
-    fp32, divided by T held as an fp32 tensor, log_softmax over the real vocabulary; chunk_tokens rows at a time."""
+                     chunk_tokens: int, log_softmax: Callable[[torch.Tensor], torch.Tensor],
+                     token_logprobs: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
+                     ) -> torch.Tensor:
+    """(B, T) fp32 logprobs of ids_BT (position 0 is 0) as vLLM's sampler computes processed logprobs over the real
+    vocabulary, chunk_tokens rows at a time: by token_logprobs (the rollout's own kernel) when given, else the formula
+    (the logits in fp32, divided by T held as an fp32 tensor, log_softmax)."""
     rows, t = ids_BT.shape
     z = logits_BTV[:, :-1, :vocab_size].reshape(-1, vocab_size)
     tokens = ids_BT[:, 1:].reshape(-1, 1)
-    temp = torch.full((1, 1), temperature, dtype=torch.float32, device=z.device)
-    parts = [log_softmax(z[i:i + chunk_tokens].float() / temp).gather(-1, tokens[i:i + chunk_tokens])[:, 0]
+    parts = [token_logprobs(z[i:i + chunk_tokens], tokens[i:i + chunk_tokens], temperature)
+             if token_logprobs is not None else
+             formula_token_logprobs(z[i:i + chunk_tokens], tokens[i:i + chunk_tokens], temperature, log_softmax)
              for i in range(0, z.shape[0], chunk_tokens)]
     return F.pad(torch.cat(parts).view(rows, t - 1), (1, 0))
 
@@ -408,7 +458,7 @@ class VllmGpuExactEngine(TorchTPEngine):
         self.declared_BT = declared_logprobs(c, logits_BTV.detach(), ids_BT)
         self.last_logits = logits_BTV.detach()
         return sampler_logprobs(logits_BTV, ids_BT, c.temperature, c.vocab_size, c.logprob_chunk_tokens,
-                                self.kernels.log_softmax).cpu()
+                                self.kernels.log_softmax, self.kernels.token_logprobs).cpu()
 
 
 def engine() -> VllmGpuExactEngine:

@@ -323,6 +323,7 @@ def capture_rollout(capture: Capture, model_dir: Path, tp: int, out_dir: Path, *
         k: request[k] for k in ("max_new_tokens", "eos_token_id", "seed", "seeds", "dtype")},
         "logprobs_mode": "processed_logprobs", "finish_reasons": [x["finish_reason"] for x in result["results"]],
         "block_size": request["block_size"],  # the KV cache's: an engine replaying vLLM's attention kernel follows it
+        "model_runner": result.get("model_runner"),  # vLLM's V1 or V2 runner: they compute logprobs differently
         "timings_s": {"load": result["load_s"], "generate": result["generate_s"]},
         "model_dir": str(model_dir), "model_digest": model_digest(model_dir),
         "env": {k: v for k, v in vllm_env(tp, bool(request.get("batch_invariant"))).items()

@@ -37,6 +37,7 @@ def run(request: dict) -> dict:
         **({"enable_prefix_caching": False} if request.get("routes") else {}),
     )
     loaded = time.monotonic()
+    runner = model_runner(llm)
     from qualify.hardware import platform_fingerprint
 
     platform = platform_fingerprint()  # here, where vLLM has set its threads, not in the parent
@@ -73,7 +74,8 @@ def run(request: dict) -> dict:
         results[i]["prefill_logprobs"] = logprobs
     return {"results": results, "load_s": loaded - started, "generate_s": generated - loaded,
             "prefill_s": time.monotonic() - generated, "prefill_error": prefill_error,
-            "platform": platform, "routes_layers": layers, "batch_invariant_settings": platform.get("batch_invariant")}
+            "platform": platform, "routes_layers": layers, "batch_invariant_settings": platform.get("batch_invariant"),
+            "model_runner": runner}
 
 
 def prefill_comparable(sampling: dict) -> bool:
@@ -130,6 +132,15 @@ def generate_with_routes(llm, prompts: list, params: list) -> tuple[list[dict], 
         result["routes"] = routes.request_routes(llm.apply_model(routes.take), layers, rows, f"request {i}")
         results.append(result)
     return results, layers
+
+
+def model_runner(llm) -> str | None:
+    """Which of vLLM's model runners this engine runs, 'v1' or 'v2' (None where the version does not say). They
+    compute the sampler's logprobs differently: V1 by log_softmax over fp32 logits, V2 (vLLM 0.26's default on a GPU
+    for a dense Qwen3) by its own Triton kernel over the logits in the model's dtype, so an engine that reproduces the
+    rollout's logprobs bit for bit must know which one sampled it."""
+    v2 = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "use_v2_model_runner", None)
+    return None if v2 is None else ("v2" if v2 else "v1")
 
 
 def shutdown(llm) -> None:

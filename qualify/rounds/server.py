@@ -29,7 +29,7 @@ from typing import IO, Any
 
 from qualify.errors import Refused
 from qualify.rollout.capture import BATCH_INVARIANT_SETTINGS
-from qualify.rollout.vllm_worker import result_of
+from qualify.rollout.vllm_worker import model_runner, result_of
 from qualify.rounds.acks import ack_problems
 from qualify.store import dumps_json
 
@@ -79,7 +79,7 @@ class Engine:
         invariant = {"batch_invariant": {k: os.environ.get(k) for k in BATCH_INVARIANT_SETTINGS}} \
             if c.get("batch_invariant") else {}
         return {"version": version, "acks": acks, "load_s": round(loaded - started, 3),
-                "report_s": round(time.monotonic() - loaded, 3), **invariant}
+                "report_s": round(time.monotonic() - loaded, 3), "model_runner": model_runner(self.llm), **invariant}
 
     def shutdown(self) -> None:
         if self.llm is not None:

@@ -97,14 +97,14 @@ class Session:
 
     def rollout_meta(self, version: int) -> dict[str, Any]:
         """What a round's sealed rollout.json says of how it was sampled, as the reference's capture records it: the
-        version, vLLM's TP degree, the sampling settings with the dtype, the KV block size and, in batch-invariant mode,
-        the mode's settings as the engine held them (an engine computing with vLLM's kernels follows these)."""
+        version, vLLM's TP degree, the sampling settings with the dtype, the KV block size, vLLM's model runner and, in
+        batch-invariant mode, the mode's settings as the engine held them (an engine computing with vLLM's kernels follows these)."""
         r = self.settings.rollout
         started = {} if self.engine is None else self.engine.started
         invariant = {"batch_invariant": started.get("batch_invariant") or {"VLLM_BATCH_INVARIANT": "1"}} \
             if r.batch_invariant else {}
         return {"version": version, "vllm_tp": self.tp, "sampling": self.sampling | {"dtype": DTYPE_NAMES[r.dtype]},
-                "block_size": r.block_size, **invariant}
+                "block_size": r.block_size, "model_runner": started.get("model_runner"), **invariant}
 
     def restart(self, version: Version) -> dict[str, Any]:
         """Rebuild the engine from version's checkpoint (the way out of a failed engine)."""

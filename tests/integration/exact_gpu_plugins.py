@@ -36,13 +36,14 @@ from tests.integration import exact_plugins
 
 
 class Formula(VllmGpuExactEngine):
-    """The exact engine with its own log-softmax in the sampler formula."""
+    """The exact engine with its own log-softmax in the sampler formula (in place of the rollout's logprob kernel, the
+    V2 runner's too)."""
 
     def log_softmax(self, z: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def make_kernels(self, mode: RolloutMode) -> Kernels:
-        return replace(vllm_kernels(mode), log_softmax=self.log_softmax)
+        return replace(vllm_kernels(mode), log_softmax=self.log_softmax, token_logprobs=None)
 
 
 class LogsumexpBranch(Formula):

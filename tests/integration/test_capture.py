@@ -42,6 +42,7 @@ def test_two_concurrent_captures_are_bitwise_identical(tiny_matrix, tmp_path):
         assert meta["platform"]["cpu_model"] and meta["platform"]["torch_threads"] >= 1
         assert meta["model_digest"].startswith("sha256:")
         assert meta["block_size"] == tiny_matrix.rollout.block_size  # what an engine replaying vLLM's attention reads
+        assert meta["model_runner"] in ("v1", "v2")  # vLLM's runner, whose logprob kernel an exact engine replays
         assert not set(meta["shm_removed"]) & before  # only segments the capture's own processes used
     rollout = load_rollout(outs[0], digests[0])
     assert rollout["response_mask_BT"].any() and torch.isfinite(rollout["sampler_logprobs_BT"]).all()

@@ -130,6 +130,32 @@ def test_vllms_sampler_formula_is_qualifys():
         assert torch.equal(mine[:, 1:], theirs) and torch.equal(mine[:, 0], torch.zeros(2))
 
 
+def test_the_rollouts_own_token_logprob_kernel_replaces_the_formula():
+    """A rollout sampled by vLLM's V2 runner is replayed with its own logprob kernel (Kernels.token_logprobs, GPU only);
+    sampler_logprobs hands it each chunk's logits in the model's dtype, the chunk's tokens and T, and places what it
+    returns where the formula's values would go. The formula itself (formula_token_logprobs) is qualify's sampler
+    formula, bit for bit."""
+    from qualify.examples.vllm_gpu_exact import formula_token_logprobs, torch_log_softmax
+
+    logits = torch.randn(3, 7, 40, dtype=torch.bfloat16)
+    tokens = torch.randint(0, 33, (3, 7))
+    seen = []
+
+    def kernel(z, ids, t):  # the formula, computed as a kernel would be handed it
+        seen.append((z.dtype, tuple(z.shape), tuple(ids.shape), t))
+        return formula_token_logprobs(z, ids, t, torch_log_softmax)
+
+    formula = sampler_logprobs(logits, tokens, 0.7, 33, 5, torch_log_softmax)
+    assert torch.equal(sampler_logprobs(logits, tokens, 0.7, 33, 5, torch_log_softmax, kernel), formula)
+    assert seen[0] == (torch.bfloat16, (5, 33), (5, 1), 0.7) and sum(s[1][0] for s in seen) == 3 * 6
+
+    def one_step_off(z, ids, t):  # a kernel whose reduction rounds otherwise: its values are what the rows hold
+        return torch.nextafter(formula_token_logprobs(z, ids, t, torch_log_softmax), torch.tensor(0.0))
+
+    off = sampler_logprobs(logits, tokens, 0.7, 33, 5, torch_log_softmax, one_step_off)
+    assert (off[:, 1:] != formula[:, 1:]).all() and torch.equal(off[:, 0], torch.zeros(3))
+
+
 def test_how_the_rollout_was_sampled_is_read_from_its_rollout_json(tmp_path):
     write_json(tmp_path / "rollout.json", {"sampling": {"dtype": "bfloat16"}, "block_size": 16,
                                            "batch_invariant": {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}})
@@ -139,6 +165,12 @@ def test_how_the_rollout_was_sampled_is_read_from_its_rollout_json(tmp_path):
     assert mode.batch_invariant and mode.block_size == 32 and mode.dtype == "float32"
     write_json(tmp_path / "rollout.json", {"sampling": {"dtype": "bfloat16"}, "env": {}})
     assert not rollout_mode(tmp_path).batch_invariant
+    for runner in ("v1", "v2"):
+        write_json(tmp_path / "rollout.json", {"sampling": {"dtype": "bfloat16"}, "model_runner": runner})
+        assert rollout_mode(tmp_path).runner == runner
+    write_json(tmp_path / "rollout.json", {"sampling": {"dtype": "bfloat16"}, "model_runner": "v3"})
+    with pytest.raises(EngineError, match="model_runner 'v3'"):
+        rollout_mode(tmp_path)
     write_json(tmp_path / "rollout.json", {"version": 1})
     with pytest.raises(EngineError, match="sampling.dtype"):
         rollout_mode(tmp_path)
@@ -172,11 +204,12 @@ def test_a_rounds_rollout_records_what_the_engine_reads(tmp_path, invariant):
     s.settings = replace(m.case_settings, rollout=replace(m.case_settings.rollout, batch_invariant=invariant,
                                                           block_size=48))
     s.tp, s.sampling = 1, {"temperature": 1.0, "top_k": -1, "top_p": 1.0, "min_p": 0.0}
-    s.engine = SimpleNamespace(started={"batch_invariant": {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}} if invariant else {})
+    s.engine = SimpleNamespace(started={"model_runner": "v2"} | (
+        {"batch_invariant": {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}} if invariant else {}))
     meta = s.rollout_meta(2)
     assert (meta["version"], meta["vllm_tp"], meta["sampling"]["temperature"]) == (2, 1, 1.0)
     write_json(tmp_path / "rollout.json", meta)
-    assert rollout_mode(tmp_path) == rollout_mode(tmp_path).__class__("bfloat16", invariant, 48)
+    assert rollout_mode(tmp_path) == rollout_mode(tmp_path).__class__("bfloat16", invariant, 48, "v2")
 
 
 def test_every_gemm_goes_through_the_kernel_sets_linear(model):
