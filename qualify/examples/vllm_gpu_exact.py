@@ -25,15 +25,15 @@ before this process's first GEMM (CUBLAS_WORKSPACE_CONFIG=:16:8, CUBLASLT_WORKSP
 reduced-precision bf16 reductions, IEEE fp32): settings installed after cuBLAS starts do not count. It does not install
 vLLM's aten overrides, which would replace softmax, mean and bmm in the trainer's loss and backward too.
 
-Measured on one H200 (vLLM 0.26.0, the tiny family, bf16, T = 1, 8 x 24 response tokens; benchmarks/
-exact_layers_probe.py, BENCHMARKS.md): every decoder layer's output and residual and the final norm are vLLM's bit for
-bit, in batch-invariant mode and without it, yet 6 to 14 of 192 logprobs sit one fp32 rounding step (4.77e-7) from
-the rollout's, while vLLM's own prefill reproduces its decode (0 of 192). What differs lies after the final norm (the
-LM head GEMM or the sampler's log-softmax, not the LM head's row layout: one GEMM over every row, one per sequence and
-one per position give the same bits). That measurement ran every GEMM through cuBLAS; reading vLLM 0.26's source
-afterwards showed that in batch-invariant mode its linear and LM-head methods call its Triton persistent matmul, which
-the engine now does in the mode (the layers matched through cuBLAS at the tiny family's K = 64; not yet run on a GPU).
-Until a GPU run shows 0 of N, the declared `rollout` row fails, naming the count.
+Measured on one H200 (vLLM 0.26.0, the tiny family, bf16, T = 1, 8 x 24 response tokens, batch-invariant mode;
+benchmarks/gpu_vllm_chain.sh exact, BENCHMARKS.md): the declared `rollout` row gives 0 of 192 tokens differ at step 0,
+and `qualify rounds` gives 0 of 192 after one bf16 update and a weight sync, then again after a second: seed 002's
+claim, qualified. Every decoder layer's output and residual, the final norm and the logits are vLLM's bit for bit
+(benchmarks/exact_layers_probe.py). What had left 6 to 14 of 192 tokens one fp32 step off was the last step: vLLM 0.26
+runs its V2 model runner, whose logprob kernel reduces a row of logits loaded in bf16 and rounds otherwise than any
+log_softmax over fp32 logits (torch's or vLLM's own Triton one). At T != 1 the V2 runner also divides the logits by T in
+place and stores them back in bf16, so its processed logprobs are not the fp32 formula's (312 of 320 differ at T = 0.7,
+max 0.007); the engine follows it there too.
 
 Each kernel's backward is the reference formula's (recomputed in torch and differentiated): seed 002's claim is about
 the forward, and the backward is not part of it. Everything else (the critic, cases in another precision than the

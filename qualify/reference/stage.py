@@ -234,7 +234,8 @@ def rollout_mismatch(ctx: ScoringContext, controls: list[str]) -> dict[str, Any]
 
     The sampler's logprobs are vLLM's processed formula. At fp32 the reference's processed formula is the
     targets' processed_logprobs_BT; at another precision it is that precision's scored (full-formula)
-    logprobs minus the fp32 log kept mass, on the fp32 reference's kept set.
+    logprobs minus the fp32 log kept mass, on the fp32 reference's kept set. A token is a kept-set difference beyond
+    the floor plus 10 x the larger of the precision's own spread from fp32 and the rollout's precision's spread.
     """
     import torch
 
@@ -252,13 +253,19 @@ def rollout_mismatch(ctx: ScoringContext, controls: list[str]) -> dict[str, Any]
     sampler = rollout["sampler_logprobs_BT"][rows][mask]
     processed_fp32, full_fp32, kept_mass = (targets[f"{name}_BT"][rows][mask]
                                             for name in ("processed_logprobs", "full_logprobs", "log_kept_mass"))
+    fulls = {precision: read_tensors(layout.scores(precision, controls[0], "actor") / step_dir(0)
+                                     / "outputs.safetensors")["logprobs_BT"][mask]
+             for precision in ctx.reference.precisions}
+    spread = {precision: float((full - full_fp32).abs().max()) if mask.any() else 0.0
+              for precision, full in fulls.items()}
+    # the rollout's own rounding: a bf16 rollout differs from the fp32 formula by bf16's error on every token, which is
+    # numerical, not a kept-set difference (without this the fp32 row of a bf16 rollout listed nearly every token)
+    rollout_spread = spread.get(ctx.rollout.dtype, 0.0)
     report = {}
-    for precision in ctx.reference.precisions:
-        first = layout.scores(precision, controls[0], "actor") / step_dir(0)
-        full = read_tensors(first / "outputs.safetensors")["logprobs_BT"][mask]
+    for precision, full in fulls.items():
         processed = processed_fp32 if precision == "fp32" else torch.where(
             torch.isinf(processed_fp32), processed_fp32, full - kept_mass)
-        limit = KEPT_SET_FLOOR + 10 * float((full - full_fp32).abs().max()) if mask.any() else KEPT_SET_FLOOR
+        limit = KEPT_SET_FLOOR + 10 * max(spread[precision], rollout_spread)
         report[precision] = decompose_mismatch(sampler, processed, full, where, limit)
     return report
 
