@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from qualify.bounds.records import read_record
+from qualify.bounds.records import BIAS_GRAD, read_record
 from qualify.bounds.rule import BOUNDS_SCHEMA, RULE, BoundRule, family_pairs, quantum
 from qualify.compare import StepFiles, merge_max, pair_metrics, params_before_steps, replay_metrics, with_step
 from qualify.errors import EvidenceError
@@ -31,6 +31,10 @@ MEAN_KEYS = ("outputs/kl_mean", "outputs/policy_loss")
 MEANS_TEXT = ("the larger of |difference| and the random-sign scale of its per-token contribution differences, "
               "sqrt(sum over tokens of (weight x difference)^2) (qualify.ppo.decisions.mean_terms): a few controls' "
               "mean differences cancel by chance; a shift of every token the same way is sqrt(tokens) times that scale")
+BIAS_TEXT = ("the larger of |difference| and the sum of |per-token contribution differences| "
+             "(qualify.ppo.decisions.bias_terms: the value-head bias gradient is the sum over tokens of d loss / d "
+             "value): a few controls' differences cancel by chance, and a shift of every value the same way adds up "
+             "whole; rel_l2 the same sum over the reference's |gradient|")
 ReplayOf = Callable[[str, str], Path | None]
 NORM_KEY = "outputs/grad_norm"
 NORM_TEXT = ("the larger of |grad norm difference| and the norm of the whole gradient's difference, which bounds it "
@@ -98,7 +102,7 @@ def family_bounds(layout: RunLayout, role: str, family: str, controls: list[str]
             if name in runs:
                 records[name] = pair_record(runs[name][step], aligned[name][step], starts[name][step], optimizer,
                                             step + 1, None if terms is None else (lambda run, s=step: terms(s, run)),
-                                            None if means is None else (lambda run, s=step: means(s, run)))
+                                            None if means is None else (lambda run, by=None, s=step: means(s, run, by)))
             else:
                 records[name] = recorded[name]["families"][family]["steps"][step]
         kept = None if base_kept is None else base_kept[step]
@@ -147,18 +151,21 @@ def terms_difference(mine: Any, theirs: Any) -> float | None:
 
 
 def means_scales(mine: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float]:
-    """Per scalar mean (MEAN_KEYS) both hold with one shape: the L2 norm of its per-token contribution differences."""
+    """Per scalar mean (MEAN_KEYS) both hold with one shape: the L2 norm of its per-token contribution differences;
+    for the critic's value-head bias gradient (BIAS_GRAD), the sum of their absolute values."""
     out = {}
     for key in MEAN_KEYS:
         name = key.removeprefix("outputs/")
         if name in mine and name in theirs and mine[name].shape == theirs[name].shape:
             out[key] = float((mine[name] - theirs[name]).square().sum().sqrt())
+    if BIAS_GRAD in mine and BIAS_GRAD in theirs and mine[BIAS_GRAD].shape == theirs[BIAS_GRAD].shape:
+        out[BIAS_GRAD] = float((mine[BIAS_GRAD] - theirs[BIAS_GRAD]).abs().sum())
     return out
 
 
 def pair_record(run: Any, other: Any, start: dict | None, optimizer: Any, adam_step: int,
                 terms: Callable[[Any], Any] | None = None,
-                means: Callable[[Any], dict[str, Any]] | None = None,
+                means: Callable[..., dict[str, Any]] | None = None,
                 replay: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything one control contributes to its family's bounds at one step, against the run it is compared with
     (other: the family's r0, or r0 replayed on the control's decisions): its metrics against it, the loss's and the
@@ -172,7 +179,7 @@ def pair_record(run: Any, other: Any, start: dict | None, optimizer: Any, adam_s
     return {"metrics": pair_metrics(run, other),
             "loss_terms": None if terms is None else terms_difference(terms(run), terms(other)),
             "grad_difference": grad_difference(run, other),
-            "means": {} if means is None else means_scales(means(run), means(other)),
+            "means": {} if means is None else means_scales(means(run), means(other, run)),
             "replay": replay}
 
 
@@ -212,6 +219,7 @@ def bounds_from_records(base: Any, records: dict[str, dict[str, Any]], rule: Bou
     mags = magnitudes(base)
     if base_kept is not None:
         mags.update(base_kept["update_max_abs"])
+    by_bias = raise_bias(errors, [r["means"].get(BIAS_GRAD) for r in recs], mags.get(BIAS_GRAD, 0.0))
     bounds = {key: {m: rule.entry(key, m, v, mags[key]) for m, v in ms.items()} for key, ms in errors.items()}
     if by_terms:
         bounds[LOSS_KEY]["max_abs"]["control_error_of"] = LOSS_TERMS_TEXT
@@ -219,6 +227,8 @@ def bounds_from_records(base: Any, records: dict[str, dict[str, Any]], rule: Bou
         bounds[NORM_KEY]["max_abs"]["control_error_of"] = NORM_TEXT
     for key in by_means:
         bounds[key]["max_abs"]["control_error_of"] = MEANS_TEXT
+    for metric in by_bias:
+        bounds[BIAS_GRAD][metric]["control_error_of"] = BIAS_TEXT
     # an update is judged against what AdamW makes of the run's own moments and start (qualify.compare.pair_metrics)
     if base_kept is None:
         replay = replay_metrics(base, base_start, optimizer, adam_step)
@@ -243,6 +253,29 @@ def raise_to(errors: dict[str, dict[str, float]], key: str, scales: list[float |
         return False
     errors[key]["max_abs"] = max(errors[key]["max_abs"], *scales)
     return True
+
+
+def raise_bias(errors: dict[str, dict[str, float]], scales: list[float | None], magnitude: float) -> list[str]:
+    """Raise the value-head bias gradient's control errors to the largest sum of |per-token contribution differences|
+    when every control has one: its absolute metrics to the sum (a one-element tensor: max = p99 = mean), rel_l2 to
+    the sum over the reference's |gradient|. Returns the metrics raised."""
+    metrics = errors.get(BIAS_GRAD, {})
+    if not metrics or not scales or any(x is None for x in scales):
+        return []
+    scale = max(scales)
+    raised = []
+    for metric in list(metrics):
+        if metric == "rel_l2":
+            if magnitude <= 0:
+                continue
+            value = scale / magnitude
+        elif metric in ("max_abs", "p99_abs", "mean_abs"):
+            value = scale
+        else:
+            continue
+        metrics[metric] = max(metrics[metric], value)
+        raised.append(metric)
+    return raised
 
 
 def grad_difference_error(pairs: list[tuple[Any, Any]], errors: dict[str, dict[str, float]]) -> bool:

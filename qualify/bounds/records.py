@@ -67,13 +67,28 @@ def terms_of(objective: Any, role: str, inputs: Any) -> Any:
     return terms
 
 
+BIAS_GRAD = "grads/score.bias"
+"""The critic's value-head bias gradient: the sum over tokens of d loss / d value (qualify.ppo.decisions.bias_terms)."""
+
+
 def means_of(objective: Any, role: str, inputs: Any) -> Any:
     """means(step, run): the run's per-token contributions to its scalar means at that step
-    (qualify.ppo.decisions.mean_terms)."""
-    from qualify.ppo.decisions import mean_terms
+    (qualify.ppo.decisions.mean_terms) and, for a critic, to its value-head bias gradient (BIAS_GRAD: bias_terms, on
+    the clip decisions of decided_by where given), where they sum to the run's recorded gradient (else that head is not
+    a bias on the value: left out)."""
+    from qualify.ppo.decisions import bias_terms, mean_terms
 
-    def means(step: int, run: Any) -> dict[str, Any]:
+    def means(step: int, run: Any, decided_by: Any = None) -> dict[str, Any]:
+        """decided_by: the run whose clip decisions run followed (run is r0 replayed on them), else None."""
         if step >= len(inputs.masks):
             return {}
-        return mean_terms(role, objective.ppo, objective.grpo, run.outputs, inputs.targets[step], inputs.masks[step])
+        args = (role, objective.ppo, objective.grpo, run.outputs, inputs.targets[step], inputs.masks[step])
+        out = mean_terms(*args)
+        by = None if decided_by is None else decided_by.outputs.get("values_BT")
+        bias, name = bias_terms(*args, decided_by=by), BIAS_GRAD.removeprefix("grads/")
+        grad = getattr(run, "grads", {}).get(name)
+        if bias is not None and grad is not None and grad.numel() == 1 and \
+                abs(float(bias.sum()) - float(grad.double())) <= 0.05 * float(bias.abs().sum()) + 1e-6:
+            out[BIAS_GRAD] = bias
+        return out
     return means

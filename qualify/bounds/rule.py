@@ -16,7 +16,10 @@ BOUNDS_SCHEMA = "qualify.bounds/4"
 are judged by the AdamW replay alone (no update-vs-reference bound). /3: a control that decided a clip otherwise than
 the family's r0 is compared with r0 replayed on its decisions (sealed in the reference), as a case is. /4: the
 scalar means kl_mean and (GRPO) policy_loss take at least the random-sign scale of their per-token contribution
-differences as control error (qualify.bounds.control_error.means_scale_error). An acceptance of an earlier schema is refused: re-freeze."""
+differences as control error (qualify.bounds.control_error.means_scale_error); later within /4, the critic's
+value-head bias gradient takes at least the sum of |per-token contribution differences| (bias_terms; the bound file's
+entry says so in control_error_of, and the check re-derives each bound from the control error it records). An
+acceptance of an earlier schema is refused: re-freeze."""
 
 
 FAMILIES = ("fp32-repeat", "bf16-repeat", "fp32-vs-bf16")
@@ -77,7 +80,9 @@ RULE = ("bound = k * control_error + floor + quantum (per role, tensor, metric; 
         "family's controls, each compared with the family's r0 replayed on the control's own clip decisions where they "
         "differ (for the loss and the grad norm, scalars whose few control differences cancel by chance, "
         "at least the sum of |per-token loss contribution differences| and the norm of the gradient's difference; for "
-        "the scalar means kl_mean and policy_loss at least the L2 norm of their weighted per-token differences); "
+        "the scalar means kl_mean and policy_loss at least the L2 norm of their weighted per-token differences; for "
+        "the critic's value-head bias gradient, a sum over tokens, at least the sum of |per-token contribution "
+        "differences|); "
         "floor = max(floors[kind], floor_ulps fp32 ulps of the reference tensor's largest magnitude); quantum = one rounding step of the compute precision at that magnitude, for what the contract "
         "computes in it: bf16 gradients and values, and one fp32 step of every update)")
 

@@ -112,6 +112,30 @@ def loss_terms(role: str, ppo: Any, grpo: Any, outputs: dict[str, torch.Tensor],
     return torch.where(mask_BT, weights * term, 0.0)
 
 
+def bias_terms(role: str, ppo: Any, grpo: Any, outputs: dict[str, torch.Tensor], targets: dict[str, torch.Tensor],
+               mask_BT: torch.Tensor, decided_by: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Each token's contribution (float64, (B, T)) to the critic's value-head bias gradient: d loss / d value at that
+    token, which the bias receives whole (value = w . h + b), so the gradient of score.bias is their sum. The clipped
+    value loss's derivative: weight x (v - R), or 0 where the value is clipped (the clipped square the larger, v beyond
+    the clip range; inside it the two are one). decided_by: the values whose clip decisions count (a run replayed on
+    another run's decisions takes that run's values here), else the run's own. None for the actor or outputs that lack
+    what the value loss reads.
+
+    Like the loss, a gradient that is a sum over tokens of a few controls cancels by chance, and a shift of every
+    value the same way (another final rounding of the parameters) adds up whole; freeze raises its control error to
+    the sum of |per-token differences| (qualify.bounds.control_error)."""
+    if role != "critic" or not _readable(role, grpo, outputs, targets):
+        return None
+    mask_BT = mask_BT.bool()
+    f64 = torch.float64
+    eps = ppo.value_clip_eps
+    v, old, ret = (torch.where(mask_BT, x.to(f64), 0.0) for x in
+                   (outputs["values_BT"], targets["old_values_BT"], targets["returns_BT"]))
+    u = v if decided_by is None else torch.where(mask_BT, decided_by.to(f64), 0.0)
+    clipped = (u - ret) ** 2 < (old + torch.clamp(u - old, -eps, eps) - ret) ** 2
+    return torch.where(mask_BT & ~clipped, aggregation_weights(ppo, grpo, mask_BT) * (v - ret), 0.0)
+
+
 def _policy_term(ppo: Any, grpo: Any, outputs: dict[str, torch.Tensor], targets: dict[str, torch.Tensor],
                  mask_BT: torch.Tensor) -> torch.Tensor:
     """Each token's clipped surrogate, float64, from the recorded ratio and the advantages."""

@@ -132,7 +132,7 @@ def control_record(ctx: ScoringContext, role: str, run_name: str, result: dict[s
             if len(aligned) != len(steps):
                 raise EvidenceError(f"{run_name} {role} took {len(steps)} step(s), {compared_with} {len(aligned)}")
             records = [pair_record(run, aligned[k], None, optimizer, k + 1, lambda r, s=k: terms(s, r),
-                                   lambda r, s=k: means(s, r), replay=replays[k])
+                                   lambda r, by=None, s=k: means(s, r, by), replay=replays[k])
                        for k, run in enumerate(steps)]
         finally:
             if scratch is not None:

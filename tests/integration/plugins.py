@@ -329,3 +329,19 @@ class FusedAdamForm(TorchTPEngine):
 
 def fused_adam_form() -> TorchTPEngine:
     return FusedAdamForm()
+
+
+class BiasGradSummedOverTwo(TorchTPEngine):
+    """The critic's value-head bias gradient twice what the loss gives (a bias summed over two data-parallel replicas
+    where the rest is averaged): every other tensor is right, and the bias gradient's control error is now raised to
+    the sum of |per-token differences| (qualify.ppo.decisions.bias_terms), which this still fails by far."""
+
+    def setup(self, ctx):
+        super().setup(ctx)
+        for name, p in self.compute.named_parameters():
+            if name == "score.bias":
+                p.register_hook(lambda g: 2 * g)
+
+
+def bias_grad_summed_over_two() -> TorchTPEngine:
+    return BiasGradSummedOverTwo()

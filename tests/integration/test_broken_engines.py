@@ -119,3 +119,21 @@ def test_a_fused_adam_form_engine_passes_every_row(run_copy):
     # its updates are float64 rounded once: one of the forms the update derivation knows, so bit for bit
     updates = [float(r["ratio"]) for r in verdict["rows"] if r["comparison"] == "derived" and r["tensor"].endswith("/updates")]
     assert updates and max(updates) < 0.4, updates
+
+
+def test_a_bias_gradient_summed_twice_fails_its_row_by_far_under_the_raised_control_error(run_copy):
+    """The critic's score.bias gradient doubled, nothing else: the bias row's control error is at least the sum of
+    |per-token contribution differences| (so a correct engine's cancelling sum is not judged against the few controls'
+    chance cancellations), yet the doubled gradient fails that row at step 0 by a wide margin, while the correct
+    engine of the same case passes it."""
+    m = matrix_with(run_copy.parent, engines=[f"{PLUGINS}:bias_grad_summed_over_two", "torch-tp"],
+                    precisions=["fp32"], tp=[1], roles=["critic"])
+    verdict = run_candidates(m, run_copy).to_json()
+    broken, correct = (c.name for c in m.cases())
+    rows = {(r["case"], r["tensor"], r["metric"], r["comparison"]): r for r in verdict["rows"]}
+    bad = [r for (case, tensor, metric, comparison), r in rows.items() if case == broken and
+           tensor == "step0/grads/score.bias" and metric == "max_abs" and comparison.startswith("vs ref")]
+    assert bad and not bad[0]["passed"] and float(bad[0]["ratio"]) >= 5, bad
+    good = [r for (case, tensor, metric, comparison), r in rows.items() if case == correct and
+            tensor.endswith("grads/score.bias") and comparison.startswith("vs ref")]
+    assert good and all(r["passed"] for r in good) and verdict["cases"][correct]["passed"]

@@ -119,7 +119,7 @@ def test_step_bounds_of_controls_whose_means_cancel_take_the_scale_and_say_so():
     plain = step_family_bounds(base, {"c": other}, rule, {"r0": {}, "c": {}}, "r0", OPT, 1)
     assert plain["outputs/kl_mean"]["max_abs"]["control_error"] == 0.0
 
-    def means(r: RunTensors) -> dict[str, torch.Tensor]:
+    def means(r: RunTensors, decided_by: RunTensors | None = None) -> dict[str, torch.Tensor]:
         return mean_terms("actor", PPO, None, r.outputs, {}, mask)
 
     scaled = step_family_bounds(base, {"c": other}, rule, {"r0": {}, "c": {}}, "r0", OPT, 1, means=means)
