@@ -10,6 +10,11 @@ naming how many tokens differ; measured on one H200 (benchmarks/gpu_vllm_chain.s
   norm_not_routed     RMSNorm (alone and fused with the residual add) in torch, not through vLLM's kernels
   settings_too_late   vLLM's batch-invariant cuBLAS settings put in place after this process's first GEMM (passes:
                       in the mode this engine's GEMMs are vLLM's Triton matmul, which those settings do not reach)
+  cublas_gemms        every GEMM by cuBLAS (F.linear), as a trainer's that does not route them through vLLM's matmul,
+                      with the settings in place before its first GEMM: the correct twin of the layout tier
+  cublas_settings_too_late  cublas_gemms with the settings put in place after one GEMM: declared layout_invariant
+                      (benchmarks/gpu-wide-exact.yaml), its `layout` row must fail where cuBLAS's heuristics split K
+                      with the workspace it started with
 
 Measured (one H200, benchmarks/gpu-tiny-exact.yaml, session 23): the engine itself gives 0 of 192; each bug moves
 the rollout row off 0: the bf16 branch (192 of 192, max 0.0156), norm_not_routed (192, max 0.045), fused_path (54,
@@ -24,6 +29,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+import torch.nn.functional as F
 
 from qualify.engines.base import EngineContext
 from qualify.examples.vllm_gpu_exact import (
@@ -72,13 +78,40 @@ class NormNotRouted(VllmGpuExactEngine):
         return replace(vllm_kernels(mode), rms_norm=torch_rms_norm, add_rms_norm=torch_add_rms_norm)
 
 
+def first_gemm(device: str) -> None:
+    """One cuBLAS GEMM: cuBLAS starts here, with the workspace sizes the environment gives it now."""
+    if device.startswith("cuda"):
+        a = torch.ones(64, 64, dtype=torch.bfloat16, device=device)
+        (a @ a).sum().item()
+
+
 class SettingsTooLate(VllmGpuExactEngine):
     """A GEMM runs (cuBLAS starts) before the mode's settings are put in place."""
 
     def setup(self, ctx: EngineContext) -> None:
-        if ctx.device.startswith("cuda"):
-            a = torch.ones(64, 64, dtype=torch.bfloat16, device=ctx.device)
-            (a @ a).sum().item()
+        first_gemm(ctx.device)
+        super().setup(ctx)
+
+
+def cublas_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight)
+
+
+class CublasGemms(VllmGpuExactEngine):
+    """The exact engine with every GEMM (the LM head's too) by cuBLAS rather than vLLM's batch-invariant matmul: a
+    trainer's GEMMs. Its forward follows the row count only through cuBLAS's choice of kernel, which vLLM's settings
+    (a 16 KiB workspace: no split-K) pin when cuBLAS starts under them; setup() puts them in place first."""
+
+    def make_kernels(self, mode: RolloutMode) -> Kernels:
+        return replace(vllm_kernels(mode), linear=cublas_linear)
+
+
+class CublasSettingsTooLate(CublasGemms):
+    """CublasGemms whose process ran a GEMM before the settings were put in place: cuBLAS keeps the workspace it
+    started with, and its heuristics may split K differently for different row counts."""
+
+    def setup(self, ctx: EngineContext) -> None:
+        first_gemm(ctx.device)
         super().setup(ctx)
 
 
@@ -100,3 +133,11 @@ def norm_not_routed() -> VllmGpuExactEngine:
 
 def settings_too_late() -> VllmGpuExactEngine:
     return SettingsTooLate()
+
+
+def cublas_gemms() -> VllmGpuExactEngine:
+    return CublasGemms()
+
+
+def cublas_settings_too_late() -> VllmGpuExactEngine:
+    return CublasSettingsTooLate()
