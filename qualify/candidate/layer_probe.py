@@ -2,7 +2,8 @@
 
 When the rollout carries vLLM's per-layer activations (rollout.layer_outputs, qualify.rollout.layers), a case whose
 engine declares rollout_exact runs its layer_outputs hook on the step-0 batch before the step, with no gradient, and
-counts per layer the response tokens whose vector is not bitwise vLLM's. A token's vector is the activation at the
+counts per layer the response tokens whose vector is not bitwise vLLM's (an engine whose score() runs another
+forward than its layer_outputs hook, kept for qualify diagnose, gives that forward's by exact_layer_outputs). A token's vector is the activation at the
 position that predicts it (position t - 1 for the token at t): the one its logprob is computed from. The counts go in
 meta.json ('rollout_layers') and the exact row's note names the first layer that differs
 (qualify.candidate.rollout_exact); they judge nothing: the tier is the logprob count.
@@ -46,14 +47,15 @@ def compare_layers(own: dict[str, torch.Tensor], rollout: dict[str, torch.Tensor
 
 @torch.no_grad()
 def probe_rollout_layers(engine: Any, batch: Any, rollout_dir: Path, rows: slice) -> dict[str, Any]:
-    """The engine's step-0 layers (its layer_outputs hook on batch, the rollout's rows) against the rollout's; a
-    'skipped' reason where the rollout has no layers or the engine no hook."""
+    """The engine's step-0 layers (its exact_layer_outputs hook on batch, the rollout's rows, else its layer_outputs)
+    against the rollout's; a 'skipped' reason where the rollout has no layers or the engine no hook."""
     from qualify.store import read_json, read_tensors
 
     path = Path(rollout_dir) / LAYERS_FILE
     if not path.is_file():
         return {"skipped": NOT_CAPTURED}
-    hook = getattr(engine, "layer_outputs", None)
+    # an engine whose score() is not the forward its layer_outputs (diagnose's HF hooks) runs says so by this one
+    hook = getattr(engine, "exact_layer_outputs", None) or getattr(engine, "layer_outputs", None)
     if hook is None:
         return {"skipped": NO_HOOK}
     record = read_json(Path(rollout_dir) / "rollout.json")["layer_outputs"]
