@@ -259,7 +259,8 @@ class Rollout:
             raise ValueError("prompt_len + max_new_tokens exceeds max_model_len")
         if self.layer_outputs and self.vllm_tp[0] != 1:
             raise ValueError(f"layer_outputs needs the primary rollout at vLLM TP1 (the first of vllm_tp, "
-                             f"{list(self.vllm_tp)}): vLLM's hooks see each TP rank's part of the batch")
+                             f"{list(self.vllm_tp)}): the layer capture reads vLLM's one TP1 worker (gathering and "
+                             "checking every rank's hooks at TP > 1 is not built)")
         if self.layer_outputs and self.routing is not None:
             raise ValueError("layer_outputs is for a dense actor: a MoE rollout (routing set) is captured one request "
                              "at a time for its routes and never fed again")
