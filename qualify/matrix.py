@@ -224,6 +224,10 @@ class Rollout:
     batch_invariant: bool = False
     """Capture with vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1, set before vLLM starts; its kernel settings
     are recorded with the rollout): refused with the reason where the installed vLLM or the device cannot run it."""
+    layer_outputs: bool = False
+    """Record, in the TP1 rollout, every decoder layer's residual stream and the final norm as vLLM's prefill of each
+    sampled sequence computes them (layers.safetensors), so that an engine declared rollout_exact is told in which layer
+    it first parts from vLLM's: a dense actor captured first at vLLM TP1 only."""
     routing: Literal["replay", "recompute"] | None = None
     """A MoE actor's routing in every step on the rollout: replay (the rollout's routes, recorded by the capture, pick
     the experts; routing weights come from the live router logits, so the router still gets gradients) or recompute
@@ -253,6 +257,13 @@ class Rollout:
             raise ValueError("prompts_file must be a path or null, got an empty string")
         if self.prompt_len + self.max_new_tokens > self.max_model_len:
             raise ValueError("prompt_len + max_new_tokens exceeds max_model_len")
+        if self.layer_outputs and self.vllm_tp[0] != 1:
+            raise ValueError(f"layer_outputs needs the primary rollout at vLLM TP1 (the first of vllm_tp, "
+                             f"{list(self.vllm_tp)}): the layer capture reads vLLM's one TP1 worker (gathering and "
+                             "checking every rank's hooks at TP > 1 is not built)")
+        if self.layer_outputs and self.routing is not None:
+            raise ValueError("layer_outputs is for a dense actor: a MoE rollout (routing set) is captured one request "
+                             "at a time for its routes and never fed again")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

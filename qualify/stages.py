@@ -140,16 +140,21 @@ def prepare_stage(path: Path) -> None:
 
 
 def write_tensor_stage(path: Path, file: str, tensors: dict[str, Any], meta_file: str, meta: dict[str, Any],
-                       info: dict[str, Any] | None = None) -> str:
+                       info: dict[str, Any] | None = None, extra: dict[str, dict[str, Any]] | None = None) -> str:
     """The sequence of every tensor stage: empty path, write the tensors, record their digest in the meta file
-    (meta | {'digest': ...}) and in the seal's info, seal. Returns the tensors' digest."""
+    (meta | {'digest': ...}) and in the seal's info, seal. Returns the tensors' digest. extra: further tensor files
+    (file name -> tensors) written beside file before the seal, so that it covers them; their digests go in the
+    meta file's 'extra_digests'."""
     from qualify.hashing import file_digest
     from qualify.store import write_tensors
 
     prepare_stage(path)
     write_tensors(Path(path) / file, tensors)
     digest = file_digest(Path(path) / file)
-    write_json(Path(path) / meta_file, meta | {"digest": digest})
+    for name, more in (extra or {}).items():
+        write_tensors(Path(path) / name, more)
+    extras = {"extra_digests": {name: file_digest(Path(path) / name) for name in extra}} if extra else {}
+    write_json(Path(path) / meta_file, meta | extras | {"digest": digest})
     seal(path, info, main=file)
     return digest
 

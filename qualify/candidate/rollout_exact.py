@@ -9,7 +9,9 @@ reports the same count against an infinite bound (the mismatch an engine that do
 
 Compared: the case's outputs/logprobs_BT at step 0 (its declared formula: the processed formula is the rollout's under
 truncating sampling) against the sealed rollout's sampler logprobs (the targets' old_logprobs_BT), on step 0's
-response tokens, in float32 without rounding either side.
+response tokens, in float32 without rounding either side. Where the rollout carries vLLM's per-layer activations
+(rollout.layer_outputs), a declared case's note also names the first layer whose vectors differ from vLLM's prefill
+(qualify.candidate.layer_probe); the layers judge nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 import torch
 
+from qualify.candidate.layer_probe import layers_note
 from qualify.verdict import Row
 
 ROLLOUT = "rollout"
@@ -84,6 +87,6 @@ def exact_rows(case: str, role: str, outputs: dict[str, torch.Tensor], meta: dic
     note = (f"{'exact' if m['num_not_bitwise'] == 0 else 'not exact'}: {m['num_not_bitwise']} of {m['num_tokens']} "
             f"response tokens differ from the rollout's logprobs, max |delta| {m['max_abs']:.3g}{where} "
             f"({formula} formula, {spec.get('precision')} case{'' if dtype is None else f', {dtype} rollout'})"
-            f"{engine_self_note(engine_self)}")
+            f"{engine_self_note(engine_self)}{layers_note(meta.get('rollout_layers'), declared)}")
     return [Row(case, role, ROLLOUT, TENSOR, "num_not_bitwise", float(m["num_not_bitwise"]),
                 0.0 if judged else math.inf, m["num_not_bitwise"] == 0 or not judged, note, step=0, rule=rule)]

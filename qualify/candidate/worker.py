@@ -26,6 +26,8 @@ from qualify.candidate.derived import sampler_check
 from qualify.candidate.dp import dp_group, gather_outputs, rank_rows
 from qualify.candidate.imported import KEY as IMPORTED_KEY
 from qualify.candidate.imported import record as record_imported
+from qualify.candidate.layer_probe import merge_ranks as merge_layer_ranks
+from qualify.candidate.layer_probe import probe_rollout_layers
 from qualify.candidate.layout_probe import merge_ranks, probe_layouts
 from qualify.candidate.padding import exposed_rows, padding_found
 from qualify.candidate.plugin_contract import (
@@ -188,6 +190,7 @@ def run_case(spec: CaseSpec, rank: int) -> None:
                "exposed": exposed_rows(padded_before)}
     phases = {"setup": time.monotonic() - started}  # where the case's time went (information, not evidence)
     steps, grad_dtypes, params, sampler, layout, replayed, starts = [], {}, {}, [], None, [], []
+    exact_layers = None
     for step in step_rows(rollout["input_ids_BT"].shape[0], spec.ppo.epochs, spec.ppo.minibatches):
         rows, offset = rank_rows(step, spec.dp, ctx.dp_rank)
         batch = case_batch(spec, rollout, rows)
@@ -195,6 +198,10 @@ def run_case(spec: CaseSpec, rank: int) -> None:
             probing = time.monotonic()
             layout = probe_layouts(engine, batch)
             phases["layout probe"] = time.monotonic() - probing
+            if spec.role == "actor" and spec.rollout_exact:  # where the claim breaks, if it does (no gradient)
+                probing = time.monotonic()
+                exact_layers = probe_rollout_layers(engine, batch, Path(spec.rollout_dir), rows)
+                phases["layer probe"] = time.monotonic() - probing
         share = step_share(spec, rows_of(targets, rows), batch.response_mask_BT, offset, group)
         scores_BT = engine.score(batch)
         sampler.append(own_logits_check(engine, spec, scores_BT, batch, offset))
@@ -225,6 +232,7 @@ def run_case(spec: CaseSpec, rank: int) -> None:
     sampler_by_rank = gather_all(sampler)
     replayed_by_rank = gather_all(replayed)
     layout_by_rank = gather_all(layout or {})
+    layers_by_rank = gather_all(exact_layers)
     engine.close()
     if rank == 0:
         out = Path(spec.case_dir)
@@ -249,6 +257,7 @@ def run_case(spec: CaseSpec, rank: int) -> None:
                 "num_steps": len(steps), "own_objective": hasattr(engine, "objective"), "contract": contract,
                 "sampler_derivation": worst_by_step(sampler_by_rank), "layout": merge_ranks(layout_by_rank),
                 **({"routing_replay": replay_by_step(replayed_by_rank)} if replayed else {}),
+                **({"rollout_layers": merge_layer_ranks(layers_by_rank)} if exact_layers is not None else {}),
                 "case": spec.to_json(), "seconds": round(time.monotonic() - started, 3),
                 "phases_s": {k: round(v, 3) for k, v in phases.items()}, **provenance()}
         write_json(out / "meta.json", json_safe(meta))

@@ -143,3 +143,6 @@ class TrainEngine(Protocol):
     # full (unsharded) fp32 (B, T, H) outputs of one no-grad forward, named after the HF modules
     # (qualify.models.hooks.activation_names: each layer's input_layernorm, self_attn, post_attention_layernorm,
     # mlp, the layer itself, then model.norm); `qualify diagnose` compares them with the reference's layer by layer.
+    #   exact_layer_outputs(batch) -> dict[str, Tensor]
+    # only 'model.layers.<i>' and 'model.norm', from the forward score() runs where that is not layer_outputs' forward
+    # (qualify.examples.vllm_gpu_exact); the exact tier prefers it (qualify.candidate.layer_probe).

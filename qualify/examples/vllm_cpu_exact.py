@@ -11,6 +11,9 @@ KV_BLOCK tokens, the rollout's block size). Their backward is the reference form
 attention recomputed in torch and differentiated): seed 002's claim is about the forward, and the backward is not part
 of it.
 
+Its layer_outputs hook is torch-tp's: HF's module hooks on this same forward, so with `rollout.layer_outputs` the exact
+tier compares the layers of the routed kernels' forward with vLLM's (every layer bitwise on the embedded default).
+
 Name it in a matrix as `qualify.examples.vllm_cpu_exact:engine` and declare it in `candidates.rollout_exact`: its
 fp32 TP1 actor's step-0 logprobs must equal the rollout's on every response token (qualify.candidate.rollout_exact),
 and after each weight sync in `qualify rounds --engine qualify.examples.vllm_cpu_exact:engine`. CPU, TP1, DP1 and a

@@ -35,6 +35,9 @@ log_softmax over fp32 logits (torch's or vLLM's own Triton one). At T != 1 the V
 place and stores them back in bf16, so its processed logprobs are not the fp32 formula's (312 of 320 differ at T = 0.7,
 max 0.007); the engine follows it there too.
 
+With `rollout.layer_outputs`, the exact tier compares the exact forward's residual stream with vLLM's layer by layer
+(exact_layer_outputs; checked against Hugging Face's on the CPU with torch_kernels(), not yet run on a GPU).
+
 Each kernel's backward is the reference formula's (recomputed in torch and differentiated): seed 002's claim is about
 the forward, and the backward is not part of it. Everything else (the critic, cases in another precision than the
 rollout's, diagnose's layer outputs) is torch-tp's HF forward.
@@ -380,6 +383,18 @@ def vllm_forward(model: torch.nn.Module, ids_BT: torch.Tensor, kernels: Kernels,
     return logits.view(rows, t, -1)
 
 
+def residual_stream(trace: dict[str, torch.Tensor], rows: int, t: int) -> dict[str, torch.Tensor]:
+    """(B, T, H) fp32 'model.layers.<i>' and 'model.norm' from vllm_forward's trace: the residual stream after each
+    decoder layer in Hugging Face's terms is what vLLM's layer returns, hidden + residual, added in fp32 and cast to the
+    model's dtype as the next fused norm adds them (what a rollout's layers.safetensors holds, qualify.rollout.layers)."""
+    out = {}
+    for i in range(sum(name.endswith(".hidden") for name in trace) - 1):
+        h, r = trace[f"model.layers.{i}.hidden"], trace[f"model.layers.{i}.residual"]
+        out[f"model.layers.{i}"] = (h.float() + r.float()).to(h.dtype).float().view(rows, t, -1).cpu()
+    out["model.norm"] = trace["model.norm.hidden"].float().view(rows, t, -1).cpu()
+    return out
+
+
 def torch_log_softmax(z: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(z, dim=-1)
 
@@ -459,6 +474,18 @@ class VllmGpuExactEngine(TorchTPEngine):
         self.last_logits = logits_BTV.detach()
         return sampler_logprobs(logits_BTV, ids_BT, c.temperature, c.vocab_size, c.logprob_chunk_tokens,
                                 self.kernels.log_softmax, self.kernels.token_logprobs).cpu()
+
+
+    def exact_layer_outputs(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """The exact tier's layers (qualify.candidate.layer_probe): the residual stream of the forward score() runs,
+        vLLM's on the exact path (residual_stream), else torch-tp's HF hooks. layer_outputs stays torch-tp's for
+        qualify diagnose, which wants every sub-module's output by HF's names."""
+        if not self.exact:
+            return self.layer_outputs(batch)
+        trace: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            vllm_forward(self.compute, batch.input_ids_BT.to(self.ctx.device), self.kernels, self.cache, trace)
+        return residual_stream(trace, *batch.input_ids_BT.shape)
 
 
 def engine() -> VllmGpuExactEngine:

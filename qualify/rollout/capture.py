@@ -3,8 +3,9 @@
 Under GRPO every prompt is requested group_size times in a row (a group), each request with its own seed.
 
 The rollout directory holds rollout.safetensors (tokens, masks, the sampler's processed
-logprobs) and rollout.json (sampling params, seeds, vLLM TP, versions, host, digest). It is
-written once; its digest (sha256 of rollout.safetensors) names it, and every later stage checks
+logprobs) and rollout.json (sampling params, seeds, vLLM TP, versions, host, digest); with
+rollout.layer_outputs also layers.safetensors (vLLM's per-layer activations, qualify.rollout.layers), sealed with
+them. It is written once; its digest (sha256 of rollout.safetensors) names it, and every later stage checks
 that digest before reading anything.
 """
 
@@ -117,7 +118,8 @@ def run_vllm(request: dict[str, Any]) -> dict[str, Any]:
 
     tmp = Path(tempfile.mkdtemp(prefix="qualify-vllm-"))
     req, out, log = tmp / "request.json", tmp / "out.json", tmp / "vllm.log"
-    write_json(req, request)
+    layers = tmp / "layers.safetensors"  # where the worker writes a layer capture (too large for its JSON answer)
+    write_json(req, request | ({"layers_path": str(layers)} if request.get("layer_outputs") else {}))
     with open(log, "wb") as sink:
         proc = subprocess.Popen([sys.executable, "-m", "qualify.rollout.vllm_worker", str(req), str(out)],
                                 env=vllm_env(request["tp"], bool(request.get("batch_invariant"))), stdout=sink,
@@ -131,6 +133,8 @@ def run_vllm(request: dict[str, Any]) -> dict[str, Any]:
         raise QualifyError(f"vLLM capture at TP{request['tp']} failed (exit {proc.returncode}): "
                            f"{summarize_child_failure(log.read_text(errors='replace'))} (full log: {log})")
     result = read_json(out)
+    if request.get("layer_outputs"):
+        result["layers_tensors"] = read_tensors(layers)
     shutil.rmtree(tmp, ignore_errors=True)
     return result | {"shm_removed": removed}
 
@@ -257,8 +261,13 @@ def capture_request(capture: Capture, model_dir: Path, tp: int, *, vocab_size: i
     min_p = {"min_p": r.min_p} if r.min_p else {}
     # a dense actor's request is what it was before routes existed (sealed rollouts keep their settings fingerprint)
     invariant = {"batch_invariant": True} if r.batch_invariant else {}
+    if r.layer_outputs and routes:
+        raise QualifyError("rollout.layer_outputs: a routed (MoE) capture feeds one request at a time for its routes "
+                           "and is never fed again; layer outputs are captured for a dense actor only")
+    # the layers are captured at vLLM TP1 (the primary rollout, Rollout's check); a request without them is unchanged
+    layers = {"layer_outputs": True} if r.layer_outputs and tp == 1 else {}
     return {"model_dir": str(model_dir), "tp": tp, "dtype": DTYPE_NAMES[r.dtype], **({"routes": True} if routes else {}),
-            **invariant,
+            **invariant, **layers,
             "seed": r.seed, "seeds": [r.seed + i for i in range(len(prompts))], "prompts": prompts,
             "temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p, **min_p,
             "max_new_tokens": r.max_new_tokens, "eos_token_id": eos, "max_model_len": r.max_model_len,
@@ -272,7 +281,7 @@ def merge_requests(requests: list[dict[str, Any]]) -> dict[str, Any]:
     ('prompt_sampling'); split_results gives each request its own results back, in order.
     """
     shared = ("model_dir", "tp", "dtype", "seed", "max_new_tokens", "eos_token_id", "max_model_len",
-              "kv_cache_memory_bytes", "block_size", "routes", "batch_invariant")
+              "kv_cache_memory_bytes", "block_size", "routes", "batch_invariant", "layer_outputs")
     first = requests[0]
     for request in requests[1:]:
         differs = [k for k in shared if request.get(k) != first.get(k)]
@@ -339,8 +348,18 @@ def capture_rollout(capture: Capture, model_dir: Path, tp: int, out_dir: Path, *
         meta["routes"] = {"source": SOURCE, "moe_layers": result["routes_layers"],
                           "meaning": "routes_BTLK[b, t, l, k]: expert k of the token at position t in MoE layer l; "
                                      "-1 where no token was fed (padding, each row's last sampled token)"}
+    extra = {}
+    if request.get("layer_outputs"):
+        from qualify.rollout.layers import LAYERS_FILE, SOURCE
+
+        meta["layer_outputs"] = {"file": LAYERS_FILE, "source": SOURCE, "names": result["layers"]["names"],
+                                 "rows": result["layers"]["rows"], "dtype": request["dtype"],
+                                 "seconds": result["layers_s"],
+                                 "meaning": "name[b, t]: the activation at position t of row b (float32, the values "
+                                            "vLLM held in its dtype); 0 where no token was fed"}
+        extra[LAYERS_FILE] = result["layers_tensors"]
     return write_tensor_stage(out_dir, ROLLOUT_FILE, rollout_tensors(result["results"]), "rollout.json", meta,
-                              {"settings": settings})
+                              {"settings": settings}, extra)
 
 
 def import_rollout(source: Path, out_dir: Path, settings: str, tp: int) -> str:

@@ -2,6 +2,8 @@
 
 It runs in its own process so that vLLM's engine, its worker processes and its shared-memory
 segments are created and torn down in isolation: the parent checks that nothing is left over.
+With layer_outputs, every sampled sequence is fed again, one at a time, with hooks on vLLM's layers
+(qualify.rollout.layers), and the activations are written to the request's layers_path.
 Usage: python -m qualify.rollout.vllm_worker REQUEST.json OUT.json
 """
 
@@ -68,12 +70,17 @@ def run(request: dict) -> dict:
                 prefill = prefill_logprobs(llm, results, sampling, request["max_model_len"])
             except Exception as exc:  # noqa: BLE001 - recorded: the rollout stands, its meta says why the check is missing
                 prefill_error = f"{type(exc).__name__}: {exc}"
+        prefilled = time.monotonic()
+        # after the prefill check, so that its batched pass is not hooked; a failure here fails the capture (asked for)
+        layers = (prefill_layers(llm, results, request["max_model_len"], request["layers_path"])
+                  if request.get("layer_outputs") else None)
     finally:
         shutdown(llm)
     for i, logprobs in prefill.items():
         results[i]["prefill_logprobs"] = logprobs
     return {"results": results, "load_s": loaded - started, "generate_s": generated - loaded,
-            "prefill_s": time.monotonic() - generated, "prefill_error": prefill_error,
+            "prefill_s": prefilled - generated, "prefill_error": prefill_error,
+            **({"layers": layers, "layers_s": time.monotonic() - prefilled} if layers is not None else {}),
             "platform": platform, "routes_layers": layers, "batch_invariant_settings": platform.get("batch_invariant"),
             "model_runner": runner}
 
@@ -102,6 +109,38 @@ def prefill_logprobs(llm, results: list[dict], sampling: list[dict], max_model_l
     outs = llm.generate([TokensPrompt(prompt_token_ids=f) for f in full], again, use_tqdm=False)
     return {i: [out.prompt_logprobs[t][f[t]].logprob for t in range(len(results[i]["prompt"]), len(f))]
             for i, f, out in zip(chosen, full, outs, strict=True)}
+
+
+def prefill_layers(llm, results: list[dict], max_model_len: int, path: str) -> dict:
+    """Every decoder layer's residual stream and the final norm of each response-bearing sequence (prompt and sampled
+    tokens), as vLLM's prefill of it computes them (qualify.rollout.layers), written to path as (B, T, H) float32
+    tensors: one sequence at a time, with prompt logprobs so that vLLM reads nothing from its prefix cache and feeds
+    every token. Sequences without room for the one token the pass asks for are left out (zeros). Returns the
+    names and the fed row indices."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from qualify.errors import QualifyError
+    from qualify.rollout import layers
+    from qualify.store import write_tensors
+
+    bound = llm.apply_model(layers.bind)
+    if len(bound) != 1:
+        raise QualifyError(f"rollout.layer_outputs: vLLM runs {len(bound)} TP ranks; the layer capture runs at TP1")
+    names = layers.layer_names(bound[0])
+    again = SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
+    per_row = {}
+    for i, r in enumerate(results):
+        full = r["prompt"] + r["tokens"]
+        if not r["tokens"] or len(full) >= max_model_len:
+            continue
+        llm.apply_model(layers.take)  # nothing left over from an earlier request
+        llm.generate([TokensPrompt(prompt_token_ids=full)], again, use_tqdm=False)
+        per_row[i] = layers.request_layers(llm.apply_model(layers.take), names, len(full), f"row {i}")
+    if not per_row:
+        raise QualifyError("rollout.layer_outputs: no sampled sequence has room for a prefill pass (max_model_len)")
+    write_tensors(Path(path), layers.layers_tensors(per_row, [len(r["prompt"]) + len(r["tokens"]) for r in results]))
+    return {"names": names, "rows": sorted(per_row)}
 
 
 def result_of(out) -> dict:

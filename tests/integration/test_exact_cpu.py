@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from qualify.candidate.layer_probe import NOT_CAPTURED
 from qualify.candidate.run import run_candidates
 from qualify.matrix import load_matrix
 from tests.integration._support import REPO, copy_run, plugins_importable  # noqa: F401  (autouse fixture)
@@ -25,10 +26,13 @@ BUGS = {f"tests.integration.exact_plugins:{name}": name for name in
         ("logsumexp_branch", "bf16_branch", "kernel_not_routed", "routed_too_late", "fused_path")}
 
 
-def exact_matrix(where: Path, engines: list[str]):
-    """The embedded default's matrix, captured at vLLM TP1 only, fp32 TP1 actor cases of engines, all declared."""
+def exact_matrix(where: Path, engines: list[str], layer_outputs: bool = False):
+    """The embedded default's matrix, captured at vLLM TP1 only, fp32 TP1 actor cases of engines, all declared;
+    layer_outputs: the rollout keeps vLLM's per-layer activations."""
     data = yaml.safe_load((REPO / "matrices" / "tiny-qwen3.yaml").read_text())
     data["rollout"]["vllm_tp"] = [1]
+    if layer_outputs:
+        data["rollout"]["layer_outputs"] = True
     data["candidates"].update(engines=engines, precisions=["fp32"], tp=[1], roles=["actor"], rollout_exact=engines)
     where.mkdir(parents=True, exist_ok=True)
     (where / "matrix.yaml").write_text(yaml.safe_dump(data))
@@ -56,6 +60,7 @@ def test_the_exact_engine_gives_the_rollouts_logprobs_and_each_bug_fails_the_tie
                                                     if r["case"] in exact and not r["passed"]][:5]
     row = next(r for r in verdict["rows"] if r["case"] in exact and r["comparison"] == "rollout")
     assert float(row["value"]) == 0 and row["note"].startswith("exact: 0 of ") and float(row["bound"]) == 0
+    assert row["note"].endswith(f"; layers: {NOT_CAPTURED}"), row["note"]  # rollout.layer_outputs is off here
     for name in BUGS.values():
         case = next(c for c in cases if name in c)
         row = next(r for r in verdict["rows"] if r["case"] == case and r["comparison"] == "rollout")
@@ -75,3 +80,54 @@ def test_the_exact_engine_stays_exact_after_each_weight_sync(local_run, tmp_path
     assert verdict["passed"], [r for r in verdict["rows"] if not r["passed"]]
     rows = [r for r in verdict["rows"] if r["tensor"] == ROLLOUT_EXACT]
     assert [(r["step"], r["value"], r["rule"]) for r in rows] == [(0, 0, "== 0"), (1, 0, "== 0")], rows
+
+
+@pytest.fixture(scope="module")
+def layered_run(tmp_path_factory):
+    """local_run with rollout.layer_outputs on: the rollout also keeps vLLM's per-layer activations."""
+    from qualify.freeze import freeze
+    from qualify.reference.stage import run_reference
+
+    where = tmp_path_factory.mktemp("layers")
+    run_reference(exact_matrix(where / "m", [EXACT], layer_outputs=True), where / "run")
+    freeze(where / "run")
+    return where / "run"
+
+
+def test_the_layers_say_where_an_exact_claim_breaks(layered_run, tmp_path):
+    """The positive control: the exact engine's residual stream after every decoder layer, and its final norm, equal
+    the ones reconstructed from vLLM's hooks (hidden_states + residual) bit for bit on every response token. The
+    negative control (HF's rotary left in) names the first layer that differs; its row still fails on the logprobs."""
+    from qualify.layout import RunLayout
+    from qualify.stages import require_complete
+    from qualify.store import read_json, read_tensors
+
+    rollout = RunLayout(layered_run).rollout(1)
+    record = read_json(rollout / "rollout.json")
+    names = ["model.layers.0", "model.layers.1", "model.norm"]
+    assert record["layer_outputs"]["names"] == names and record["layer_outputs"]["rows"] == list(range(8)), record
+    assert "layers.safetensors" in require_complete(rollout, "rollout").files  # sealed with the rollout
+    assert record["extra_digests"]["layers.safetensors"].startswith("sha256:")
+    tensors, ids = read_tensors(rollout / "layers.safetensors"), read_tensors(rollout / "rollout.safetensors")
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == {n: (*ids["input_ids_BT"].shape, 64) for n in names}
+
+    not_routed = "tests.integration.exact_plugins:kernel_not_routed"
+    m = exact_matrix(tmp_path / "m", [EXACT, not_routed], layer_outputs=True)
+    verdict = run_candidates(m, copy_run(layered_run, tmp_path / "run")).to_json()
+    rows = {r["case"]: r for r in verdict["rows"] if r["comparison"] == "rollout"}
+    exact = next(r for c, r in rows.items() if "vllm_cpu_exact" in c)
+    assert exact["passed"] and float(exact["value"]) == 0, exact
+    assert exact["note"].endswith("; layers against the rollout engine's prefill: all 3 bitwise (model.layers.0 to "
+                                  "model.norm, 180 tokens)"), exact["note"]
+    broken = next(r for c, r in rows.items() if "kernel_not_routed" in c)
+    assert not broken["passed"] and float(broken["value"]) > 0, broken
+    # HF's rotary parts from vLLM's kernel in the last bits of q and k at every position but 0 (cos 1, sin 0 there),
+    # so layer 0's attention, and with it every response token's vector, differs in layer 0 already and never agrees
+    # again; only 114 of those tokens' logprobs differ, the rest round to the same fp32 logprob (measured).
+    assert broken["note"].endswith("; layers against the rollout engine's prefill: first differing model.layers.0 "
+                                   "(180 of 180 tokens), model.norm 180 of 180"), broken["note"]
+    run = RunLayout(tmp_path / "run")
+    counts = {c: [(e["name"], e["num_tokens"], e["num_not_bitwise"]) for e in
+                  read_json(run.case(r["case"]) / "meta.json")["rollout_layers"]["layers"]] for c, r in rows.items()}
+    assert counts[exact["case"]] == [(n, 180, 0) for n in names], counts
+    assert counts[broken["case"]] == [(n, 180, 180) for n in names], counts

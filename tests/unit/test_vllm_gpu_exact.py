@@ -5,6 +5,7 @@
   row) with the reference formula of every kernel gives Hugging Face's logits and gradients in fp32 to rounding; the
   negative controls (a rotary of the other style, the q/k norms left out, rows attending across each other) do not.
 - Kernel: the forward's values are the fast function's, the gradient is the reference's.
+- The exact tier's layers (exact_layer_outputs): vLLM's hidden + residual per layer are HF's residual stream.
 - The sampler formula: vLLM's (fp32 logits / T, log_softmax) equals qualify's sampler_logprobs bit for bit.
 - How the rollout was sampled is read from its rollout.json, and a CPU case is refused before anything runs.
 The CUDA kernels themselves are measured on the GPU (benchmarks/gpu_vllm_chain.sh exact, BENCHMARKS.md).
@@ -231,3 +232,38 @@ def test_every_gemm_goes_through_the_kernel_sets_linear(model):
     layer = [(q + 2 * kv, c.hidden_size), (c.hidden_size, q), (2 * c.intermediate_size, c.hidden_size),
              (c.hidden_size, c.intermediate_size)]
     assert shapes == layer * c.num_hidden_layers + [(c.vocab_size, c.hidden_size)], shapes
+
+
+def exact_engine_on_cpu(model, kernels: Kernels) -> VllmGpuExactEngine:
+    """The engine's exact path without its CUDA setup: what setup() leaves for an actor in the rollout's dtype, with
+    the reference formula of every kernel (the GPU's own kernels are measured on the GPU)."""
+    from types import SimpleNamespace
+
+    e = VllmGpuExactEngine()
+    e.exact, e.compute, e.kernels, e.ctx = True, model, kernels, SimpleNamespace(device="cpu")
+    e.cache = rope_cache(model.config, torch.float32, torch.device("cpu"))
+    return e
+
+
+def test_the_exact_forwards_layers_are_hugging_faces_residual_stream(model):
+    """exact_layer_outputs (the exact tier's layers: vLLM's hidden + residual after each decoder layer, and the final
+    norm) names the same tensors as HF's hooks, equal to rounding; a forward without the q/k norms parts from them in
+    model.layers.0 already."""
+    from qualify.case.context import Batch
+    from qualify.models.hooks import capture_layer_outputs
+
+    x = ids()
+    batch = Batch(input_ids_BT=x, response_mask_BT=torch.ones_like(x, dtype=torch.bool))
+    with torch.no_grad():
+        hf = capture_layer_outputs(model, x)
+        mine = exact_engine_on_cpu(model, torch_kernels()).exact_layer_outputs(batch)
+    assert sorted(mine) == ["model.layers.0", "model.layers.1", "model.norm"]
+    for name, t in mine.items():
+        assert t.dtype == torch.float32 and t.shape == hf[name].shape, name
+        assert float((t - hf[name]).abs().max() / hf[name].abs().max()) < 1e-5, name
+    plain = torch_kernels().rms_norm
+    bug = replace(torch_kernels(), rms_norm=lambda v, w, eps: v if v.dim() == 3 else plain(v, w, eps))
+    with torch.no_grad():
+        broken = exact_engine_on_cpu(model, bug).exact_layer_outputs(batch)
+    first = hf["model.layers.0"]
+    assert float((broken["model.layers.0"] - first).abs().max() / first.abs().max()) > 1e-3
