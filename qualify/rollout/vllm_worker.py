@@ -61,9 +61,9 @@ def run(request: dict) -> dict:
         ]
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in request["prompts"]]
         if request.get("routes"):
-            results, layers = generate_with_routes(llm, prompts, params)
+            results, moe_layers = generate_with_routes(llm, prompts, params)
         else:
-            results, layers = [result_of(out) for out in llm.generate(prompts, params, use_tqdm=False)], None
+            results, moe_layers = [result_of(out) for out in llm.generate(prompts, params, use_tqdm=False)], None
         generated, prefill, prefill_error = time.monotonic(), {}, None
         if not request.get("routes"):  # a routed capture's hooks would see the pass's rows too
             try:
@@ -81,7 +81,7 @@ def run(request: dict) -> dict:
     return {"results": results, "load_s": loaded - started, "generate_s": generated - loaded,
             "prefill_s": prefilled - generated, "prefill_error": prefill_error,
             **({"layers": layers, "layers_s": time.monotonic() - prefilled} if layers is not None else {}),
-            "platform": platform, "routes_layers": layers, "batch_invariant_settings": platform.get("batch_invariant"),
+            "platform": platform, "routes_layers": moe_layers, "batch_invariant_settings": platform.get("batch_invariant"),
             "model_runner": runner}
 
 
