@@ -12,9 +12,8 @@ naming how many tokens differ; measured on one H200 (benchmarks/gpu_vllm_chain.s
                       in the mode this engine's GEMMs are vLLM's Triton matmul, which those settings do not reach)
   cublas_gemms        every GEMM by cuBLAS (F.linear), as a trainer's that does not route them through vLLM's matmul,
                       with the settings in place before its first GEMM: the correct twin of the layout tier
-  cublas_settings_too_late  cublas_gemms with the settings put in place after one GEMM: declared layout_invariant
-                      (benchmarks/gpu-wide-exact.yaml), its `layout` row must fail where cuBLAS's heuristics split K
-                      with the workspace it started with
+  cublas_settings_too_late  cublas_gemms with the settings put in place after one GEMM, declared layout_invariant
+                      (benchmarks/gpu-wide-exact.yaml): passes on one H200 with torch 2.11 (see below)
 
 Measured (one H200, benchmarks/gpu-tiny-exact.yaml, session 23): the engine itself gives 0 of 192; each bug moves
 the rollout row off 0: the bf16 branch (192 of 192, max 0.0156), norm_not_routed (192, max 0.045), fused_path (54,
@@ -22,6 +21,13 @@ one fp32 step) and logsumexp_branch (19, one fp32 step). settings_too_late passe
 verdict for this engine: in batch-invariant mode it computes every GEMM with vLLM's Triton matmul, as vLLM's own linear
 layers do, and no cuBLAS setting reaches it. The failure seed 002's review names belongs to a trainer whose GEMMs are
 cuBLAS's; it is kept as the record that this engine is immune to it.
+
+At Qwen3-0.6B widths (benchmarks/gpu-wide-exact.yaml, one H200, session 24) the cuBLAS twins are layout-invariant with
+the settings in time and also put in place after a first GEMM (cublas_settings_too_late passes): torch reads the
+settings that decide it at each GEMM or at cuBLASLt's first use, after them here
+(benchmarks/cublas_settings_probe.py). Without them at all, a K = 3072 GEMM's rows follow the row count (242 of 320
+rows at micro-batch 1), and torch-tp's HF forward, which puts none in place, is not layout-invariant there (189 of 192
+tokens at micro-batch 1).
 """
 
 from __future__ import annotations
