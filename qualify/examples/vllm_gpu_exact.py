@@ -448,7 +448,7 @@ class VllmGpuExactEngine(TorchTPEngine):
             raise EngineError(f"vllm_gpu_exact runs GPU vLLM's kernels: CUDA, TP1 and DP1 only (this case: "
                               f"{ctx.device}, TP{ctx.tp}, DP{ctx.dp})")
         self.mode = rollout_mode(ctx.rollout_dir)
-        self.settings = install_invariant_settings() if self.mode.batch_invariant else {}
+        self.settings = self.install_settings() if self.mode.batch_invariant else {}
         super().setup(ctx)
         config = self.compute.config
         if config.model_type != "qwen3":
@@ -457,6 +457,11 @@ class VllmGpuExactEngine(TorchTPEngine):
         if self.exact:
             self.kernels = self.make_kernels(self.mode)
             self.cache = rope_cache(config, self.compute.dtype, torch.device(ctx.device))
+
+    def install_settings(self) -> dict[str, str]:
+        """The mode's cuBLAS settings, put in place before this process's first GEMM; what was set (a test's twin
+        leaves them out)."""
+        return install_invariant_settings()
 
     def make_kernels(self, mode: RolloutMode) -> Kernels:
         """The forward's kernels: vLLM's own (a test's twin swaps one out)."""

@@ -14,6 +14,8 @@ naming how many tokens differ; measured on one H200 (benchmarks/gpu_vllm_chain.s
                       with the settings in place before its first GEMM: the correct twin of the layout tier
   cublas_settings_too_late  cublas_gemms with the settings put in place after one GEMM, declared layout_invariant
                       (benchmarks/gpu-wide-exact.yaml): passes on one H200 with torch 2.11 (see below)
+  cublas_settings_left_out  cublas_gemms with none of the settings, declared layout_invariant: must fail the layout
+                      tier (comparison 'layout', step0/outputs/logprobs_BT) where cuBLAS's kernel follows the row count
 
 Measured (one H200, benchmarks/gpu-tiny-exact.yaml, session 23): the engine itself gives 0 of 192; each bug moves
 the rollout row off 0: the bf16 branch (192 of 192, max 0.0156), norm_not_routed (192, max 0.045), fused_path (54,
@@ -121,6 +123,13 @@ class CublasSettingsTooLate(CublasGemms):
         super().setup(ctx)
 
 
+class CublasSettingsLeftOut(CublasGemms):
+    """CublasGemms with torch's cuBLAS defaults: none of the mode's settings is put in place."""
+
+    def install_settings(self) -> dict[str, str]:
+        return {}
+
+
 def logsumexp_branch() -> VllmGpuExactEngine:
     return LogsumexpBranch()
 
@@ -147,3 +156,7 @@ def cublas_gemms() -> VllmGpuExactEngine:
 
 def cublas_settings_too_late() -> VllmGpuExactEngine:
     return CublasSettingsTooLate()
+
+
+def cublas_settings_left_out() -> VllmGpuExactEngine:
+    return CublasSettingsLeftOut()
