@@ -29,7 +29,8 @@ the settings in time and also put in place after a first GEMM (cublas_settings_t
 settings that decide it at each GEMM or at cuBLASLt's first use, after them here
 (benchmarks/cublas_settings_probe.py). Without them at all, a K = 3072 GEMM's rows follow the row count (242 of 320
 rows at micro-batch 1), and torch-tp's HF forward, which puts none in place, is not layout-invariant there (189 of 192
-tokens at micro-batch 1).
+tokens at micro-batch 1). cublas_settings_left_out fails the layout tier there (session 25: 191 of 192 tokens at
+micro-batch 1, max 0.00975; micro-batch 4 and the reversed order 0).
 """
 
 from __future__ import annotations
