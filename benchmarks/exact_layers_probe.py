@@ -235,6 +235,23 @@ def main() -> None:
         print(f"LM head {label}: {int((d != 0).sum())} of {d.numel()} logprobs differ from vLLM decode, max |delta| "
               f"{float(d.abs().max()):.3g}")
     llm.apply_model(lambda vm: kernel_by_kernel(kernels, vm, io_names, rows))
+    # the same prefill one sequence at a time (as the rollout's layer capture feeds it): vLLM against its own batched
+    # prefill, then the engine's kernels on these inputs
+    KERNEL_IO.clear()
+    RECORDED.clear()
+    KEEP_IO[0] = True
+    for seq in seqs:
+        llm.generate([TokensPrompt(prompt_token_ids=seq)],
+                     SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=1.0),
+                     use_tqdm=False)
+    KEEP_IO[0] = False
+    RECORDED.pop("logits", None)
+    each = {k: torch.cat(v) for k, v in RECORDED.items()}
+    print("vLLM's prefill one sequence at a time against its prefill of all of them in one forward:")
+    for name, theirs in vllm_out.items():
+        if name in each and each[name].shape == theirs.shape:
+            print(f"  {name}: {differ(each[name], theirs)}")
+    llm.apply_model(lambda vm: kernel_by_kernel(kernels, vm, io_names, 1))
     print(f"vLLM's prompt logits: {len(prompt_logits)} calls of {t - 1} positions (one per sequence expected)")
     if len(prompt_logits) == rows:
         theirs = torch.stack([torch.cat([x, x[-1:]]) for x in prompt_logits])  # the last position is not scored
@@ -254,21 +271,25 @@ def main() -> None:
 
 def kernel_by_kernel(kernels, vmodel, names: list[str], rows: int) -> None:
     """Each of the engine's kernels on vLLM's own inputs of the module that runs it, against vLLM's output (in vLLM's
-    worker, by apply_model)."""
+    worker, by apply_model); rows: the sequences of each recorded forward (all alike). A module called in several
+    forwards is compared call by call and reported over all of them."""
     config = vmodel.config
     eps = float(config.rms_norm_eps)
     heads, kv, dim = int(config.num_attention_heads), int(config.num_key_value_heads), int(config.head_dim)
-    print(f"kernel by kernel: the engine's kernels ({kernels.name}) on vLLM's own inputs of each module, one prefill "
-          f"forward of {rows} sequences:")
+    print(f"kernel by kernel: the engine's kernels ({kernels.name}) on vLLM's own inputs of each module, forwards of "
+          f"{rows} sequence(s):")
     for name in names:
         calls = KERNEL_IO.get(name, [])
         if not calls:
             print(f"  {name}: not called during the prefill")
-        for c, (args, kwargs, out) in enumerate(calls):
-            at = f" (forward {c + 1} of {len(calls)})" if len(calls) > 1 else ""
-            for label, a, b in kernel_outputs(kernels, vmodel, name, args, kwargs, out, rows if len(calls) == 1
-                                              else 0, config, eps, heads, kv, dim):
-                print(f"  {name}{label}{at}: {differ(a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1))}")
+        pairs: dict[str, list] = {}
+        for args, kwargs, out in calls:
+            for label, a, b in kernel_outputs(kernels, vmodel, name, args, kwargs, out, rows, config, eps, heads, kv,
+                                              dim):
+                pairs.setdefault(label, []).append((a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)))
+        for label, ab in pairs.items():
+            at = f" ({len(ab)} forwards)" if len(ab) > 1 else ""
+            print(f"  {name}{label}{at}: {differ(torch.cat([a for a, _ in ab]), torch.cat([b for _, b in ab]))}")
 
 
 def kernel_outputs(kernels, vmodel, name, args, kwargs, out, rows, config, eps, heads, kv, dim):
@@ -299,16 +320,14 @@ def kernel_outputs(kernels, vmodel, name, args, kwargs, out, rows, config, eps, 
             positions, q, k = (list(args) + [kwargs.get(n) for n in ("positions", "query", "key")])[:3]
             mine, theirs = rope_cache(config, q.dtype, q.device), module.cos_sin_cache
             same = mine.shape == theirs.shape and bool((mine.float() == theirs.float()).all())
-            print(f"  {name}: the engine's cos/sin cache {tuple(mine.shape)} {mine.dtype}, vLLM's "
-                  f"{tuple(theirs.shape)} {theirs.dtype}: {'the same values' if same else 'DIFFERENT values'}")
+            if not same:
+                print(f"  {name}: the engine's cos/sin cache {tuple(mine.shape)} {mine.dtype}, vLLM's "
+                      f"{tuple(theirs.shape)} {theirs.dtype}: DIFFERENT values")
             ours = kernels.rotary(positions, q, k, mine, dim)
             on_theirs = kernels.rotary(positions, q, k, theirs, dim)
             return [(" [q]", ours[0], out[0]), (" [k]", ours[1], out[1]),
                     (" [q, vLLM's cache]", on_theirs[0], out[0]), (" [k, vLLM's cache]", on_theirs[1], out[1])]
         if sub == "self_attn.attn":
-            if not rows:
-                print(f"  {name}: the prefill ran in several forwards; attention not compared")
-                return []
             q, k, v = (list(args) + [kwargs.get(n) for n in ("query", "key", "value")])[:3]
             o = kernels.attention(q.view(-1, heads, dim), k.view(-1, kv, dim), v.reshape(-1, kv, dim), rows,
                                   float(vmodel.get_submodule(name.rsplit(".", 1)[0]).scaling))
