@@ -354,7 +354,7 @@ def capture_rollout(capture: Capture, model_dir: Path, tp: int, out_dir: Path, *
 
         meta["layer_outputs"] = {"file": LAYERS_FILE, "source": SOURCE, "names": result["layers"]["names"],
                                  "rows": result["layers"]["rows"], "dtype": request["dtype"],
-                                 "seconds": result["layers_s"],
+                                 "seconds": result["layers"]["seconds"],
                                  "meaning": "name[b, t]: the activation at position t of row b (float32, the values "
                                             "vLLM held in its dtype); 0 where no token was fed"}
         extra[LAYERS_FILE] = result["layers_tensors"]

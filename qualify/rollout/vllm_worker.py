@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from qualify.errors import QualifyError
 from qualify.store import write_json
 
 
@@ -64,23 +65,23 @@ def run(request: dict) -> dict:
             results, moe_layers = generate_with_routes(llm, prompts, params)
         else:
             results, moe_layers = [result_of(out) for out in llm.generate(prompts, params, use_tqdm=False)], None
-        generated, prefill, prefill_error = time.monotonic(), {}, None
-        if not request.get("routes"):  # a routed capture's hooks would see the pass's rows too
+        generated, prefill, prefill_error, layers = time.monotonic(), {}, None, None
+        if request.get("layer_outputs"):  # the same pass records vLLM's layers; a failure fails the capture (asked for)
+            prefill, layers = prefill_logprobs(llm, results, sampling, request["max_model_len"],
+                                               request["layers_path"])
+        elif not request.get("routes"):  # a routed capture's hooks would see the pass's rows too
             try:
-                prefill = prefill_logprobs(llm, results, sampling, request["max_model_len"])
+                prefill, _ = prefill_logprobs(llm, results, sampling, request["max_model_len"])
             except Exception as exc:  # noqa: BLE001 - recorded: the rollout stands, its meta says why the check is missing
                 prefill_error = f"{type(exc).__name__}: {exc}"
         prefilled = time.monotonic()
-        # after the prefill check, so that its batched pass is not hooked; a failure here fails the capture (asked for)
-        layers = (prefill_layers(llm, results, request["max_model_len"], request["layers_path"])
-                  if request.get("layer_outputs") else None)
     finally:
         shutdown(llm)
     for i, logprobs in prefill.items():
         results[i]["prefill_logprobs"] = logprobs
     return {"results": results, "load_s": loaded - started, "generate_s": generated - loaded,
             "prefill_s": prefilled - generated, "prefill_error": prefill_error,
-            **({"layers": layers, "layers_s": time.monotonic() - prefilled} if layers is not None else {}),
+            **({"layers": layers} if layers is not None else {}),
             "platform": platform, "routes_layers": moe_layers, "batch_invariant_settings": platform.get("batch_invariant"),
             "model_runner": runner}
 
@@ -92,55 +93,57 @@ def prefill_comparable(sampling: dict) -> bool:
             and float(sampling["top_p"]) == 1.0 and not float(sampling.get("min_p") or 0.0))
 
 
-def prefill_logprobs(llm, results: list[dict], sampling: list[dict], max_model_len: int) -> dict[int, list[float]]:
+def prefill_logprobs(llm, results: list[dict], sampling: list[dict], max_model_len: int,
+                     layers_path: str | None = None) -> tuple[dict[int, list[float]], dict | None]:
     """Does the rollout engine agree with itself? Each comparable prompt's sequence (prompt and sampled tokens) fed
     back as one prompt with prompt logprobs (one pass, batched; vLLM reads no prefix cache for such a request): the
     logprob its prefill gives each sampled token, by result index. Sequences without room for the one token the pass
-    asks for are left out."""
+    asks for are left out.
+
+    With layers_path (rollout.layer_outputs) the pass feeds every response-bearing sequence with room, comparable or
+    not, with hooks on vLLM's layers (qualify.rollout.layers): their activations in this very batch are written to
+    layers_path as (B, T, H) float32 tensors, so that the layers and the prefill's logprobs are one computation (vLLM's
+    forward may depend on what else is in its batch). Returns the logprobs and, with layers_path, the names, the fed
+    rows and the pass's seconds."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    chosen = [i for i, (r, s) in enumerate(zip(results, sampling, strict=True))
-              if prefill_comparable(s) and r["tokens"] and len(r["prompt"]) + len(r["tokens"]) < max_model_len]
-    if not chosen:
-        return {}
-    full = [results[i]["prompt"] + results[i]["tokens"] for i in chosen]
+    started = time.monotonic()
+    room = [i for i, r in enumerate(results) if r["tokens"] and len(r["prompt"]) + len(r["tokens"]) < max_model_len]
+    chosen = [i for i in room if prefill_comparable(sampling[i])]
+    fed = room if layers_path else chosen
+    if not fed:
+        if layers_path:
+            raise QualifyError("rollout.layer_outputs: no sampled sequence has room for a prefill pass "
+                               "(max_model_len)")
+        return {}, None
+    full = {i: results[i]["prompt"] + results[i]["tokens"] for i in fed}
+    names = bind_layers(llm) if layers_path else None
     again = SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=f) for f in full], again, use_tqdm=False)
-    return {i: [out.prompt_logprobs[t][f[t]].logprob for t in range(len(results[i]["prompt"]), len(f))]
-            for i, f, out in zip(chosen, full, outs, strict=True)}
-
-
-def prefill_layers(llm, results: list[dict], max_model_len: int, path: str) -> dict:
-    """Every decoder layer's residual stream and the final norm of each response-bearing sequence (prompt and sampled
-    tokens), as vLLM's prefill of it computes them (qualify.rollout.layers), written to path as (B, T, H) float32
-    tensors: one sequence at a time, with prompt logprobs so that vLLM reads nothing from its prefix cache and feeds
-    every token. Sequences without room for the one token the pass asks for are left out (zeros). Returns the
-    names and the fed row indices."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    from qualify.errors import QualifyError
+    outs = dict(zip(fed, llm.generate([TokensPrompt(prompt_token_ids=full[i]) for i in fed], again, use_tqdm=False),
+                    strict=True))
+    logprobs = {i: [outs[i].prompt_logprobs[t][full[i][t]].logprob for t in range(len(results[i]["prompt"]),
+                                                                                  len(full[i]))] for i in chosen}
+    if not layers_path:
+        return logprobs, None
     from qualify.rollout import layers
     from qualify.store import write_tensors
+
+    (taken,) = llm.apply_model(layers.take)
+    per_row = layers.split_forwards(taken, names, full)
+    write_tensors(Path(layers_path),
+                  layers.layers_tensors(per_row, [len(r["prompt"]) + len(r["tokens"]) for r in results]))
+    return logprobs, {"names": names, "rows": sorted(per_row), "seconds": time.monotonic() - started}
+
+
+def bind_layers(llm) -> list[str]:
+    """Hooks on vLLM's layers in its one worker (the capture runs at TP1), nothing kept yet; their names."""
+    from qualify.rollout import layers
 
     bound = llm.apply_model(layers.bind)
     if len(bound) != 1:
         raise QualifyError(f"rollout.layer_outputs: vLLM runs {len(bound)} TP ranks; the layer capture runs at TP1")
-    names = layers.layer_names(bound[0])
-    again = SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
-    per_row = {}
-    for i, r in enumerate(results):
-        full = r["prompt"] + r["tokens"]
-        if not r["tokens"] or len(full) >= max_model_len:
-            continue
-        llm.apply_model(layers.take)  # nothing left over from an earlier request
-        llm.generate([TokensPrompt(prompt_token_ids=full)], again, use_tqdm=False)
-        per_row[i] = layers.request_layers(llm.apply_model(layers.take), names, len(full), f"row {i}")
-    if not per_row:
-        raise QualifyError("rollout.layer_outputs: no sampled sequence has room for a prefill pass (max_model_len)")
-    write_tensors(Path(path), layers.layers_tensors(per_row, [len(r["prompt"]) + len(r["tokens"]) for r in results]))
-    return {"names": names, "rows": sorted(per_row)}
+    return layers.layer_names(bound[0])
 
 
 def result_of(out) -> dict:

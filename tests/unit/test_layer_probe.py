@@ -17,7 +17,7 @@ from qualify.candidate.layer_probe import (
 )
 from qualify.errors import QualifyError
 from qualify.matrix import Rollout
-from qualify.rollout.layers import layer_names, layers_tensors, request_layers
+from qualify.rollout.layers import layer_names, layers_tensors, split_forwards
 
 NAMES = layer_names(3)
 
@@ -90,19 +90,64 @@ def test_dp_ranks_counts_add_up():
     assert merge_ranks([{"skipped": NO_HOOK}, {"skipped": NO_HOOK}]) == {"skipped": NO_HOOK}
 
 
-def test_the_capture_pads_rows_and_refuses_a_row_count_that_is_not_the_sequence():
+def test_the_capture_pads_rows():
     a, b = torch.ones(4, 2), torch.full((2, 2), 2.0)
     out = layers_tensors({0: {"model.norm": a}, 2: {"model.norm": b}}, [4, 3, 2])
     assert out["model.norm"].shape == (3, 4, 2) and out["model.norm"].dtype == torch.float32
     assert torch.equal(out["model.norm"][0], a) and not out["model.norm"][1].any()
     assert torch.equal(out["model.norm"][2, :2], b) and not out["model.norm"][2, 2:].any()
+
+
+def _forwards(sequences: dict[int, list[int]], forwards: list[list[tuple[int, int]]], names: list[str]):
+    """take()'s answer for forwards that feed (sequence, position) rows in the given order: each row's activation
+    is 100 x sequence + position in every column, so that a misplaced row shows."""
+    fed, acts = [], {name: [] for name in names}
+    for rows in forwards:
+        fed.append((torch.tensor([sequences[b][p] for b, p in rows]), torch.tensor([p for _, p in rows])))
+        for name in names:
+            acts[name].append(torch.tensor([[100.0 * b + p] * 3 for b, p in rows]))
+    return {"acts": acts, "fed": fed}
+
+
+def _placed(out: dict[int, dict], names: list[str]) -> bool:
+    return all(torch.equal(t[:, 0], 100.0 * b + torch.arange(t.shape[0])) for b, acts in out.items()
+               for t in acts.values()) and all(set(acts) == set(names) for acts in out.values())
+
+
+def test_the_batched_prefill_gives_each_row_back_to_its_sequence():
     names = layer_names(1)
-    found = {name: torch.zeros(5, 2) for name in names}
-    assert request_layers([found], names, 5, "row 0").keys() == set(names)
-    with pytest.raises(QualifyError, match="captured 5 rows, the sequence has 6 tokens"):
-        request_layers([found], names, 6, "row 0")
+    # rows 0 and 3 share their prompt (GRPO's groups), row 3 fed before row 0; row 5 is not fed (no room)
+    seqs = {0: [7, 8, 9, 1, 2], 3: [7, 8, 9, 4], 4: [5, 6, 2]}
+    one = [[(3, p) for p in range(4)] + [(0, p) for p in range(5)] + [(4, p) for p in range(3)]]
+    out = split_forwards(_forwards(seqs, one, names), names, seqs)
+    assert sorted(out) == [0, 3, 4] and _placed(out, names)
+    # a chunked prefill: sequence 0 split over two forwards, its second chunk fed right after sequence 4
+    chunked = [[(4, p) for p in range(3)] + [(0, 0), (0, 1)], [(0, 2), (0, 3), (0, 4)] + [(3, p) for p in range(4)]]
+    assert _placed(split_forwards(_forwards(seqs, chunked, names), names, seqs), names)
+
+
+def test_the_batched_prefill_refuses_rows_it_cannot_place():
+    names = layer_names(1)
+    seqs = {0: [7, 8, 9], 1: [5, 6]}
+    whole = [[(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]]
+    cached = [[(0, 1), (0, 2), (1, 0), (1, 1)]]  # a cached prefix: position 0 of row 0 never computed
+    with pytest.raises(QualifyError, match=r"positions no forward computed, per row \{0: 1\}"):
+        split_forwards(_forwards(seqs, cached, names), names, seqs)
+    stranger = _forwards(seqs, whole, names)
+    stranger["fed"][0][0][4] = 42  # a token no sequence holds at that position
+    with pytest.raises(QualifyError, match="row 4 .token 42 at position 1. belongs to no sequence"):
+        split_forwards(stranger, names, seqs)
+    twice = _forwards(seqs, whole + [[(1, 1)]], names)  # position 1 of row 1 computed again
+    with pytest.raises(QualifyError, match="belongs to no sequence of the pass that still lacks it"):
+        split_forwards(twice, names, seqs)
+    padded = _forwards(seqs, whole, names)
+    padded["acts"][names[0]][0] = torch.zeros(8, 3)
+    with pytest.raises(QualifyError, match="fed 5 tokens, model.layers.0 returned 8 rows"):
+        split_forwards(padded, names, seqs)
+    missing = _forwards(seqs, whole, names)
+    del missing["acts"]["model.norm"]
     with pytest.raises(QualifyError, match="expected"):
-        request_layers([{"model.norm": torch.zeros(5, 2)}], names, 5, "row 0")
+        split_forwards(missing, names, seqs)
 
 
 def test_the_matrix_refuses_layer_outputs_where_the_capture_cannot_make_them():
