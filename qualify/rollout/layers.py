@@ -134,7 +134,8 @@ def split_forwards(taken: dict[str, Any], names: list[str], sequences: dict[int,
             b, n = _longest_run(ids, positions, i, sequences, filled)
             if not n:
                 raise QualifyError(f"rollout.layer_outputs: forward {f} row {i} (token {ids[i]} at position "
-                                   f"{positions[i]}) belongs to no sequence of the pass that still lacks it")
+                                   f"{positions[i]}) belongs to no sequence of the pass that still lacks it (the "
+                                   "trailing rows of a padded batch, or a token the pass did not feed)")
             p = positions[i]
             for name in names:
                 out[b][name][p:p + n] = acts[name][f][i:i + n]
