@@ -2,10 +2,11 @@
 
 Scores the HF reference of the embedded default from the committed rollout (`run_reference(...,
 rollout=manifests/tiny-qwen3/reference/rollout)`), then judges it against the committed acceptance
-with qualify.replay: bitwise where this platform and the numerics versions are the acceptance's,
-within the committed bounds where they are not. Prints the platform on both sides, the mode, the
-differences that decided it, the closest value/bound and every failing row; writes the same as
-JSON to OUT_DIR/replay-<device>.json.
+with qualify.replay: bitwise where this platform and the numerics versions are the acceptance's and the
+bytes reproduce, within the committed bounds where they are not (or where bytes differ under a matching
+fingerprint: mode 'bounds (fingerprint matched, bytes differ)'). Prints the platform on both sides, the mode,
+the differences that decided it, the files whose bytes differed, the closest value/bound and every failing row;
+writes the same as JSON to OUT_DIR/replay-<device>.json.
 Usage: python benchmarks/replay_platform.py OUT_DIR   (CUDA_VISIBLE_DEVICES= keeps the reference on the CPU)
 """
 
@@ -44,12 +45,15 @@ def main(out: Path) -> int:
     closest = max(judged, key=lambda r: r.ratio, default=None)
     doc = {"device": device, "acceptance_platform": read_json(acceptance).get("platform"),
            "platform": read_json(RunLayout(run).reference_summary)["platform"], "mode": result.mode,
-           "differences": result.differences, "passed": result.passed, "num_checks": len(result.rows),
+           "differences": result.differences, "bytes_differ": result.bytes_differ, "passed": result.passed, "num_checks": len(result.rows),
            "failing": [r.to_json() for r in result.rows if not r.passed],
            "closest": closest.to_json() if closest else None, "info": result.info, "score_seconds": round(scored, 1)}
     print(f"acceptance frozen on: {describe(doc['acceptance_platform'])}")
     print(f"replayed on ({device}):  {describe(platform_fingerprint())}")
     print(f"mode {result.mode}; differences: {'; '.join(result.differences) or 'none'}")
+    if result.bytes_differ:
+        print(f"fingerprint matched, bytes differ in {len(result.bytes_differ)} file(s), judged within the bounds: "
+              f"{', '.join(result.bytes_differ)}")
     print(f"{'PASSED' if result.passed else 'FAILED'}: {len(result.rows)} checks, {len(doc['failing'])} failing; "
           f"reference scored in {scored:.1f} s")
     if closest:
