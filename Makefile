@@ -7,7 +7,12 @@ RUN ?= runs/tiny-qwen3
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export TORCHDYNAMO_DISABLE ?= 1
 
-.PHONY: demo test env lint lock mutation
+GPU_MATRIX ?= benchmarks/gpu-qwen3-0.6b-1gpu.yaml
+GPU_RUN ?= runs/qwen3-0.6b-1gpu
+GPU_PYTHON ?= python3
+WHEELHOUSE ?=
+
+.PHONY: demo demo-gpu test env lint lock mutation
 
 $(VENV)/.installed: requirements/cpu.lock requirements/test.lock pyproject.toml scripts/install.sh
 	bash scripts/install.sh $(VENV)
@@ -16,6 +21,13 @@ env: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	bash scripts/demo.sh $(MATRIX) $(RUN)
+
+# On a CUDA host: install the GPU stack into its own Python from requirements/gpu.lock (WHEELHOUSE=DIR: offline, from
+# wheels laid out beforehand), then the main job on the Qwen3-0.6B-shaped family, GPU vLLM capturing the rollout.
+demo-gpu:
+	PYTHON=$(GPU_PYTHON) bash scripts/install-gpu.sh $(if $(WHEELHOUSE),--wheelhouse $(WHEELHOUSE))
+	VLLM_USE_FLASHINFER_SAMPLER=0 QUALIFY="$(GPU_PYTHON) -m qualify" LAUNCHES=$${LAUNCHES:-2} \
+	  bash scripts/demo.sh $(GPU_MATRIX) $(GPU_RUN)
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +34,6 @@ HEADROOM = 4 << 30
 
 CACHE_SHARE = 0.3
 """The share of the GPU's memory the stage-long cache (r0 runs, fp64 starts) may hold."""
-
-LAUNCH_SHARE = 0.5
-"""The share of the GPU's memory left to the candidate stage's launches while they run beside its judging (a case is
-judged as soon as it is sealed): what their ranks may still take, which the judge cannot know."""
-
 
 def gpu_room(device: torch.device) -> int:
     """Bytes this process can still place on device: what the driver has free and what torch's allocator holds
@@ -106,32 +101,49 @@ class Resident:
         self.device: torch.device | None = None if device is None else torch.device(device)
         self.kept: dict[Any, Any] = {}
         self.kept_bytes = 0
-        self.reserved = 0  # bytes left to others (reserving)
+        self.reserved: Callable[[], int] = lambda: 0  # bytes left to others now (reserving)
+        self.frugal = False  # after an out-of-memory (drop): nothing whole is copied any more, tensor by tensor
 
     @contextlib.contextmanager
-    def reserving(self, share: float) -> Iterator[None]:
-        """Within the block, leave share of the device's memory to other processes (launches on the same GPU):
-        room() counts as taken what of it they do not hold yet."""
+    def reserving(self, reserved: Callable[[], int]) -> Iterator[None]:
+        """Within the block, leave reserved() bytes of the device to other processes (the launches running beside the
+        judge, qualify.candidate.schedule.LaunchPlan.reserved, asked at every room()): room() counts as taken what of
+        it they do not hold yet."""
         if self.device is None:
             yield
             return
-        self.reserved = int(share * self.total())
+        self.reserved = reserved
         try:
             yield
         finally:
-            self.reserved = 0
+            self.reserved = lambda: 0
+
+    def drop(self) -> None:
+        """Give back every copy held on the device (the stage-long ones too) and the allocator's cache: after an
+        out-of-memory, what is judged next is read tensor by tensor (transient() finds no room, base() keeps none
+        until there is)."""
+        from qualify.tensor_codec import release
+
+        self.kept.clear()
+        self.kept_bytes = 0
+        self.frugal = True
+        if self.device is not None:
+            release(self.device)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
 
     def room(self) -> int:
         """Bytes that may still be placed where the copies are held (less what is reserved for others and not yet
         taken by them)."""
         assert self.device is not None
+        reserved = self.reserved()
         if self.device.type != "cuda":
-            return meminfo("MemAvailable") - HEADROOM - self.reserved
+            return meminfo("MemAvailable") - HEADROOM - reserved
         room = gpu_room(self.device)
-        if self.reserved:
+        if reserved:
             free, total = torch.cuda.mem_get_info(self.device)
             others = total - free - torch.cuda.memory_reserved(self.device)  # other processes' memory on it now
-            room -= max(0, self.reserved - others)
+            room -= max(0, reserved - others)
         return room
 
     def total(self) -> int:
@@ -146,7 +158,7 @@ class Resident:
         tensor as the metrics ask (on_demand: a real model's coded case is decoded there, not on the host)."""
         if self.device is None:
             return steps
-        if steps_bytes(steps) > self.room():
+        if self.frugal or steps_bytes(steps) > self.room():
             return on_demand(steps, self.device)
         return on_device(steps, self.device)
 
@@ -168,7 +180,7 @@ class Resident:
         return self._keep(key, initial, nbytes, lambda: {n: t.to(self.device).double() for n, t in initial.items()})
 
     def _keep(self, key: Any, given: Any, nbytes: int, make: Any) -> Any:
-        if self.device is None:
+        if self.device is None or self.frugal:
             return given
         if self.kept_bytes + nbytes > CACHE_SHARE * self.total() or nbytes > self.room():
             return given

@@ -13,6 +13,7 @@ import itertools
 import shutil
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from qualify.candidate.judge import evidence_rows, judge_steps, precision_rows
 from qualify.candidate.layout_probe import layout_rows
 from qualify.candidate.rollout_exact import exact_rows
 from qualify.candidate.routing_rows import replay_rows
+from qualify.candidate.schedule import LaunchPlan, case_needs, gpu_budgets, gpu_held, judged_within_memory, torch_gpus
 from qualify.candidate.tiers import bitwise_rows, tensor_tiers, tier_summary
 from qualify.case.launch import clear_failures, failure_note, launch, write_spec_file
 from qualify.case.ranks import device_of
@@ -43,7 +45,7 @@ from qualify.layout import RunLayout, launch_log, work_dir
 from qualify.matrix import Candidates, Case, Matrix
 from qualify.models.checkpoint import initial_parameters
 from qualify.reference.context import ScoringContext
-from qualify.resident import LAUNCH_SHARE, Resident
+from qualify.resident import Resident
 from qualify.stagelog import StageLog
 from qualify.stages import stage_info, stage_is_complete
 from qualify.store import read_json, write_json
@@ -120,23 +122,27 @@ def pending_cases(layout: RunLayout, cases: list[Case], specs_by_case: dict[Case
 
 
 def launch_group(layout: RunLayout, pending: list[Case], specs_by_case: dict[Case, Path], device: str,
-                 log: StageLog) -> dict[str, str]:
+                 log: StageLog, plan: LaunchPlan | None = None, need: dict[int, int] | None = None) -> dict[str, str]:
     """Run cases sharing engine and TP in one launch (imports are paid once); a failed launch is retried case by
-    case so that each failure carries its own log. Returns errors by case name."""
+    case, each alone on the GPUs (plan: qualify.candidate.schedule), so that each failure carries its own log and no
+    other launch or judge copy took the memory it needed. need: what the launch plans for per GPU. Returns errors by
+    case name."""
     if not pending:
         return {}
+    plan, need = plan or LaunchPlan(), need or {}
     specs = [specs_by_case[c] for c in pending]
     for c in pending:
         clear_failures(work_dir(layout.case(c.name)))
     group_log = launch_log(layout.case(pending[0].name))
-    with log.step(f"cases {', '.join(c.name for c in pending)}"):
+    with plan.admit(need), log.step(f"cases {', '.join(c.name for c in pending)}"):
         code = launch(specs, pending[0].world_size, device, group_log, preload_modules(pending[0].engine))
     errors = {}
     for case, spec in zip(pending, specs):
         if stage_is_complete(layout.case(case.name)):
             continue
         if len(pending) > 1:
-            with log.step(f"case {case.name} (alone, after a failed group launch)"):
+            with plan.admit(need, alone=True), \
+                    log.step(f"case {case.name} (alone, after a failed group launch)"):
                 code = launch(spec, case.world_size, device, launch_log(layout.case(case.name)),
                               preload_modules(case.engine))
         if not stage_is_complete(layout.case(case.name)):
@@ -151,22 +157,28 @@ POLL_S = 2.0
 
 
 def run_groups(layout: RunLayout, groups: list[list[Case]], specs_by_case: dict[Case, Path], device: str,
-               log: StageLog, launches: int, judge_ready: Callable[[], bool]) -> dict[str, str]:
-    """Run the launch groups, launches of them at once, and meanwhile judge what is sealed: judge_ready() judges one
-    case whose evidence is ready, if any, and says whether it did (it is called again at once when it did, else
-    after POLL_S or when a launch ends). Returns errors by case name."""
+               log: StageLog, launches: int, judge_ready: Callable[[], bool], plan: LaunchPlan | None = None,
+               needs: Callable[[list[Case]], dict[int, int]] | None = None) -> dict[str, str]:
+    """Run the launch groups, launches of them at once (each admitted by plan when it fits its GPUs: needs(group) is
+    what it plans for per GPU), and meanwhile judge what is sealed: judge_ready() judges one case whose evidence is
+    ready, if any, and says whether it did (it is called again at once when it did, else after POLL_S or when a
+    launch ends). Returns errors by case name."""
     from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
     pending = [p for p in (pending_cases(layout, g, specs_by_case, log) for g in groups) if p]
     errors: dict[str, str] = {}
     if not pending:
         return errors
+    plan = plan or LaunchPlan()
     with ThreadPoolExecutor(max(1, min(launches, len(pending)))) as pool:
-        running = {pool.submit(launch_group, layout, p, specs_by_case, device, log) for p in pending}
+        running = {pool.submit(launch_group, layout, p, specs_by_case, device, log, plan,
+                               needs(p) if needs is not None else None) for p in pending}
         while running:
             done, running = wait(running, timeout=0 if judge_ready() else POLL_S, return_when=FIRST_COMPLETED)
             for future in done:
                 errors |= future.result()
+    if plan.waited:
+        log.note(f"{plan.waited} launch(es) waited for GPU memory (qualify.candidate.schedule)")
     return errors
 
 
@@ -375,31 +387,38 @@ def run_candidates(matrix: Matrix, run_dir: Path, *, acceptance: Path | None = N
                                            log, resident)
 
     unsound: set[str] = set()  # marked, but its files do not match the marker: left to the end (launch_group)
+    deferred: set[str] = set()  # out of GPU memory beside the launches: judged after them
 
     def judge_ready() -> bool:
         """Judge the first case (in matrix order) whose evidence is sealed while launches still run, with the TP1/DP1
-        cases it is compared with sealed too; True when one was."""
+        cases it is compared with sealed too; True when one was (or was deferred)."""
         for case in cases:
             group = [case, *(b for _, b in invariance_bases(case) if b in cases)]
-            if case.name in judged or any(c.name in unsound for c in group) \
+            if case.name in judged or case.name in deferred or any(c.name in unsound for c in group) \
                     or not all(marked_complete(layout.case(c.name)) for c in group):
                 continue
             bad = [c.name for c in group if not stage_is_complete(layout.case(c.name))]
             if bad:  # hashed once: a seal that does not hold is not hashed again at every look
                 unsound.update(bad)
                 continue
-            judge(case, frozenset(c.name for c in group))
+            if not judged_within_memory(partial(judge, case, frozenset(c.name for c in group)), resident, log,
+                                        f"judge {case.name}", retry=False):
+                deferred.add(case.name)
             return True
         return False
 
-    with resident.reserving(LAUNCH_SHARE):  # what launches running on the same GPU may still take
+    metrics_gpu = (resident.device.index or 0) if resident.device is not None else 0
+    plan = LaunchPlan(gpu_budgets(torch_gpus()) if device == "cuda" else None, judge_held=gpu_held)
+    with resident.reserving(lambda: plan.reserved(metrics_gpu)):  # what the running launches may still take
         errors = run_groups(layout, groups, specs, device, log, launches,
                             judge_ready if judge_early or (judge_early is None and resident.device is not None)
-                            else lambda: False)
+                            else lambda: False, plan,
+                            case_needs(models, matrix.rollout, matrix.ppo, matrix.reference) if device == "cuda"
+                            else None)
     verified = frozenset(c.name for c in cases if c.name not in errors)  # launch_group checked each seal
     for case in cases:
         if case.name not in errors and case.name not in judged:
-            judge(case, verified)
+            judged_within_memory(partial(judge, case, verified), resident, log, f"judge {case.name}", retry=True)
     rows: list[Row] = []
     for case in cases:
         if case.name in errors:

@@ -28,7 +28,7 @@ def test_a_sealed_case_is_judged_while_another_launch_still_runs(tmp_path, monke
     first, second = _case("torch-tp"), _case("megatron")
     judged_first, launched = threading.Event(), []
 
-    def launch_group(layout, pending, specs, device, log):
+    def launch_group(layout, pending, specs, device, log, plan=None, need=None):
         launched.append([c.name for c in pending])
         if pending == [first]:  # seal the first case, as a worker does at its end
             layout.case(first.name).mkdir(parents=True)
@@ -54,17 +54,32 @@ def test_marked_complete_reads_the_marker_only(tmp_path):
     assert candidate_run.marked_complete(tmp_path)
 
 
-def test_reserving_leaves_its_share_to_others_then_gives_it_back():
+def test_reserving_leaves_what_the_launches_plan_to_them_then_gives_it_back():
     resident = Resident(torch.device("cpu"))
-    with resident.reserving(0.25):
-        assert resident.reserved == int(0.25 * resident.total())
+    planned = [int(0.25 * resident.total())]
+    with resident.reserving(lambda: planned[0]):
+        assert resident.reserved() == planned[0]
         inside = resident.room()
+        planned[0] = 0  # the launch ended: asked again at every room()
+        after_launch = resident.room()
     outside = resident.room()
-    assert resident.reserved == 0
+    assert resident.reserved() == 0
     assert outside - inside == pytest.approx(int(0.25 * resident.total()), rel=0.05)
+    assert after_launch - inside == pytest.approx(int(0.25 * resident.total()), rel=0.05)
 
 
 def test_nothing_is_reserved_where_nothing_is_held():
     resident = Resident(None)
-    with resident.reserving(0.5):
-        assert resident.reserved == 0
+    with resident.reserving(lambda: 1 << 40):
+        assert resident.reserved() == 0
+
+
+def test_after_drop_nothing_whole_is_copied():
+    """After an out-of-memory (Resident.drop) the stage judges tensor by tensor: a run is not copied whole, an r0 or
+    start is not kept."""
+    resident = Resident(torch.device("cpu"))
+    initial = {"w": torch.ones(3)}
+    assert resident.start("actor", initial) is not initial  # kept (as fp64) while there is room
+    resident.drop()
+    assert resident.kept == {} and resident.kept_bytes == 0
+    assert resident.start("actor", initial) is initial
