@@ -25,7 +25,7 @@ LAYERS = [  # top floor first: a package may import its own modules and any pack
     {"matrix", "compare", "manifest", "stages", "memory"},
     {"ppo", "schema", "store", "hashing", "contract", "versions"},
     {"tensor_codec"},
-    {"errors", "layout", "metrics", "hardware", "progress", "stagelog", "childlog", "verdict"},
+    {"errors", "layout", "metrics", "hardware", "progress", "stagelog", "childlog", "verdict", "waivers"},
 ]
 
 
