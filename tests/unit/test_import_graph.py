@@ -20,6 +20,7 @@ LAYERS = [  # top floor first: a package may import its own modules and any pack
     {"diagnose", "rounds", "replay"},
     {"candidate", "freeze"},
     {"reference", "examples"},
+    {"signing"},
     {"engines", "rollout", "acceptance"},
     {"bounds", "models", "slurm", "case", "resident"},
     {"matrix", "compare", "manifest", "stages", "memory"},
