@@ -17,6 +17,7 @@ from typing import Any
 
 from qualify.bounds.rule import FORMULA
 from qualify.verdict import Row
+from qualify.waivers import waiver_text, waivers_of
 
 BOUND_RULE = f"value <= bound; {FORMULA}, frozen per (role, tensor, metric)"
 
@@ -61,7 +62,8 @@ def _testcase(suite: ET.Element, classname: str, name: str, rows: list[Row]) -> 
     """Add one testcase; returns True when it failed."""
     case = ET.SubElement(suite, "testcase", classname=xml_text(classname), name=xml_text(name))
     failing = [r for r in rows if not r.passed]
-    ET.SubElement(case, "system-out").text = f"{len(rows)} checks, {len(failing)} failed"
+    waived = waiver_text(waivers_of(r.to_json() for r in rows))  # a waived check passes, and says so
+    ET.SubElement(case, "system-out").text = xml_text(f"{len(rows)} checks, {len(failing)} failed{waived}")
     if failing:
         message = f"{len(failing)} of {len(rows)} checks failed; first: {failure_line(failing[0])}"
         ET.SubElement(case, "failure", message=xml_text(message),
@@ -72,6 +74,11 @@ def _testcase(suite: ET.Element, classname: str, name: str, rows: list[Row]) -> 
 
 def _suite(root: ET.Element, name: str, cases: list[tuple[str, str, list[Row]]]) -> tuple[int, int]:
     suite = ET.SubElement(root, "testsuite", name=xml_text(name))
+    waivers = waivers_of(r.to_json() for _, _, rows in cases for r in rows)
+    if waivers:  # beside the suite's result: what the matrix waived (qualify.waivers)
+        properties = ET.SubElement(suite, "properties")
+        for w in waivers:
+            ET.SubElement(properties, "property", name="waived", value=xml_text(w))
     failures = sum(_testcase(suite, classname, tc, rows) for classname, tc, rows in cases)
     suite.set("tests", str(len(cases)))
     suite.set("failures", str(failures))

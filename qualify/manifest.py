@@ -80,6 +80,9 @@ class VerifyReport:
     problems: list[str] = field(default_factory=list)
     """What else failed (qualify.acceptance.verify_evidence: the part a partial copy must hold, the acceptance's
     chain of digests, an expected digest); each fails the report."""
+    signature: dict[str, Any] | None = None
+    """The signature over the manifest's digest that was checked (qualify.signing.SignatureCheck.to_json), None when
+    none was asked for; one that does not verify is among the problems too."""
 
     @property
     def ok(self) -> bool:
@@ -97,6 +100,7 @@ class VerifyReport:
             "modified": [_modified_json(m) for m in self.modified],
             "renamed": [{"from": a, "to": b} for a, b in self.renamed],
             "problems": self.problems,
+            **({"signature": self.signature} if self.signature is not None else {}),
         }
 
 

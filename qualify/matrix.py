@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from qualify.errors import MatrixError
 from qualify.schema import load_yaml_file
+from qualify.waivers import WAIVABLE, unknown_checks
 
 Precision = Literal["fp32", "bf16"]
 Role = Literal["actor", "critic"]
@@ -521,6 +522,11 @@ class Candidates:
     that name: 'full' (log_softmax over the whole vocabulary: what trainers compute) or 'processed' (vLLM's, renormalized
     over the tokens rollout.top_k/top_p/min_p keep). The loss, ratio and KL are built from the full formula either
     way, against the rollout's processed logprobs as old logprobs."""
+    waive: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Per engine (a name of engines), the checks it is excused from where they cannot be made, by name
+    (qualify.waivers.WAIVABLE: 'sampler_derivation', for an engine without a logits() hook). Per engine, as the other
+    declarations here: a waiver excuses the engine it names and no other. A waived row passes and every report names
+    the waiver beside the verdict; without the waiver the row fails."""
 
     def __post_init__(self) -> None:
         for name in ("engines", "precisions", "tp", "dp", "roles", "topologies"):
@@ -550,9 +556,23 @@ class Candidates:
         bad = sorted(f"{e}: {v!r}" for e, v in self.determinism.items() if v not in ("bitwise", "bounded"))
         if bad:
             raise ValueError(f"determinism must be 'bitwise' or 'bounded' per engine, got {', '.join(bad)}")
+        self.check_waivers()
         if self.max_ranks is not None and self.max_ranks < min(self.tp) * min(self.dp):
             raise ValueError(f"max_ranks {self.max_ranks} leaves no case (the smallest is tp {min(self.tp)} x dp "
                              f"{min(self.dp)})")
+
+
+    def check_waivers(self) -> None:
+        """waive names engines of engines, and waivable checks (qualify.waivers.WAIVABLE), each once per engine."""
+        unknown = sorted(set(self.waive) - set(self.engines))
+        if unknown:
+            raise ValueError(f"waive names {unknown}, which are not among engines {list(self.engines)}")
+        for engine, checks in self.waive.items():
+            _distinct(f"waive.{engine}", checks)
+            bad = unknown_checks(checks)
+            if bad:
+                raise ValueError(f"waive.{engine}: unknown check(s) {bad} (checks that can be waived: "
+                                 f"{', '.join(WAIVABLE)})")
 
 
 ROUNDS_PROBES = ("stale", "wrong-shard", "missing-ack", "duplicate-ack", "warm-cache")

@@ -18,6 +18,7 @@ from qualify.layout import RunLayout
 from qualify.reference.mismatch_text import evidence_line, mismatch_lines, routing_lines
 from qualify.report_verify import CASE_NAME, Verification, discover_rounds, readable, verify_run
 from qualify.store import read_json, read_json_object, tree_bytes
+from qualify.waivers import waiver_text, waivers_of
 
 PASSED, FAILED, NOT_VERIFIED, NO_VERDICT = "PASSED", "FAILED", "NOT VERIFIED", "NO VERDICT"
 WORST_KEYS = ("comparison", "tensor", "metric", "value", "bound", "ratio")
@@ -98,7 +99,7 @@ def candidates_summary(verdict: Any) -> dict[str, Any] | None:
     """Per-case results of a readable verdict (an unreadable one is named by the verification's problems)."""
     if not readable(verdict):
         return None
-    return {"passed": verdict["passed"], "complete": verdict.get("complete"),
+    return {"passed": verdict["passed"], "complete": verdict.get("complete"), "waivers": waivers_of(verdict["rows"]),
             "closest_passing": closest_passing(verdict["rows"]),
             "closest_derived": closest_passing(verdict["rows"], derived=True),
             "cases": {name: _case_summary(name, c) for name, c in verdict["cases"].items()}}
@@ -281,7 +282,8 @@ def to_markdown(summary: dict[str, Any]) -> str:
             lines += ["", "| step | checks | failed |", "| --- | --- | --- |"]
             lines += [f"| {k.removeprefix('step')} | {v['checks']} | {v['failed']} |" for k, v in summary["steps"].items()]
     lines += coverage_lines(summary["coverage"])
-    lines += ["", *verification_lines(summary["verification"]), "", f"**{summary['status']}**"]
+    waived = waiver_text((cand or {}).get("waivers") or [])
+    lines += ["", *verification_lines(summary["verification"]), "", f"**{summary['status']}**{waived}"]
     return "\n".join(lines) + "\n"
 
 

@@ -7,7 +7,9 @@ computation, not to the reference's control-calibrated bound.
     advantages_B  GRPO's group statistics of the frozen rewards (score_B)
     logprobs_BT   the sampler formula (fp32 log_softmax of logits / T over the full vocabulary) of the case's own
                   logits (the engine's logits() hook; computed on its rank, where the logits are, and recorded in the
-                  case's meta.json); an engine without the hook is told so in a row, not skipped silently
+                  case's meta.json); an engine without the hook fails that row, naming the hook, unless the matrix
+                  waives the check for it by name (candidates.waive: {engine: [sampler_derivation]}; qualify.waivers):
+                  a logprob computed otherwise (a bf16 log-sum-exp) can sit inside the reference's bounds
     clip_frac     the actor's clip decisions of its own ratio and advantages (fp32, as the objective takes them),
                   aggregated by the matrix's definition (PPO's normalizer; GRPO's aggregation or token mean); the
                   critic's value-clip decisions of its own values and the frozen old values and returns, each token
@@ -42,6 +44,7 @@ from qualify.compare import RunTensors
 from qualify.matrix import Objective
 from qualify.metrics import metrics_device
 from qualify.verdict import Row
+from qualify.waivers import WAIVED, waived_note
 
 U = 2.0 ** -24
 """fp32 unit roundoff: one rounding of a value v is at most U x |v|."""
@@ -80,6 +83,10 @@ SAMPLER_RULE = ("<= 2^-24 x (2 log2(V) + 4 + 2 |x_token| + 2 |max x| + |logp|) p
                 "scaling, the log-sum-exp over the vocabulary and the subtraction")
 NOT_DERIVED = ("the engine exposes no logits() hook (or it gave none): its logprobs are not derived from its own "
                "logits, only judged against the reference's bounds")
+NO_HOOK = ("give the engine a logits() hook (docs/plugins.md), or waive the check for it by name in the matrix: "
+           "candidates.waive: {{{engine}: [sampler_derivation]}}")
+HOOK_RULE = ("the engine's logits() hook gives the logits its logprobs are derived from (the matrix may waive "
+             "sampler_derivation for an engine by name: candidates.waive)")
 Derivation = tuple[torch.Tensor, torch.Tensor]
 """(derived value, rounding allowance), float64, one per judged element."""
 
@@ -167,7 +174,7 @@ def sampler_rows(case: str, role: str, cand: list[RunTensors]) -> list[Row]:
         return []
     found = cand[0].meta.get("sampler_derivation")
     if not isinstance(found, list) or not found:
-        return [Row(case, role, DERIVED, "outputs/logprobs_BT", "not_derived", 0.0, math.inf, True, NOT_DERIVED)]
+        return [not_derived_row(case, role, cand[0].meta.get("case") or {})]
     rows = []
     for k, w in enumerate(found):
         value, bound = _num(w["value"]), _num(w["bound"])
@@ -177,6 +184,17 @@ def sampler_rows(case: str, role: str, cand: list[RunTensors]) -> list[Row]:
         rows.append(Row(case, role, DERIVED, f"step{k}/outputs/logprobs_BT", "derived_abs", value, bound, passed,
                         note, step=k, rule=SAMPLER_RULE))
     return rows
+
+
+def not_derived_row(case: str, role: str, spec: dict[str, Any]) -> Row:
+    """The row of an actor whose logprobs could not be derived (no logits): failing, naming the hook, unless its
+    sealed spec (spec: meta.json's 'case') carries the engine's waiver of sampler_derivation; then passing, waived."""
+    engine = str(spec.get("engine", "?"))
+    if "sampler_derivation" in (spec.get("waive") or ()):
+        return Row(case, role, DERIVED, "outputs/logprobs_BT", WAIVED, 0.0, math.inf, True,
+                   waived_note("sampler_derivation", engine, NOT_DERIVED), rule=HOOK_RULE)
+    return Row(case, role, DERIVED, "outputs/logprobs_BT", "not_derived", 1.0, 0.0, False,
+               f"{NOT_DERIVED}; {NO_HOOK.format(engine=engine)}", rule=HOOK_RULE)
 
 
 def worst_row(case: str, role: str, k: int, tensor: str, got: torch.Tensor, derivation: Derivation, rule: str,

@@ -61,17 +61,21 @@ class CaseSpec:
     against the rollout's (qualify.candidate.rollout_exact)."""
     rollout_dtype: str | None = None
     """rollout.dtype, the precision the exact claim is made in (set with rollout_exact)."""
+    waive: tuple[str, ...] = ()
+    """candidates.waive of the engine: the checks its case is excused from where they cannot be made (qualify.waivers);
+    recorded in the case's sealed meta.json, where the judge reads it."""
 
     @property
     def world_size(self) -> int:
         return self.tp * self.dp
 
     def to_json(self) -> dict[str, Any]:
-        """The spec as JSON; grpo and dp only when set, so a PPO DP1 spec (and its resume key) reads as before."""
+        """The spec as JSON; grpo, dp and the other later fields only when set, so a PPO DP1 spec (and its resume key)
+        reads as before."""
         data = to_dict(self)
         for key, default in (("grpo", None), ("dp", 1), ("determinism", "bounded"), ("vocab_tile", None),
                              ("layout_invariant", False), ("routing", None), ("rollout_exact", False),
-                             ("rollout_dtype", None)):
+                             ("rollout_dtype", None), ("waive", [])):
             if data[key] == default:
                 del data[key]
         return data
@@ -90,7 +94,8 @@ def make_spec(settings: CaseSettings, case: Case, *, model_dir: Path, rollout_di
                     dp=case.dp, determinism=c.determinism.get(case.engine, "bounded"), vocab_tile=c.vocab_tile,
                     layout_invariant=case.engine in c.layout_invariant, routing=r.routing,
                     rollout_exact=case.engine in c.rollout_exact,
-                    rollout_dtype=r.dtype if case.engine in c.rollout_exact else None)
+                    rollout_dtype=r.dtype if case.engine in c.rollout_exact else None,
+                    waive=c.waive.get(case.engine, ()))
 
 
 def read_spec(path: Path) -> CaseSpec:

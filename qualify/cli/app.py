@@ -19,7 +19,7 @@ import typer
 
 from qualify.cli.handler import handle_errors
 
-COMMANDS = ("reference", "freeze", "candidate", "verify", "rounds", "sbatch", "report", "diagnose")
+COMMANDS = ("reference", "freeze", "candidate", "verify", "sign", "rounds", "sbatch", "report", "diagnose")
 """Single commands: qualify/cli/<name>.py exposing NAME, HELP, EPILOG and main()."""
 GROUPS = ("manifest", "matrices")
 """Command groups: qualify/cli/<name>.py exposing a Typer `app` and HELP."""

@@ -2,11 +2,11 @@
 
 A CI job that verifies ten thousand small files pays, before hashing anything, for Typer (which
 imports pydantic) and rich: about a third of the whole run. When `qualify verify` is piped (no
-terminal: rich would print plain text anyway) and its arguments are exactly the ones the Typer
-command declares, well formed, this path verifies with the same library call and prints the same
+terminal: rich would print plain text anyway) and its arguments are the Typer command's
+(VALUE_OPTIONS, FLAG_OPTIONS), well formed, this path verifies with the same library call and prints the same
 lines (qualify.cli.verify_text) without importing either. Anything else (a terminal, --help, an
-option it does not know, a malformed value, an error while verifying) goes to the Typer command,
-which says what is wrong exactly as it always does.
+option it does not know, a signature to check, a malformed value, an error while verifying) goes to
+the Typer command, which says what is wrong exactly as it always does.
 """
 
 from __future__ import annotations

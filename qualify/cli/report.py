@@ -48,7 +48,10 @@ def main(
         from qualify.store import atomic_write_bytes
 
         atomic_write_bytes(out, data)
-        typer.echo(f"report written to {out} ({summary['status']})")
+        from qualify.waivers import waiver_text
+
+        typer.echo(f"report written to {out} ({summary['status']}"
+                   f"{waiver_text((summary['candidates'] or {}).get('waivers') or [])})")
     elif format is ReportFormat.text:
         from rich.console import Console
         from rich.markdown import Markdown

@@ -15,6 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from qualify.verdict import ROUNDS_SCHEMA
+from qualify.waivers import waiver_text, waivers_of
 
 MAX_FAILING_PER_CASE = 8
 GROUP_ORDER = ("outputs", "grads", "updates", "moments")
@@ -92,13 +93,15 @@ def _cases_footer(verdict: dict[str, Any], console: Console) -> None:
         invariance = "".join(f"; {axis}: " + ", ".join(f"{t['counts'].get(tier, 0)} {tier.replace('_', ' ')}"
                                                        for tier in ("bitwise", "within_bound", "failing"))
                              for axis, t in c.get("invariance", {}).items())  # TP > 1 or DP > 1 cases' tiers
-        console.print(f"{status} {name}: {c['num_checks']} checks, {c['num_failed']} failed{invariance}")
+        waived = "".join(f"; waived: {w}" for w in waivers_of(r for r in verdict.get("rows", []) if r["case"] == name))
+        console.print(f"{status} {name}: {c['num_checks']} checks, {c['num_failed']} failed{invariance}{escape(waived)}")
         for row in verdict.get("rows", []):  # a case that did not run: what stopped it, whole
             if row["case"] == name and row["comparison"] == "run" and row.get("note"):
                 console.print(f"  [red]did not run:[/red] {escape(str(row['note']))}", highlight=False)
     total = len(verdict["cases"])
     failed = sum(not c["passed"] for c in verdict["cases"].values())
-    console.print(f"[bold]{'PASSED' if verdict['passed'] else 'FAILED'}[/bold]: {total - failed}/{total} cases pass")
+    console.print(f"[bold]{'PASSED' if verdict['passed'] else 'FAILED'}[/bold]: {total - failed}/{total} cases pass"
+                  f"{escape(waiver_text(waivers_of(verdict.get('rows', []))))}")
 
 
 def render_verdict(verdict: dict[str, Any], console: Console | None = None) -> None:

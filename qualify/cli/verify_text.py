@@ -11,12 +11,17 @@ from typing import Any
 
 
 def verify_lines(report: Any) -> list[tuple[str, str, str]]:
-    """(style, tag, text) per line of a VerifyReport: OK, or every missing, extra, modified and renamed file."""
+    """(style, tag, text) per line of a VerifyReport: OK (and the signature checked, if any), or every missing, extra,
+    modified and renamed file and every other problem."""
+    signature = getattr(report, "signature", None)
     if report.ok:
         present = report.num_files - len(report.missing)
         absent = f"; {len(report.missing)} absent from this partial copy" if report.missing else ""
+        signed = [] if signature is None else [("green", "OK", (
+            f"signature {signature['signature']}: a good signature of {signature['digest']} by {signature['signer']} "
+            f"(namespace {signature['namespace']})"))]
         return [("green", "OK", (f"{present} of {report.num_files} files match {report.manifest} "
-                                f"(evidence {report.evidence}{absent})"))]
+                                f"(evidence {report.evidence}{absent})")), *signed]
     # a partial copy lacks most files by design: what it must hold and lacks is among the problems
     lines = [] if report.partial else [("red", "missing ", path) for path in report.missing]
     lines += [("red", "extra   ", path) for path in report.extra]

@@ -126,6 +126,11 @@ class TrainEngine(Protocol):
     # the (B, T) fp32 logprobs of the last score()'s tokens in ctx.logprob_formula (qualify.models.hf.declared_logprobs
     # makes them from full outputs), None where score()'s values are them; the harness judges them as
     # outputs/logprobs_BT. Without the hook score()'s values are judged: the full formula.
+    # Optional (an actor without it fails its logprob derivation unless the matrix waives sampler_derivation for it:
+    # candidates.waive):
+    #   logits() -> Tensor | None
+    # the last score()'s full-vocabulary logits of this rank's rows, as computed, before the temperature (None for the
+    # critic); the harness derives the reported logprobs from them (qualify.candidate.derived). OutputScoring has it.
     # Optional: an engine that brings its own loss code implements
     #   objective(role, ppo, scores_BT, response_mask_BT, targets) -> (loss, outputs)
     # returning the outputs qualify.ppo.objective.role_objective returns (actor: logprobs_BT, ratio_BT, kl_BT,

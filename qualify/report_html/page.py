@@ -7,6 +7,7 @@ from typing import Any
 
 from qualify.report import FAILED, NO_VERDICT, NOT_VERIFIED, PASSED, rollout_self_line
 from qualify.report_html.data import fmt
+from qualify.waivers import waiver_text
 
 CSS = """
 body { font-family: sans-serif; margin: 1.5em auto; max-width: 1200px; color: #222; }
@@ -41,6 +42,7 @@ def banner(summary: dict[str, Any]) -> str:
     if summary["status"] in (PASSED, FAILED) and cand is not None:
         failed = sum(not c["passed"] for c in cand["cases"].values())
         detail = f": {len(cand['cases']) - failed}/{len(cand['cases'])} cases pass"
+        detail += waiver_text(cand.get("waivers") or [])  # beside the result: each check the matrix waived
     elif summary["status"] == NOT_VERIFIED:
         detail = ": the evidence does not verify, so no result is shown as a pass"
     return f'<div id="banner" class="{css}" data-status="{escape(summary["status"])}">{word}{escape(detail)}</div>'

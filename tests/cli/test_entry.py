@@ -58,7 +58,8 @@ def test_fast_path_passes_and_json_parses(evidence):
 
 
 @pytest.mark.parametrize("args", [["--help"], ["--jobs", "0"], ["--jobs", "x"], ["--format", "xml"], ["--nope"],
-                                  [], ["a.json", "b.json"], ["--evidence"]])
+                                  [], ["a.json", "b.json"], ["--evidence"],
+                                  ["a.json", "--allowed-signers", "f", "--signature", "s"]])
 def test_anything_unusual_goes_to_the_typer_command(args):
     assert parse_verify(args) is None
 

@@ -15,6 +15,8 @@ Typer app, in a sandbox directory that stands for the repository root:
     matrices/tiny-qwen3.yaml for `candidate`  the embedded default with its candidates narrowed to CASES (checked by
                                               test_the_narrowed_matrix_is_the_embedded_default: every other section
                                               is the real one, and its cases are the real matrix's)
+    keys/                                     an OpenSSH key and the allowed_signers file that lists it, made with
+                                              ssh-keygen for an example that names keys/ (signing_keys)
 
 A `make` example runs as `make -n` (it would set up a virtualenv or run the whole suite). An example that cannot run
 here is in NOT_RUN with the reason; it is still parsed by the CLI (click validates every argument and option, nothing
@@ -54,9 +56,19 @@ CASES = {"engines": ["torch-tp"], "precisions": ["fp32"], "tp": [1, 2], "roles":
 RUN_PARTS = {"freeze": ("reference",)}
 """What of the prepared run a command's sandbox gets (default: all of it)."""
 MANIFEST_CREATE = "qualify manifest create runs/tiny-qwen3/reference --out runs/tiny-qwen3/reference.manifest.json"
+SIGN_RUN = "qualify sign runs/tiny-qwen3/acceptance/acceptance.json --key keys/id_ed25519"
+SIGN_COMMITTED = ("qualify sign manifests/tiny-qwen3/acceptance/acceptance.json --key keys/id_ed25519 --out "
+                  "tiny-qwen3.sig --identity ci@example.org")
 PREPARE = {"qualify verify runs/tiny-qwen3/reference.manifest.json": MANIFEST_CREATE,
-           "qualify verify runs/tiny-qwen3/reference.manifest.json --format json --jobs 4": MANIFEST_CREATE}
+           "qualify verify runs/tiny-qwen3/reference.manifest.json --format json --jobs 4": MANIFEST_CREATE,
+           "qualify verify runs/tiny-qwen3/acceptance/acceptance.json --allowed-signers keys/allowed_signers "
+           "--signature runs/tiny-qwen3/acceptance/acceptance.json.sig": SIGN_RUN,
+           "qualify verify manifests/tiny-qwen3/acceptance/acceptance.json --partial --allowed-signers "
+           "keys/allowed_signers --signature tiny-qwen3.sig": SIGN_COMMITTED}
 """Examples that read what another example writes: that example runs first in the same sandbox."""
+KEYS = "keys"
+"""Where the signing examples find their OpenSSH key (keys/id_ed25519) and the allowed_signers file that lists it, made
+in the sandbox of an example that names them (signing_keys)."""
 NOT_RUN = {
     "qualify reference matrices/qwen3-8b.yaml --run /scratch/q8b --stage capture":
         "a real Qwen3-8B checkpoint and GPUs: the matrix names checkpoints this machine lacks",
@@ -226,10 +238,26 @@ def prepared(frozen_run, tmp_path_factory):
     return root / RUN
 
 
+def signing_keys(root: Path) -> None:
+    """keys/id_ed25519 (ssh-keygen, no passphrase) and keys/allowed_signers naming its public half as ci@example.org,
+    allowed to sign acceptances (qualify.signing)."""
+    from qualify.signing import allowed_signer_line
+
+    keys = root / KEYS
+    if keys.is_dir():
+        return
+    keys.mkdir()
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "ci@example.org", "-f",
+                    str(keys / "id_ed25519")], check=True)
+    (keys / "allowed_signers").write_text(allowed_signer_line("ci@example.org", keys / "id_ed25519") + "\n")
+
+
 def run_example(example: str, prepared: Path, root: Path):
     words = shlex.split(example)
     command = words[1]
     sandbox(root, narrowed=command == "candidate")
+    if f"{KEYS}/" in example:
+        signing_keys(root)
     if "runs/" in example or command in ("reference", "candidate"):  # it reads the run (by default, for the two)
         for part in RUN_PARTS.get(command, ("reference", "acceptance", "candidates")):
             shutil.copytree(prepared / part, root / RUN / part, symlinks=True)
@@ -243,8 +271,8 @@ def test_examples_are_collected_from_every_command_and_the_readme():
     assert {e.split()[1] for e in helps} >= {"reference", "freeze", "candidate", "verify", "rounds", "sbatch",
                                               "report", "diagnose", "manifest", "matrices"}
     readme = readme_examples()
-    assert {"make demo", "make test", "qualify verify manifests/tiny-qwen3/acceptance/acceptance.json --partial"} \
-        <= set(readme)
+    assert {"make demo", "make test", "qualify verify manifests/tiny-qwen3/acceptance/acceptance.json --partial",
+            SIGN_RUN} <= set(readme)
 
 
 @pytest.mark.parametrize("path", [p for p, c in commands() if c.epilog], ids=" ".join)

@@ -345,3 +345,37 @@ class BiasGradSummedOverTwo(TorchTPEngine):
 
 def bias_grad_summed_over_two() -> TorchTPEngine:
     return BiasGradSummedOverTwo()
+
+
+# Engines without a logits() hook: their logprobs cannot be derived from their own logits, so the derivation row fails
+# naming the hook unless the matrix waives the check for them (candidates.waive: qualify.waivers).
+
+class NoLogitsHook(TorchTPEngine):
+    """The correct torch-tp engine without the logits() hook: it must fail unless the matrix waives
+    sampler_derivation for it, and pass with the waiver."""
+
+    logits = None  # the hook is absent: the worker records no derivation (qualify.candidate.worker.own_logits_check)
+
+
+class Bf16LogsumexpWithoutLogits(NoLogitsHook):
+    """Computes the actor's logprobs as fp32 logits / T minus a log-sum-exp taken in bf16 (a fused kernel that reduces
+    in the compute precision), and has no logits() hook to derive them from: every logprob is off by up to half a bf16
+    step of the log-sum-exp, the same for every token of a position."""
+
+    def score(self, batch):
+        if self.ctx.role != "actor":
+            return super().score(batch)
+        ids_BT = batch.input_ids_BT.to(self.ctx.device)
+        x_BTV = local(self.compute(input_ids=ids_BT, use_cache=False).logits)[:, :-1, :self.ctx.vocab_size]
+        x_BTV = x_BTV.float() / torch.tensor(self.ctx.temperature, dtype=torch.float32)
+        lse_BT = torch.logsumexp(x_BTV.to(torch.bfloat16), dim=-1).float()
+        logp_BT = x_BTV.gather(-1, ids_BT[:, 1:, None]).squeeze(-1) - lse_BT
+        return torch.nn.functional.pad(logp_BT, (1, 0)).cpu()
+
+
+def no_logits_hook() -> TorchTPEngine:
+    return NoLogitsHook()
+
+
+def bf16_logsumexp_without_logits() -> TorchTPEngine:
+    return Bf16LogsumexpWithoutLogits()

@@ -125,4 +125,9 @@ def test_bf16_temperature_fails(run_copy, tiny_matrix):
     verdict = run_candidates(m, run_copy).to_json()
     assert not verdict["passed"]
     assert bf16_temperature_problems(verdict) == []
+    # its actor computes its scores without keeping logits (no logits() hook to derive them from): that row fails too,
+    # naming the hook (the matrix does not waive it: tests/integration/test_waivers.py)
+    hook = [r for r in verdict["rows"] if r["metric"] == "not_derived"]
+    assert [(r["case"], r["passed"]) for r in hook] == [(c.name, False) for c in m.cases()], hook
+    assert all("no logits() hook" in r["note"] for r in hook)
 

@@ -20,12 +20,13 @@ LAYERS = [  # top floor first: a package may import its own modules and any pack
     {"diagnose", "rounds", "replay"},
     {"candidate", "freeze"},
     {"reference", "examples"},
+    {"signing"},
     {"engines", "rollout", "acceptance"},
     {"bounds", "models", "slurm", "case", "resident"},
     {"matrix", "compare", "manifest", "stages", "memory"},
     {"ppo", "schema", "store", "hashing", "contract", "versions"},
     {"tensor_codec"},
-    {"errors", "layout", "metrics", "hardware", "progress", "stagelog", "childlog", "verdict"},
+    {"errors", "layout", "metrics", "hardware", "progress", "stagelog", "childlog", "verdict", "waivers"},
 ]
 
 
