@@ -325,6 +325,17 @@ class PPO:
             raise ValueError(f"normalizer_constant must be > 0, got {self.normalizer_constant}")
 
 
+PPO_ADDED = {"clip_eps_low": None, "clip_eps_high": None, "dual_clip_c": None, "entropy_coef": 0.0}
+"""PPO fields added after references and cases were sealed, with the values that leave the objective as it was."""
+
+
+def ppo_as_before(ppo: dict[str, Any]) -> dict[str, Any]:
+    """A ppo section's plain data (schema.to_dict) without the PPO_ADDED fields that hold their defaults: what the
+    scoring fingerprint and a case's spec take, so that an unchanged matrix's fingerprint and resume keys read as
+    before those fields existed (a sealed snapshot reads them as their defaults: acceptance.read_snapshot)."""
+    return {k: v for k, v in ppo.items() if not (k in PPO_ADDED and v == PPO_ADDED[k])}
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class GRPO:
     """GRPO settings (algorithm: grpo): group-relative advantages, KL to the reference policy in the loss, and the

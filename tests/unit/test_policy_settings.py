@@ -319,3 +319,28 @@ def test_the_matrix_takes_the_fields_and_a_snapshot_without_them_reads_as_their_
     committed = read_snapshot(Path("manifests/tiny-qwen3/reference/matrix/matrix.json"))
     assert frozen_field_differences(committed, to_dict(tiny)) == []
 
+
+
+def test_fingerprints_and_specs_leave_out_the_settings_at_their_defaults(tmp_path):
+    """An unchanged matrix's scoring fingerprint and case specs (resume keys) read as before the fields existed; a
+    matrix that sets one carries it, and its spec reads back equal."""
+    from qualify.case.spec import make_spec, read_spec
+    from qualify.reference.evidence import scoring_settings
+    from qualify.stages import fingerprint
+
+    tiny = load_matrix("matrices/tiny-qwen3.yaml")
+    m = to_dict(tiny)
+    before = {"rollout": "sha256:r", **{k: m[k] for k in ("models", "ppo", "optimizer", "reference")}}
+    for key in ("clip_eps_low", "clip_eps_high", "dual_clip_c", "entropy_coef"):
+        del before["ppo"][key]
+    before["reference"] = {k: v for k, v in m["reference"].items() if k not in ("evidence", "layer_activations")}
+    assert scoring_settings(tiny, "sha256:r") == fingerprint(before)
+    peer = dataclasses.replace(tiny, ppo=dataclasses.replace(tiny.ppo, dual_clip_c=3.0))
+    assert scoring_settings(peer, "sha256:r") != fingerprint(before)
+    kw = {k: tmp_path for k in ("model_dir", "rollout_dir", "targets_dir", "case_dir")}
+    for matrix, keys in ((tiny, set()), (peer, {"dual_clip_c"})):
+        spec = make_spec(matrix.case_settings, matrix.cases()[0], rollout_digest="r", targets_digest="t",
+                         vocab_size=512, device="cpu", **kw)
+        assert set(spec.to_json()["ppo"]) & {"clip_eps_low", "clip_eps_high", "dual_clip_c", "entropy_coef"} == keys
+        write_json(tmp_path / "spec.json", spec.to_json())
+        assert read_spec(tmp_path / "spec.json") == spec

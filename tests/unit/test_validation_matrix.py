@@ -65,8 +65,8 @@ RULES = [
     ("ppo.dual_clip_c", 1.0, "dual_clip_c must be > 1"),
     ("ppo.dual_clip_c", 0.5, "dual_clip_c must be > 1"),
     ("ppo.entropy_coef", -0.01, "entropy_coef must be >= 0, got -0.01"),
-    ("freeze.require", ["policy_clip_dual"], "freeze.require lists policy_clip_dual, which no reference of this "
-                                             "matrix can exercise: set ppo.dual_clip_c"),
+    ("freeze.require", ["policy_clip_dual"], ("freeze.require lists policy_clip_dual, which no reference of this "
+                                              "matrix can exercise: set ppo.dual_clip_c")),
     ("ppo.kl_coef", math.nan, "kl_coef must be a finite number"),
     ("optimizer.lr", 0.0, "lr must be > 0, got 0.0"),
     ("optimizer.lr", -1.0e-3, "lr must be > 0"),
