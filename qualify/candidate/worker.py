@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from qualify.candidate.agreement import agree_case
-from qualify.candidate.derived import sampler_check
+from qualify.candidate.derived import entropy_check, sampler_check
 from qualify.candidate.dp import dp_group, gather_outputs, rank_rows
 from qualify.candidate.imported import KEY as IMPORTED_KEY
 from qualify.candidate.imported import record as record_imported
@@ -68,7 +68,8 @@ def objective(engine: Any, spec: CaseSpec, scores_BT: torch.Tensor, batch: Batch
     own = getattr(engine, "objective", None)
     grpo = {} if spec.grpo is None else {"grpo": spec.grpo, "share": share}
     if own is None:
-        return role_objective(spec.role, spec.ppo, scores_BT, batch.response_mask_BT, targets, **grpo)
+        return role_objective(spec.role, spec.ppo, scores_BT, batch.response_mask_BT, targets, **grpo,
+                              entropy_BT=policy_entropy(engine, spec, required=True))
     result = own(spec.role, spec.ppo, scores_BT, batch.response_mask_BT, targets, **grpo)
     if not isinstance(result, tuple) or len(result) != 2:
         raise ContractError(f"engine {spec.engine}: objective() returned {type(result).__name__}; expected a pair "
@@ -76,9 +77,27 @@ def objective(engine: Any, spec: CaseSpec, scores_BT: torch.Tensor, batch: Batch
     loss, outputs = result
     check_loss(spec.engine, loss)
     with torch.no_grad():  # what the harness's own objective gives for the same inputs: names, shapes, masking
-        _, expected = role_objective(spec.role, spec.ppo, scores_BT.detach(), batch.response_mask_BT, targets, **grpo)
+        entropy_BT = policy_entropy(engine, spec, required=False)  # an own objective may compute its own entropy
+        if entropy_BT is None and spec.role == "actor" and spec.ppo.entropy_coef > 0:
+            entropy_BT = torch.zeros_like(scores_BT)  # only the outputs' names and shapes are read
+        _, expected = role_objective(spec.role, spec.ppo, scores_BT.detach(), batch.response_mask_BT, targets, **grpo,
+                                     entropy_BT=None if entropy_BT is None else entropy_BT.detach())
     check_outputs(spec.engine, outputs, expected, batch.response_mask_BT)
     return loss, outputs
+
+
+def policy_entropy(engine: Any, spec: CaseSpec, required: bool) -> torch.Tensor | None:
+    """The actor's entropy per token from the forward score() just ran (the engine's entropy() hook, differentiable)
+    when the matrix has an entropy bonus; None otherwise. required: an engine without it is refused in one line."""
+    if spec.role != "actor" or spec.ppo.entropy_coef == 0:
+        return None
+    hook = getattr(engine, "entropy", None)
+    entropy_BT = hook() if hook is not None else None
+    if entropy_BT is None and required:
+        raise EngineError(f"engine {spec.engine}: ppo.entropy_coef {spec.ppo.entropy_coef} needs the entropy of the "
+                          "policy from the forward score() ran, and the engine has no entropy() hook (or it gave none); "
+                          "see qualify.engines.base.TrainEngine")
+    return entropy_BT
 
 
 def step_share(spec: CaseSpec, targets: dict[str, torch.Tensor], mask_BT: torch.Tensor, offset: int,
@@ -119,6 +138,18 @@ def own_logits_check(engine: Any, spec: CaseSpec, scores_BT: torch.Tensor, batch
         return None
     return sampler_check(logits, batch.input_ids_BT, scores_BT, batch.response_mask_BT, spec.temperature,
                          spec.vocab_size, offset)
+
+
+def own_entropy_check(engine: Any, spec: CaseSpec, outputs: dict[str, torch.Tensor], batch: Batch,
+                      offset: int) -> dict[str, Any] | None:
+    """With an entropy bonus, the actor's reported entropy against the entropy of its own logits
+    (qualify.candidate.derived.entropy_check); None where the engine exposes no logits."""
+    hook = getattr(engine, "logits", None)
+    logits = hook() if hook is not None and "entropy_BT" in outputs else None
+    if logits is None:
+        return None
+    return entropy_check(logits, outputs["entropy_BT"], batch.response_mask_BT, spec.temperature, spec.vocab_size,
+                         offset)
 
 
 def worst_by_step(by_rank: list[list[dict[str, Any] | None]]) -> list[dict[str, Any]] | None:
@@ -190,6 +221,7 @@ def run_case(spec: CaseSpec, rank: int) -> None:
                "exposed": exposed_rows(padded_before)}
     phases = {"setup": time.monotonic() - started}  # where the case's time went (information, not evidence)
     steps, grad_dtypes, params, sampler, layout, replayed, starts = [], {}, {}, [], None, [], []
+    entropies: list[dict[str, Any] | None] = []  # with an entropy bonus: its derivation from the own logits
     exact_layers = None
     for step in step_rows(rollout["input_ids_BT"].shape[0], spec.ppo.epochs, spec.ppo.minibatches):
         rows, offset = rank_rows(step, spec.dp, ctx.dp_rank)
@@ -209,6 +241,8 @@ def run_case(spec: CaseSpec, rank: int) -> None:
             hook = getattr(engine, "routes", None)
             replayed.append(replay_check(hook() if hook is not None else None, batch.routes_BTLK, offset))
         loss, outputs = objective(engine, spec, scores_BT, batch, rows_of(targets, rows), share)
+        if spec.role == "actor" and spec.ppo.entropy_coef > 0:
+            entropies.append(own_entropy_check(engine, spec, outputs, batch, offset))
         outputs.update(reported_router_outputs(engine, spec))
         report_logprobs(engine, outputs, batch)
         engine.backward(loss)
@@ -230,6 +264,7 @@ def run_case(spec: CaseSpec, rank: int) -> None:
     padded = gather_by_rank(padded_rows_report(padded_before, engine.padded_rows()))
     padding_by_rank = gather_all(padding)
     sampler_by_rank = gather_all(sampler)
+    entropy_by_rank = gather_all(entropies) if entropies else None
     replayed_by_rank = gather_all(replayed)
     layout_by_rank = gather_all(layout or {})
     layers_by_rank = gather_all(exact_layers)
@@ -256,6 +291,7 @@ def run_case(spec: CaseSpec, rank: int) -> None:
                 "replica_max_abs": replicas, "padded_rows": padded, "padding": padding_by_rank, "extra_params": sorted(set(params) - set(before)),
                 "num_steps": len(steps), "own_objective": hasattr(engine, "objective"), "contract": contract,
                 "sampler_derivation": worst_by_step(sampler_by_rank), "layout": merge_ranks(layout_by_rank),
+                **({"entropy_derivation": worst_by_step(entropy_by_rank)} if entropy_by_rank else {}),
                 **({"routing_replay": replay_by_step(replayed_by_rank)} if replayed else {}),
                 **({"rollout_layers": merge_layer_ranks(layers_by_rank)} if exact_layers is not None else {}),
                 "case": spec.to_json(), "seconds": round(time.monotonic() - started, 3),

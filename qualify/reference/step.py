@@ -274,17 +274,18 @@ def _forward_backward(ctx: ScoringContext, role: str, control: Control, model: t
         recorded: list = []
         with routing(model, None if routes_BTLK is None else routes_BTLK[rows], outputs=recorded):
             if role == "actor":
-                scores_BT, processed_BT = actor_scores(model, ids_BT[rows], rollout_sampling(ctx.rollout),
-                                                       ctx.reference.logprob_chunk_tokens, vocab_size)
+                scores_BT, processed_BT, entropy_BT = actor_scores(
+                    model, ids_BT[rows], rollout_sampling(ctx.rollout), ctx.reference.logprob_chunk_tokens,
+                    vocab_size, entropy=p.entropy_coef > 0)
                 for key, t in router_outputs(recorded, *ids_BT[rows].shape).items():  # a MoE actor's routers
                     parts.setdefault(key, []).append(t)
                 if processed_BT is not None:  # the processed formula a candidate may declare; bitwise full untruncated
                     parts.setdefault(PROCESSED_KEY, []).append(torch.where(m_BT, processed_BT, 0.0))
             else:
-                scores_BT = critic_values(model, ids_BT[rows])
+                scores_BT, entropy_BT = critic_values(model, ids_BT[rows]), None
             loss, out = role_objective(role, p, scores_BT, m_BT, rows_of(tgt, rows), normalizer, constant,
-                                       grpo=grpo, share=part)
-            for key in ("logprobs_BT", "ratio_BT", "values_BT", "kl_BT", "advantages_B", "seq_loss_B"):
+                                       grpo=grpo, share=part, entropy_BT=entropy_BT)
+            for key in ("logprobs_BT", "ratio_BT", "values_BT", "kl_BT", "advantages_B", "seq_loss_B", "entropy_BT"):
                 if key in out:
                     parts.setdefault(key, []).append(out[key])
             (loss * weight).backward()
