@@ -3,8 +3,9 @@
 The verdict's rows are read as typed rows (qualify.verdict.Row: its group, bound family and step), never parsed
 from their text. A testcase fails when any of its rows fails; its failure lists every failing row with tensor,
 metric, value, bound and the rule that set the bound. `qualify report --format junit` adds a
-testcase for the verification of the evidence and one per rounds run, so a report that does not
-verify fails in CI too. Written with the standard library (xml.etree), in the de-facto schema
+testcase for the verification of the evidence, one per rounds run, and a failing one per stage that
+did not finish (no acceptance, no verdict, cases missing from it), so a report that does not verify,
+or of a qualification that never finished, fails in CI too. Written with the standard library (xml.etree), in the de-facto schema
 Jenkins, GitHub Actions and GitLab read (testsuites > testsuite > testcase > failure).
 """
 
@@ -42,6 +43,8 @@ def rule_of(row: Row) -> str:
 def failure_line(row: Row) -> str:
     if row.comparison == "verification":
         return f"does not verify: {row.value}"
+    if row.comparison == "stage":
+        return str(row.value)
     note = f" [{row.note}]" if row.note else ""
     return (f"{row.tensor} {row.metric}: value {row.value} > bound {row.bound} "
             f"({row.comparison}; rule: {rule_of(row)}){note}")
@@ -95,8 +98,10 @@ def verdict_cases(verdict: dict[str, Any]) -> list[tuple[str, str, list[Row]]]:
 
 
 def to_junit(verdict: dict[str, Any] | None, *, name: str, problems: list[str] | None = None,
-             rounds: list[dict[str, Any]] | None = None) -> bytes:
-    """The JUnit XML document (UTF-8 bytes). problems: the report's verification (None: not verified here)."""
+             rounds: list[dict[str, Any]] | None = None, unfinished: list[dict[str, str]] | None = None) -> bytes:
+    """The JUnit XML document (UTF-8 bytes). problems: the report's verification (None: not verified here);
+    unfinished: the stages that did not finish ({'stage', 'reason'}, qualify.report.unfinished_stages), each a
+    failing testcase."""
     root = ET.Element("testsuites", name=xml_text(f"qualify {name}"))
     totals = [0, 0]
     suites: list[tuple[str, list[tuple[str, str, list[Row]]]]] = []
@@ -104,6 +109,11 @@ def to_junit(verdict: dict[str, Any] | None, *, name: str, problems: list[str] |
         rows = [Row("", "", "verification", "evidence", "problem", p, None, False) for p in problems]
         ok = [Row("", "", "verification", "evidence", "verifies", 0, 0, True)]
         suites.append((f"qualify {name}: verification", [("verification", "evidence verifies", rows or ok)]))
+    if unfinished:
+        suites.append((f"qualify {name}: stages", [
+            ("stages", f"{u['stage']} stage finished", [Row("", "", "stage", u["stage"], "finished",
+                                                            f"{u['stage']} stage did not finish: {u['reason']}", None,
+                                                            False)]) for u in unfinished]))
     if verdict is not None:
         suites.append((f"qualify {name}: candidates", verdict_cases(verdict)))
     if rounds:

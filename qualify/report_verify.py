@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from qualify.errors import EvidenceError, QualifyError
-from qualify.layout import RunLayout
+from qualify.layout import WORK_SUFFIX, RunLayout
 from qualify.stages import Sealed, check_sealed_all, stage_is_complete
 
 CASE_NAME = re.compile(r"^(?P<engine>.+)-(?P<precision>fp32|bf16)-tp(?P<tp>[1-9][0-9]*)(?:-dp(?P<dp>[2-9]|[1-9][0-9]+))?"
@@ -44,7 +44,8 @@ class Verification:
         return {"ok": self.ok, "checked": list(self.checked), "problems": list(self.problems)}
 
 
-def _listed(items: list[str]) -> str:
+def listed(items: list[str]) -> str:
+    """The first MAX_LISTED items, comma-separated, with how many more."""
     return ", ".join(items[:MAX_LISTED]) + (f" (+{len(items) - MAX_LISTED} more)" if len(items) > MAX_LISTED else "")
 
 
@@ -73,7 +74,7 @@ def acceptance_problems(layout: RunLayout, reference: dict[str, Any], acceptance
     for kind, paths in (("missing", report.missing), ("extra", report.extra),
                         ("modified", [m.path for m in report.modified])):
         if paths:
-            problems.append(f"reference evidence {kind} against the acceptance: {_listed(paths)}")
+            problems.append(f"reference evidence {kind} against the acceptance: {listed(paths)}")
     if acceptance.get("rollout_digest") != reference.get("rollout_digest"):
         problems.append("the acceptance's rollout digest is not the reference's")
     from qualify.acceptance import chain_problems
@@ -159,9 +160,19 @@ def sealed_cases(layout: RunLayout) -> dict[str, Sealed]:
     return {path.name: s for path, s in found.items() if s is not None}
 
 
+def started_cases(layout: RunLayout) -> list[str]:
+    """Every case a candidate stage started in the run, sorted: its evidence directory (sealed or partial) or only
+    its .work/ (the stage writes every selected case's spec there before it launches any)."""
+    if not layout.candidates.is_dir():
+        return []
+    names = {p.name.removesuffix(WORK_SUFFIX) for p in layout.candidates.iterdir() if p.is_dir()}
+    return sorted(n for n in names if CASE_NAME.match(n))
+
+
 def case_set_problems(layout: RunLayout, verdict: dict[str, Any], cases: dict[str, Sealed] | None = None) -> list[str]:
     """The verdict judges every case whose sealed evidence is in the run: a case is never left out of it (the
-    candidates section may change after freeze, so the frozen matrix does not fix the set; the evidence does).
+    candidates section may change after freeze, so the frozen matrix does not fix the set; the evidence does), and a
+    case started but never sealed is a candidate stage that did not finish (the verdict is an older one).
     cases: sealed_cases(layout), when the caller has it."""
     if not layout.candidates.is_dir():
         return []
@@ -169,7 +180,11 @@ def case_set_problems(layout: RunLayout, verdict: dict[str, Any], cases: dict[st
     lacking = [name for name in sealed if name not in verdict["cases"]]
     if lacking:
         return [(f"verdict: leaves out {len(lacking)} case(s) whose sealed evidence is in {layout.candidates} "
-                 f"({_listed(lacking)}): every case that ran is judged")]
+                 f"({listed(lacking)}): every case that ran is judged")]
+    unfinished = [name for name in started_cases(layout) if name not in verdict["cases"]]
+    if unfinished:
+        return [(f"candidate stage did not finish: cases missing from the verdict: {listed(unfinished)} (started "
+                 f"in {layout.candidates}, never sealed; the verdict is from an earlier candidate stage)")]
     return []
 
 
@@ -236,16 +251,16 @@ def compare_rows(name: str, judged: list[dict[str, Any]], recorded: list[dict[st
     lacking = [" ".join(k[:3]) for k in mine.keys() - theirs.keys()]
     surplus = [" ".join(k[:3]) for k in theirs.keys() - mine.keys()]
     if lacking:
-        problems.append(f"case {name}: the verdict lacks checks its evidence gives: {_listed(sorted(lacking))}")
+        problems.append(f"case {name}: the verdict lacks checks its evidence gives: {listed(sorted(lacking))}")
     if surplus:
-        problems.append(f"case {name}: the verdict has checks its evidence does not give: {_listed(sorted(surplus))}")
+        problems.append(f"case {name}: the verdict has checks its evidence does not give: {listed(sorted(surplus))}")
     differ = [" ".join(k[:3]) for k in sorted(mine.keys() & theirs.keys())
               if mine[k]["passed"] != theirs[k]["passed"] or not _same_number(mine[k]["value"], theirs[k]["value"])
               or not _same_number(mine[k]["bound"], theirs[k]["bound"]) or mine[k].get("step") != theirs[k].get("step")]
     if differ:
         # the step too: the reports read it as the row's step (qualify.verdict.Row.step), not from the tensor's name
         problems.append(f"case {name}: value, bound, step or outcome differs from what its evidence gives: "
-                        f"{_listed(differ)}")
+                        f"{listed(differ)}")
     return problems
 
 

@@ -32,7 +32,7 @@ def to_html(docs: RunDocs, summary: dict[str, Any], page_dir: Path | None = None
     # numbers of a verdict that does not verify are neither plotted nor tabled: they are not evidence
     all_rows = docs.verdict["rows"] if verified and readable(docs.verdict) else []
     rows = data.readable_rows(all_rows)
-    parts = [page.banner(summary), page.verification(summary["verification"])]
+    parts = [page.banner(summary), page.verification(summary["verification"], summary.get("unfinished"))]
     if cases and verified:
         grid_rows, grid_cols, cells = data.heatmap_cells(cases)
         families, ratios = data.family_ratios(rows)

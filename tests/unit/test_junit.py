@@ -78,6 +78,18 @@ def test_verified_evidence_is_a_passing_testcase(tmp_path):
     assert tc.name == "evidence verifies" and tc.is_passed
 
 
+def test_a_stage_that_did_not_finish_is_a_failing_testcase(tmp_path):
+    """Evidence that verifies is not a pass when the candidate stage never finished: the testcase says which stage."""
+    xml = parse(to_junit(None, name="tiny", problems=[],
+                         unfinished=[{"stage": "candidate", "reason": "no verdict"}]), tmp_path)
+    suites = {s.name: s for s in xml}
+    (stage,) = list(suites["qualify tiny: stages"])
+    assert stage.name == "candidate stage finished" and not stage.is_passed
+    assert "candidate stage did not finish: no verdict" in stage.result[0].message
+    assert int(ET.fromstring(to_junit(None, name="tiny", problems=[], unfinished=[
+        {"stage": "candidate", "reason": "no verdict"}])).get("failures")) == 1
+
+
 def test_a_case_without_rows_fails(tmp_path):
     xml = parse(to_junit({"cases": {CASES[0]: {"passed": False}}, "rows": []}, name="tiny"), tmp_path)
     (suite,) = list(xml)
