@@ -556,6 +556,8 @@ class Candidates:
 
 
 ROUNDS_PROBES = ("stale", "wrong-shard", "missing-ack", "duplicate-ack", "warm-cache")
+MIN_ROUNDS = 2
+"""The fewest rounds a rounds run has: an install needs a round after it."""
 """The rejection probes of a rounds run (qualify.rounds.probes implements each)."""
 
 
@@ -582,8 +584,8 @@ class Rounds:
         problem = engine_name_problem(self.engine)
         if problem:
             raise ValueError(f"engine: {problem}")
-        if self.rounds < 2:
-            raise ValueError(f"rounds must be >= 2 (an install needs a round after it), got {self.rounds}")
+        if self.rounds < MIN_ROUNDS:
+            raise ValueError(f"rounds must be >= {MIN_ROUNDS} (an install needs a round after it), got {self.rounds}")
         if self.train_tp < 1 or (self.vllm_tp is not None and self.vllm_tp < 1):
             raise ValueError("vllm_tp and train_tp must be >= 1")
         if self.train_precision not in PRECISIONS:

@@ -332,10 +332,19 @@ def frozen_rounds_bound(layout: RunLayout, reference: dict[str, Any], acceptance
         return None
 
 
+def frozen_rounds_asked(reference: dict[str, Any]) -> int | None:
+    """The rounds the frozen matrix asks for (its rounds.rounds, in the reference summary's snapshot); None where the
+    snapshot does not say."""
+    section = (reference.get("matrix") or {}).get("rounds")
+    asked = section.get("rounds") if isinstance(section, dict) else None
+    return asked if isinstance(asked, int) and not isinstance(asked, bool) else None
+
+
 def rounds_problems(layout: RunLayout, tp: int, doc: Any, acceptance: dict[str, Any] | None = None,
-                    bound: float | None = None) -> list[str]:
+                    bound: float | None = None, asked: int | None = None) -> list[str]:
     """A rounds verdict is sealed, its pass flag follows from its rows, it ran on the frozen acceptance, and every
-    row is what its sealed evidence gives (qualify.rounds.rederive)."""
+    row, and the number of rounds it claims, is what its sealed evidence gives (qualify.rounds.rederive; asked: the
+    rounds the frozen matrix asks for)."""
     from qualify.rounds.rederive import rederive_problems
 
     where = layout.rounds_dir(tp)
@@ -352,7 +361,7 @@ def rounds_problems(layout: RunLayout, tp: int, doc: Any, acceptance: dict[str, 
     if used != acceptance.get("digest"):
         return [(f"rounds vllm-tp{tp}: ran on acceptance {used}, not on the frozen {acceptance.get('digest')} (its "
                  "logprob bound is not the frozen one)")]
-    return [f"rounds vllm-tp{tp}: {p}" for p in rederive_problems(where, doc, bound)]
+    return [f"rounds vllm-tp{tp}: {p}" for p in rederive_problems(where, doc, bound, asked)]
 
 
 def verify_run(layout: RunLayout, reference: dict[str, Any], acceptance: dict[str, Any] | None,
@@ -383,7 +392,7 @@ def verify_run(layout: RunLayout, reference: dict[str, Any], acceptance: dict[st
     bound = frozen_rounds_bound(layout, reference, acceptance) if rounds else None
     for tp, doc in sorted(rounds.items()):
         checked.append(f"rounds vllm-tp{tp} sealed and judged again from its sealed evidence")
-        problems += rounds_problems(layout, tp, doc, acceptance, bound)
+        problems += rounds_problems(layout, tp, doc, acceptance, bound, frozen_rounds_asked(reference))
     return Verification(tuple(checked), tuple(problems))
 
 
