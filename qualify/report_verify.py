@@ -12,6 +12,7 @@ the summary may be believed.
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,6 +150,34 @@ def verdict_problems(verdict: Any, acceptance: dict[str, Any] | None) -> list[st
     if verdict["passed"] is not (cases_passed and bool(verdict["cases"])):
         problems.append(f"verdict: passed={verdict.get('passed')} disagrees with its cases")
     return problems
+
+
+def link_problems(layout: RunLayout) -> list[str]:
+    """Every symlink in the run's evidence (reference/, acceptance/, candidates/, rounds/; not the .work/ scratch
+    beside a stage): a directory linked to another run's (a case, a rounds run) is refused as a linked file is, never
+    followed and believed."""
+    out, pending = [], []
+    for top in (layout.reference, layout.acceptance_dir, layout.candidates, layout.rounds):
+        if top.is_symlink():
+            out.append(f"refusing symlinked directory in evidence: {top}")
+        elif top.is_dir():
+            pending.append(top)
+    while pending:
+        try:
+            with os.scandir(pending.pop()) as it:
+                entries = list(it)
+        except OSError as exc:
+            out.append(f"cannot list {exc.filename}: {exc.strerror}")
+            continue
+        for entry in entries:
+            if entry.name.endswith(WORK_SUFFIX):
+                continue
+            if entry.is_symlink():
+                kind = "symlinked directory" if os.path.isdir(entry.path) else "symlink"
+                out.append(f"refusing {kind} in evidence: {entry.path} -> {os.readlink(entry.path)}")
+            elif entry.is_dir(follow_symlinks=False):
+                pending.append(Path(entry.path))
+    return sorted(out)
 
 
 def sealed_cases(layout: RunLayout) -> dict[str, Sealed]:
@@ -375,6 +404,8 @@ def verify_run(layout: RunLayout, reference: dict[str, Any], acceptance: dict[st
         got = (acceptance or {}).get("digest")
         if got != expect:
             problems.append(f"the acceptance's digest {got} is not the expected {expect}")
+    checked.append("no symlink in the run's evidence")
+    problems += link_problems(layout)
     claims = verdict is not None or bool(rounds)
     if acceptance is not None or claims:
         checked.append("acceptance and bound files against the reference evidence")
@@ -382,7 +413,10 @@ def verify_run(layout: RunLayout, reference: dict[str, Any], acceptance: dict[st
     if verdict is not None:
         checked.append("verdict against the acceptance and the cases that ran")
         own = verdict_problems(verdict, acceptance)
-        cases = sealed_cases(layout) if not own and acceptance is not None else None
+        try:
+            cases = sealed_cases(layout) if not own and acceptance is not None else None
+        except QualifyError as exc:  # a symlinked case directory (link_problems names it too)
+            cases, own = None, [str(exc)]
         if cases is not None:
             own = case_set_problems(layout, verdict, cases)
         problems += own
@@ -392,7 +426,10 @@ def verify_run(layout: RunLayout, reference: dict[str, Any], acceptance: dict[st
     bound = frozen_rounds_bound(layout, reference, acceptance) if rounds else None
     for tp, doc in sorted(rounds.items()):
         checked.append(f"rounds vllm-tp{tp} sealed and judged again from its sealed evidence")
-        problems += rounds_problems(layout, tp, doc, acceptance, bound, frozen_rounds_asked(reference))
+        try:
+            problems += rounds_problems(layout, tp, doc, acceptance, bound, frozen_rounds_asked(reference))
+        except QualifyError as exc:  # a symlinked rounds directory (link_problems names it too)
+            problems.append(f"rounds vllm-tp{tp}: {exc}")
     return Verification(tuple(checked), tuple(problems))
 
 

@@ -356,6 +356,14 @@ def case_left_unsealed_and_out(run: Path) -> None:
     (RunLayout(run).case(CASES[1]) / "_complete.json").unlink()
 
 
+def case_linked_to_another_runs(run: Path) -> None:
+    """One case directory replaced by a symlink to the same case of another run (the untouched original)."""
+    layout = RunLayout(run)
+    shutil.rmtree(layout.case(CASES[1]))
+    layout.case(CASES[1]).symlink_to(run.parent / "original" / "candidates" / CASES[1],
+                                     target_is_directory=True)
+
+
 def remove_acceptance(run: Path) -> None:
     shutil.rmtree(RunLayout(run).acceptance_dir)
 
@@ -373,10 +381,12 @@ def remove_acceptance(run: Path) -> None:
     (every_case_a_passed_run_row, "a case that did not run cannot pass"),
     (case_copied_over_another, f"case {CASES[1]}: its evidence was made from the spec of '{CASES[0]}'"),
     (case_left_unsealed_and_out, f"candidate stage did not finish: cases missing from the verdict: {CASES[1]}"),
+    (case_linked_to_another_runs, "refusing symlinked directory in evidence: "),
 ], ids=["reference", "bound-file", "no-acceptance", "case-evidence", "case-removed", "verdict-value",
         "verdict-dropped-check", "verdict-bound", "verdict-dropped-case", "verdict-run-rows", "case-copied",
-        "case-unsealed-and-dropped"])
+        "case-unsealed-and-dropped", "case-linked"])
 def test_tampered_evidence_is_not_verified(candidate_run, tmp_path, tamper, expect):
+    (tmp_path / "original").symlink_to(candidate_run, target_is_directory=True)  # another run, for a link to it
     run = tampered(candidate_run, tmp_path)
     tamper(run)
     code, output = report(run, "--format", "json")
@@ -423,3 +433,17 @@ def test_a_candidate_stage_that_died_before_its_verdict_fails(candidate_run, tmp
     run = tampered(candidate_run, tmp_path)
     RunLayout(run).verdict.unlink()
     assert_no_verdict_fails(run, tmp_path, f"no verdict (cases started: {', '.join(sorted(CASES))})")
+
+
+def test_candidate_on_a_run_with_a_symlinked_case_is_one_line(candidate_run, tmp_path):
+    """`qualify candidate` on a run whose case directory links to another run's: one line, exit 2, nothing removed
+    through the link (it was a traceback from rmtree on a link)."""
+    (tmp_path / "original").symlink_to(candidate_run, target_is_directory=True)
+    run = tampered(candidate_run, tmp_path)
+    case_linked_to_another_runs(run)
+    matrix = matrix_with(tmp_path, engines=["torch-tp"], precisions=["fp32", "bf16"], tp=[1], roles=["actor"])
+    result = CliRunner().invoke(app, ["candidate", str(matrix.source), "--run", str(run)])
+    assert result.exit_code == 2, result.output
+    assert "refusing symlinked directory in evidence" in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert (candidate_run / "candidates" / CASES[1] / "_complete.json").is_file()

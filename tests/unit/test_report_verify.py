@@ -291,3 +291,26 @@ def test_an_expected_acceptance_digest_is_checked_by_the_report(tmp_path):
     same = verify_run(layout, reference_doc(), ACC, None, {}, expect=ACC["digest"])
     assert not any("is not the expected" in p for p in same.problems)
     assert "the acceptance's digest is the expected sha256:acc" in same.checked
+
+
+def test_a_symlink_anywhere_in_the_runs_evidence_is_a_problem(tmp_path):
+    """A case directory linked to another run's case (or any linked directory or file under reference/,
+    acceptance/, candidates/, rounds/) is refused, never followed; the .work/ scratch beside a stage is not evidence."""
+    from qualify.layout import work_dir
+    from qualify.report_verify import link_problems, verify_run
+
+    layout = RunLayout(make_run(tmp_path, verdict()))
+    other = tmp_path / "other-run" / "candidates" / CASE
+    other.mkdir(parents=True)
+    (other / "meta.json").write_text("{}")
+    complete_stage(other, {"case": CASE, "rollout_digest": ACC["rollout_digest"]})
+    assert link_problems(layout) == []
+    layout.case(CASE).symlink_to(other, target_is_directory=True)
+    work_dir(layout.case(CASE)).mkdir()
+    (work_dir(layout.case(CASE)) / "scratch").symlink_to(other)  # scratch: not evidence
+    (layout.reference / "linked.json").symlink_to(other / "meta.json")
+    linked_file = layout.reference / "linked.json"
+    assert link_problems(layout) == [f"refusing symlink in evidence: {linked_file} -> {other / 'meta.json'}",
+                                     f"refusing symlinked directory in evidence: {layout.case(CASE)} -> {other}"]
+    problems = verify_run(layout, reference_doc(), ACC, verdict(), {}).problems
+    assert f"refusing symlinked directory in evidence: {layout.case(CASE)}" in problems
