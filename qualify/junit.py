@@ -11,12 +11,12 @@ Jenkins, GitHub Actions and GitLab read (testsuites > testsuite > testcase > fai
 
 from __future__ import annotations
 
-import re
 import xml.etree.ElementTree as ET
 from collections import defaultdict
 from typing import Any
 
 from qualify.bounds.rule import FORMULA
+from qualify.childlog import printable
 from qualify.verdict import Row
 
 BOUND_RULE = f"value <= bound; {FORMULA}, frozen per (role, tensor, metric)"
@@ -50,14 +50,11 @@ def failure_line(row: Row) -> str:
             f"({row.comparison}; rule: {rule_of(row)}){note}")
 
 
-NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
-"""Characters XML 1.0 cannot hold (a crash message's escape codes, NUL): ElementTree writes them as they are, and
-the document no longer parses."""
-
-
 def xml_text(text: str) -> str:
-    """text with every character XML 1.0 cannot hold written as \\xNN (\\uNNNN)."""
-    return NOT_XML.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}", text)
+    """text with every character XML 1.0 cannot hold (a crash message's escape codes, NUL: ElementTree writes them as
+    they are, and the document no longer parses), and every other control character a CI log would act on, written
+    as \\xNN (\\uNNNN): qualify.childlog.printable, the document's own newlines kept."""
+    return printable(text, newlines=True)
 
 
 def _testcase(suite: ET.Element, classname: str, name: str, rows: list[Row]) -> bool:

@@ -78,6 +78,7 @@ def render(format: ReportFormat, docs: RunDocs, summary: dict[str, Any], page_di
         verdict = docs.verdict if summary["verification"]["ok"] and readable(docs.verdict) else None
         return to_junit(verdict, name=summary["matrix"], problems=summary["verification"]["problems"],
                         rounds=summary["rounds"], unfinished=summary["unfinished"])
+    from qualify.childlog import printable
     from qualify.report import to_markdown
 
-    return to_markdown(summary).encode()
+    return printable(to_markdown(summary), newlines=True).encode()  # a foreign string's control characters escaped

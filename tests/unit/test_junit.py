@@ -147,3 +147,14 @@ def test_control_characters_of_a_crash_message_keep_the_document_valid(tmp_path)
     assert "\\x1b[31mboom\\x1b[0m at \\x00 byte" in text and "\x1b" not in text and "\x00" not in text
     assert root.get("name") == "qualify tiny\\x07"
     assert parse(data, tmp_path)  # and junitparser reads it
+
+
+def test_an_engines_message_is_escaped_beyond_what_xml_refuses(tmp_path):
+    """What XML holds but a CI log or terminal would act on: C1 controls (CSI), a bidirectional override, CR."""
+    v = sample_verdict()
+    v["rows"][0] |= {"passed": False, "note": "RuntimeError: \x9b2J wiped\u202eexe.txt\rover"}
+    v["cases"][v["rows"][0]["case"]]["passed"] = False
+    root = ET.fromstring(to_junit(v, name="tiny"))
+    text = "".join(root.itertext()) + " ".join(f.get("message", "") for f in root.iter("failure"))
+    assert "\\x9b2J wiped\\u202eexe.txt\\x0dover" in text
+    assert not any(c in text for c in "\x9b\u202e\r")

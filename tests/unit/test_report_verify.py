@@ -314,3 +314,15 @@ def test_a_symlink_anywhere_in_the_runs_evidence_is_a_problem(tmp_path):
                                      f"refusing symlinked directory in evidence: {layout.case(CASE)} -> {other}"]
     problems = verify_run(layout, reference_doc(), ACC, verdict(), {}).problems
     assert f"refusing symlinked directory in evidence: {layout.case(CASE)}" in problems
+
+
+def test_a_case_name_with_control_characters_is_printed_escaped(tmp_path):
+    """A forged verdict's case name (or any string from the run) is shown with its control characters escaped."""
+    hostile = "x\x1b[2J\x1b]0;pwned\x07-fp32-tp1-actor"
+    v = verdict([row() | {"case": hostile}])
+    v["cases"] = {hostile: v["cases"][CASE]}
+    run = make_run(tmp_path, v)
+    for fmt in ("text", "markdown"):
+        result = CliRunner().invoke(app, ["report", str(run), "--format", fmt])
+        assert result.exit_code == 1 and "\x1b" not in result.output and "\x07" not in result.output, fmt
+        assert "x\\x1b[2J\\x1b]0;pwned\\x07-fp32-tp1-actor" in result.output.replace("\n", "")
