@@ -91,6 +91,21 @@ def _seed(name: str, value: int) -> None:
         raise ValueError(f"{name} must be in [0, 2^63 - 1], got {value}")
 
 
+MAX_TINY_SIZE = 1 << 20
+"""The largest any dimension of a tiny family may be (a width, a count, the vocabulary): beyond it no machine holds the
+model, and torch fails on it (qualify.memory.tiny_family_problem then bounds the whole family by this machine's
+memory)."""
+
+
+def _at_most_tiny(obj: Any, *names: str) -> None:
+    """Each named size is <= MAX_TINY_SIZE."""
+    for name in names:
+        value = getattr(obj, name)
+        if value > MAX_TINY_SIZE:
+            raise ValueError(f"{name} {value} is over {MAX_TINY_SIZE}: a tiny family's sizes are bounded (its models "
+                             "are made in this machine's memory)")
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class TinyMoE:
     """Mixture-of-experts layers for the tiny family's policies (Qwen3-MoE: every decoder layer's MLP is a router and
@@ -108,6 +123,7 @@ class TinyMoE:
     def __post_init__(self) -> None:
         _at_least(self, 2, "num_experts")
         _at_least(self, 1, "top_k", "moe_intermediate_size")
+        _at_most_tiny(self, "num_experts", "moe_intermediate_size")
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k {self.top_k} is more than num_experts {self.num_experts}")
 
@@ -150,6 +166,8 @@ class TinyModel:
         _seed("seed", self.seed)
         _at_least(self, 1, "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                   "max_position_embeddings")
+        _at_most_tiny(self, "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                      "head_dim", "max_position_embeddings")
         _positive(self, "initializer_range", "rope_theta")
         if self.head_dim < 32:
             raise ValueError(f"head_dim {self.head_dim} < 32: vLLM's CPU attention needs head_dim >= 32")
