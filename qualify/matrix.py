@@ -92,6 +92,21 @@ def _seed(name: str, value: int) -> None:
         raise ValueError(f"{name} must be in [0, 2^63 - 1], got {value}")
 
 
+MAX_TINY_SIZE = 1 << 20
+"""The largest any dimension of a tiny family may be (a width, a count, the vocabulary): beyond it no machine holds the
+model, and torch fails on it (qualify.memory.tiny_family_problem then bounds the whole family by this machine's
+memory)."""
+
+
+def _at_most_tiny(obj: Any, *names: str) -> None:
+    """Each named size is <= MAX_TINY_SIZE."""
+    for name in names:
+        value = getattr(obj, name)
+        if value > MAX_TINY_SIZE:
+            raise ValueError(f"{name} {value} is over {MAX_TINY_SIZE}: a tiny family's sizes are bounded (its models "
+                             "are made in this machine's memory)")
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class TinyMoE:
     """Mixture-of-experts layers for the tiny family's policies (Qwen3-MoE: every decoder layer's MLP is a router and
@@ -109,6 +124,7 @@ class TinyMoE:
     def __post_init__(self) -> None:
         _at_least(self, 2, "num_experts")
         _at_least(self, 1, "top_k", "moe_intermediate_size")
+        _at_most_tiny(self, "num_experts", "moe_intermediate_size")
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k {self.top_k} is more than num_experts {self.num_experts}")
 
@@ -151,6 +167,8 @@ class TinyModel:
         _seed("seed", self.seed)
         _at_least(self, 1, "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                   "max_position_embeddings")
+        _at_most_tiny(self, "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                      "head_dim", "max_position_embeddings")
         _positive(self, "initializer_range", "rope_theta")
         if self.head_dim < 32:
             raise ValueError(f"head_dim {self.head_dim} < 32: vLLM's CPU attention needs head_dim >= 32")
@@ -607,6 +625,8 @@ class Candidates:
 
 
 ROUNDS_PROBES = ("stale", "wrong-shard", "missing-ack", "duplicate-ack", "warm-cache")
+MIN_ROUNDS = 2
+"""The fewest rounds a rounds run has: an install needs a round after it."""
 """The rejection probes of a rounds run (qualify.rounds.probes implements each)."""
 
 
@@ -633,8 +653,8 @@ class Rounds:
         problem = engine_name_problem(self.engine)
         if problem:
             raise ValueError(f"engine: {problem}")
-        if self.rounds < 2:
-            raise ValueError(f"rounds must be >= 2 (an install needs a round after it), got {self.rounds}")
+        if self.rounds < MIN_ROUNDS:
+            raise ValueError(f"rounds must be >= {MIN_ROUNDS} (an install needs a round after it), got {self.rounds}")
         if self.train_tp < 1 or (self.vllm_tp is not None and self.vllm_tp < 1):
             raise ValueError("vllm_tp and train_tp must be >= 1")
         if self.train_precision not in PRECISIONS:

@@ -156,6 +156,17 @@ def skips_non_finite_step() -> TorchTPEngine:
     return SkipsNonFiniteStep()
 
 
+class CrashesInStep(TorchTPEngine):
+    """A trainer that crashes in its optimizer step: a rounds run whose training dies in round 0."""
+
+    def step(self):
+        raise RuntimeError("the trainer crashed in its optimizer step")
+
+
+def crashes_in_step() -> TorchTPEngine:
+    return CrashesInStep()
+
+
 # Faults in one decoder layer only: `qualify diagnose` must name that layer and module (negative controls).
 
 class AttentionScaleInLayer(TorchTPEngine):
