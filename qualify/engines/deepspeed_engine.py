@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 from qualify.engines.base import Batch, EngineContext, OutputScoring
 from qualify.engines.deepspeed_zero import ZERO_STAGES, accumulation_dtype, incomplete_state, zero_config
+from qualify.engines.shard_coverage import complete_state
 from qualify.errors import EngineError
 from qualify.models.hf import dtype_name, load_model
 
@@ -359,8 +360,9 @@ class DeepSpeedEngine(OutputScoring):
 
     def _zero_optimizer_state(self, out: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
         """The AdamW state consolidated by DeepSpeed's own gather, in the dtype its partitions hold it in, for every
-        parameter whose fragments the DP ranks hold exactly once and whose gathered state has the parameter's full
-        shape; any other parameter's state is left out (an evidence row names it) and logged."""
+        parameter whose fragments the DP ranks of every TP rank hold exactly once and whose gathered state has the
+        parameter's full shape (shard_coverage.complete_state); any other parameter's state is left out (an evidence
+        row names it) and logged."""
         from deepspeed.utils import safe_get_full_optimizer_state
 
         held = {key: {s[key].dtype for s in self.inner_optimizer().state.values()} for key in out}
@@ -368,14 +370,12 @@ class DeepSpeedEngine(OutputScoring):
         for name, p in self.params_by_name.items():  # DP collectives, in the same order on every rank
             for key, by_name in out.items():
                 full = self.full(name, safe_get_full_optimizer_state(p, key))
-                if full.shape != self.full_shapes[name]:
-                    incomplete.setdefault(name, f"its gathered {key} has shape {tuple(full.shape)}, the parameter "
-                                                f"{tuple(self.full_shapes[name])}")
                 by_name[name] = full.to(*held[key]) if len(held[key]) == 1 else full
-        for name, why in sorted(incomplete.items()):
-            for by_name in out.values():
-                by_name.pop(name, None)
-            if dist.get_rank() == 0:
+        everywhere: list[Any] = [None] * dist.get_world_size()  # what any TP rank's DP group found incomplete
+        dist.all_gather_object(everywhere, incomplete)
+        out, left_out = complete_state(out, self.full_shapes, {n: w for found in everywhere for n, w in found.items()})
+        if dist.get_rank() == 0:
+            for name, why in left_out.items():
                 print(f"deepspeed ZeRO-{self.zero_stage}: the optimizer state of {name} is not complete: {why}",
                       file=sys.stderr, flush=True)
         return out

@@ -8,12 +8,13 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from qualify.case.context import EngineContext
 from qualify.engines.deepspeed_engine import DeepSpeedEngine, ds_config
 from qualify.engines.registry import ENGINES, get_engine, preload_modules
-from qualify.engines.shard_coverage import coverage_problem
+from qualify.engines.shard_coverage import complete_state, coverage_problem
 from qualify.errors import EngineError
 from qualify.matrix import BUILTIN_ENGINES, DEEPSPEED_ENGINES, MEGATRON_ENGINES, Case, Optimizer, load_matrix
 from qualify.report_verify import CASE_NAME
@@ -84,6 +85,19 @@ def test_zero_stage_configs(stage, precision):
 ])
 def test_coverage_of_the_ranks_fragments(fragments, numel, problem):
     assert coverage_problem(fragments, numel) == problem
+
+
+def test_state_of_an_incomplete_or_misshapen_parameter_is_left_out():
+    """A parameter named incomplete, or whose gathered state of any key is not its full shape (one rank's fragment
+    read as the whole, say), loses its state under every key: the case's evidence/optimizer_state row names it."""
+    shapes = {"a": (2, 3), "b": (4,), "c": (5,)}
+    state = {"exp_avg": {"a": torch.zeros(2, 3), "b": torch.zeros(4), "c": torch.zeros(5)},
+             "exp_avg_sq": {"a": torch.zeros(2, 3), "b": torch.zeros(2), "c": torch.zeros(5)}}
+    kept, why = complete_state(state, shapes, {"c": "elements [3, 5) are held by no rank"})
+    assert {key: sorted(by_name) for key, by_name in kept.items()} == {"exp_avg": ["a"], "exp_avg_sq": ["a"]}
+    assert why == {"b": "its gathered exp_avg_sq has shape (2,), the parameter (4,)",
+                   "c": "elements [3, 5) are held by no rank"}
+    assert complete_state(state | {"exp_avg_sq": state["exp_avg"]}, shapes, {})[1] == {}
 
 
 def _moe_matrix(tmp_path, engines, tp):
