@@ -38,8 +38,13 @@ MAX_SEED = 2**63 - 1
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 # A plugin engine is 'package.module:factory'; case names and directories are made from it.
 _PLUGIN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
-BUILTIN_ENGINES = ("torch-tp", "deepspeed", "megatron")
+BUILTIN_ENGINES = ("torch-tp", "deepspeed", "megatron", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3",
+                   "megatron-distopt")
 """The engines qualify ships (qualify.engines.registry builds each by name); any other is a 'module:factory' plugin."""
+DEEPSPEED_ENGINES = ("deepspeed", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3")
+"""DeepSpeed at ZeRO stage 0 (plain deepspeed) to 3, the stage each one's index: one adapter, the stage its setting."""
+MEGATRON_ENGINES = ("megatron", "megatron-distopt")
+"""Megatron without and with its distributed optimizer: one adapter, the optimizer its setting."""
 
 
 def engine_name_problem(name: str) -> str | None:
@@ -789,11 +794,12 @@ class Matrix:
             if (t.moe is None) != (self.rollout.routing is None):
                 raise ValueError("rollout.routing (replay or recompute) is required for a MoE family (models.tiny.moe) "
                                  "and refused for a dense one")
-            if t.moe is not None and "megatron" in self.candidates.engines and max(self.candidates.tp) > 1:
-                raise ValueError(f"candidates.engines lists megatron beside the MoE family of models.tiny.moe with "
-                                 f"candidates.tp {list(self.candidates.tp)}: megatron runs a Qwen3-MoE model at TP 1 "
-                                 "only (megatron-core trains MoE under TP with sequence parallelism alone, which the "
-                                 "norms of its local spec refuse); give megatron a matrix of its own with tp [1]")
+            megatron = [e for e in self.candidates.engines if e in MEGATRON_ENGINES]
+            if t.moe is not None and megatron and max(self.candidates.tp) > 1:
+                raise ValueError(f"candidates.engines lists {megatron[0]} beside the MoE family of models.tiny.moe "
+                                 f"with candidates.tp {list(self.candidates.tp)}: megatron runs a Qwen3-MoE model at "
+                                 "TP 1 only (megatron-core trains MoE under TP with sequence parallelism alone, which "
+                                 "the norms of its local spec refuse); give megatron a matrix of its own with tp [1]")
             self.check_family(t.num_heads, t.num_kv_heads, t.intermediate_size, t.vocab_size, "models.tiny")
             if self.rollout.max_model_len > t.max_position_embeddings:
                 raise ValueError(f"rollout.max_model_len {self.rollout.max_model_len} exceeds "

@@ -12,12 +12,13 @@ import importlib
 import importlib.util
 import inspect
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from qualify.engines.base import TrainEngine
 from qualify.errors import EngineError
-from qualify.matrix import BUILTIN_ENGINES, engine_name_problem
+from qualify.matrix import BUILTIN_ENGINES, DEEPSPEED_ENGINES, engine_name_problem
 
 Factory = Callable[[], TrainEngine]
 
@@ -28,21 +29,23 @@ def _torch_tp() -> TrainEngine:
     return TorchTPEngine()
 
 
-def _deepspeed() -> TrainEngine:
+def _deepspeed(zero_stage: int = 0) -> TrainEngine:
     from qualify.engines.deepspeed_engine import DeepSpeedEngine
 
-    return DeepSpeedEngine()
+    return DeepSpeedEngine(zero_stage=zero_stage)
 
 
-def _megatron() -> TrainEngine:
+def _megatron(distributed_optimizer: bool = False) -> TrainEngine:
     from qualify.engines.megatron import MegatronEngine
 
-    return MegatronEngine()
+    return MegatronEngine(distributed_optimizer=distributed_optimizer)
 
 
-ENGINES: dict[str, Factory] = dict(zip(BUILTIN_ENGINES, (_torch_tp, _deepspeed, _megatron), strict=True))
+ENGINES: dict[str, Factory] = dict(zip(BUILTIN_ENGINES, (
+    _torch_tp, _deepspeed, _megatron, partial(_deepspeed, 1), partial(_deepspeed, 2), partial(_deepspeed, 3),
+    partial(_megatron, True)), strict=True))
 
-PRELOAD: dict[str, tuple[str, ...]] = {"deepspeed": ("deepspeed",)}
+PRELOAD: dict[str, tuple[str, ...]] = dict.fromkeys(DEEPSPEED_ENGINES, ("deepspeed",))
 """Third-party modules a built-in engine's ranks import that a CPU launch's fork server imports before it forks them
 (qualify.case.forkserver; torch and transformers are always there). megatron runs on GPUs only, where ranks start
 fresh."""
