@@ -37,7 +37,7 @@ MAX_SEED = 2**63 - 1
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 # A plugin engine is 'package.module:factory'; case names and directories are made from it.
 _PLUGIN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
-BUILTIN_ENGINES = ("torch-tp", "deepspeed", "megatron")
+BUILTIN_ENGINES = ("torch-tp", "deepspeed", "megatron", "fsdp2")
 """The engines qualify ships (qualify.engines.registry builds each by name); any other is a 'module:factory' plugin."""
 
 

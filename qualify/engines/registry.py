@@ -33,12 +33,19 @@ def _megatron() -> TrainEngine:
     return MegatronEngine()
 
 
-ENGINES: dict[str, Factory] = dict(zip(BUILTIN_ENGINES, (_torch_tp, _deepspeed, _megatron), strict=True))
+def _fsdp2() -> TrainEngine:
+    from qualify.engines.fsdp2 import FSDP2Engine
 
-PRELOAD: dict[str, tuple[str, ...]] = {"deepspeed": ("deepspeed",)}
+    return FSDP2Engine()
+
+
+ENGINES: dict[str, Factory] = dict(zip(BUILTIN_ENGINES, (_torch_tp, _deepspeed, _megatron, _fsdp2), strict=True))
+
+PRELOAD: dict[str, tuple[str, ...]] = {"deepspeed": ("deepspeed",),
+                                        "fsdp2": ("torch.distributed.fsdp", "torch.distributed.tensor.parallel")}
 """Third-party modules a built-in engine's ranks import that a CPU launch's fork server imports before it forks them
-(qualify.case.forkserver; torch and transformers are always there). megatron runs on GPUs only, where ranks start
-fresh."""
+(qualify.case.forkserver; torch and transformers are always there). fsdp2's are torch's own FSDP2 and DTensor
+parallel modules. megatron runs on GPUs only, where ranks start fresh."""
 
 
 def preload_modules(engine: str) -> tuple[str, ...]:
