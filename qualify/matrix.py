@@ -39,7 +39,7 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 # A plugin engine is 'package.module:factory'; case names and directories are made from it.
 _PLUGIN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
 BUILTIN_ENGINES = ("torch-tp", "deepspeed", "megatron", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3",
-                   "megatron-distopt")
+                   "megatron-distopt", "fsdp2")
 """The engines qualify ships (qualify.engines.registry builds each by name); any other is a 'module:factory' plugin."""
 DEEPSPEED_ENGINES = ("deepspeed", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3")
 """DeepSpeed at ZeRO stage 0 (plain deepspeed) to 3, the stage each one's index: one adapter, the stage its setting."""

@@ -41,14 +41,21 @@ def _megatron(distributed_optimizer: bool = False) -> TrainEngine:
     return MegatronEngine(distributed_optimizer=distributed_optimizer)
 
 
+def _fsdp2() -> TrainEngine:
+    from qualify.engines.fsdp2 import FSDP2Engine
+
+    return FSDP2Engine()
+
+
 ENGINES: dict[str, Factory] = dict(zip(BUILTIN_ENGINES, (
     _torch_tp, _deepspeed, _megatron, partial(_deepspeed, 1), partial(_deepspeed, 2), partial(_deepspeed, 3),
-    partial(_megatron, True)), strict=True))
+    partial(_megatron, True), _fsdp2), strict=True))
 
-PRELOAD: dict[str, tuple[str, ...]] = dict.fromkeys(DEEPSPEED_ENGINES, ("deepspeed",))
+PRELOAD: dict[str, tuple[str, ...]] = {**dict.fromkeys(DEEPSPEED_ENGINES, ("deepspeed",)),
+                                        "fsdp2": ("torch.distributed.fsdp", "torch.distributed.tensor.parallel")}
 """Third-party modules a built-in engine's ranks import that a CPU launch's fork server imports before it forks them
-(qualify.case.forkserver; torch and transformers are always there). megatron runs on GPUs only, where ranks start
-fresh."""
+(qualify.case.forkserver; torch and transformers are always there). fsdp2's are torch's own FSDP2 and DTensor
+parallel modules. megatron runs on GPUs only, where ranks start fresh."""
 
 
 def preload_modules(engine: str) -> tuple[str, ...]:

@@ -10,31 +10,14 @@ from pathlib import Path
 import pytest
 
 from qualify.candidate.run import run_candidates
-from qualify.freeze import freeze
 from qualify.layout import RunLayout
-from qualify.matrix import load_matrix
 from qualify.rollout.capture import load_rollout
 from qualify.store import read_json
 from tests.integration._support import plugins_importable  # noqa: F401  (autouse fixture)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.engines]
 GRPO_MATRIX = Path(__file__).resolve().parents[2] / "matrices" / "tiny-qwen3-grpo.yaml"
-
-
-@pytest.fixture(scope="module")
-def grpo_matrix():
-    return load_matrix(GRPO_MATRIX)
-
-
-@pytest.fixture(scope="module")
-def grpo_run(tmp_path_factory, grpo_matrix):
-    """The GRPO matrix's reference (real vLLM capture) and acceptance (treat as read-only)."""
-    from qualify.reference.stage import run_reference
-
-    run_dir = tmp_path_factory.mktemp("grpo") / "tiny-qwen3-grpo"
-    run_reference(grpo_matrix, run_dir)
-    freeze(run_dir)
-    return run_dir
+# grpo_matrix and grpo_run (the GRPO matrix's reference and acceptance) are session fixtures (tests/conftest.py)
 
 
 def test_rollout_has_groups_of_distinct_responses(grpo_run, grpo_matrix):
