@@ -11,8 +11,8 @@ from dataclasses import replace
 import torch
 
 from qualify.engines.torch_tp import TorchTPEngine
-from qualify.ppo.grpo import Normalizers, count_normalizers
 from qualify.ppo.objective import GRPOShare, grpo_objective, grpo_share
+from qualify.ppo.share import Normalizers, count_normalizers
 
 
 class _GRPOObjective(TorchTPEngine):
