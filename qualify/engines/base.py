@@ -127,9 +127,11 @@ class TrainEngine(Protocol):
     # makes them from full outputs), None where score()'s values are them; the harness judges them as
     # outputs/logprobs_BT. Without the hook score()'s values are judged: the full formula.
     # Optional: an engine that brings its own loss code implements
-    #   objective(role, ppo, scores_BT, response_mask_BT, targets) -> (loss, outputs)
+    #   objective(role, ppo, scores_BT, response_mask_BT, targets, *, share) -> (loss, outputs)
     # returning the outputs qualify.ppo.objective.role_objective returns (actor: logprobs_BT, ratio_BT, kl_BT,
-    # kl_mean, clip_frac; critic: values_BT, clip_frac); the harness then judges those instead of its own.
+    # kl_mean, clip_frac; critic: values_BT, clip_frac); the harness then judges those instead of its own. share
+    # (qualify.ppo.objective.PPOShare; GRPO: GRPOShare, with grpo= too) holds the step's normalizers over every DP
+    # rank: the loss and scalars are this rank's share. Without share= it runs under PPO at DP1 only.
     # Optional: a MoE engine implements
     #   routes() -> Tensor | None
     # the (B, T, MoE layers, top_k) expert ids its last score() routed each token to (OutputScoring.routed records them
