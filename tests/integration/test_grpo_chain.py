@@ -235,6 +235,7 @@ def test_trl_grpo_loss_qualifies_and_a_setting_changed_away_fails_by_name(grpo_r
     assert len(verdict["cases"]) == 6 and verdict["passed"], failed[:5]
     dp2 = next(c.name for c in m.cases() if c.dp == 2 and c.precision == "fp32")
     assert "vs dp1" in verdict["cases"][dp2]["invariance"]
+    (tmp_path / "bad").mkdir()
     bad_matrix = matrix_with(tmp_path / "bad", base=GRPO_MATRIX, engines=["qualify.examples.trl_grpo:mismatched"],
                              precisions=["fp32"], tp=[1], dp=[1])
     bad = run_candidates(bad_matrix, grpo_run).to_json()

@@ -1,7 +1,8 @@
 """PPO at DP2 on the embedded default (the committed rollout, actor and critic): torch-tp and deepspeed pass against
 the reference and against their DP1 cases, every tensor with its invariance tier; a loss that is the mean of the
 ranks' token means and gradients divided by DP twice each fail naming their tensors from step 0, by 10x their
-bounds or more; `qualify diagnose` runs a DP2 case on its tp x dp ranks."""
+bounds or more; a PPO objective() that cannot take the step's share is refused at DP2; `qualify diagnose` runs a DP2
+case on its tp x dp ranks."""
 
 from __future__ import annotations
 
@@ -114,3 +115,19 @@ def test_diagnose_runs_a_dp2_case(ppo_dp_run, tmp_path):
     assert diagnosis["passed"] and diagnosis["first_departure"] is None, diagnosis["first_departure"]
     rows = diagnosis["families"]["fp32-repeat"]["rows"]
     assert {"act/model.layers.0", "act/model.layers.1", "grads/model.layers.0"} <= {r["key"] for r in rows}
+
+
+def test_an_objective_without_share_is_refused_at_dp2_in_one_line(ppo_dp_run, tmp_path):
+    """A PPO objective() written without share= (it would divide by its own rank's tokens) is refused at DP2 before
+    setup: one failing row naming the plugin and its signature; nothing sealed."""
+    from qualify.stages import stage_is_complete
+
+    plugin = "tests.integration.contract_plugins:five_parameter_objective"
+    m = dp2_matrix(tmp_path, engines=[plugin], dp=[2], roles=["actor"])
+    verdict = run_candidates(m, ppo_dp_run).to_json()
+    [case] = [c.name for c in m.cases()]
+    [row] = [r for r in verdict["rows"] if r["case"] == case]
+    assert row["comparison"] == "run" and not row["passed"] and "\n" not in row["note"], row
+    assert (f"engine {plugin}: objective(role, ppo, scores_BT, mask_BT, targets) cannot take share=; under PPO at "
+            "DP 2") in row["note"], row["note"]
+    assert not stage_is_complete(RunLayout(ppo_dp_run).case(case))
