@@ -780,9 +780,6 @@ class Matrix:
         if self.algorithm == "ppo" and self.rollout.num_prompts % self.ppo.minibatches:
             raise ValueError(f"ppo.minibatches {self.ppo.minibatches} does not divide rollout.num_prompts "
                              f"{self.rollout.num_prompts} (every minibatch has the same rows; none is dropped)")
-        if self.algorithm == "ppo" and max(self.candidates.dp) > 1:
-            raise ValueError(f"candidates.dp {list(self.candidates.dp)}: DP above 1 is built for algorithm grpo only "
-                             "(PPO's normalizers are not made global across DP ranks yet)")
         step_rows = self.num_rows // self.ppo.minibatches
         for dp in self.candidates.dp:
             if step_rows % dp:

@@ -48,7 +48,15 @@ from qualify.errors import EngineError, EvidenceError
 from qualify.hashing import file_digest
 from qualify.layout import work_dir
 from qualify.models.checkpoint import initial_parameters
-from qualify.ppo.objective import grpo_dp_share, grpo_share, role_objective, rows_of, step_rows
+from qualify.ppo.objective import (
+    grpo_dp_share,
+    grpo_share,
+    ppo_dp_share,
+    ppo_share,
+    role_objective,
+    rows_of,
+    step_rows,
+)
 from qualify.rollout.capture import load_rollout
 from qualify.stages import complete_stage, prepare_stage
 from qualify.store import json_safe, read_tensors, write_json
@@ -56,21 +64,24 @@ from qualify.tensor_codec import Adam, StepCoding
 from qualify.versions import provenance
 
 
-def objective(engine: Any, spec: CaseSpec, scores_BT: torch.Tensor, batch: Batch,
-              targets: dict[str, torch.Tensor], share: Any = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def objective(engine: Any, spec: CaseSpec, scores_BT: torch.Tensor, batch: Batch, targets: dict[str, torch.Tensor],
+              share: Any = None, gives_share: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The role's loss and judged outputs: the engine's own objective when it brings one, else the harness's.
 
     An engine qualifies its own loss code (normalizer, masking, clipping, KL placement) by implementing
     objective(role, ppo, scores_BT, response_mask_BT, targets) -> (loss, outputs) with the same output
-    names as qualify.ppo.objective.role_objective; under GRPO it is also given grpo= (the matrix's section)
-    and share= (qualify.ppo.objective.GRPOShare: the rank's advantages and the step's global normalizers).
+    names as qualify.ppo.objective.role_objective; it is also given share= (this rank's share of the step:
+    qualify.ppo.objective.PPOShare, the step's global normalizers; GRPOShare, also the rank's advantages) where
+    gives_share (qualify.candidate.plugin_contract.check_objective_signature), and under GRPO grpo= (the matrix's
+    section).
     """
     own = getattr(engine, "objective", None)
-    grpo = {} if spec.grpo is None else {"grpo": spec.grpo, "share": share}
+    given = {} if spec.grpo is None else {"grpo": spec.grpo}
+    ours = given | {"share": share}
     if own is None:
-        return role_objective(spec.role, spec.ppo, scores_BT, batch.response_mask_BT, targets, **grpo,
+        return role_objective(spec.role, spec.ppo, scores_BT, batch.response_mask_BT, targets, **ours,
                               entropy_BT=policy_entropy(engine, spec, required=True))
-    result = own(spec.role, spec.ppo, scores_BT, batch.response_mask_BT, targets, **grpo)
+    result = own(spec.role, spec.ppo, scores_BT, batch.response_mask_BT, targets, **(ours if gives_share else given))
     if not isinstance(result, tuple) or len(result) != 2:
         raise ContractError(f"engine {spec.engine}: objective() returned {type(result).__name__}; expected a pair "
                             "(loss, outputs)")
@@ -80,7 +91,7 @@ def objective(engine: Any, spec: CaseSpec, scores_BT: torch.Tensor, batch: Batch
         entropy_BT = policy_entropy(engine, spec, required=False)  # an own objective may compute its own entropy
         if entropy_BT is None and spec.role == "actor" and spec.ppo.entropy_coef > 0:
             entropy_BT = torch.zeros_like(scores_BT)  # only the outputs' names and shapes are read
-        _, expected = role_objective(spec.role, spec.ppo, scores_BT.detach(), batch.response_mask_BT, targets, **grpo,
+        _, expected = role_objective(spec.role, spec.ppo, scores_BT.detach(), batch.response_mask_BT, targets, **ours,
                                      entropy_BT=None if entropy_BT is None else entropy_BT.detach())
     check_outputs(spec.engine, outputs, expected, batch.response_mask_BT)
     return loss, outputs
@@ -102,9 +113,10 @@ def policy_entropy(engine: Any, spec: CaseSpec, required: bool) -> torch.Tensor 
 
 def step_share(spec: CaseSpec, targets: dict[str, torch.Tensor], mask_BT: torch.Tensor, offset: int,
                group: Any) -> Any:
-    """GRPO: this rank's advantages and the step's normalizers (from every DP rank at DP > 1); None under PPO."""
+    """This rank's share of the step: the step's normalizers (from every DP rank at DP > 1) and under GRPO its rows'
+    advantages (from the step's groups)."""
     if spec.grpo is None:
-        return None
+        return ppo_share(mask_BT) if group is None else ppo_dp_share(mask_BT, group)
     if group is None:
         return grpo_share(spec.grpo, targets["score_B"], mask_BT)
     return grpo_dp_share(spec.grpo, targets["score_B"], mask_BT, offset, group)
@@ -213,7 +225,7 @@ def run_case(spec: CaseSpec, rank: int) -> None:
     ctx = engine_context(spec, rank, work)
     contract = agree_case(spec, rank)  # before the case's first collective: ranks that disagree stop here, named
     group = dp_group(spec.tp, spec.dp, rank)
-    check_objective_signature(engine, spec.engine, spec.grpo is not None)
+    gives_share = check_objective_signature(engine, spec.engine, spec.grpo is not None, spec.dp)
     engine.setup(ctx)
     before = initial_parameters(Path(spec.model_dir))
     padded_before = {k: v.detach().clone() for k, v in engine.padded_rows().items()}
@@ -240,7 +252,7 @@ def run_case(spec: CaseSpec, rank: int) -> None:
         if batch.routes_BTLK is not None:
             hook = getattr(engine, "routes", None)
             replayed.append(replay_check(hook() if hook is not None else None, batch.routes_BTLK, offset))
-        loss, outputs = objective(engine, spec, scores_BT, batch, rows_of(targets, rows), share)
+        loss, outputs = objective(engine, spec, scores_BT, batch, rows_of(targets, rows), share, gives_share)
         if spec.role == "actor" and spec.ppo.entropy_coef > 0:
             entropies.append(own_entropy_check(engine, spec, outputs, batch, offset))
         outputs.update(reported_router_outputs(engine, spec))

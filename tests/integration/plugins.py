@@ -99,9 +99,9 @@ class PerSequenceNormalizer(OwnObjectiveEngine):
 class PaddingInDenominator(OwnObjectiveEngine):
     """Divides by every position after the prompt, the padding of shorter responses included."""
 
-    def reduce(self, x_BT, mask_BT, normalizer, constant):
+    def reduce(self, x_BT, mask_BT, normalizer, constant, counts=None):
         if normalizer != "global":
-            return super().reduce(x_BT, mask_BT, normalizer, constant)
+            return super().reduce(x_BT, mask_BT, normalizer, constant, counts)
         after_prompt_BT = mask_BT.cumsum(dim=1) > 0
         return torch.where(mask_BT, x_BT, torch.zeros_like(x_BT)).sum() / int(after_prompt_BT.sum())
 

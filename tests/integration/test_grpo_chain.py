@@ -251,20 +251,53 @@ def test_a_ppo_objective_under_grpo_is_a_one_line_failing_row(grpo_run, tmp_path
 
 def test_trl_grpo_loss_qualifies_and_a_setting_changed_away_fails_by_name(grpo_run, tmp_path):
     """The shipped example adapter of a real peer library's loss (TRL's GRPOTrainer._compute_loss, from PyPI):
-    PASS with its settings mapped from the matrix; TRL's 'grpo' loss type where the matrix says token_mean fails
-    naming the loss and the gradients from step 0."""
+    PASS on every case of the GRPO default (TP1, TP1xDP2, TP2; fp32 and bf16) with its settings mapped from the
+    matrix (token_mean: TRL's default 'dapo', normalized by the tokens of every process); TRL's 'grpo' loss type where
+    the matrix says token_mean fails naming the loss and the gradients from step 0."""
     from tests.integration._support import matrix_with, require_module
 
     require_module("trl")
-    m = matrix_with(tmp_path, base=GRPO_MATRIX, engines=["qualify.examples.trl_grpo:engine",
-                                                          "qualify.examples.trl_grpo:mismatched"],
-                    precisions=["fp32"], tp=[1], dp=[1])
+    m = matrix_with(tmp_path, base=GRPO_MATRIX, engines=["qualify.examples.trl_grpo:engine"])
     verdict = run_candidates(m, grpo_run).to_json()
-    good, bad = (c.name for c in m.cases())
-    failed = [r for r in verdict["rows"] if r["case"] == good and not r["passed"]]
-    assert verdict["cases"][good]["passed"], failed[:5]
-    wrong = {r["tensor"] for r in verdict["rows"] if r["case"] == bad and not r["passed"]}
+    failed = [r for r in verdict["rows"] if not r["passed"]]
+    assert len(verdict["cases"]) == 6 and verdict["passed"], failed[:5]
+    dp2 = next(c.name for c in m.cases() if c.dp == 2 and c.precision == "fp32")
+    assert "vs dp1" in verdict["cases"][dp2]["invariance"]
+    (tmp_path / "bad").mkdir()
+    bad_matrix = matrix_with(tmp_path / "bad", base=GRPO_MATRIX, engines=["qualify.examples.trl_grpo:mismatched"],
+                             precisions=["fp32"], tp=[1], dp=[1])
+    bad = run_candidates(bad_matrix, grpo_run).to_json()
+    wrong = {r["tensor"] for r in bad["rows"] if not r["passed"]}
     assert "step0/outputs/loss" in wrong and any(t.startswith("step0/grads/") for t in wrong), sorted(wrong)[:10]
+
+
+def test_trl_per_process_token_mean_fails_at_dp2(grpo_run, tmp_path):
+    """TRL's 'bnpo' loss type divides by this process's tokens: at DP1 the matrix's token_mean, at DP2 (the ranks
+    holding unequal tokens) a mean of per-process token means, which fails naming the loss and the gradients from
+    step 0 by 10x their bounds or more, while the forward's outputs pass."""
+    from qualify.ppo.grpo import dp_slices
+    from tests.integration._support import matrix_with, require_module
+
+    require_module("trl")
+    mask_BT = load_rollout(RunLayout(grpo_run).rollout(1))["response_mask_BT"]
+    counts = [int(mask_BT[rows].sum()) for rows in dp_slices(mask_BT.shape[0], 2)]
+    assert counts[0] != counts[1], counts  # with equal tokens per rank the two normalizations agree
+    m = matrix_with(tmp_path, base=GRPO_MATRIX, engines=["tests.integration.grpo_plugins:trl_bnpo"],
+                    precisions=["fp32"], tp=[1], dp=[2])
+    verdict = run_candidates(m, grpo_run).to_json()
+    step0 = [r for r in verdict["rows"] if r["tensor"].startswith("step0/")]
+    failed = {r["tensor"] for r in step0 if not r["passed"]}
+    assert {"step0/outputs/loss", "step0/outputs/seq_loss_B"} <= failed, sorted(failed)[:10]
+    assert "step0/outputs/logprobs_BT" not in failed and "step0/outputs/advantages_B" not in failed
+
+    def ratio(r):
+        return float(r["value"]) / float(r["bound"]) if float(r["bound"]) > 0 else float("inf")
+
+    loss = max(ratio(r) for r in step0 if r["tensor"] == "step0/outputs/loss" and not r["passed"])
+    grads = max((r for r in step0 if r["tensor"].startswith("step0/grads/") and not r["passed"]), key=ratio)
+    print(f"trl bnpo at DP2 (tokens per rank {counts}): step0/outputs/loss {loss:.3g}x, {grads['tensor']} "
+          f"{grads['metric']} {ratio(grads):.3g}x")
+    assert loss >= 10 and ratio(grads) >= 10
 
 
 def test_eps_inside_the_std_fails_the_advantages_derivation(grpo_run, tmp_path):
