@@ -486,7 +486,8 @@ class Reference:
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class Freeze:
-    """The acceptance rule: bound = k x control error + floor."""
+    """The acceptance rule's settings: bound = k * control_error + floor + quantum (qualify.bounds.rule.FORMULA; the
+    quantum, one rounding step of the compute precision, is not a setting)."""
 
     k: float = 4.0
     """Multiplier on the control error."""

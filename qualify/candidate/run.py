@@ -1,7 +1,8 @@
 """`qualify candidate`: verify the acceptance, run every case on the frozen rollout, judge, write the verdict.
 
-Each case runs as its own launch (torchrun with TP ranks; under Slurm the job's srun wraps the
-same command), so no engine's global state leaks into another. Cases whose evidence is complete
+The cases sharing engine, TP and DP run as one launch of tp x dp ranks (qualify.case.launch: started directly with
+torchrun's rank variables, or forked from a warm server on the CPU; under Slurm the job's one srun task is this
+stage, which starts them the same way), so no engine's global state leaks into another engine's. Cases whose evidence is complete
 and verified are skipped (resume); a case that crashes is a failed case with its log tail in
 the verdict, not a crash of the whole stage.
 """

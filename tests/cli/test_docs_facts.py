@@ -112,3 +112,106 @@ def test_the_legacy_check_finds_each_form():
     assert legacy_uses('step "$q" reference "$matrix" --out "$run"\n', hidden)
     assert legacy_uses('subprocess.run([QUALIFY, "reference", str(m), "--out", str(run)])\n', hidden)
     assert not legacy_uses('qualify report "$run" --out r.html; qualify sbatch m.yaml --only "x"\n', hidden)
+
+
+# --- what the docs name exists -------------------------------------------------------------------------------------
+
+DOCS = sorted({REPO / "README.md", REPO / "TESTING.md", REPO / "BENCHMARKS.md", *REPO.glob("docs/*.md"),
+               *REPO.glob("*/README.md")} - {REPO / ".venv" / "README.md"})
+"""The pages that describe the product as it is now (benchmarks/LOG.md is a dated log: it names what existed then)."""
+PATH = re.compile(r"(?<![\w/.-])((?:tests|qualify|benchmarks|scripts|matrices|manifests|sbatch|requirements|docs)"
+                  r"/[\w./-]*\w)(?:::(\w+))?")
+MODULE = re.compile(r"(?<![\w/.-])(qualify(?:\.\w+)+)")
+
+
+def missing_paths(text: str) -> list[str]:
+    """Repository paths a page names that do not exist (`tests/x.py::test_name`: the test function too); a path with a
+    placeholder (`<case>`, `*`, `{a,b}`) is a pattern, not a name."""
+    out = []
+    for m in PATH.finditer(text):
+        path, test = m.groups()
+        if any(c in path for c in "*<>{}"):
+            continue
+        if not (REPO / path).exists():
+            out.append(path)
+        elif test and not re.search(rf"^def {test}\(", (REPO / path).read_text(), flags=re.MULTILINE):
+            out.append(f"{path}::{test}")
+    return out
+
+
+def top_level_names(source: Path) -> set[str]:
+    import ast
+
+    names = set()
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names |= {a.asname or a.name.split(".")[0] for a in node.names}
+    return names
+
+
+def module_resolves(name: str) -> bool:
+    """`qualify.a.b` is a module of the package, or `qualify.a.b.NAME` a name its source binds at its top level (read,
+    not imported: an adapter's module would import its library)."""
+    parts = name.split(".")
+    for i in range(len(parts), 1, -1):
+        base = REPO.joinpath(*parts[:i])
+        source = base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+        if source.is_file():
+            rest = parts[i:]
+            return not rest or rest[0] in top_level_names(source) or (base / f"{rest[0]}.py").is_file()
+    return False
+
+
+def unknown_modules(text: str) -> list[str]:
+    """qualify.* names a page gives that are no module or top-level name (mutation testing's mutant names, which
+    `mutmut` gives as `module.x_function__mutmut_N` or `module.x_function`, are records of a run, not names of the
+    code)."""
+    mutant = re.compile(r"\.x(_|ǁ)|mutmut")
+    return [m for m in MODULE.findall(text) if not mutant.search(m) and not module_resolves(m)]
+
+
+@pytest.mark.parametrize("page", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_path_and_module_a_page_names_exists(page):
+    text = page.read_text()
+    assert not missing_paths(text), missing_paths(text)
+    assert not unknown_modules(text), unknown_modules(text)
+
+
+def test_the_name_checks_catch_a_stale_page():
+    assert missing_paths("checked by `tests/integration/test_acceptance_reproduces.py`") == \
+        ["tests/integration/test_acceptance_reproduces.py"]
+    assert missing_paths("`tests/integration/test_replay.py::test_gone_long_ago`") == \
+        ["tests/integration/test_replay.py::test_gone_long_ago"]
+    assert not missing_paths("`tests/integration/test_replay.py::test_fresh_reference_against_committed_acceptance`, "
+                             "`runs/<m>/candidates/<case>/`, `sbatch/clusters/*.yaml`")
+    assert unknown_modules("`qualify.reference.resident` and `qualify.engines.base.NoSuchEngine`") == \
+        ["qualify.reference.resident", "qualify.engines.base.NoSuchEngine"]
+    assert not unknown_modules("`qualify.engines.base.TrainEngine`, `qualify.bounds.rule.FORMULA`, `qualify.candidate`")
+
+
+# --- the rule, wherever the code states it ---------------------------------------------------------------------------
+
+RULE_TEXT = re.compile(r"bound\s*=\s*k\s*[x*]\s*control[ _]error\s*\+\s*floor(?!\s*\+\s*quantum)")
+"""The rule stated without its last term (qualify.bounds.rule.FORMULA has it)."""
+
+
+def rule_without_quantum(text: str) -> list[str]:
+    return [" ".join(m.group(0).split()) for m in RULE_TEXT.finditer(text)]
+
+
+@pytest.mark.parametrize("path", sorted(REPO.glob("qualify/**/*.py")), ids=lambda p: str(p.relative_to(REPO)))
+def test_the_code_states_the_rule_with_its_quantum(path):
+    assert not rule_without_quantum(path.read_text())
+
+
+def test_the_rule_check_sees_a_missing_quantum():
+    from qualify.bounds.rule import FORMULA
+
+    assert rule_without_quantum('"""Rule: bound = k x control error + floor, per (role, tensor, metric)."""')
+    assert rule_without_quantum("The acceptance rule: bound = k * control_error +\n    floor.")
+    assert not rule_without_quantum(FORMULA) and not rule_without_quantum("bound = k x control error + floor + quantum")
