@@ -6,7 +6,7 @@ The examples are collected, not listed: each command's epilog in the Typer app (
 Typer app, in a sandbox directory that stands for the repository root:
 
     matrices/, manifests/, sbatch/, scripts/   the repository's own (each file linked)
-    runs/tiny-qwen3                           a copy of the session's frozen run (reference scored from the committed
+    runs/tiny-qwen3                           a copy of the test run's frozen run (reference scored from the committed
                                               rollout, acceptance; tests/conftest.py) with the cases of CASES run once
                                               (`prepared`), so each stage finds what the stage before it left:
                                               `reference` finds its output complete and verified and resumes,
