@@ -1,4 +1,4 @@
-"""Summarize a verdict.json too large to carry back: every failing row, each case's closest passing row, and the
+"""Summarize a verdict.json too large to read whole: every failing row, each case's closest passing row, and the
 rows whose clip decisions differed from the reference's (benchmarks/gpu_vllm_chain.sh and gpu_chain.sh runs).
 
 Usage: python benchmarks/verdict_summary.py RUN/candidates/verdict.json [TOP]

@@ -215,3 +215,58 @@ def test_the_rule_check_sees_a_missing_quantum():
     assert rule_without_quantum('"""Rule: bound = k x control error + floor, per (role, tensor, metric)."""')
     assert rule_without_quantum("The acceptance rule: bound = k * control_error +\n    floor.")
     assert not rule_without_quantum(FORMULA) and not rule_without_quantum("bound = k x control error + floor + quantum")
+
+
+# --- the code's notes and the records speak of the product ----------------------------------------------------------
+
+WORK_LOG = re.compile(r"\bsessions? \d+|\bthis session\b|\bthe session's (?:device|time|deadline)|device tool|device time",
+                      re.IGNORECASE)
+"""An internal work-log numbering or a remote machine's limits: records are dated by date and commit."""
+UNIT = r"\d(?:\.\d+)? ?(?:s|ms|min|GB|GiB|MB|MiB)\b"
+MACHINE = r"\b(?:H100|H200|EPYC|Xeon|\d-core)"
+MEASURED = re.compile(rf"measured:.{{0,60}}(?<![\w.])\d|{UNIT}.{{0,80}}{MACHINE}|{MACHINE}.{{0,80}}{UNIT}")
+"""A measured figure: a number after 'measured:', or a time or size beside the machine it was taken on."""
+RECORDS = sorted({*DOCS, LOG, *REPO.glob("benchmarks/*.sh"), *REPO.glob("benchmarks/*.py"), *REPO.glob("benchmarks/*.yaml"),
+                  *REPO.glob("scripts/*"), REPO / "Makefile"})
+
+
+def notes(path: Path) -> list[str]:
+    """The comments and docstrings of a Python file, line by line."""
+    import io
+    import tokenize
+
+    out = []
+    for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+        if tok.type == tokenize.COMMENT:
+            out.append(tok.string)
+        elif tok.type == tokenize.STRING and tok.string.lstrip("rbuRBU").startswith(('"""', "'''")):
+            out += tok.string.splitlines()
+    return out
+
+
+def figures_in_notes(lines: list[str]) -> list[str]:
+    return [line.strip() for line in lines if MEASURED.search(line) or WORK_LOG.search(line)]
+
+
+@pytest.mark.parametrize("path", sorted(REPO.glob("qualify/**/*.py")), ids=lambda p: str(p.relative_to(REPO)))
+def test_no_measured_figure_or_work_log_in_the_codes_notes(path):
+    """Figures live in BENCHMARKS.md and benchmarks/LOG.md, dated; a docstring keeps the reasoning and points there."""
+    assert not figures_in_notes(notes(path))
+
+
+@pytest.mark.parametrize("path", RECORDS, ids=lambda p: str(p.relative_to(REPO)))
+def test_the_records_speak_of_the_product(path):
+    assert not [line for line in path.read_text().splitlines() if WORK_LOG.search(line)]
+
+
+def test_the_notes_checks_catch_a_figure_and_a_work_log(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text('"""Ranks (about 11 s a rank on a 2-core AMD EPYC).\n\nOn one H200, 0.6B: the stage 166.6 s."""\n'
+                   "# measured: 0.49 of their bounds\n# hashed again (benchmarks/LOG.md, session 17)\n"
+                   'X = "12 GB on one H200"  # a string that is code, not a note\n')
+    assert len(figures_in_notes(notes(bad))) == 4
+    good = tmp_path / "good.py"
+    good.write_text('"""Kill any rank that outlives 30 s.\n\nA case that is measured here (benchmarks/LOG.md)."""\n')
+    assert figures_in_notes(notes(good)) == []
+    assert WORK_LOG.search("Not run this session (device time: a failed start cost 122 s)")
+    assert not WORK_LOG.search("a session-scoped fixture, the test session's frozen run")
