@@ -270,3 +270,77 @@ def test_the_notes_checks_catch_a_figure_and_a_work_log(tmp_path):
     assert figures_in_notes(notes(good)) == []
     assert WORK_LOG.search("Not run this session (device time: a failed start cost 122 s)")
     assert not WORK_LOG.search("a session-scoped fixture, the test session's frozen run")
+
+
+# --- links and section names between the pages -----------------------------------------------------------------------
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def headings(path: Path) -> list[str]:
+    return re.findall(r"^#+ (.+)$", path.read_text(), flags=re.MULTILINE)
+
+
+def broken_links(page: Path, text: str) -> list[str]:
+    """Relative links of a page (to a file, to a file's section, to a section of the page) that lead nowhere."""
+    out = []
+    for target in LINK.findall(text):
+        if re.match(r"[a-z]+://", target):
+            continue
+        file, _, anchor = target.partition("#")
+        path = (page.parent / file).resolve() if file else page
+        missing_section = path.exists() and path.suffix == ".md" and anchor and anchor not in map(slug, headings(path))
+        if not path.exists() or missing_section:
+            out.append(target)
+    return out
+
+
+@pytest.mark.parametrize("page", [*DOCS, LOG], ids=lambda p: str(p.relative_to(REPO)))
+def test_every_link_between_the_pages_resolves(page):
+    assert not broken_links(page, page.read_text())
+
+
+def test_the_link_check_catches_a_missing_section_and_file():
+    page = REPO / "docs" / "plugins.md"
+    assert broken_links(page, "[setup](../README.md#setup) [ok](../README.md#two-commands)") == ["../README.md#setup"]
+    assert broken_links(page, "[gone](../GONE.md) [guide](plugins.md) [here](#2-the-contract)") == ["../GONE.md"]
+
+
+SECTION_NAME = re.compile(r'"([A-Z][^"\n]{3,70})"')
+"""A section named in prose: ("Reading a verdict"), (docs/plugins.md, "Reading a FAIL")."""
+
+
+def unknown_sections(text: str, pages: list[Path]) -> list[str]:
+    """Quoted section names that begin no heading of the pages (a heading's 'N. ' numbering ignored)."""
+    known = [re.sub(r"^\d+\. ", "", h) for p in pages for h in headings(p)]
+    return [name for name in SECTION_NAME.findall(text) if not any(h.startswith(name) for h in known)]
+
+
+def test_the_sections_readme_names_exist():
+    pages = [REPO / "README.md", *REPO.glob("docs/*.md")]
+    for page in pages:
+        assert not unknown_sections(page.read_text(), pages), page
+
+
+LOG_SECTION = re.compile(r'LOG\.md,? \(?"([^"]+)"')
+
+
+def unknown_log_sections(text: str) -> list[str]:
+    """Sections of benchmarks/LOG.md a note names ('benchmarks/LOG.md, "CPU ranks forked"') that are no part of a
+    heading or of a paragraph's bold lead there."""
+    log = LOG.read_text()
+    leads = headings(LOG) + re.findall(r"\*\*([^*]+)\*\*", log)
+    return [name for name in LOG_SECTION.findall(" ".join(text.split())) if not any(name in h for h in leads)]
+
+
+@pytest.mark.parametrize("path", sorted(REPO.glob("qualify/**/*.py")), ids=lambda p: str(p.relative_to(REPO)))
+def test_the_log_sections_the_code_names_exist(path):
+    assert not unknown_log_sections("\n".join(notes(path)))
+
+
+def test_the_section_checks_catch_a_wrong_name():
+    pages = [REPO / "README.md", *REPO.glob("docs/*.md")]
+    assert unknown_sections('(see "Reading a verdict"; "Setup")', pages) == ["Setup"]
+    assert unknown_sections('(docs/plugins.md, "Reading a FAIL")', pages) == []
+    assert unknown_log_sections('(benchmarks/LOG.md, "CPU ranks forked"; benchmarks/LOG.md, "No such run")') == \
+        ["No such run"]
