@@ -29,6 +29,7 @@ from qualify.candidate.imported import record as record_imported
 from qualify.candidate.layer_probe import merge_ranks as merge_layer_ranks
 from qualify.candidate.layer_probe import probe_rollout_layers
 from qualify.candidate.layout_probe import merge_ranks, probe_layouts
+from qualify.candidate.packed import merge_microbatches, micro_share, require_packed, worst_token
 from qualify.candidate.padding import exposed_rows, padding_found
 from qualify.candidate.plugin_contract import (
     ContractError,
@@ -38,8 +39,9 @@ from qualify.candidate.plugin_contract import (
     check_outputs,
 )
 from qualify.candidate.routing_rows import replay_check
-from qualify.case.context import Batch
+from qualify.case.context import Batch, PackedBatch
 from qualify.case.launch import record_failure
+from qualify.case.packing import pack_batch, sample_lengths, unpack
 from qualify.case.ranks import init_distributed
 from qualify.case.spec import CaseSpec, case_batch, engine_context, read_spec
 from qualify.compare import step_dir, write_step
@@ -91,12 +93,16 @@ def step_share(spec: CaseSpec, targets: dict[str, torch.Tensor], mask_BT: torch.
     return grpo_dp_share(spec.grpo, targets["score_B"], mask_BT, offset, group)
 
 
-def report_logprobs(engine: Any, outputs: dict[str, torch.Tensor], batch: Batch) -> None:
+def report_logprobs(engine: Any, outputs: dict[str, torch.Tensor], batch: Batch,
+                    packed: PackedBatch | None = None) -> None:
     """The judged logprobs are the engine's in its declared formula when its logprobs() hook gives them (the
-    loss was built from score()'s full formula either way); response positions only, 0 elsewhere."""
+    loss was built from score()'s full formula either way); response positions only, 0 elsewhere. packed: the
+    micro-batch the hook's (1, N) logprobs are of (batch: its rows)."""
     hook = getattr(engine, "logprobs", None)
     declared_BT = hook() if hook is not None and "logprobs_BT" in outputs else None
     if declared_BT is not None:
+        if packed is not None:
+            declared_BT = unpack(declared_BT.float().cpu(), packed, batch.input_ids_BT.shape[1])
         mask_BT = batch.response_mask_BT
         outputs["logprobs_BT"] = torch.where(mask_BT, declared_BT.float().cpu(), torch.zeros((), dtype=torch.float32))
 
@@ -110,15 +116,35 @@ def reported_router_outputs(engine: Any, spec: CaseSpec) -> dict[str, torch.Tens
 
 
 def own_logits_check(engine: Any, spec: CaseSpec, scores_BT: torch.Tensor, batch: Batch,
-                     offset: int) -> dict[str, Any] | None:
+                     offset: int, packed: PackedBatch | None = None) -> dict[str, Any] | None:
     """The actor's scores against the sampler formula of its own logits (qualify.candidate.derived.sampler_check);
-    None where the engine exposes no logits."""
+    None where the engine exposes no logits. packed: the micro-batch the hook's (1, N, V) logits are of."""
     hook = getattr(engine, "logits", None)
     logits = hook() if spec.role == "actor" and hook is not None else None
     if logits is None:
         return None
+    if packed is not None:
+        logits = unpack(logits, packed, batch.input_ids_BT.shape[1])
     return sampler_check(logits, batch.input_ids_BT, scores_BT, batch.response_mask_BT, spec.temperature,
                          spec.vocab_size, offset)
+
+
+def packed_step(engine: Any, spec: CaseSpec, batch: Batch, lengths_B: torch.Tensor, targets: dict[str, torch.Tensor],
+                share: Any, offset: int, first_row: int) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """One step of a packed case on this rank (qualify.candidate.packed): per micro-batch of the rank's rows (the
+    rollout's from first_row, the step's from offset), score, unpack, its share of the loss, backward; returns the
+    step's outputs (the loss the shares' sum) and the worst sampler-derivation token."""
+    T, parts, worst = batch.input_ids_BT.shape[1], [], []
+    for packed in pack_batch(batch, lengths_B, spec.pack_tokens, first_row):
+        rows = batch.rows(packed.rows_S)
+        scores_BT = unpack(engine.score(packed), packed, T)
+        worst.append(own_logits_check(engine, spec, scores_BT, rows, offset + int(packed.rows_S[0]), packed))
+        loss, outputs = objective(engine, spec, scores_BT, rows, rows_of(targets, packed.rows_S),
+                                  micro_share(share, packed.rows_S))
+        report_logprobs(engine, outputs, rows, packed)
+        engine.backward(loss)
+        parts.append(outputs | {"loss": loss.detach().float()})
+    return merge_microbatches(parts), worst_token(worst)
 
 
 def worst_by_step(by_rank: list[list[dict[str, Any] | None]]) -> list[dict[str, Any]] | None:
@@ -183,6 +209,8 @@ def run_case(spec: CaseSpec, rank: int) -> None:
     contract = agree_case(spec, rank)  # before the case's first collective: ranks that disagree stop here, named
     group = dp_group(spec.tp, spec.dp, rank)
     check_objective_signature(engine, spec.engine, spec.grpo is not None)
+    if spec.packing == "packed":
+        require_packed(engine, spec.engine, spec.name)
     engine.setup(ctx)
     before = initial_parameters(Path(spec.model_dir))
     padded_before = {k: v.detach().clone() for k, v in engine.padded_rows().items()}
@@ -203,15 +231,22 @@ def run_case(spec: CaseSpec, rank: int) -> None:
                 exact_layers = probe_rollout_layers(engine, batch, Path(spec.rollout_dir), rows)
                 phases["layer probe"] = time.monotonic() - probing
         share = step_share(spec, rows_of(targets, rows), batch.response_mask_BT, offset, group)
-        scores_BT = engine.score(batch)
-        sampler.append(own_logits_check(engine, spec, scores_BT, batch, offset))
-        if batch.routes_BTLK is not None:
-            hook = getattr(engine, "routes", None)
-            replayed.append(replay_check(hook() if hook is not None else None, batch.routes_BTLK, offset))
-        loss, outputs = objective(engine, spec, scores_BT, batch, rows_of(targets, rows), share)
-        outputs.update(reported_router_outputs(engine, spec))
-        report_logprobs(engine, outputs, batch)
-        engine.backward(loss)
+        if spec.packing == "packed":
+            lengths_B = sample_lengths(rollout["prompt_mask_BT"][rows], rollout["response_mask_BT"][rows])
+            outputs, worst = packed_step(engine, spec, batch, lengths_B, rows_of(targets, rows), share, offset,
+                                         rows.start)
+            loss = outputs["loss"]
+            sampler.append(worst)
+        else:
+            scores_BT = engine.score(batch)
+            sampler.append(own_logits_check(engine, spec, scores_BT, batch, offset))
+            if batch.routes_BTLK is not None:
+                hook = getattr(engine, "routes", None)
+                replayed.append(replay_check(hook() if hook is not None else None, batch.routes_BTLK, offset))
+            loss, outputs = objective(engine, spec, scores_BT, batch, rows_of(targets, rows), share)
+            outputs.update(reported_router_outputs(engine, spec))
+            report_logprobs(engine, outputs, batch)
+            engine.backward(loss)
         grads, grad_dtypes = engine.grads(), engine.grad_dtypes()
         check_grads(spec.engine, grads, grad_dtypes)
         outputs["loss"] = loss.detach().float()

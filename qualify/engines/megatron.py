@@ -86,6 +86,8 @@ class MegatronEngine(OutputScoring):
     """The megatron engine (see module docstring)."""
 
     name = "megatron"
+    packed = False
+    """No packed batches: qualify.matrix.UNPACKED_ENGINES says why (the matrix refuses megatron x packed)."""
 
     def setup(self, ctx: EngineContext) -> None:
         if not ctx.device.startswith("cuda"):

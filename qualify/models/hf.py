@@ -127,11 +127,12 @@ def actor_logprobs(model: torch.nn.Module, input_ids_BT: torch.Tensor, temperatu
 
 
 def actor_scores(model: torch.nn.Module, input_ids_BT: torch.Tensor, sampling: Sampling, chunk_tokens: int,
-                 vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 vocab_size: int, position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward: (B, T) fp32 full-formula logprobs (differentiable, what the loss is built from) and the
     processed formula's (no gradient) when the sampling truncates; None when it does not (then they are bitwise
-    the full ones)."""
-    logits_BTV = model(input_ids=input_ids_BT, use_cache=False).logits
+    the full ones). position_ids: a packed row's (1, N), restarting at each sample (transformers then attends within
+    each sample; the caller zeroes each sample's first token, scored here from the previous sample)."""
+    logits_BTV = model(input_ids=input_ids_BT, position_ids=position_ids, use_cache=False).logits
     scores_BT = scores_from_outputs("actor", logits_BTV, input_ids_BT, sampling.temperature, chunk_tokens, vocab_size)
     if not sampling.truncates(vocab_size):
         return scores_BT, None
@@ -139,14 +140,16 @@ def actor_scores(model: torch.nn.Module, input_ids_BT: torch.Tensor, sampling: S
                                             vocab_size)
 
 
-def head_outputs(model: torch.nn.Module, input_ids_BT: torch.Tensor) -> torch.Tensor:
+def head_outputs(model: torch.nn.Module, input_ids_BT: torch.Tensor,
+                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """(B, T) fp32 scalar-head outputs at every position."""
-    return model(input_ids=input_ids_BT, use_cache=False).logits[..., 0].float()
+    return model(input_ids=input_ids_BT, position_ids=position_ids, use_cache=False).logits[..., 0].float()
 
 
-def critic_values(model: torch.nn.Module, input_ids_BT: torch.Tensor) -> torch.Tensor:
-    """(B, T) fp32 values of an HF scalar-head model."""
-    return torch.nn.functional.pad(head_outputs(model, input_ids_BT)[:, :-1], (1, 0))
+def critic_values(model: torch.nn.Module, input_ids_BT: torch.Tensor,
+                  position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, T) fp32 values of an HF scalar-head model (position_ids: as actor_scores takes them)."""
+    return torch.nn.functional.pad(head_outputs(model, input_ids_BT, position_ids)[:, :-1], (1, 0))
 
 
 def reward_scores(model: torch.nn.Module, input_ids_BT: torch.Tensor, response_mask_BT: torch.Tensor) -> torch.Tensor:

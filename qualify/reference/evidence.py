@@ -30,7 +30,9 @@ def scoring_settings(matrix: Matrix, rollout_digest: str) -> str:
     # what is kept (of the controls, of the layer activations) changes no number: the fingerprint is the same
     m["reference"] = {k: v for k, v in m["reference"].items() if k not in ("evidence", "layer_activations")}
     grpo = ("algorithm", "grpo") if matrix.algorithm == "grpo" else ()  # a PPO matrix's fingerprint is unchanged
-    return fingerprint({"rollout": rollout_digest,
+    # the packed control's budget (a candidates field): only where it is set, so other fingerprints are unchanged
+    packing = {} if matrix.candidates.pack_tokens is None else {"pack_tokens": matrix.candidates.pack_tokens}
+    return fingerprint({"rollout": rollout_digest, **packing,
                         **{k: m[k] for k in ("models", "ppo", "optimizer", "reference", *grpo)}})
 
 
