@@ -510,7 +510,7 @@ class Candidates:
     qualify.case.packing), judged against the same reference and bounds; a packed case is named ...-packed-<role>."""
     pack_tokens: int | None = None
     """Token budget of one packed micro-batch (prompt and response tokens of whole samples, greedy in row order):
-    required when packing lists packed or reference.perturbations lists packed, and only then."""
+    required when packing lists packed or reference.perturbations lists packed."""
     roles: tuple[Role, ...] = ("actor", "critic")
     """Roles."""
     topologies: tuple[Topology, ...] = ("dedicated",)
@@ -800,9 +800,6 @@ class Matrix:
         if packed_control and c.pack_tokens is None:
             raise ValueError("reference.perturbations lists packed: candidates.pack_tokens (the token budget of a "
                              "packed micro-batch) is required")
-        if c.pack_tokens is not None and not (packed_cases or packed_control):
-            raise ValueError("candidates.pack_tokens is set, but neither candidates.packing nor "
-                             "reference.perturbations lists packed")
         longest = r.prompt_len + r.max_new_tokens
         if c.pack_tokens is not None and r.prompts_file is None and c.pack_tokens < longest:
             raise ValueError(f"candidates.pack_tokens {c.pack_tokens} is less than the longest sample, rollout.prompt_len "

@@ -155,6 +155,32 @@ def test_deepspeed_passes_at_tp1_dp2_and_tp2(grpo_run, tmp_path):
     assert "vs dp1" in verdict["cases"]["deepspeed-bf16-tp1-dp2-actor"]["invariance"]
 
 
+def test_torch_tp_and_deepspeed_pass_packed_at_dp1_and_dp2(grpo_run, tmp_path):
+    """Packed micro-batches (matrix's pack_tokens, the budget of its reference's packed control) at DP1 and DP2, where
+    the ranks hold other numbers of micro-batches: every case passes with its closest bound row at most half its
+    bound, and where the padded case ran (the tests above) the packed case is also judged against it."""
+    import math
+
+    from tests.integration._support import matrix_with, require_module
+
+    require_module("deepspeed")
+    matrix = matrix_with(tmp_path, base=GRPO_MATRIX, engines=["torch-tp", "deepspeed"], tp=[1], packing=["packed"])
+    verdict = run_candidates(matrix, grpo_run, launches=2).to_json()
+    failed = [r for r in verdict["rows"] if not r["passed"]]
+    assert len(verdict["cases"]) == 8 and verdict["passed"] and not failed, failed[:5]
+
+    def ratio(row):
+        return float(row["value"]) / float(row["bound"])
+
+    for case in verdict["cases"]:
+        rows = [r for r in verdict["rows"] if r["case"] == case and r["comparison"].startswith("vs ")
+                and 0 < float(r["bound"]) < math.inf]
+        closest = max(rows, key=ratio)
+        assert ratio(closest) <= 0.5, (case, closest)
+    assert "vs padded" in verdict["cases"]["torch-tp-fp32-tp1-dp2-packed-actor"]["invariance"]
+    assert "vs padded" in verdict["cases"]["deepspeed-bf16-tp1-packed-actor"]["invariance"]
+
+
 def test_declared_bitwise_holds_dp2_to_bitwise(grpo_run, tmp_path):
     """torch-tp declared determinism: bitwise: its DP2 case gets a bound-0 row per tensor against DP1, and fails on
     every tensor whose bits differ (the tiers record which)."""

@@ -1,6 +1,6 @@
 """The packing axis of a matrix: candidates.packing and pack_tokens load, name their cases ...-packed-<role> (and the
 verdict's case-name parser reads those names back), and each inconsistent setting is refused at load in one line
-naming what is wrong: a budget missing or unused, packed cases without the reference's packed control, a budget some
+naming what is wrong: a budget missing, packed cases without the reference's packed control, a budget some
 sample cannot fit, megatron (no packed attention without Transformer Engine), a MoE family."""
 
 from __future__ import annotations
@@ -59,8 +59,6 @@ def test_padded_matrices_are_unchanged():
                                                        "rollout.prompt_len 16 + max_new_tokens 24 = 40 tokens")),
     (lambda d: d["candidates"].update(pack_tokens=0), "pack_tokens must be >= 1 or null, got 0"),
     (lambda d: d["candidates"].update(packing=["packed", "packed"]), "packing lists ['packed'] more than once"),
-    (lambda d: d["candidates"].update(packing=["padded"]) or d["reference"].update(perturbations=[]),
-     "candidates.pack_tokens is set, but neither candidates.packing nor reference.perturbations lists packed"),
     (lambda d: d["candidates"].update(engines=["torch-tp", "megatron"]),
      ("packing lists packed, which engine megatron cannot take: megatron-core's local layer spec (no Transformer "
      "Engine) attends with DotProductAttention, which refuses packed sequences")),
