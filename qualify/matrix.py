@@ -277,7 +277,18 @@ class PPO:
     """PPO objective settings shared by the reference and every candidate."""
 
     clip_eps: float = 0.2
-    """Policy ratio clip range."""
+    """Policy ratio clip range: the ratio is clipped to [1 - clip_eps_low, 1 + clip_eps_high], each clip_eps unless set
+    (qualify.ppo.math.policy_settings reads them)."""
+    clip_eps_low: float | None = None
+    """The lower edge's own range (verl clip_ratio_low): 1 - clip_eps_low, in (0, 1); unset: clip_eps."""
+    clip_eps_high: float | None = None
+    """The upper edge's own range (verl clip_ratio_high, TRL epsilon_high, DAPO's clip-higher): 1 + clip_eps_high;
+    unset: clip_eps."""
+    dual_clip_c: float | None = None
+    """Dual clip (verl clip_ratio_c): a negative-advantage token's loss is at most -A x dual_clip_c, > 1; unset: off."""
+    entropy_coef: float = 0.0
+    """Entropy bonus (verl entropy_coeff): the policy loss less entropy_coef x the entropy of the full-vocabulary
+    sampler distribution (logits / temperature) at each response token, aggregated as the policy loss; 0: off."""
     value_clip_eps: float = 0.2
     """Value clip range around the old values."""
     gamma: float = 1.0
@@ -302,7 +313,15 @@ class PPO:
         _finite(self)
         _at_least(self, 1, "epochs", "minibatches")
         _positive(self, "clip_eps", "value_clip_eps")
-        _at_least(self, 0, "kl_coef")
+        _at_least(self, 0, "kl_coef", "entropy_coef")
+        if self.clip_eps_low is not None and not 0 < self.clip_eps_low < 1:
+            raise ValueError(f"clip_eps_low must be in (0, 1) (the lower edge 1 - clip_eps_low is a positive ratio), "
+                             f"got {self.clip_eps_low}")
+        if self.clip_eps_high is not None and not self.clip_eps_high > 0:
+            raise ValueError(f"clip_eps_high must be > 0, got {self.clip_eps_high}")
+        if self.dual_clip_c is not None and not self.dual_clip_c > 1:
+            raise ValueError(f"dual_clip_c must be > 1 (the dual clip bounds a ratio above 1; null turns it off), got "
+                             f"{self.dual_clip_c}")
         for name in ("gamma", "lam"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
@@ -312,10 +331,22 @@ class PPO:
             raise ValueError(f"normalizer_constant must be > 0, got {self.normalizer_constant}")
 
 
+PPO_ADDED = {"clip_eps_low": None, "clip_eps_high": None, "dual_clip_c": None, "entropy_coef": 0.0}
+"""PPO fields added after references and cases were sealed, with the values that leave the objective as it was."""
+
+
+def ppo_as_before(ppo: dict[str, Any]) -> dict[str, Any]:
+    """A ppo section's plain data (schema.to_dict) without the PPO_ADDED fields that hold their defaults: what the
+    scoring fingerprint and a case's spec take, so that an unchanged matrix's fingerprint and resume keys read as
+    before those fields existed (a sealed snapshot reads them as their defaults: acceptance.read_snapshot)."""
+    return {k: v for k, v in ppo.items() if not (k in PPO_ADDED and v == PPO_ADDED[k])}
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class GRPO:
     """GRPO settings (algorithm: grpo): group-relative advantages, KL to the reference policy in the loss, and the
-    loss aggregation. The ppo section's clip_eps, epochs and minibatches apply to GRPO too; nothing else of it does."""
+    loss aggregation. The ppo section's policy clip (clip_eps, clip_eps_low, clip_eps_high, dual_clip_c), entropy_coef,
+    epochs and minibatches apply to GRPO too; nothing else of it does."""
 
     group_size: int
     """Responses per prompt: vLLM samples each prompt group_size times (each response with its own seed); a group
@@ -459,7 +490,7 @@ class Freeze:
     grad norm) get none."""
     require: tuple[str, ...] = ()
     """Branches the reference must exercise before freeze accepts it (qualify.ppo.coverage.BRANCHES): policy_clip_high,
-    policy_clip_low, value_clip, grad_clip, kl, padded_rows, adam_past_first_step."""
+    policy_clip_low, policy_clip_dual, value_clip, grad_clip, kl, padded_rows, adam_past_first_step."""
 
     def __post_init__(self) -> None:
         from qualify.ppo.coverage import BRANCHES
@@ -721,7 +752,7 @@ class Matrix:
     algorithm: Algorithm = "ppo"
     """ppo (actor and critic, GAE advantages) or grpo (group-relative advantages, no critic; needs the grpo section)."""
     ppo: PPO = field(default_factory=PPO)
-    """PPO settings (under grpo only clip_eps, epochs and minibatches are used)."""
+    """PPO settings (under grpo only the policy clip, entropy_coef, epochs and minibatches are used)."""
     grpo: GRPO | None = None
     """GRPO settings: required with algorithm grpo, refused otherwise."""
     optimizer: Optimizer = field(default_factory=Optimizer)
@@ -748,6 +779,10 @@ class Matrix:
         self._check_algorithm()
         self._check_required_branches()
         self._check_packing()
+        if self.ppo.entropy_coef > 0 and self.candidates.vocab_tile is not None:
+            raise ValueError(f"ppo.entropy_coef {self.ppo.entropy_coef} with candidates.vocab_tile "
+                             f"{self.candidates.vocab_tile}: the vocab-parallel logprob path computes no entropy; "
+                             "unset vocab_tile or entropy_coef")
         if self.algorithm == "ppo" and self.rollout.num_prompts % self.ppo.minibatches:
             raise ValueError(f"ppo.minibatches {self.ppo.minibatches} does not divide rollout.num_prompts "
                              f"{self.rollout.num_prompts} (every minibatch has the same rows; none is dropped)")
@@ -782,7 +817,7 @@ class Matrix:
 
         steps = self.ppo.epochs * self.ppo.minibatches
         never = {"adam_past_first_step": steps < 2, "grad_clip": self.optimizer.max_grad_norm <= 0,
-                 "padded_rows": self.rollout.max_new_tokens < 2}
+                 "padded_rows": self.rollout.max_new_tokens < 2, "policy_clip_dual": self.ppo.dual_clip_c is None}
         for branch in self.freeze.require:
             if never.get(branch):
                 raise ValueError(f"freeze.require lists {branch}, which no reference of this matrix can exercise: "

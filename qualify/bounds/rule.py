@@ -57,6 +57,8 @@ def tensor_floor(kind: str, metric: str, magnitude: float, floors: dict[str, flo
 OUTPUT_KINDS = {"logprobs_BT": "logprob", "ratio_BT": "logprob", "kl_BT": "logprob", "values_BT": "value",
                 "loss": "loss", "clip_frac": "loss", "kl_mean": "loss", "grad_norm": "grad_norm",
                 "logprobs_processed_BT": "logprob",
+                # an entropy bonus (ppo.entropy_coef): the policy's entropy per token, a log-sum-exp like the logprobs
+                "entropy_BT": "logprob",
                 # GRPO (qualify.ppo.objective.grpo_objective): per-row advantages and loss shares, the policy term
                 "advantages_B": "target", "seq_loss_B": "loss", "policy_loss": "loss",
                 # a MoE actor's routers (qualify.models.routing.ROUTER_OUTPUTS): logits and probabilities

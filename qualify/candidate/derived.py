@@ -10,6 +10,8 @@ computation, not to the reference's control-calibrated bound.
                   case's meta.json); an engine without the hook fails that row, naming the hook, unless the matrix
                   waives the check for it by name (candidates.waive: {engine: [sampler_derivation]}; qualify.waivers):
                   a logprob computed otherwise (a bf16 log-sum-exp) can sit inside the reference's bounds
+    entropy_BT    with an entropy bonus, the entropy of the same sampler distribution of the case's own logits,
+                  recorded the same way
     clip_frac     the actor's clip decisions of its own ratio and advantages (fp32, as the objective takes them),
                   aggregated by the matrix's definition (PPO's normalizer; GRPO's aggregation or token mean); the
                   critic's value-clip decisions of its own values and the frozen old values and returns, each token
@@ -43,6 +45,7 @@ import torch
 from qualify.compare import RunTensors
 from qualify.matrix import Objective
 from qualify.metrics import metrics_device
+from qualify.ppo.math import policy_settings
 from qualify.verdict import Row
 from qualify.waivers import WAIVED, waived_note
 
@@ -87,6 +90,11 @@ NO_HOOK = ("give the engine a logits() hook (docs/plugins.md), or waive the chec
            "candidates.waive: {{{engine}: [sampler_derivation]}}")
 HOOK_RULE = ("the engine's logits() hook gives the logits its logprobs are derived from (the matrix may waive "
              "sampler_derivation for an engine by name: candidates.waive)")
+ENTROPY_RULE = ("<= 2^-24 x ((2 log2(V) + 8) x (|max z| + sum p |z|) + sum p |z| (|z - max z| + |max z - E z|) + "
+                "|H|) per token, z = logits / T: fp32 scaling, the log-sum-exp, the softmax and its weighted sum over "
+                "the vocabulary, and the subtraction")
+ENTROPY_NOT_DERIVED = ("the engine exposes no logits() hook (or it gave none): its entropy is not derived from its own "
+                       "logits, only judged against the reference's bounds")
 Derivation = tuple[torch.Tensor, torch.Tensor]
 """(derived value, rounding allowance), float64, one per judged element."""
 
@@ -160,6 +168,39 @@ def sampler_check(logits_BTV: torch.Tensor, ids_BT: torch.Tensor, scores_BT: tor
     return worst
 
 
+@torch.no_grad()
+def entropy_check(logits_BTV: torch.Tensor, entropy_BT: torch.Tensor, mask_BT: torch.Tensor, temperature: float,
+                  vocab_size: int, row_offset: int = 0) -> dict[str, Any]:
+    """The token whose reported entropy is furthest (relative to its allowance) from the entropy of the sampler
+    distribution of the engine's own logits (the distribution at t - 1 scores token t), in float64 one row at a time;
+    the same record as sampler_check."""
+    worst = {"value": 0.0, "bound": 0.0, "ratio": -1.0, "row": None, "position": None, "case": None, "derived": None}
+    for b in range(entropy_BT.shape[0]):
+        m = mask_BT[b, 1:].cpu()
+        if not bool(m.any()):
+            continue
+        z = logits_BTV[b, :-1, :vocab_size].double() / temperature
+        top = z.max(dim=-1, keepdim=True).values
+        p = torch.softmax(z, dim=-1)
+        weighted, mean = (p * z.abs()).sum(-1), (p * z).sum(-1, keepdim=True)
+        derived = (torch.logsumexp(z, dim=-1) - mean.squeeze(-1)).cpu()
+        # the sums' and the log-sum-exp's roundings, and each p's (its exp amplifies the rounding of z - max z) and
+        # each z's (dH/dz = -p (z - E z)) carried through the weighted sum
+        spread = (p * z.abs() * ((z - top).abs() + (top - mean).abs())).sum(-1)
+        tol = U * ((2 * math.log2(vocab_size) + 8) * (top.squeeze(-1).abs() + weighted) + spread).cpu()
+        tol = tol + U * derived.abs()
+        got = entropy_BT[b, 1:].double().cpu()
+        diff = (got - derived).abs()
+        ratio = torch.where(torch.isfinite(got), diff / tol, torch.full_like(diff, math.inf))
+        ratio = torch.where(m, ratio, torch.full_like(ratio, -1.0))
+        t = int(ratio.argmax())
+        if float(ratio[t]) > worst["ratio"]:
+            worst = {"value": float(diff[t]) if math.isfinite(float(got[t])) else math.inf, "bound": float(tol[t]),
+                     "ratio": float(ratio[t]), "row": b + row_offset, "position": t + 1, "case": float(got[t]),
+                     "derived": float(derived[t])}
+    return worst
+
+
 def _num(v: Any) -> float:
     """A number recorded in meta.json (non-finite ones are written as 'nan' or 'inf' strings)."""
     try:
@@ -168,21 +209,28 @@ def _num(v: Any) -> float:
         return math.nan
 
 
-def sampler_rows(case: str, role: str, cand: list[RunTensors]) -> list[Row]:
-    """The logprobs derived from the case's own logits, one row per step (recorded by the worker in meta.json)."""
+def sampler_rows(case: str, role: str, cand: list[RunTensors], key: str = "sampler_derivation",
+                 output: str = "logprobs_BT") -> list[Row]:
+    """The logprobs (or, key 'entropy_derivation', the entropy_BT) derived from the case's own logits, one row per step
+    (recorded by the worker in meta.json)."""
     if role != "actor" or not cand:
         return []
-    found = cand[0].meta.get("sampler_derivation")
+    entropy = output == "entropy_BT"
+    found = cand[0].meta.get(key)
     if not isinstance(found, list) or not found:
+        if entropy:
+            return [Row(case, role, DERIVED, f"outputs/{output}", "not_derived", 0.0, math.inf, True,
+                        ENTROPY_NOT_DERIVED)]
         return [not_derived_row(case, role, cand[0].meta.get("case") or {})]
     rows = []
     for k, w in enumerate(found):
         value, bound = _num(w["value"]), _num(w["bound"])
         passed = w["row"] is None or (math.isfinite(value) and value <= bound)
         note = "" if passed else (f"row {w['row']} position {w['position']}: the case has {_num(w['case']):.9g}, "
-                                  f"the sampler formula of its own logits {_num(w['derived']):.9g}")
-        rows.append(Row(case, role, DERIVED, f"step{k}/outputs/logprobs_BT", "derived_abs", value, bound, passed,
-                        note, step=k, rule=SAMPLER_RULE))
+                                  f"the {'entropy' if entropy else 'sampler formula'} of its own logits "
+                                  f"{_num(w['derived']):.9g}")
+        rows.append(Row(case, role, DERIVED, f"step{k}/outputs/{output}", "derived_abs", value, bound, passed,
+                        note, step=k, rule=ENTROPY_RULE if entropy else SAMPLER_RULE))
     return rows
 
 
@@ -223,14 +271,19 @@ def token_place(mask: torch.Tensor) -> Callable[[int], str]:
 def clip_frac_derivation(ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
                          objective: Objective) -> Derivation:
     """The clip fraction of the case's own ratio and advantages (B, T, fp32 as reported): the strict comparison of the
-    clipped and unclipped terms in fp32 (as the objective decides), aggregated in float64 by the matrix's definition."""
+    clipped and unclipped terms in fp32 at the matrix's edges, and of the dual clip (as the objective decides),
+    aggregated in float64 by the matrix's definition."""
     from qualify.ppo.grpo import count_normalizers, per_sequence_loss
     from qualify.ppo.math import masked_mean
 
-    eps = objective.ppo.clip_eps
+    policy = policy_settings(objective.ppo)
     a = torch.where(mask, adv.float(), 0.0)
     r = torch.where(mask, ratio.float(), 1.0)
-    clipped = ((-a * r.clamp(1.0 - eps, 1.0 + eps)) > (-a * r)).double()
+    edged, unclipped = -a * r.clamp(1.0 - policy.low, 1.0 + policy.high), -a * r
+    clipped = edged > unclipped
+    if policy.dual_c is not None:  # the dual clip's tokens count with the others (qualify.ppo.math.clipped_surrogate)
+        clipped = clipped | ((a < 0) & (torch.maximum(edged, unclipped) > -a * policy.dual_c))
+    clipped = clipped.double()
     if objective.grpo is None:
         value = masked_mean(clipped, mask, objective.ppo.token_normalizer, objective.ppo.normalizer_constant)
     else:
@@ -490,6 +543,8 @@ def derived_rows(case: str, role: str, objective: Objective, cand: list[RunTenso
     state_dtypes = (cand[0].meta.get("state_dtypes") or {}) if cand else {}
     rebuilt: dict[str, torch.Tensor] = {}  # update_row: the ulps of the updates the starts are rebuilt from
     rows = sampler_rows(case, role, cand)
+    if role == "actor" and policy_settings(objective.ppo).entropy_coef > 0:
+        rows += sampler_rows(case, role, cand, "entropy_derivation", "entropy_BT")
     for k, step in enumerate(cand):
         if k < len(inputs.masks):
             rows += step_rows(case, role, objective, k, step.outputs, inputs.targets[k], inputs.masks[k], device, scored)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from qualify.candidate.agreement import agree_case
-from qualify.candidate.derived import sampler_check
+from qualify.candidate.derived import entropy_check, sampler_check
 from qualify.candidate.dp import dp_group, gather_outputs, rank_rows
 from qualify.candidate.imported import KEY as IMPORTED_KEY
 from qualify.candidate.imported import record as record_imported
@@ -58,19 +58,22 @@ from qualify.tensor_codec import Adam, StepCoding
 from qualify.versions import provenance
 
 
-def objective(engine: Any, spec: CaseSpec, scores_BT: torch.Tensor, batch: Batch,
-              targets: dict[str, torch.Tensor], share: Any = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def objective(engine: Any, spec: CaseSpec, scores_BT: torch.Tensor, batch: Batch, targets: dict[str, torch.Tensor],
+              share: Any = None, packed: PackedBatch | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The role's loss and judged outputs: the engine's own objective when it brings one, else the harness's.
 
     An engine qualifies its own loss code (normalizer, masking, clipping, KL placement) by implementing
     objective(role, ppo, scores_BT, response_mask_BT, targets) -> (loss, outputs) with the same output
     names as qualify.ppo.objective.role_objective; under GRPO it is also given grpo= (the matrix's section)
     and share= (qualify.ppo.objective.GRPOShare: the rank's advantages and the step's global normalizers).
+    packed: the micro-batch of a packed case the scores were unpacked from (its entropy is unpacked alike).
     """
     own = getattr(engine, "objective", None)
     grpo = {} if spec.grpo is None else {"grpo": spec.grpo, "share": share}
     if own is None:
-        return role_objective(spec.role, spec.ppo, scores_BT, batch.response_mask_BT, targets, **grpo)
+        return role_objective(spec.role, spec.ppo, scores_BT, batch.response_mask_BT, targets, **grpo,
+                              entropy_BT=policy_entropy(engine, spec, required=True, packed=packed,
+                                                         seq_len=scores_BT.shape[1]))
     result = own(spec.role, spec.ppo, scores_BT, batch.response_mask_BT, targets, **grpo)
     if not isinstance(result, tuple) or len(result) != 2:
         raise ContractError(f"engine {spec.engine}: objective() returned {type(result).__name__}; expected a pair "
@@ -78,9 +81,32 @@ def objective(engine: Any, spec: CaseSpec, scores_BT: torch.Tensor, batch: Batch
     loss, outputs = result
     check_loss(spec.engine, loss)
     with torch.no_grad():  # what the harness's own objective gives for the same inputs: names, shapes, masking
-        _, expected = role_objective(spec.role, spec.ppo, scores_BT.detach(), batch.response_mask_BT, targets, **grpo)
+        # an own objective may compute its own entropy
+        entropy_BT = policy_entropy(engine, spec, required=False, packed=packed, seq_len=scores_BT.shape[1])
+        if entropy_BT is None and spec.role == "actor" and spec.ppo.entropy_coef > 0:
+            entropy_BT = torch.zeros_like(scores_BT)  # only the outputs' names and shapes are read
+        _, expected = role_objective(spec.role, spec.ppo, scores_BT.detach(), batch.response_mask_BT, targets, **grpo,
+                                     entropy_BT=None if entropy_BT is None else entropy_BT.detach())
     check_outputs(spec.engine, outputs, expected, batch.response_mask_BT)
     return loss, outputs
+
+
+def policy_entropy(engine: Any, spec: CaseSpec, required: bool, packed: PackedBatch | None = None,
+                   seq_len: int = 0) -> torch.Tensor | None:
+    """The actor's entropy per token from the forward score() just ran (the engine's entropy() hook, differentiable)
+    when the matrix has an entropy bonus; None otherwise. required: an engine without it is refused in one line.
+    packed: the packed micro-batch score() ran on, whose (1, N) entropy is unpacked to its rows (seq_len positions)."""
+    if spec.role != "actor" or spec.ppo.entropy_coef == 0:
+        return None
+    hook = getattr(engine, "entropy", None)
+    entropy_BT = hook() if hook is not None else None
+    if entropy_BT is None and required:
+        raise EngineError(f"engine {spec.engine}: ppo.entropy_coef {spec.ppo.entropy_coef} needs the entropy of the "
+                          "policy from the forward score() ran, and the engine has no entropy() hook (or it gave none); "
+                          "see qualify.engines.base.TrainEngine")
+    if entropy_BT is not None and packed is not None:
+        entropy_BT = unpack(entropy_BT, packed, seq_len)
+    return entropy_BT
 
 
 def step_share(spec: CaseSpec, targets: dict[str, torch.Tensor], mask_BT: torch.Tensor, offset: int,
@@ -129,22 +155,38 @@ def own_logits_check(engine: Any, spec: CaseSpec, scores_BT: torch.Tensor, batch
                          spec.vocab_size, offset)
 
 
+def own_entropy_check(engine: Any, spec: CaseSpec, outputs: dict[str, torch.Tensor], batch: Batch,
+                      offset: int, packed: PackedBatch | None = None) -> dict[str, Any] | None:
+    """With an entropy bonus, the actor's reported entropy against the entropy of its own logits
+    (qualify.candidate.derived.entropy_check); None where the engine exposes no logits. packed: as own_logits_check."""
+    hook = getattr(engine, "logits", None)
+    logits = hook() if hook is not None and "entropy_BT" in outputs else None
+    if logits is None:
+        return None
+    if packed is not None:
+        logits = unpack(logits, packed, batch.input_ids_BT.shape[1])
+    return entropy_check(logits, outputs["entropy_BT"], batch.response_mask_BT, spec.temperature, spec.vocab_size,
+                         offset)
+
+
 def packed_step(engine: Any, spec: CaseSpec, batch: Batch, lengths_B: torch.Tensor, targets: dict[str, torch.Tensor],
-                share: Any, offset: int, first_row: int) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+                share: Any, offset: int, first_row: int) -> tuple[dict[str, torch.Tensor], Any, Any]:
     """One step of a packed case on this rank (qualify.candidate.packed): per micro-batch of the rank's rows (the
     rollout's from first_row, the step's from offset), score, unpack, its share of the loss, backward; returns the
-    step's outputs (the loss the shares' sum) and the worst sampler-derivation token."""
-    T, parts, worst = batch.input_ids_BT.shape[1], [], []
+    step's outputs (the loss the shares' sum) and the worst sampler-derivation and entropy-derivation tokens."""
+    T, parts, worst, entropies = batch.input_ids_BT.shape[1], [], [], []
     for packed in pack_batch(batch, lengths_B, spec.pack_tokens, first_row):
-        rows = batch.rows(packed.rows_S)
+        rows, start = batch.rows(packed.rows_S), offset + int(packed.rows_S[0])
         scores_BT = unpack(engine.score(packed), packed, T)
-        worst.append(own_logits_check(engine, spec, scores_BT, rows, offset + int(packed.rows_S[0]), packed))
+        worst.append(own_logits_check(engine, spec, scores_BT, rows, start, packed))
         loss, outputs = objective(engine, spec, scores_BT, rows, rows_of(targets, packed.rows_S),
-                                  micro_share(share, packed.rows_S))
+                                  micro_share(share, packed.rows_S), packed)
+        if spec.role == "actor" and spec.ppo.entropy_coef > 0:
+            entropies.append(own_entropy_check(engine, spec, outputs, rows, start, packed))
         report_logprobs(engine, outputs, rows, packed)
         engine.backward(loss)
         parts.append(outputs | {"loss": loss.detach().float()})
-    return merge_microbatches(parts), worst_token(worst)
+    return merge_microbatches(parts), worst_token(worst), worst_token(entropies)
 
 
 def worst_by_step(by_rank: list[list[dict[str, Any] | None]]) -> list[dict[str, Any]] | None:
@@ -218,6 +260,7 @@ def run_case(spec: CaseSpec, rank: int) -> None:
                "exposed": exposed_rows(padded_before)}
     phases = {"setup": time.monotonic() - started}  # where the case's time went (information, not evidence)
     steps, grad_dtypes, params, sampler, layout, replayed, starts = [], {}, {}, [], None, [], []
+    entropies: list[dict[str, Any] | None] = []  # with an entropy bonus: its derivation from the own logits
     exact_layers = None
     for step in step_rows(rollout["input_ids_BT"].shape[0], spec.ppo.epochs, spec.ppo.minibatches):
         rows, offset = rank_rows(step, spec.dp, ctx.dp_rank)
@@ -233,10 +276,12 @@ def run_case(spec: CaseSpec, rank: int) -> None:
         share = step_share(spec, rows_of(targets, rows), batch.response_mask_BT, offset, group)
         if spec.packing == "packed":
             lengths_B = sample_lengths(rollout["prompt_mask_BT"][rows], rollout["response_mask_BT"][rows])
-            outputs, worst = packed_step(engine, spec, batch, lengths_B, rows_of(targets, rows), share, offset,
-                                         rows.start)
+            outputs, worst, entropy = packed_step(engine, spec, batch, lengths_B, rows_of(targets, rows), share,
+                                                  offset, rows.start)
             loss = outputs["loss"]
             sampler.append(worst)
+            if spec.role == "actor" and spec.ppo.entropy_coef > 0:
+                entropies.append(entropy)
         else:
             scores_BT = engine.score(batch)
             sampler.append(own_logits_check(engine, spec, scores_BT, batch, offset))
@@ -244,6 +289,8 @@ def run_case(spec: CaseSpec, rank: int) -> None:
                 hook = getattr(engine, "routes", None)
                 replayed.append(replay_check(hook() if hook is not None else None, batch.routes_BTLK, offset))
             loss, outputs = objective(engine, spec, scores_BT, batch, rows_of(targets, rows), share)
+            if spec.role == "actor" and spec.ppo.entropy_coef > 0:
+                entropies.append(own_entropy_check(engine, spec, outputs, batch, offset))
             outputs.update(reported_router_outputs(engine, spec))
             report_logprobs(engine, outputs, batch)
             engine.backward(loss)
@@ -265,6 +312,7 @@ def run_case(spec: CaseSpec, rank: int) -> None:
     padded = gather_by_rank(padded_rows_report(padded_before, engine.padded_rows()))
     padding_by_rank = gather_all(padding)
     sampler_by_rank = gather_all(sampler)
+    entropy_by_rank = gather_all(entropies) if entropies else None
     replayed_by_rank = gather_all(replayed)
     layout_by_rank = gather_all(layout or {})
     layers_by_rank = gather_all(exact_layers)
@@ -291,6 +339,7 @@ def run_case(spec: CaseSpec, rank: int) -> None:
                 "replica_max_abs": replicas, "padded_rows": padded, "padding": padding_by_rank, "extra_params": sorted(set(params) - set(before)),
                 "num_steps": len(steps), "own_objective": hasattr(engine, "objective"), "contract": contract,
                 "sampler_derivation": worst_by_step(sampler_by_rank), "layout": merge_ranks(layout_by_rank),
+                **({"entropy_derivation": worst_by_step(entropy_by_rank)} if entropy_by_rank else {}),
                 **({"routing_replay": replay_by_step(replayed_by_rank)} if replayed else {}),
                 **({"rollout_layers": merge_layer_ranks(layers_by_rank)} if exact_layers is not None else {}),
                 "case": spec.to_json(), "seconds": round(time.monotonic() - started, 3),

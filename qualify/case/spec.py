@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from qualify.matrix import GRPO, PPO, Case, CaseSettings, Optimizer
+from qualify.matrix import GRPO, PPO, Case, CaseSettings, Optimizer, ppo_as_before
 from qualify.schema import from_dict, to_dict
 from qualify.store import read_json
 
@@ -75,14 +75,15 @@ class CaseSpec:
         return self.tp * self.dp
 
     def to_json(self) -> dict[str, Any]:
-        """The spec as JSON; grpo, dp and the other later fields only when set, so a PPO DP1 spec (and its resume key)
-        reads as before."""
+        """The spec as JSON; grpo, dp and the ppo section's peer settings (qualify.matrix.ppo_as_before) only when set,
+        so a PPO DP1 spec (and its resume key) reads as before."""
         data = to_dict(self)
         for key, default in (("grpo", None), ("dp", 1), ("determinism", "bounded"), ("vocab_tile", None),
                              ("layout_invariant", False), ("routing", None), ("rollout_exact", False),
                              ("rollout_dtype", None), ("waive", []), ("packing", "padded"), ("pack_tokens", None)):
             if data[key] == default:
                 del data[key]
+        data["ppo"] = ppo_as_before(data["ppo"])
         return data
 
 

@@ -37,6 +37,11 @@ class OutputScoring:
     declared_BT: torch.Tensor | None = None
     """The last score()'s logprobs in the declared formula (None until score() runs, or for a subclass whose own
     score() does not set it: the worker then judges score()'s values)."""
+    graph_logits: torch.Tensor | None = None
+    """The actor's last score() logits inside the loss graph (not detached: entropy() differentiates through them);
+    None for the critic or a path that holds no full logits."""
+    last_entropy: torch.Tensor | None = None
+    """entropy()'s answer for the last score(), made on the first call (so every caller sees the same tensor)."""
 
     def scores_from(self, out_BTX: torch.Tensor, ids_BT: torch.Tensor) -> torch.Tensor:
         """(B, T) fp32 scores on CPU (qualify.models.hf.scores_from_outputs) of full outputs (B, T, V or 1) of
@@ -45,6 +50,8 @@ class OutputScoring:
 
         self.declared_BT = declared_logprobs(self.ctx, out_BTX.detach(), ids_BT)
         self.last_logits = out_BTX.detach() if self.ctx.role == "actor" else None
+        self.graph_logits = out_BTX if self.ctx.role == "actor" else None
+        self.last_entropy = None
         return scores_from_outputs(self.ctx.role, out_BTX, ids_BT, self.ctx.temperature,
                                    self.ctx.logprob_chunk_tokens, self.ctx.vocab_size).cpu()
 
@@ -85,6 +92,18 @@ class OutputScoring:
     def logprobs(self) -> torch.Tensor | None:
         """The last score()'s logprobs in the declared formula (None: score()'s own, the full formula)."""
         return self.declared_BT
+
+    def entropy(self) -> torch.Tensor | None:
+        """(B, T) fp32 entropy (on CPU, differentiable: the same forward's graph, qualify.models.hf.entropy_from_outputs)
+        of the sampler distribution at each position of the last score(); None for the critic or without full
+        logits (the vocab-parallel path)."""
+        if self.last_entropy is None and self.graph_logits is not None:
+            from qualify.models.hf import entropy_from_outputs
+
+            c = self.ctx
+            self.last_entropy = entropy_from_outputs(self.graph_logits, c.temperature, c.logprob_chunk_tokens,
+                                                     c.vocab_size).cpu()
+        return self.last_entropy
 
     def logits(self) -> torch.Tensor | None:
         """The last score()'s full-vocabulary logits, as computed (qualify.candidate.derived: the logprobs are derived
@@ -157,6 +176,12 @@ class TrainEngine(Protocol):
     #   objective(role, ppo, scores_BT, response_mask_BT, targets) -> (loss, outputs)
     # returning the outputs qualify.ppo.objective.role_objective returns (actor: logprobs_BT, ratio_BT, kl_BT,
     # kl_mean, clip_frac; critic: values_BT, clip_frac); the harness then judges those instead of its own.
+    # Optional (required with ppo.entropy_coef > 0): an actor engine implements
+    #   entropy() -> Tensor | None
+    # the (B, T) fp32 entropy of softmax(logits / temperature) over the real vocabulary at each position of its last
+    # score() (position t: the distribution token t was scored under, as the logprobs), differentiable through the
+    # same forward's graph, so that the entropy bonus trains the model (a detached copy would train nothing).
+    # OutputScoring implements it from the logits score() kept; an engine without it (or answering None) is refused.
     # Optional: a MoE engine implements
     #   routes() -> Tensor | None
     # the (B, T, MoE layers, top_k) expert ids its last score() routed each token to (OutputScoring.routed records them

@@ -9,7 +9,8 @@ Name it in a GRPO matrix as `qualify.examples.trl_grpo:engine` (TP1, DP1). TRL's
     loss_type 'dr_grpo'           grpo.aggregation seq_mean_token_sum_norm, grpo.constant = max_completion_length
     beta                          grpo.kl_coef (TRL's KL is k3: grpo.kl_estimator k3)
     use_bias_correction_kl        grpo.kl_estimator k3_ratio
-    epsilon (low and high)        ppo.clip_eps
+    epsilon, epsilon_high         ppo.clip_eps_low, ppo.clip_eps_high (each ppo.clip_eps unless set)
+    (no dual clip, no entropy bonus: a matrix with ppo.dual_clip_c or ppo.entropy_coef is refused)
     clip_ratio/region_mean        grpo.clip_frac token_mean (TRL logs the token mean)
 
 TRL computes group-relative advantages while it generates; here they are the step's share of the matrix's
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 
 from qualify.engines.torch_tp import TorchTPEngine
+from qualify.ppo.math import policy_settings
 
 LOSS_TYPES = {"token_mean": "bnpo", "seq_mean_token_mean": "grpo", "seq_mean_token_sum_norm": "dr_grpo"}
 
@@ -59,8 +61,12 @@ def trl_settings(ppo: Any, grpo: Any, changed: dict[str, Any]) -> dict[str, Any]
     """TRL's settings for the matrix (then the changed ones)."""
     if grpo.kl_estimator not in ("k3", "k3_ratio"):
         raise ValueError(f"TRL's KL is k3 (or k3 with use_bias_correction_kl); the matrix says {grpo.kl_estimator}")
-    settings = {"loss_type": LOSS_TYPES[grpo.aggregation], "beta": grpo.kl_coef, "epsilon": ppo.clip_eps,
-                "use_bias_correction_kl": grpo.kl_estimator == "k3_ratio",
+    policy = policy_settings(ppo)
+    if policy.dual_c is not None or policy.entropy_coef != 0:
+        raise ValueError("the TRL GRPO adapter maps no dual clip (ppo.dual_clip_c) and no entropy bonus "
+                         "(ppo.entropy_coef): unset them")
+    settings = {"loss_type": LOSS_TYPES[grpo.aggregation], "beta": grpo.kl_coef, "epsilon": policy.low,
+                "epsilon_high": policy.high, "use_bias_correction_kl": grpo.kl_estimator == "k3_ratio",
                 "max_completion_length": grpo.constant}
     return settings | changed
 
@@ -71,7 +77,7 @@ def trainer_view(settings: dict[str, Any], logp_BT: torch.Tensor) -> Any:
         _get_per_token_logps_and_entropies=lambda *a, **k: (logp_BT, torch.zeros_like(logp_BT), None),
         top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token",
         beta=settings["beta"], loss_type=settings["loss_type"], epsilon_low=settings["epsilon"],
-        epsilon_high=settings["epsilon"], use_vllm=False, model=SimpleNamespace(training=True),
+        epsilon_high=settings["epsilon_high"], use_vllm=False, model=SimpleNamespace(training=True),
         current_gradient_accumulation_steps=1, max_completion_length=settings["max_completion_length"],
         _entropy_bonus_enabled=False, aux_loss_enabled=False, accelerator=_Accelerator(),
         _metrics={"train": defaultdict(list)},
@@ -121,7 +127,7 @@ class TRLGRPOEngine(TorchTPEngine):
             n = mask_BT.sum(dim=1).clamp(min=1).to(d.dtype)
             adv_BT = share.advantages_B[:, None].to(d.dtype)
             pg_BT = -torch.minimum(ratio_BT * adv_BT, ratio_BT.clamp(1 - settings["epsilon"],
-                                                                     1 + settings["epsilon"]) * adv_BT)
+                                                                     1 + settings["epsilon_high"]) * adv_BT)
             per_token_BT = torch.where(mask_BT, pg_BT + settings["beta"] * kl_BT, 0.0)
             if settings["loss_type"] == "bnpo":
                 seq_loss_B = per_token_BT.sum(dim=1) / mask_BT.sum().clamp(min=1)

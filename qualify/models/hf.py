@@ -9,13 +9,14 @@ head at t-1 (the state in which token t is emitted); the reward model is pooled 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
 from qualify.errors import EngineError
 from qualify.models.checkpoint import quiet_transformers
 from qualify.models.precision import torch_dtype
+from qualify.ppo.entropy import sampler_entropy
 from qualify.ppo.formula import Sampling, formula_logprobs
 from qualify.ppo.logprob import sampler_logprobs
 from qualify.ppo.math import last_active_index
@@ -92,6 +93,14 @@ def scores_from_outputs(role: str, out_BTX: torch.Tensor, input_ids_BT: torch.Te
     return torch.nn.functional.pad(out_BTX[:, :-1, 0].float(), (1, 0))
 
 
+def entropy_from_outputs(logits_BTV: torch.Tensor, temperature: float, chunk_tokens: int,
+                         vocab_size: int) -> torch.Tensor:
+    """(B, T) fp32 entropy of the sampler's distribution that scores token t (the logits at t - 1: aligned with the
+    logprobs; position 0 is 0), differentiable (qualify.ppo.entropy)."""
+    h_BT1 = sampler_entropy(logits_BTV[:, :-1], temperature, chunk_tokens, vocab_size)
+    return torch.nn.functional.pad(h_BT1, (1, 0))
+
+
 def logprobs_from_outputs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor, formula: str, sampling: Sampling,
                           chunk_tokens: int, vocab_size: int) -> torch.Tensor:
     """(B, T) fp32 logprobs of input_ids in the named formula (qualify.ppo.formula), no gradient; position 0 is 0."""
@@ -126,18 +135,30 @@ def actor_logprobs(model: torch.nn.Module, input_ids_BT: torch.Tensor, temperatu
     return scores_from_outputs("actor", logits_BTV, input_ids_BT, temperature, chunk_tokens, vocab_size)
 
 
+class ActorScores(NamedTuple):
+    """What the actor's one forward gives the objective and the evidence."""
+
+    scores_BT: torch.Tensor
+    """(B, T) fp32 full-formula logprobs, differentiable: what the loss is built from."""
+    processed_BT: torch.Tensor | None
+    """The processed formula's (no gradient) when the sampling truncates; None when it does not (then they are
+    bitwise the full ones)."""
+    entropy_BT: torch.Tensor | None
+    """(B, T) fp32 entropy of the same forward's sampler distribution, differentiable, when asked for; else None."""
+
+
 def actor_scores(model: torch.nn.Module, input_ids_BT: torch.Tensor, sampling: Sampling, chunk_tokens: int,
-                 vocab_size: int, position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One forward: (B, T) fp32 full-formula logprobs (differentiable, what the loss is built from) and the
-    processed formula's (no gradient) when the sampling truncates; None when it does not (then they are bitwise
-    the full ones). position_ids: a packed row's (1, N), restarting at each sample (transformers then attends within
-    each sample; the caller zeroes each sample's first token, scored here from the previous sample)."""
+                 vocab_size: int, entropy: bool = False, position_ids: torch.Tensor | None = None) -> ActorScores:
+    """One forward of the actor: its logprobs, processed logprobs and (entropy: True) entropy (ActorScores).
+    position_ids: a packed row's (1, N), restarting at each sample (transformers then attends within each sample; the
+    caller zeroes each sample's first token, scored here from the previous sample)."""
     logits_BTV = model(input_ids=input_ids_BT, position_ids=position_ids, use_cache=False).logits
     scores_BT = scores_from_outputs("actor", logits_BTV, input_ids_BT, sampling.temperature, chunk_tokens, vocab_size)
+    entropy_BT = entropy_from_outputs(logits_BTV, sampling.temperature, chunk_tokens, vocab_size) if entropy else None
     if not sampling.truncates(vocab_size):
-        return scores_BT, None
-    return scores_BT, logprobs_from_outputs(logits_BTV.detach(), input_ids_BT, "processed", sampling, chunk_tokens,
-                                            vocab_size)
+        return ActorScores(scores_BT, None, entropy_BT)
+    return ActorScores(scores_BT, logprobs_from_outputs(logits_BTV.detach(), input_ids_BT, "processed", sampling,
+                                                        chunk_tokens, vocab_size), entropy_BT)
 
 
 def head_outputs(model: torch.nn.Module, input_ids_BT: torch.Tensor,

@@ -11,9 +11,15 @@ from typing import Any
 
 import torch
 
+from qualify.ppo.math import policy_settings
+
 BRANCHES: dict[str, str] = {
-    "policy_clip_high": "raise optimizer.lr or ppo.epochs, or lower ppo.clip_eps (no ratio went above 1 + clip_eps)",
-    "policy_clip_low": "raise optimizer.lr or ppo.epochs, or lower ppo.clip_eps (no ratio went below 1 - clip_eps)",
+    "policy_clip_high": "raise optimizer.lr or ppo.epochs, or lower ppo.clip_eps_high (or clip_eps) (no ratio went "
+                        "above 1 + clip_eps_high)",
+    "policy_clip_low": "raise optimizer.lr or ppo.epochs, or lower ppo.clip_eps_low (or clip_eps) (no ratio went "
+                       "below 1 - clip_eps_low)",
+    "policy_clip_dual": "set ppo.dual_clip_c, or lower it toward 1, or raise optimizer.lr or ppo.epochs (no ratio of a "
+                        "negative-advantage token went above dual_clip_c)",
     "value_clip": "raise optimizer.lr or ppo.epochs, or lower ppo.value_clip_eps (no value left old +- value_clip_eps)",
     "grad_clip": "lower optimizer.max_grad_norm below the pre-clip gradient norms the reference measured",
     "kl": "take more than one step (ppo.epochs x ppo.minibatches), or use an actor that differs from the reference "
@@ -35,9 +41,13 @@ def step_coverage(role: str, ppo: Any, max_grad_norm: float, outputs: dict[str, 
                            "grad_norm": grad_norm, "padded_rows": int((lengths_B < lengths_B.max()).sum()),
                            "adam_step": adam_step}
     if role == "actor":
-        ratio_BT = outputs["ratio_BT"]
-        cov["policy_clip_high"] = int(((ratio_BT > 1 + ppo.clip_eps) & mask_BT).sum())
-        cov["policy_clip_low"] = int(((ratio_BT < 1 - ppo.clip_eps) & mask_BT).sum())
+        ratio_BT, policy = outputs["ratio_BT"], policy_settings(ppo)
+        cov["policy_clip_high"] = int(((ratio_BT > 1 + policy.high) & mask_BT).sum())
+        cov["policy_clip_low"] = int(((ratio_BT < 1 - policy.low) & mask_BT).sum())
+        if policy.dual_c is not None:  # recorded only where the matrix has a dual clip (else no step could take it)
+            adv_BT = outputs["advantages_B"][:, None].expand(mask_BT.shape) if "advantages_B" in outputs \
+                else targets["advantages_BT"]  # GRPO's per-row advantages, PPO's per-token ones
+            cov["policy_clip_dual"] = int(((ratio_BT > policy.dual_c) & (adv_BT < 0) & mask_BT).sum())
         cov["kl"] = int(((outputs["kl_BT"] != 0) & mask_BT).sum())
     else:
         moved_BT = (outputs["values_BT"] - targets["old_values_BT"]).abs() > ppo.value_clip_eps

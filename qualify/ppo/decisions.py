@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import torch
 
 from qualify.ppo.grpo import token_advantages
+from qualify.ppo.math import policy_settings
 
 
 class Decisions(NamedTuple):
@@ -58,13 +59,20 @@ def decisions(role: str, ppo: Any, grpo: Any, outputs: dict[str, torch.Tensor], 
         adv = token_advantages(outputs["advantages_B"].float(), mask_BT)
     else:
         adv = targets["advantages_BT"].float()
-    eps = ppo.clip_eps
+    low, high, c, _ = policy_settings(ppo)
     adv = torch.where(mask_BT, adv, 0.0)
     ratio = torch.where(mask_BT, outputs["ratio_BT"].float(), 1.0)
-    active = (ratio > 1.0 + eps) | (ratio < 1.0 - eps)
-    clipped = active & (-adv * torch.clamp(ratio, 1.0 - eps, 1.0 + eps) > -adv * ratio) & mask_BT
-    edge = torch.where(adv > 0, 1.0 + eps, 1.0 - eps)
-    margin = torch.where(mask_BT & (adv != 0), (ratio - edge).abs(), math.inf)
+    active = (ratio > 1.0 + high) | (ratio < 1.0 - low)
+    unclipped, edged = -adv * ratio, -adv * torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    clipped = active & (edged > unclipped) & mask_BT
+    # each edge is its own: A > 0 changes its decision at 1 + high, A < 0 at 1 - low (and at c with a dual clip)
+    edge = torch.where(adv > 0, 1.0 + high, 1.0 - low)
+    margin = (ratio - edge).abs()
+    if c is not None:  # the objective's arithmetic: the clipped surrogate above -A c for A < 0 (ratio beyond c)
+        dual = (adv < 0) & (ratio > c) & (torch.maximum(unclipped, edged) > -adv * c) & mask_BT
+        clipped = clipped | dual
+        margin = torch.where(adv < 0, torch.minimum(margin, (ratio - c).abs()), margin)
+    margin = torch.where(mask_BT & (adv != 0), margin, math.inf)
     return Decisions(clipped, margin, "ratio_BT", "policy_clip")
 
 
@@ -108,6 +116,11 @@ def loss_terms(role: str, ppo: Any, grpo: Any, outputs: dict[str, torch.Tensor],
         term = _policy_term(ppo, grpo, outputs, targets, mask_BT)
         if grpo is not None:
             term = term + grpo.kl_coef * torch.where(mask_BT, outputs["kl_BT"].to(f64), 0.0)
+        coef = policy_settings(ppo).entropy_coef
+        if coef != 0:  # the entropy bonus, of the entropy the case reports
+            if "entropy_BT" not in outputs:
+                return None
+            term = term - coef * torch.where(mask_BT, outputs["entropy_BT"].to(f64), 0.0)
     weights = aggregation_weights(ppo, grpo, mask_BT)
     return torch.where(mask_BT, weights * term, 0.0)
 
@@ -138,7 +151,8 @@ def bias_terms(role: str, ppo: Any, grpo: Any, outputs: dict[str, torch.Tensor],
 
 def _policy_term(ppo: Any, grpo: Any, outputs: dict[str, torch.Tensor], targets: dict[str, torch.Tensor],
                  mask_BT: torch.Tensor) -> torch.Tensor:
-    """Each token's clipped surrogate, float64, from the recorded ratio and the advantages."""
+    """Each token's clipped surrogate, float64, from the recorded ratio and the advantages (the matrix's edges and dual
+    clip: qualify.ppo.math.clipped_surrogate)."""
     f64 = torch.float64
     if grpo is not None:
         adv = token_advantages(outputs["advantages_B"].to(f64), mask_BT)
@@ -146,7 +160,11 @@ def _policy_term(ppo: Any, grpo: Any, outputs: dict[str, torch.Tensor], targets:
         adv = targets["advantages_BT"].to(f64)
     adv = torch.where(mask_BT, adv, 0.0)
     ratio = torch.where(mask_BT, outputs["ratio_BT"].to(f64), 1.0)
-    return torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1.0 - ppo.clip_eps, 1.0 + ppo.clip_eps))
+    policy = policy_settings(ppo)
+    term = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1.0 - policy.low, 1.0 + policy.high))
+    if policy.dual_c is not None:
+        term = torch.where(adv < 0, torch.minimum(term, -adv * policy.dual_c), term)
+    return term
 
 
 def aggregation_weights(ppo: Any, grpo: Any, mask_BT: torch.Tensor, normalizer: str | None = None) -> torch.Tensor:

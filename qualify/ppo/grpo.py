@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from qualify.errors import QualifyError
-from qualify.ppo.math import check_mode, clipped_surrogate
+from qualify.ppo.math import check_mode, clipped_surrogate, less_entropy
 from qualify.ppo.vocab_parallel import tree_sum
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
@@ -260,30 +260,34 @@ def grpo_loss(
     constant: float | None = None,
     decided_BT: torch.Tensor | None = None,
     clip_frac: str = "loss_weighted",
+    dual_clip_c: float | None = None,
+    entropy_BT: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> GRPOLoss:
     """GRPO's clipped surrogate with the KL penalty inside the loss, aggregated with global normalizers.
 
         ratio_t = exp(logp_t - logp_old_t)
         pg_t    = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - clip_eps, 1 + clip_eps_high))
-        loss_t  = pg_t + kl_coef * kl_estimate(logp_t, logp_ref_t)
+                  (then min(pg_t, -A_t * dual_clip_c) where A_t < 0, with a dual clip: qualify.ppo.math.clipped_surrogate)
+        loss_t  = pg_t + kl_coef * kl_estimate(logp_t, logp_ref_t) - entropy_coef * H_t
         loss    = sum_b per_sequence_loss(loss_t, mask, aggregation, normalizers, constant)[b]
 
     clip_frac: 'loss_weighted' aggregates 1[clipped] as the loss is aggregated; 'token_mean' is its mean over the
     step's active tokens (verl, TRL), whatever the aggregation.
-    clip_eps_high defaults to clip_eps (DAPO's clip-higher when larger). logp_ref_BT may be None only
-    with kl_coef 0. The clip comparison is strict, as in qualify.ppo.math.clipped_policy_loss; decided_BT imposes the
-    decision as there.
+    clip_eps_high defaults to clip_eps (DAPO's clip-higher when larger). logp_ref_BT may be None only with kl_coef
+    0, entropy_BT (the policy's entropy per token, qualify.ppo.entropy) only with entropy_coef 0. The clip comparison
+    is strict, as in qualify.ppo.math.clipped_policy_loss; decided_BT imposes the decision as there.
     """
     if logp_ref_BT is None and kl_coef != 0:
         raise ValueError("a reference logprob is required when kl_coef is not 0")
     high = clip_eps if clip_eps_high is None else clip_eps_high
-    s = clipped_surrogate(logp_BT, logp_old_BT, advantages_BT, mask_BT, clip_eps, high, decided_BT)
+    s = clipped_surrogate(logp_BT, logp_old_BT, advantages_BT, mask_BT, clip_eps, high, decided_BT, dual_clip_c)
     pg_BT = s.term_BT
     if logp_ref_BT is None:
         kl_BT = torch.zeros_like(pg_BT)
     else:
         kl_BT = kl_estimate(logp_BT, logp_ref_BT, mask_BT, kl_estimator, s.ratio_BT)
-    loss_BT = pg_BT + kl_coef * kl_BT
+    loss_BT = less_entropy(pg_BT + kl_coef * kl_BT, entropy_BT, mask_BT, entropy_coef)
 
     def agg(x_BT: torch.Tensor) -> torch.Tensor:
         return per_sequence_loss(x_BT, mask_BT, aggregation, normalizers, constant)

@@ -9,7 +9,7 @@ still lets 0 * inf = NaN through the backward pass.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -27,6 +27,27 @@ def check_mode(kind: str, mode: str, known: tuple[str, ...], with_constant: str,
         raise ValueError(f"constant is required with {kind} {with_constant!r} and only then")
     if constant is not None and not constant > 0:
         raise ValueError(f"constant must be > 0, got {constant}")
+
+
+class PolicySettings(NamedTuple):
+    """The policy loss's settings of a ppo section beyond GAE: its clip edges, dual clip and entropy bonus."""
+
+    low: float
+    """The lower edge is 1 - low (ppo.clip_eps_low, else ppo.clip_eps)."""
+    high: float
+    """The upper edge is 1 + high (ppo.clip_eps_high, else ppo.clip_eps)."""
+    dual_c: float | None
+    """ppo.dual_clip_c: a negative-advantage token's loss is at most -A x dual_c; None: no dual clip."""
+    entropy_coef: float
+    """ppo.entropy_coef: the entropy bonus's coefficient (0: none)."""
+
+
+def policy_settings(ppo: Any) -> PolicySettings:
+    """The one reading of a ppo section's policy-loss settings (qualify.matrix.PPO, or any object with its clip_eps:
+    a field it lacks reads as the matrix's default)."""
+    low, high = getattr(ppo, "clip_eps_low", None), getattr(ppo, "clip_eps_high", None)
+    return PolicySettings(low=ppo.clip_eps if low is None else low, high=ppo.clip_eps if high is None else high,
+                          dual_c=getattr(ppo, "dual_clip_c", None), entropy_coef=getattr(ppo, "entropy_coef", 0.0))
 
 
 def masked_sum(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
@@ -141,25 +162,30 @@ def kl_terms(logp_BT: torch.Tensor, logp_ref_BT: torch.Tensor) -> torch.Tensor:
     return logp_BT - logp_ref_BT
 
 
-def choose(unclipped_BT: torch.Tensor, clipped_BT: torch.Tensor, decided: Decided | None) -> torch.Tensor:
-    """The clipped objectives' per-token term: the larger of the two (PPO's rule), or the imposed decision.
+def impose(unclipped_BT: torch.Tensor, natural_BT: torch.Tensor, natural_clipped_BT: torch.Tensor,
+           decided: Decided | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A clipped objective's per-token (term, clipped indicator): its own rule's (natural_BT, natural_clipped_BT), or
+    the imposed decision's.
 
     A decision is what the token's gradient is: True, the clipped term at the clip edge (a constant: no gradient),
     even where this run's own value sits just inside the range (a candidate whose value crossed the edge decided so);
-    False, the unclipped term. Inside the range, where nothing is imposed on the two equal terms (they may differ by
+    False, the unclipped term. Inside the range, where nothing is imposed on the equal terms (they may differ by
     a rounding of old + (v - old)), the rule stays, so imposing a run's own decisions reproduces it bitwise."""
-    natural = torch.maximum(unclipped_BT, clipped_BT)
     if decided is None:
-        return natural
-    return torch.where(decided.clipped_BT, decided.edge_term_BT, torch.where(decided.active_BT, unclipped_BT, natural))
+        return natural_BT, natural_clipped_BT
+    term_BT = torch.where(decided.clipped_BT, decided.edge_term_BT,
+                          torch.where(decided.active_BT, unclipped_BT, natural_BT))
+    return term_BT, decided.clipped_BT | (~decided.active_BT & natural_clipped_BT)
+
+
+def choose(unclipped_BT: torch.Tensor, clipped_BT: torch.Tensor, decided: Decided | None) -> torch.Tensor:
+    """The larger of the two terms (PPO's rule), or the imposed decision (impose)."""
+    return impose(unclipped_BT, torch.maximum(unclipped_BT, clipped_BT), clipped_BT > unclipped_BT, decided)[0]
 
 
 def clipped_fraction_mask(unclipped_BT: torch.Tensor, clipped_BT: torch.Tensor, decided: Decided | None) -> torch.Tensor:
     """clip_frac's per-token indicator: the clipped term is the larger (or is imposed)."""
-    natural = clipped_BT > unclipped_BT
-    if decided is None:
-        return natural
-    return decided.clipped_BT | (~decided.active_BT & natural)
+    return impose(unclipped_BT, torch.maximum(unclipped_BT, clipped_BT), clipped_BT > unclipped_BT, decided)[1]
 
 
 class Decided(NamedTuple):
@@ -171,13 +197,20 @@ class Decided(NamedTuple):
 
 
 def policy_decided(decided_BT: torch.Tensor | None, ratio_BT: torch.Tensor, adv_BT: torch.Tensor, low: float,
-                   high: float) -> Decided | None:
-    """The surrogate's imposed decision: the clipped term -A x (1 + high) for A > 0, -A x (1 - low) for A < 0."""
+                   high: float, dual_c: float | None = None) -> Decided | None:
+    """The surrogate's imposed decision: the clipped term -A x (1 + high) for A > 0, -A x (1 - low) for A < 0, or with
+    a dual clip -A x c for A < 0 where this run's ratio is nearer c than 1 - low (the edge the deciding run crossed:
+    a ratio imposed a decision it did not take itself sits within a rounding of that edge)."""
     if decided_BT is None:
         return None
     r = ratio_BT.detach()
     edge_BT = torch.where(adv_BT > 0, torch.full_like(r, 1.0 + high), torch.full_like(r, 1.0 - low))
-    return Decided(decided_BT, (r > 1.0 + high) | (r < 1.0 - low), -adv_BT * edge_BT)
+    active_BT = (r > 1.0 + high) | (r < 1.0 - low)
+    if dual_c is not None:
+        dual_side_BT = (adv_BT < 0) & ((r - dual_c).abs() < (r - (1.0 - low)).abs())
+        edge_BT = torch.where(dual_side_BT, torch.full_like(r, dual_c), edge_BT)
+        active_BT = active_BT | ((adv_BT < 0) & (r > dual_c))
+    return Decided(decided_BT, active_BT, -adv_BT * edge_BT)
 
 
 class Surrogate(NamedTuple):
@@ -186,19 +219,23 @@ class Surrogate(NamedTuple):
     ratio_BT: torch.Tensor
     """(B, T) exp(logp - logp_old) on active tokens, 1 elsewhere."""
     term_BT: torch.Tensor
-    """(B, T) max(-A * ratio, -A * clip(ratio, 1 - low, 1 + high)), or the imposed decision's term (choose)."""
+    """(B, T) the clipped surrogate (clipped_surrogate's formula), or the imposed decision's term (impose)."""
     is_clipped_BT: torch.Tensor
-    """(B, T) 1.0 where the clipped term is taken (clipped_fraction_mask) in logp's dtype, no gradient."""
+    """(B, T) 1.0 where a clipped term is taken (either edge, or the dual clip), in logp's dtype, no gradient."""
 
 
 def clipped_surrogate(logp_BT: torch.Tensor, logp_old_BT: torch.Tensor, advantages_BT: torch.Tensor,
-                      mask_BT: torch.Tensor, low: float, high: float, decided_BT: torch.Tensor | None) -> Surrogate:
-    """The per-token clipped surrogate of clipped_policy_loss (low = high = clip_eps) and GRPO's (clip-higher):
+                      mask_BT: torch.Tensor, low: float, high: float, decided_BT: torch.Tensor | None,
+                      dual_c: float | None = None) -> Surrogate:
+    """The per-token clipped surrogate of clipped_policy_loss and GRPO's, with asymmetric edges and verl's dual clip:
 
         ratio_t = exp(logp_t - logp_old_t)                                    (1 on inactive tokens)
-        term_t  = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - low, 1 + high))
+        pg_t    = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - low, 1 + high))
+        term_t  = min(pg_t, -A_t * dual_c) where A_t < 0 (dual_c set), else pg_t
 
-    The comparison is strict; decided_BT (bool, optional) imposes the decision instead of the max (choose).
+    A token is clipped where the clipped term is the larger, or (dual clip) where A_t < 0 and pg_t > -A_t * dual_c:
+    verl's pg_clipfrac and pg_clipfrac_lower, counted together. The comparisons are strict; decided_BT (bool,
+    optional) imposes the decision instead (impose).
     """
     # Zero the log-ratio and advantage off the mask first, so exp() of garbage there cannot turn
     # the backward into 0 * inf = NaN.
@@ -207,9 +244,16 @@ def clipped_surrogate(logp_BT: torch.Tensor, logp_old_BT: torch.Tensor, advantag
     ratio_BT = torch.exp(log_ratio_BT)
     unclipped_BT = -adv_BT * ratio_BT
     clipped_BT = -adv_BT * torch.clamp(ratio_BT, 1.0 - low, 1.0 + high)
-    decided = policy_decided(decided_BT, ratio_BT, adv_BT, low, high)
-    is_clipped_BT = clipped_fraction_mask(unclipped_BT, clipped_BT, decided).detach().to(logp_BT.dtype)
-    return Surrogate(ratio_BT, choose(unclipped_BT, clipped_BT, decided), is_clipped_BT)
+    natural_BT = torch.maximum(unclipped_BT, clipped_BT)
+    natural_clipped_BT = clipped_BT > unclipped_BT
+    if dual_c is not None:  # verl's order: the clipped surrogate first, then its minimum with -A c for A < 0
+        dual_BT = -adv_BT * dual_c
+        negative_BT = adv_BT < 0
+        natural_clipped_BT = natural_clipped_BT | (negative_BT & (natural_BT > dual_BT))
+        natural_BT = torch.where(negative_BT, torch.minimum(natural_BT, dual_BT), natural_BT)
+    decided = policy_decided(decided_BT, ratio_BT, adv_BT, low, high, dual_c)
+    term_BT, is_clipped_BT = impose(unclipped_BT, natural_BT, natural_clipped_BT, decided)
+    return Surrogate(ratio_BT, term_BT, is_clipped_BT.detach().to(logp_BT.dtype))
 
 
 def clipped_policy_loss(
@@ -221,22 +265,43 @@ def clipped_policy_loss(
     normalizer: str,
     constant: float | None = None,
     decided_BT: torch.Tensor | None = None,
+    *,
+    clip_eps_high: float | None = None,
+    dual_clip_c: float | None = None,
+    entropy_BT: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO clipped surrogate. Returns (loss scalar, ratio_BT, clip_frac scalar).
 
         ratio_t = exp(logp_t - logp_old_t)                                    (1 on inactive tokens)
-        loss_t  = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - clip_eps, 1 + clip_eps))
+        loss_t  = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - clip_eps, 1 + clip_eps_high))
+                  (then min(loss_t, -A_t * dual_clip_c) where A_t < 0, with a dual clip: clipped_surrogate)
+                  - entropy_coef * H_t                                       (an entropy bonus)
         loss    = masked_mean(loss_t, mask, normalizer, constant)
-        clip_frac = masked_mean(1[clipped term > unclipped term], same normalizer)
+        clip_frac = masked_mean(1[a clipped term is taken], same normalizer)
 
-    The comparison is strict: a ratio exactly at 1 +- clip_eps is not clipped. clip_frac is a
-    float tensor without gradient. decided_BT (bool, optional) imposes the decision instead of the max: the clipped
-    term where True, the unclipped one elsewhere (a reference replayed on a candidate's decisions, qualify.ppo.decisions).
+    clip_eps is the lower edge's range, clip_eps_high the upper's (default clip_eps). entropy_BT (B, T): the entropy
+    of the policy at each token (qualify.ppo.entropy), differentiable, required when entropy_coef is not 0.
+    The comparison is strict: a ratio exactly at an edge is not clipped. clip_frac is a float tensor without
+    gradient. decided_BT (bool, optional) imposes the decision instead of the max: the clipped term where True, the
+    unclipped one elsewhere (a reference replayed on a candidate's decisions, qualify.ppo.decisions).
     """
-    s = clipped_surrogate(logp_BT, logp_old_BT, advantages_BT, mask_BT, clip_eps, clip_eps, decided_BT)
-    loss = masked_mean(s.term_BT, mask_BT, normalizer, constant)
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    s = clipped_surrogate(logp_BT, logp_old_BT, advantages_BT, mask_BT, clip_eps, high, decided_BT, dual_clip_c)
+    loss = masked_mean(less_entropy(s.term_BT, entropy_BT, mask_BT, entropy_coef), mask_BT, normalizer, constant)
     clip_frac = masked_mean(s.is_clipped_BT, mask_BT, normalizer, constant)
     return loss, s.ratio_BT, clip_frac
+
+
+def less_entropy(loss_BT: torch.Tensor, entropy_BT: torch.Tensor | None, mask_BT: torch.Tensor,
+                 entropy_coef: float) -> torch.Tensor:
+    """Per-token loss less the entropy bonus: loss_t - entropy_coef * H_t (H zeroed off the mask first); loss_BT
+    itself when the coefficient is 0 (the entropy, if given, is then not read)."""
+    if entropy_coef == 0:
+        return loss_BT
+    if entropy_BT is None:
+        raise ValueError(f"an entropy coefficient of {entropy_coef} needs the policy's entropy at every token")
+    return loss_BT - entropy_coef * torch.where(mask_BT, entropy_BT, 0.0)
 
 
 def clipped_value_loss(

@@ -28,7 +28,7 @@ from qualify.ppo.grpo import (
     kl_estimate,
     token_advantages,
 )
-from qualify.ppo.math import clipped_policy_loss, clipped_value_loss, kl_terms, masked_mean
+from qualify.ppo.math import clipped_policy_loss, clipped_value_loss, kl_terms, masked_mean, policy_settings
 
 DECIDED_KEY = "decided_clipped_BT"
 """A target a replayed reference carries: the clip decision imposed on every token (qualify.ppo.decisions)."""
@@ -45,32 +45,52 @@ def step_rows(num_rows: int, epochs: int, minibatches: int) -> list[slice]:
 def role_objective(role: str, ppo: Any, scores_BT: torch.Tensor, mask_BT: torch.Tensor,
                    targets: dict[str, torch.Tensor], normalizer: str | None = None,
                    constant: float | None = None, *, grpo: Any = None,
-                   share: GRPOShare | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                   share: GRPOShare | None = None,
+                   entropy_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss, judged outputs) of one role on one (mini)batch; targets are already sliced to its rows.
 
     scores_BT are the actor's sampler-formula logprobs or the critic's values; the normalizer (and
     its constant) default to the matrix's, and a micro-batch control passes its own. With grpo (the
     matrix's GRPO section) the objective is GRPO's (grpo_objective; share: from the whole step). With
     targets[DECIDED_KEY] the clip decision of every token is imposed instead of taken (a replayed reference).
+    entropy_BT: the actor's entropy per token from the same forward (qualify.ppo.entropy), differentiable; read (and
+    judged, as outputs entropy_BT) only with ppo.entropy_coef > 0.
     """
     if grpo is not None:
         if role != "actor":
             raise ValueError(f"GRPO trains the actor alone, not the {role}")
         return grpo_objective(ppo, grpo, scores_BT, mask_BT, targets,
-                              share if share is not None else grpo_share(grpo, targets["score_B"], mask_BT))
+                              share if share is not None else grpo_share(grpo, targets["score_B"], mask_BT), entropy_BT)
     if normalizer is None:
         normalizer, constant = ppo.token_normalizer, ppo.normalizer_constant
     scores_BT = scores_BT * mask_BT
     if role == "actor":
         loss, ratio_BT, clip_frac = clipped_policy_loss(scores_BT, targets["old_logprobs_BT"],
-                                                        targets["advantages_BT"], mask_BT, ppo.clip_eps,
-                                                        normalizer, constant, targets.get(DECIDED_KEY))
+                                                        targets["advantages_BT"], mask_BT,
+                                                        policy_settings(ppo).low,
+                                                        normalizer, constant, targets.get(DECIDED_KEY),
+                                                        **policy_clip(ppo, entropy_BT))
         kl_BT = kl_terms(scores_BT.detach(), targets["ref_logprobs_BT"]) * mask_BT
         return loss, {"logprobs_BT": scores_BT.detach(), "ratio_BT": (ratio_BT * mask_BT).detach(), "kl_BT": kl_BT,
-                      "kl_mean": masked_mean(kl_BT, mask_BT, "global"), "clip_frac": clip_frac.detach()}
+                      "kl_mean": masked_mean(kl_BT, mask_BT, "global"), "clip_frac": clip_frac.detach(),
+                      **entropy_output(ppo, entropy_BT, mask_BT)}
     loss, clip_frac = clipped_value_loss(scores_BT, targets["old_values_BT"], targets["returns_BT"], mask_BT,
                                          ppo.value_clip_eps, normalizer, constant, targets.get(DECIDED_KEY))
     return loss, {"values_BT": scores_BT.detach(), "clip_frac": clip_frac.detach()}
+
+
+def policy_clip(ppo: Any, entropy_BT: torch.Tensor | None) -> dict[str, Any]:
+    """The policy loss's settings beyond its lower clip range: the upper range, the dual clip and the entropy bonus."""
+    policy = policy_settings(ppo)
+    return {"clip_eps_high": policy.high, "dual_clip_c": policy.dual_c, "entropy_BT": entropy_BT,
+            "entropy_coef": policy.entropy_coef}
+
+
+def entropy_output(ppo: Any, entropy_BT: torch.Tensor | None, mask_BT: torch.Tensor) -> dict[str, torch.Tensor]:
+    """{'entropy_BT': the entropy on response tokens, 0 elsewhere} with an entropy bonus, {} without one."""
+    if policy_settings(ppo).entropy_coef == 0 or entropy_BT is None:
+        return {}
+    return {"entropy_BT": torch.where(mask_BT, entropy_BT.detach(), 0.0)}
 
 
 def rows_of(targets: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
@@ -105,7 +125,8 @@ def grpo_dp_share(grpo: Any, rewards_b: torch.Tensor, mask_bT: torch.Tensor, row
 
 
 def grpo_objective(ppo: Any, grpo: Any, logp_BT: torch.Tensor, mask_BT: torch.Tensor,
-                   targets: dict[str, torch.Tensor], share: GRPOShare) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                   targets: dict[str, torch.Tensor], share: GRPOShare,
+                   entropy_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss, judged outputs) of GRPO on a slice of a step: qualify.ppo.grpo.grpo_loss with the rollout's logprobs as
     old logprobs, the reference policy's for the KL term, and the share's advantages and normalizers.
 
@@ -114,11 +135,11 @@ def grpo_objective(ppo: Any, grpo: Any, logp_BT: torch.Tensor, mask_BT: torch.Te
     logp_BT = torch.where(mask_BT, logp_BT, 0.0)
     ref_BT = targets["ref_logprobs_BT"]
     out = grpo_loss(logp_BT, targets["old_logprobs_BT"], ref_BT, token_advantages(share.advantages_B, mask_BT),
-                    mask_BT, clip_eps=ppo.clip_eps, kl_coef=grpo.kl_coef, kl_estimator=grpo.kl_estimator,
+                    mask_BT, clip_eps=policy_settings(ppo).low, kl_coef=grpo.kl_coef, kl_estimator=grpo.kl_estimator,
                     aggregation=grpo.aggregation, normalizers=share.normalizers, constant=grpo.constant,
-                    decided_BT=targets.get(DECIDED_KEY), clip_frac=grpo.clip_frac)
+                    decided_BT=targets.get(DECIDED_KEY), clip_frac=grpo.clip_frac, **policy_clip(ppo, entropy_BT))
     kl_BT = kl_estimate(logp_BT.detach(), ref_BT, mask_BT, grpo.kl_estimator, out.ratio_BT.detach())
     return out.loss, {"logprobs_BT": logp_BT.detach(), "ratio_BT": torch.where(mask_BT, out.ratio_BT, 0.0).detach(),
                       "kl_BT": kl_BT, "kl_mean": out.kl.detach(), "policy_loss": out.policy_loss.detach(),
                       "clip_frac": out.clip_frac.detach(), "advantages_B": share.advantages_B.detach(),
-                      "seq_loss_B": out.per_sequence_B.detach()}
+                      "seq_loss_B": out.per_sequence_B.detach(), **entropy_output(ppo, entropy_BT, mask_BT)}

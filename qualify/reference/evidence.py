@@ -13,7 +13,7 @@ from typing import Any
 from qualify.bounds.layers import LAYERS_FILE
 from qualify.compare import step_dir, write_step
 from qualify.layout import RunLayout
-from qualify.matrix import Matrix
+from qualify.matrix import Matrix, ppo_as_before
 from qualify.reference.targets import TARGETS_FILE
 from qualify.schema import to_dict
 from qualify.stages import complete_stage, fingerprint, open_sealed, prepare_stage
@@ -29,6 +29,7 @@ def scoring_settings(matrix: Matrix, rollout_digest: str) -> str:
     m = to_dict(matrix)
     # what is kept (of the controls, of the layer activations) changes no number: the fingerprint is the same
     m["reference"] = {k: v for k, v in m["reference"].items() if k not in ("evidence", "layer_activations")}
+    m["ppo"] = ppo_as_before(m["ppo"])  # the peer settings enter the fingerprint only where they are set
     grpo = ("algorithm", "grpo") if matrix.algorithm == "grpo" else ()  # a PPO matrix's fingerprint is unchanged
     # the packed control's budget (a candidates field): only where it is set, so other fingerprints are unchanged
     packing = {} if matrix.candidates.pack_tokens is None else {"pack_tokens": matrix.candidates.pack_tokens}

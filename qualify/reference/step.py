@@ -25,7 +25,7 @@ import torch
 from qualify.case.context import PackedBatch
 from qualify.case.packing import pack_rows, plan_packs, sample_lengths, unpack, zero_sample_starts
 from qualify.matrix import Reference
-from qualify.models.hf import actor_scores, compute_copy, critic_values, enable_checkpointing
+from qualify.models.hf import ActorScores, actor_scores, compute_copy, critic_values, enable_checkpointing
 from qualify.models.hooks import capture_layer_outputs
 from qualify.models.routing import replayed_routes, router_outputs, routing
 from qualify.ppo.formula import PROCESSED_KEY, rollout_sampling
@@ -294,19 +294,20 @@ def _forward_backward(ctx: ScoringContext, role: str, control: Control, model: t
         recorded: list = []
         with routing(model, None if routes_BTLK is None else routes_BTLK[rows], outputs=recorded):
             if role == "actor":
-                scores_BT, processed_BT = _actor_scores(ctx, model, ids_BT[rows], vocab_size, packed)
+                scores_BT, processed_BT, entropy_BT = _actor_scores(ctx, model, ids_BT[rows], vocab_size, packed,
+                                                                    entropy=p.entropy_coef > 0)
                 for key, t in router_outputs(recorded, *ids_BT[rows].shape).items():  # a MoE actor's routers
                     parts.setdefault(key, []).append(t)
                 if processed_BT is not None:  # the processed formula a candidate may declare; bitwise full untruncated
                     parts.setdefault(PROCESSED_KEY, []).append(torch.where(m_BT, processed_BT, 0.0))
             elif packed is not None:
-                scores_BT = _unpacked(critic_values(model, packed.input_ids_1N, packed.position_ids_1N), packed,
-                                      ids_BT.shape[1])
+                scores_BT, entropy_BT = _unpacked(critic_values(model, packed.input_ids_1N, packed.position_ids_1N),
+                                                  packed, ids_BT.shape[1]), None
             else:
-                scores_BT = critic_values(model, ids_BT[rows])
+                scores_BT, entropy_BT = critic_values(model, ids_BT[rows]), None
             loss, out = role_objective(role, p, scores_BT, m_BT, rows_of(tgt, rows), normalizer, constant,
-                                       grpo=grpo, share=part)
-            for key in ("logprobs_BT", "ratio_BT", "values_BT", "kl_BT", "advantages_B", "seq_loss_B"):
+                                       grpo=grpo, share=part, entropy_BT=entropy_BT)
+            for key in ("logprobs_BT", "ratio_BT", "values_BT", "kl_BT", "advantages_B", "seq_loss_B", "entropy_BT"):
                 if key in out:
                     parts.setdefault(key, []).append(out[key])
             (loss * weight).backward()
@@ -324,16 +325,14 @@ def _forward_backward(ctx: ScoringContext, role: str, control: Control, model: t
 
 
 def _actor_scores(ctx: ScoringContext, model: torch.nn.Module, ids_BT: torch.Tensor, vocab_size: int,
-                  packed: PackedBatch | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  packed: PackedBatch | None, entropy: bool) -> ActorScores:
     """qualify.models.hf.actor_scores of the rows, or of their packed micro-batch unpacked to the rows' layout."""
     sampling, chunk = rollout_sampling(ctx.rollout), ctx.reference.logprob_chunk_tokens
     if packed is None:
-        return actor_scores(model, ids_BT, sampling, chunk, vocab_size)
-    scores_1N, processed_1N = actor_scores(model, packed.input_ids_1N, sampling, chunk, vocab_size,
-                                           packed.position_ids_1N)
-    T = ids_BT.shape[1]
-    return (_unpacked(scores_1N, packed, T),
-            None if processed_1N is None else _unpacked(processed_1N, packed, T))
+        return actor_scores(model, ids_BT, sampling, chunk, vocab_size, entropy=entropy)
+    found = actor_scores(model, packed.input_ids_1N, sampling, chunk, vocab_size, entropy=entropy,
+                         position_ids=packed.position_ids_1N)
+    return ActorScores(*(None if t is None else _unpacked(t, packed, ids_BT.shape[1]) for t in found))
 
 
 def _unpacked(values_1N: torch.Tensor, packed: PackedBatch, seq_len: int) -> torch.Tensor:

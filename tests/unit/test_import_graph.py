@@ -13,6 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 LAYERS = [  # top floor first: a package may import its own modules and any package on a lower floor, nothing else
+    {"__main__"},
     {"cli"},
     {"report_html"},
     {"report"},

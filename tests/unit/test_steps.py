@@ -98,7 +98,9 @@ def test_inert_names_each_missing_branch_with_what_wakes_it():
               "adam_step": 1}]
     critic = [{"value_clip": 0, "grad_clip": True, "padded_rows": 1, "adam_step": 1}]
     missing = inert(tuple(BRANCHES), {"actor": actor, "critic": critic})
-    assert [m.split(":")[0] for m in missing] == ["policy_clip_high", "value_clip", "adam_past_first_step"]
+    # policy_clip_dual is recorded only with a dual clip (ppo.dual_clip_c): never recorded, never taken
+    assert [m.split(":")[0] for m in missing] == ["policy_clip_high", "policy_clip_dual", "value_clip",
+                                                   "adam_past_first_step"]
     assert "ppo.epochs" in missing[-1]
     assert exercised(actor)["grad_clip"] is False and exercised(critic)["grad_clip"] is True
     assert inert((), {"actor": actor}) == []
