@@ -21,6 +21,20 @@ def require_packed(engine: Any, engine_name: str, case: str) -> None:
                           f"'Packed batches'), so its packed case {case} cannot run")
 
 
+def micro_batches_of_step(lengths_B: torch.Tensor, budget: int, group: Any) -> int:
+    """How many micro-batches every DP rank runs at this step: the most any rank's plan has (one all_reduce MAX over
+    the DP group; 0 at DP1, where the plan stands as it is)."""
+    if group is None:
+        return 0
+    import torch.distributed as dist
+
+    from qualify.case.packing import plan_packs
+
+    count = torch.tensor([len(plan_packs([int(n) for n in lengths_B], budget))], dtype=torch.int64)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    return int(count[0])
+
+
 def micro_share(share: Any, index_S: torch.Tensor) -> Any:
     """The share of the step a micro-batch of the rank's rows index_S takes: the step's normalizers as they are, and
     under GRPO its rows' advantages (share: the rank's, qualify.ppo.objective)."""

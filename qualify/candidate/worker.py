@@ -29,7 +29,13 @@ from qualify.candidate.imported import record as record_imported
 from qualify.candidate.layer_probe import merge_ranks as merge_layer_ranks
 from qualify.candidate.layer_probe import probe_rollout_layers
 from qualify.candidate.layout_probe import merge_ranks, probe_layouts
-from qualify.candidate.packed import merge_microbatches, micro_share, require_packed, worst_token
+from qualify.candidate.packed import (
+    merge_microbatches,
+    micro_batches_of_step,
+    micro_share,
+    require_packed,
+    worst_token,
+)
 from qualify.candidate.padding import exposed_rows, padding_found
 from qualify.candidate.plugin_contract import (
     ContractError,
@@ -170,12 +176,14 @@ def own_entropy_check(engine: Any, spec: CaseSpec, outputs: dict[str, torch.Tens
 
 
 def packed_step(engine: Any, spec: CaseSpec, batch: Batch, lengths_B: torch.Tensor, targets: dict[str, torch.Tensor],
-                share: Any, offset: int, first_row: int) -> tuple[dict[str, torch.Tensor], Any, Any]:
+                share: Any, offset: int, first_row: int, group: Any) -> tuple[dict[str, torch.Tensor], Any, Any]:
     """One step of a packed case on this rank (qualify.candidate.packed): per micro-batch of the rank's rows (the
-    rollout's from first_row, the step's from offset), score, unpack, its share of the loss, backward; returns the
-    step's outputs (the loss the shares' sum) and the worst sampler-derivation and entropy-derivation tokens."""
+    rollout's from first_row, the step's from offset; as many as every rank of the DP group runs), score, unpack, its
+    share of the loss, backward; returns the step's outputs (the loss the shares' sum) and the worst
+    sampler-derivation and entropy-derivation tokens."""
     T, parts, worst, entropies = batch.input_ids_BT.shape[1], [], [], []
-    for packed in pack_batch(batch, lengths_B, spec.pack_tokens, first_row):
+    count = micro_batches_of_step(lengths_B, spec.pack_tokens, group)
+    for packed in pack_batch(batch, lengths_B, spec.pack_tokens, first_row, count):
         rows, start = batch.rows(packed.rows_S), offset + int(packed.rows_S[0])
         scores_BT = unpack(engine.score(packed), packed, T)
         worst.append(own_logits_check(engine, spec, scores_BT, rows, start, packed))
@@ -277,7 +285,7 @@ def run_case(spec: CaseSpec, rank: int) -> None:
         if spec.packing == "packed":
             lengths_B = sample_lengths(rollout["prompt_mask_BT"][rows], rollout["response_mask_BT"][rows])
             outputs, worst, entropy = packed_step(engine, spec, batch, lengths_B, rows_of(targets, rows), share,
-                                                  offset, rows.start)
+                                                  offset, rows.start, group)
             loss = outputs["loss"]
             sampler.append(worst)
             if spec.role == "actor" and spec.ppo.entropy_coef > 0:

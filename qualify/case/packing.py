@@ -6,10 +6,14 @@ budget's tokens (greedy in row order, a sample never split), with position ids r
 cu_seqlens marking the boundaries (qualify.case.context.PackedBatch). The engine scores the packed tokens; unpack puts
 its per-token outputs back at (row, position) of the padded layout, 0 elsewhere, so that everything downstream (loss,
 shares, judged outputs) reads the same tensors as in a padded case. The candidate worker and the reference's packed
-control pack alike.
+control pack alike; at DP > 1 a rank with fewer micro-batches than another splits its largest until every rank runs
+as many (split_to: a sharded engine's forward and backward are collectives per micro-batch, as verl's dynamic batching
+makes every DP rank's count the same).
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -46,6 +50,23 @@ def plan_packs(lengths: list[int], budget: int, first_row: int = 0) -> list[slic
     return packs
 
 
+def split_to(plan: list[slice], lengths: list[int], count: int) -> list[slice]:
+    """The plan with its micro-batches split until there are count of them (every DP rank of a step must run as many:
+    a sharded engine's forward and backward are collectives per micro-batch). Each split halves the micro-batch of
+    the most tokens that holds two samples or more, at the sample boundary nearest its middle; count must not exceed
+    the rows."""
+    plan = list(plan)
+    assert count <= len(lengths), (count, len(lengths))
+    while len(plan) < count:
+        tokens = [sum(lengths[s]) if s.stop - s.start > 1 else -1 for s in plan]
+        i = tokens.index(max(tokens))
+        s = plan[i]
+        before = list(itertools.accumulate(lengths[s.start:s.stop - 1]))  # tokens before each inner boundary
+        k = min(range(len(before)), key=lambda j: abs(before[j] - tokens[i] / 2))
+        plan[i:i + 1] = [slice(s.start, s.start + 1 + k), slice(s.start + 1 + k, s.stop)]
+    return plan
+
+
 def pack_rows(input_ids_BT: torch.Tensor, response_mask_BT: torch.Tensor, lengths_B: torch.Tensor, rows: slice,
               last: bool = True) -> PackedBatch:
     """The rows' real tokens as one packed micro-batch (rows: a slice of the batch's rows)."""
@@ -60,9 +81,12 @@ def pack_rows(input_ids_BT: torch.Tensor, response_mask_BT: torch.Tensor, length
                        max_seqlen=max(lens, default=0), rows_S=index_S, response_mask_1N=mask[None], last=last)
 
 
-def pack_batch(batch: Batch, lengths_B: torch.Tensor, budget: int, first_row: int = 0) -> list[PackedBatch]:
-    """A batch's rows packed into micro-batches of at most budget tokens, in row order (the last one marked last)."""
-    plan = plan_packs([int(n) for n in lengths_B], budget, first_row)
+def pack_batch(batch: Batch, lengths_B: torch.Tensor, budget: int, first_row: int = 0,
+               count: int = 0) -> list[PackedBatch]:
+    """A batch's rows packed into micro-batches of at most budget tokens, in row order (the last one marked last);
+    count: at least that many micro-batches (split_to)."""
+    lengths = [int(n) for n in lengths_B]
+    plan = split_to(plan_packs(lengths, budget, first_row), lengths, count)
     return [pack_rows(batch.input_ids_BT, batch.response_mask_BT, lengths_B, rows, last=i == len(plan) - 1)
             for i, rows in enumerate(plan)]
 

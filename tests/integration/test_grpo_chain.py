@@ -158,7 +158,7 @@ def test_deepspeed_passes_at_tp1_dp2_and_tp2(grpo_run, tmp_path):
 def test_torch_tp_and_deepspeed_pass_packed_at_dp1_and_dp2(grpo_run, tmp_path):
     """Packed micro-batches (matrix's pack_tokens, the budget of its reference's packed control) at DP1 and DP2, where
     the ranks hold other numbers of micro-batches: every case passes with its closest bound row at most half its
-    bound, and where the padded case ran (the tests above) the packed case is also judged against it."""
+    bound (against the reference, its DP1 case, and its padded case where that ran: the tests above)."""
     import math
 
     from tests.integration._support import matrix_with, require_module
@@ -177,8 +177,6 @@ def test_torch_tp_and_deepspeed_pass_packed_at_dp1_and_dp2(grpo_run, tmp_path):
                 and 0 < float(r["bound"]) < math.inf]
         closest = max(rows, key=ratio)
         assert ratio(closest) <= 0.5, (case, closest)
-    assert "vs padded" in verdict["cases"]["torch-tp-fp32-tp1-dp2-packed-actor"]["invariance"]
-    assert "vs padded" in verdict["cases"]["deepspeed-bf16-tp1-packed-actor"]["invariance"]
 
 
 def test_declared_bitwise_holds_dp2_to_bitwise(grpo_run, tmp_path):

@@ -14,6 +14,7 @@ from qualify.case.packing import (
     pack_rows,
     plan_packs,
     repack,
+    split_to,
     sample_lengths,
     unpack,
     zero_sample_starts,
@@ -53,6 +54,18 @@ def test_plan_is_greedy_in_row_order_within_the_budget(lengths, budget):
     assert [list(range(len(lengths)))[s] for s in plan] == greedy_by_loop(lengths, budget)
     assert [i for s in plan for i in range(s.start, s.stop)] == list(range(len(lengths)))  # each row once, in order
     assert all(sum(lengths[s]) <= budget for s in plan)
+
+
+@pytest.mark.parametrize(("lengths", "budget", "count", "expected"), [
+    ([5, 5, 5, 5], 20, 2, [[0, 1], [2, 3]]),  # one micro-batch split at its middle
+    ([5, 5, 5, 5], 20, 4, [[0], [1], [2], [3]]),
+    ([9, 1, 1, 1, 8], 20, 2, [[0, 1], [2, 3, 4]]),  # the boundary nearest half of 20 tokens: after 10
+    ([4, 4, 10, 3, 3], 12, 4, [[0], [1], [2], [3, 4]]),  # the plan [[0, 1], [2], [3, 4]]: the largest with two splits
+    ([6, 6, 6], 12, 2, [[0, 1], [2]]),  # already as many: the plan unchanged
+])
+def test_a_rank_with_fewer_micro_batches_splits_its_largest(lengths, budget, count, expected):
+    plan = split_to(plan_packs(lengths, budget), lengths, count)
+    assert [list(range(len(lengths)))[s] for s in plan] == expected
 
 
 def test_a_sample_longer_than_the_budget_is_refused_naming_its_row():
