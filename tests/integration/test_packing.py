@@ -70,6 +70,8 @@ def test_torch_tp_and_deepspeed_pass_packed_within_half_their_bounds(packed_run,
         rows = [r for r in verdict["rows"] if r["case"] == case and bounded(r)]
         assert any(r["comparison"].startswith("vs padded ") for r in rows), case  # judged against its padded case
         closest = max(rows, key=ratio)
+        print(f"{case}: closest bound row {ratio(closest):.3f} ({closest['comparison']} {closest['tensor']} "
+              f"{closest['metric']})")
         assert ratio(closest) <= 0.5, (case, closest)
 
 
@@ -97,6 +99,8 @@ def test_a_packing_bug_fails_its_logprobs_by_ten_times_the_bound(negative_verdic
     step0 = [r for r in rows if r["comparison"] == "vs ref fp32-r0 [fp32-repeat]"
              and r["tensor"] == f"step0/{NEGATIVE[factory]}" and r["metric"] == "max_abs"]
     assert len(step0) == 1 and not step0[0]["passed"]
+    print(f"{factory}: step0 logprobs_BT max_abs {step0[0]['value']} / bound {step0[0]['bound']} = "
+          f"{ratio(step0[0]):.3g}")
     assert ratio(step0[0]) >= 10, step0[0]  # the first step's logprobs, before any update: the forward itself
 
 

@@ -14,8 +14,8 @@ from qualify.case.packing import (
     pack_rows,
     plan_packs,
     repack,
-    split_to,
     sample_lengths,
+    split_to,
     unpack,
     zero_sample_starts,
 )
