@@ -2,7 +2,8 @@
 
 A child that dies prints pages: log lines, a traceback, a wrapper exception that says "see root cause
 above", warnings from process-group teardown. The user needs the one line that says what went wrong;
-the whole output goes to a log file that the message names (the caller writes it).
+the whole output goes to a log file that the message names (the caller writes it). And whatever a
+child, an engine or its log says is shown through printable: its control characters escaped.
 """
 
 from __future__ import annotations
@@ -24,6 +25,20 @@ _GENERIC = ("see root cause above", "see the root cause above", "see stack trace
 _NOISE_LEVELS = ("DEBUG", "INFO", "WARNING", "WARN")
 _FRAME_STARTS = ("Traceback (most recent call last)", 'File "', "^", "~", "The above exception",
                  "During handling of the above exception")
+
+
+_CONTROL = "\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff\ufffe\uffff"
+_UNPRINTABLE = re.compile(f"[\n{_CONTROL}]")
+_UNPRINTABLE_BUT_NEWLINES = re.compile(f"[{_CONTROL}]")
+
+
+def printable(text: str, newlines: bool = False) -> str:
+    """A foreign string (an engine's exception, its log, a name it chose) made safe to show on a terminal, in a page
+    or a CI log: every control character but the tab (ESC, BEL, CR, backspace, DEL, C1), bidirectional override and
+    character XML cannot hold written as \\xNN or \\uNNNN, the newline too unless newlines=True (a caller that
+    shows its own lines). The one function every message that quotes an engine goes through."""
+    pattern = _UNPRINTABLE_BUT_NEWLINES if newlines else _UNPRINTABLE
+    return pattern.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}", text)
 
 
 def _clean(line: str) -> tuple[str, str]:
@@ -69,4 +84,4 @@ def summarize_child_failure(text: str) -> str:
 
 def child_failure_message(what: str, returncode: int, text: str, log_path: str) -> str:
     """One line for a QualifyError: what failed, its exit status, the summary, and where the whole output is."""
-    return f"{what} failed (exit {returncode}): {summarize_child_failure(text)} (full output: {log_path})"
+    return f"{what} failed (exit {returncode}): {printable(summarize_child_failure(text))} (full output: {log_path})"

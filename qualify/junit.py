@@ -3,19 +3,20 @@
 The verdict's rows are read as typed rows (qualify.verdict.Row: its group, bound family and step), never parsed
 from their text. A testcase fails when any of its rows fails; its failure lists every failing row with tensor,
 metric, value, bound and the rule that set the bound. `qualify report --format junit` adds a
-testcase for the verification of the evidence and one per rounds run, so a report that does not
-verify fails in CI too. Written with the standard library (xml.etree), in the de-facto schema
+testcase for the verification of the evidence, one per rounds run, and a failing one per stage that
+did not finish (no acceptance, no verdict, cases missing from it), so a report that does not verify,
+or of a qualification that never finished, fails in CI too. Written with the standard library (xml.etree), in the de-facto schema
 Jenkins, GitHub Actions and GitLab read (testsuites > testsuite > testcase > failure).
 """
 
 from __future__ import annotations
 
-import re
 import xml.etree.ElementTree as ET
 from collections import defaultdict
 from typing import Any
 
 from qualify.bounds.rule import FORMULA
+from qualify.childlog import printable
 from qualify.verdict import Row
 from qualify.waivers import waiver_text, waivers_of
 
@@ -43,19 +44,18 @@ def rule_of(row: Row) -> str:
 def failure_line(row: Row) -> str:
     if row.comparison == "verification":
         return f"does not verify: {row.value}"
+    if row.comparison == "stage":
+        return str(row.value)
     note = f" [{row.note}]" if row.note else ""
     return (f"{row.tensor} {row.metric}: value {row.value} > bound {row.bound} "
             f"({row.comparison}; rule: {rule_of(row)}){note}")
 
 
-NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
-"""Characters XML 1.0 cannot hold (a crash message's escape codes, NUL): ElementTree writes them as they are, and
-the document no longer parses."""
-
-
 def xml_text(text: str) -> str:
-    """text with every character XML 1.0 cannot hold written as \\xNN (\\uNNNN)."""
-    return NOT_XML.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}", text)
+    """text with every character XML 1.0 cannot hold (a crash message's escape codes, NUL: ElementTree writes them as
+    they are, and the document no longer parses), and every other control character a CI log would act on, written
+    as \\xNN (\\uNNNN): qualify.childlog.printable, the document's own newlines kept."""
+    return printable(text, newlines=True)
 
 
 def _testcase(suite: ET.Element, classname: str, name: str, rows: list[Row]) -> bool:
@@ -102,8 +102,10 @@ def verdict_cases(verdict: dict[str, Any]) -> list[tuple[str, str, list[Row]]]:
 
 
 def to_junit(verdict: dict[str, Any] | None, *, name: str, problems: list[str] | None = None,
-             rounds: list[dict[str, Any]] | None = None) -> bytes:
-    """The JUnit XML document (UTF-8 bytes). problems: the report's verification (None: not verified here)."""
+             rounds: list[dict[str, Any]] | None = None, unfinished: list[dict[str, str]] | None = None) -> bytes:
+    """The JUnit XML document (UTF-8 bytes). problems: the report's verification (None: not verified here);
+    unfinished: the stages that did not finish ({'stage', 'reason'}, qualify.report.unfinished_stages), each a
+    failing testcase."""
     root = ET.Element("testsuites", name=xml_text(f"qualify {name}"))
     totals = [0, 0]
     suites: list[tuple[str, list[tuple[str, str, list[Row]]]]] = []
@@ -111,6 +113,11 @@ def to_junit(verdict: dict[str, Any] | None, *, name: str, problems: list[str] |
         rows = [Row("", "", "verification", "evidence", "problem", p, None, False) for p in problems]
         ok = [Row("", "", "verification", "evidence", "verifies", 0, 0, True)]
         suites.append((f"qualify {name}: verification", [("verification", "evidence verifies", rows or ok)]))
+    if unfinished:
+        suites.append((f"qualify {name}: stages", [
+            ("stages", f"{u['stage']} stage finished", [Row("", "", "stage", u["stage"], "finished",
+                                                            f"{u['stage']} stage did not finish: {u['reason']}", None,
+                                                            False)]) for u in unfinished]))
     if verdict is not None:
         suites.append((f"qualify {name}: candidates", verdict_cases(verdict)))
     if rounds:

@@ -232,11 +232,16 @@ def load_manifest(path: Path) -> dict[str, Any]:
 
 
 def default_evidence(manifest_path: Path, document: dict[str, Any]) -> Path:
-    """The evidence root a manifest names (relative to its own directory), else its directory."""
+    """The evidence root a manifest names (relative to its own directory), else its directory; a root that is a
+    symlink (another run's reference, say) is refused, as a symlink inside it is."""
     hint = document.get("evidence", ".")
     if not isinstance(hint, str):
         raise ManifestError(f"{manifest_path}: 'evidence' must be a path string, got {hint!r}")
-    return (Path(manifest_path).parent / hint).resolve()
+    named = Path(manifest_path).parent / hint
+    last = Path(os.path.realpath(named.parent)) / named.name  # the root itself, its parents resolved
+    if named.name not in ("", ".", "..") and last.is_symlink():
+        raise ManifestError(f"{manifest_path}: refusing symlinked evidence directory {named}")
+    return named.resolve()
 
 
 def verify_manifest(manifest_path: Path, evidence: Path | None = None, *, jobs: int | None = None,

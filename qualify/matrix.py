@@ -39,12 +39,19 @@ MAX_SEED = 2**63 - 1
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 # A plugin engine is 'package.module:factory'; case names and directories are made from it.
 _PLUGIN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
-BUILTIN_ENGINES = ("torch-tp", "deepspeed", "megatron")
+BUILTIN_ENGINES = ("torch-tp", "deepspeed", "megatron", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3",
+                   "megatron-distopt", "fsdp2")
 """The engines qualify ships (qualify.engines.registry builds each by name); any other is a 'module:factory' plugin."""
-UNPACKED_ENGINES = {"megatron": "megatron-core's local layer spec (no Transformer Engine) attends with "
-                                "DotProductAttention, which refuses packed sequences (its THD format, PackedSeqParams "
-                                "with cu_seqlens, needs TEDotProductAttention)"}
-"""Built-in engines that cannot take packed batches, and why (a plugin declares it: qualify.engines.base.PackedScoring)."""
+DEEPSPEED_ENGINES = ("deepspeed", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3")
+"""DeepSpeed at ZeRO stage 0 (plain deepspeed) to 3, the stage each one's index: one adapter, the stage its setting."""
+MEGATRON_ENGINES = ("megatron", "megatron-distopt")
+"""Megatron without and with its distributed optimizer: one adapter, the optimizer its setting."""
+_MEGATRON_UNPACKED = ("megatron-core's local layer spec (no Transformer Engine) attends with DotProductAttention, which "
+                      "refuses packed sequences (its THD format, PackedSeqParams with cu_seqlens, needs "
+                      "TEDotProductAttention)")
+UNPACKED_ENGINES = {name: _MEGATRON_UNPACKED for name in MEGATRON_ENGINES}
+"""Built-in engines that cannot take packed batches, and why (a plugin says it can with a class attribute packed = True:
+qualify.engines.base.TrainEngine)."""
 
 
 def engine_name_problem(name: str) -> str | None:
@@ -97,6 +104,21 @@ def _seed(name: str, value: int) -> None:
         raise ValueError(f"{name} must be in [0, 2^63 - 1], got {value}")
 
 
+MAX_TINY_SIZE = 1 << 20
+"""The largest any dimension of a tiny family may be (a width, a count, the vocabulary): beyond it no machine holds the
+model, and torch fails on it (qualify.memory.tiny_family_problem then bounds the whole family by this machine's
+memory)."""
+
+
+def _at_most_tiny(obj: Any, *names: str) -> None:
+    """Each named size is <= MAX_TINY_SIZE."""
+    for name in names:
+        value = getattr(obj, name)
+        if value > MAX_TINY_SIZE:
+            raise ValueError(f"{name} {value} is over {MAX_TINY_SIZE}: a tiny family's sizes are bounded (its models "
+                             "are made in this machine's memory)")
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class TinyMoE:
     """Mixture-of-experts layers for the tiny family's policies (Qwen3-MoE: every decoder layer's MLP is a router and
@@ -114,6 +136,7 @@ class TinyMoE:
     def __post_init__(self) -> None:
         _at_least(self, 2, "num_experts")
         _at_least(self, 1, "top_k", "moe_intermediate_size")
+        _at_most_tiny(self, "num_experts", "moe_intermediate_size")
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k {self.top_k} is more than num_experts {self.num_experts}")
 
@@ -156,6 +179,8 @@ class TinyModel:
         _seed("seed", self.seed)
         _at_least(self, 1, "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                   "max_position_embeddings")
+        _at_most_tiny(self, "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                      "head_dim", "max_position_embeddings")
         _positive(self, "initializer_range", "rope_theta")
         if self.head_dim < 32:
             raise ValueError(f"head_dim {self.head_dim} < 32: vLLM's CPU attention needs head_dim >= 32")
@@ -634,6 +659,8 @@ class Candidates:
 
 
 ROUNDS_PROBES = ("stale", "wrong-shard", "missing-ack", "duplicate-ack", "warm-cache")
+MIN_ROUNDS = 2
+"""The fewest rounds a rounds run has: an install needs a round after it."""
 """The rejection probes of a rounds run (qualify.rounds.probes implements each)."""
 
 
@@ -660,8 +687,8 @@ class Rounds:
         problem = engine_name_problem(self.engine)
         if problem:
             raise ValueError(f"engine: {problem}")
-        if self.rounds < 2:
-            raise ValueError(f"rounds must be >= 2 (an install needs a round after it), got {self.rounds}")
+        if self.rounds < MIN_ROUNDS:
+            raise ValueError(f"rounds must be >= {MIN_ROUNDS} (an install needs a round after it), got {self.rounds}")
         if self.train_tp < 1 or (self.vllm_tp is not None and self.vllm_tp < 1):
             raise ValueError("vllm_tp and train_tp must be >= 1")
         if self.train_precision not in PRECISIONS:
@@ -786,9 +813,6 @@ class Matrix:
         if self.algorithm == "ppo" and self.rollout.num_prompts % self.ppo.minibatches:
             raise ValueError(f"ppo.minibatches {self.ppo.minibatches} does not divide rollout.num_prompts "
                              f"{self.rollout.num_prompts} (every minibatch has the same rows; none is dropped)")
-        if self.algorithm == "ppo" and max(self.candidates.dp) > 1:
-            raise ValueError(f"candidates.dp {list(self.candidates.dp)}: DP above 1 is built for algorithm grpo only "
-                             "(PPO's normalizers are not made global across DP ranks yet)")
         step_rows = self.num_rows // self.ppo.minibatches
         for dp in self.candidates.dp:
             if step_rows % dp:
@@ -800,11 +824,12 @@ class Matrix:
             if (t.moe is None) != (self.rollout.routing is None):
                 raise ValueError("rollout.routing (replay or recompute) is required for a MoE family (models.tiny.moe) "
                                  "and refused for a dense one")
-            if t.moe is not None and "megatron" in self.candidates.engines and max(self.candidates.tp) > 1:
-                raise ValueError(f"candidates.engines lists megatron beside the MoE family of models.tiny.moe with "
-                                 f"candidates.tp {list(self.candidates.tp)}: megatron runs a Qwen3-MoE model at TP 1 "
-                                 "only (megatron-core trains MoE under TP with sequence parallelism alone, which the "
-                                 "norms of its local spec refuse); give megatron a matrix of its own with tp [1]")
+            megatron = [e for e in self.candidates.engines if e in MEGATRON_ENGINES]
+            if t.moe is not None and megatron and max(self.candidates.tp) > 1:
+                raise ValueError(f"candidates.engines lists {megatron[0]} beside the MoE family of models.tiny.moe "
+                                 f"with candidates.tp {list(self.candidates.tp)}: megatron runs a Qwen3-MoE model at "
+                                 "TP 1 only (megatron-core trains MoE under TP with sequence parallelism alone, which "
+                                 "the norms of its local spec refuse); give megatron a matrix of its own with tp [1]")
             self.check_family(t.num_heads, t.num_kv_heads, t.intermediate_size, t.vocab_size, "models.tiny")
             if self.rollout.max_model_len > t.max_position_embeddings:
                 raise ValueError(f"rollout.max_model_len {self.rollout.max_model_len} exceeds "

@@ -28,6 +28,7 @@ not an allocator trace: the figures it is checked against are in benchmarks/LOG.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable
@@ -47,7 +48,7 @@ EVIDENCE_PER_STEP = 16
 CANDIDATE_STATE = {"fp32": 16, "bf16": 20}
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2}
 LOGPROB_CHUNK_BUFFERS = 3
-VOCAB_SHARDING_ENGINES = ("megatron",)
+VOCAB_SHARDING_ENGINES = ("megatron", "megatron-distopt")
 """Engines that shard the embedding by vocabulary; the others keep it whole on every rank (torch-tp's plan,
 DeepSpeed's AutoTP)."""
 
@@ -140,19 +141,63 @@ def shape_from_config(config: dict[str, Any], role: str) -> Shape:
                  tied=role == "actor" and bool(config.get("tie_word_embeddings", False)), **moe)
 
 
+def tiny_shapes(tiny: Any) -> dict[str, Shape]:
+    """Actor and critic shapes of a models.tiny section (qualify.matrix.TinyModel)."""
+    moe = {} if tiny.moe is None else {"num_experts": tiny.moe.num_experts, "top_k": tiny.moe.top_k,
+                                       "moe_intermediate_size": tiny.moe.moe_intermediate_size}
+    return {role: Shape(vocab_size=tiny.vocab_size, hidden_size=tiny.hidden_size,
+                        intermediate_size=tiny.intermediate_size, num_layers=tiny.num_layers,
+                        num_heads=tiny.num_heads, num_kv_heads=tiny.num_kv_heads, head_dim=tiny.head_dim,
+                        lm_head=role == "actor", tied=role == "actor" and bool(tiny.tie_word_embeddings),
+                        **(moe if role == "actor" else {}))
+            for role in ("actor", "critic")}
+
+
+FAMILY_ROLES = {"actor": 2, "critic": 2}
+"""Models of a family per shape: the actor's (actor, reference policy) and the critic's (critic, reward)."""
+TINY_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+              "num_experts", "moe_intermediate_size")
+"""The Shape fields a tiny family's parameters grow with (each a models.tiny field, the last two of its moe)."""
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory (0 when the system does not say)."""
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError):
+        return 0
+
+
+def family_parameters(shapes: dict[str, Shape]) -> int:
+    return sum(n * shapes[role].params for role, n in FAMILY_ROLES.items())
+
+
+def tiny_family_problem(tiny: Any, host_bytes: int) -> str | None:
+    """Why a models.tiny family cannot be made here (None: it can): its four models in fp32 (what the reference stage
+    makes in host memory, before anything else) exceed host_bytes. The message names the size that weighs most (the
+    one whose halving frees the most)."""
+    shapes = tiny_shapes(tiny)
+    params = family_parameters(shapes)
+    if host_bytes <= 0 or COMPUTE_BYTES["fp32"] * params <= host_bytes:
+        return None
+
+    def halved(field: str) -> int:
+        return family_parameters({role: dataclasses.replace(shape, **{field: max(1, getattr(shape, field) // 2)})
+                                  for role, shape in shapes.items()})
+    heaviest = min((f for f in TINY_SIZES if getattr(shapes["actor"], f)), key=halved)
+    where = f"moe.{heaviest}" if heaviest in ("num_experts", "moe_intermediate_size") else heaviest
+    return (f"models.tiny.{where} {getattr(shapes['actor'], heaviest)}: the tiny family's four models hold "
+            f"{params:.3g} parameters, {COMPUTE_BYTES['fp32'] * params / GiB:.1f} GiB in fp32, over the "
+            f"{host_bytes / GiB:.1f} GiB of this machine's memory")
+
+
 def matrix_shapes(models: Any, resolve: Callable[[str], Path]) -> dict[str, Shape] | None:
     """Actor and critic shapes of a matrix's models section: from models.tiny, or the checkpoints' config.json
     (resolve: Matrix.resolve; None when a checkpoint directory is not there: then nothing can be checked)."""
-    tiny = models.tiny
-    if tiny is not None:
-        moe = {} if tiny.moe is None else {"num_experts": tiny.moe.num_experts, "top_k": tiny.moe.top_k,
-                                           "moe_intermediate_size": tiny.moe.moe_intermediate_size}
-        return {role: Shape(vocab_size=tiny.vocab_size, hidden_size=tiny.hidden_size,
-                            intermediate_size=tiny.intermediate_size, num_layers=tiny.num_layers,
-                            num_heads=tiny.num_heads, num_kv_heads=tiny.num_kv_heads, head_dim=tiny.head_dim,
-                            lm_head=role == "actor", tied=role == "actor" and bool(tiny.tie_word_embeddings),
-                            **(moe if role == "actor" else {}))
-                for role in ("actor", "critic")}
+    if models.tiny is not None:
+        return tiny_shapes(models.tiny)
     shapes = {}
     for role in ("actor", "critic"):
         path = resolve(getattr(models.checkpoints, role)) / "config.json"

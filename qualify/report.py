@@ -1,8 +1,11 @@
 """Summary of a run directory: reference, acceptance, candidate verdict and rounds, verified, as plain data.
 
 Nothing is summarized as PASSED unless it verifies (qualify.report_verify): the status is PASSED or
-FAILED only for a verified verdict, NOT VERIFIED otherwise. The CLI renders the summary as a terminal
-summary, Markdown, JSON, HTML (qualify.report_html) or JUnit XML (qualify.junit).
+FAILED only for a verified verdict, NOT VERIFIED otherwise, and NO VERDICT for a run whose candidate
+stage never finished. Only PASSED exits 0: a report of a qualification that has not happened (no
+acceptance, no verdict, cases started but missing from the verdict) names the stage that did not
+finish and fails. The CLI renders the summary as a terminal summary, Markdown, JSON, HTML
+(qualify.report_html) or JUnit XML (qualify.junit).
 """
 
 from __future__ import annotations
@@ -16,7 +19,15 @@ from qualify.errors import EvidenceError
 from qualify.hardware import describe
 from qualify.layout import RunLayout
 from qualify.reference.mismatch_text import evidence_line, mismatch_lines, routing_lines
-from qualify.report_verify import CASE_NAME, Verification, discover_rounds, readable, verify_run
+from qualify.report_verify import (
+    CASE_NAME,
+    Verification,
+    discover_rounds,
+    listed,
+    readable,
+    started_cases,
+    verify_run,
+)
 from qualify.store import read_json, read_json_object, tree_bytes
 from qualify.waivers import waiver_text, waivers_of
 
@@ -63,6 +74,29 @@ def status_of(verification: Verification, verdict: Any, rounds: dict[int, Any]) 
     if verdict is None:
         return NO_VERDICT if rounds_ok else FAILED
     return PASSED if verdict["passed"] and rounds_ok else FAILED
+
+
+def unfinished_stages(docs: RunDocs) -> list[dict[str, str]]:
+    """The stages of the run that did not finish, each {'stage', 'reason'}: freeze without an acceptance, the
+    candidate stage without a verdict or with cases it started missing from its verdict. A report of such a run is
+    no pass, whatever verifies."""
+    out = []
+    if docs.acceptance is None:
+        out.append({"stage": "freeze", "reason": "no acceptance"})
+    started = started_cases(docs.layout)
+    if docs.verdict is None:
+        out.append({"stage": "candidate", "reason": "no verdict" + (f" (cases started: {listed(started)})"
+                                                                   if started else "")})
+    elif readable(docs.verdict):
+        missing = [name for name in started if name not in docs.verdict["cases"]]
+        if missing:
+            out.append({"stage": "candidate", "reason": f"cases missing from the verdict: {listed(missing)}"})
+    return out
+
+
+def unfinished_line(entry: dict[str, str]) -> str:
+    """'candidate stage did not finish: no verdict'."""
+    return f"{entry['stage']} stage did not finish: {entry['reason']}"
 
 
 def case_axes(name: str) -> dict[str, Any]:
@@ -162,6 +196,7 @@ def summarize_docs(docs: RunDocs, verification: Verification) -> dict[str, Any]:
         "run_dir": str(docs.layout.root),
         "matrix": ref["matrix"]["name"],
         "status": status_of(verification, docs.verdict, docs.rounds),
+        "unfinished": unfinished_stages(docs),
         "verification": verification.to_json(),
         "rollout_digest": ref["rollout_digest"],
         "tp_agreement": ref["tp_agreement"],
@@ -286,7 +321,9 @@ def to_markdown(summary: dict[str, Any]) -> str:
             lines += [f"| {k.removeprefix('step')} | {v['checks']} | {v['failed']} |" for k, v in summary["steps"].items()]
     lines += coverage_lines(summary["coverage"])
     waived = waiver_text((cand or {}).get("waivers") or [])
-    lines += ["", *verification_lines(summary["verification"]), "", f"**{summary['status']}**{waived}"]
+    lines += ["", *verification_lines(summary["verification"])]
+    lines += [f"- **{unfinished_line(entry)}**" for entry in summary["unfinished"]]
+    lines += ["", f"**{summary['status']}**{waived}"]
     return "\n".join(lines) + "\n"
 
 
@@ -300,5 +337,6 @@ def _ratio(value: Any) -> str:
 
 
 def exit_code(summary: dict[str, Any]) -> int:
-    """0 when nothing failed (PASSED, or no verdict yet and nothing unverified), 1 otherwise."""
-    return 1 if summary["status"] in (FAILED, NOT_VERIFIED) else 0
+    """0 for a verified PASSED with every stage finished; 1 otherwise (FAILED, NOT VERIFIED, NO VERDICT: a run whose
+    candidate stage never finished is no success)."""
+    return 0 if summary["status"] == PASSED and not summary["unfinished"] else 1

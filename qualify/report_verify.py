@@ -12,13 +12,14 @@ the summary may be believed.
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from qualify.errors import EvidenceError, QualifyError
-from qualify.layout import RunLayout
+from qualify.layout import WORK_SUFFIX, RunLayout
 from qualify.stages import Sealed, check_sealed_all, stage_is_complete
 
 CASE_NAME = re.compile(r"^(?P<engine>.+)-(?P<precision>fp32|bf16)-tp(?P<tp>[1-9][0-9]*)(?:-dp(?P<dp>[2-9]|[1-9][0-9]+))?"
@@ -44,7 +45,8 @@ class Verification:
         return {"ok": self.ok, "checked": list(self.checked), "problems": list(self.problems)}
 
 
-def _listed(items: list[str]) -> str:
+def listed(items: list[str]) -> str:
+    """The first MAX_LISTED items, comma-separated, with how many more."""
     return ", ".join(items[:MAX_LISTED]) + (f" (+{len(items) - MAX_LISTED} more)" if len(items) > MAX_LISTED else "")
 
 
@@ -73,7 +75,7 @@ def acceptance_problems(layout: RunLayout, reference: dict[str, Any], acceptance
     for kind, paths in (("missing", report.missing), ("extra", report.extra),
                         ("modified", [m.path for m in report.modified])):
         if paths:
-            problems.append(f"reference evidence {kind} against the acceptance: {_listed(paths)}")
+            problems.append(f"reference evidence {kind} against the acceptance: {listed(paths)}")
     if acceptance.get("rollout_digest") != reference.get("rollout_digest"):
         problems.append("the acceptance's rollout digest is not the reference's")
     from qualify.acceptance import chain_problems
@@ -150,6 +152,34 @@ def verdict_problems(verdict: Any, acceptance: dict[str, Any] | None) -> list[st
     return problems
 
 
+def link_problems(layout: RunLayout) -> list[str]:
+    """Every symlink in the run's evidence (reference/, acceptance/, candidates/, rounds/; not the .work/ scratch
+    beside a stage): a directory linked to another run's (a case, a rounds run) is refused as a linked file is, never
+    followed and believed."""
+    out, pending = [], []
+    for top in (layout.reference, layout.acceptance_dir, layout.candidates, layout.rounds):
+        if top.is_symlink():
+            out.append(f"refusing symlinked directory in evidence: {top}")
+        elif top.is_dir():
+            pending.append(top)
+    while pending:
+        try:
+            with os.scandir(pending.pop()) as it:
+                entries = list(it)
+        except OSError as exc:
+            out.append(f"cannot list {exc.filename}: {exc.strerror}")
+            continue
+        for entry in entries:
+            if entry.name.endswith(WORK_SUFFIX):
+                continue
+            if entry.is_symlink():
+                kind = "symlinked directory" if os.path.isdir(entry.path) else "symlink"
+                out.append(f"refusing {kind} in evidence: {entry.path} -> {os.readlink(entry.path)}")
+            elif entry.is_dir(follow_symlinks=False):
+                pending.append(Path(entry.path))
+    return sorted(out)
+
+
 def sealed_cases(layout: RunLayout) -> dict[str, Sealed]:
     """Every case directory of the run whose seal verifies, by case name (hashed in one parallel pass: what
     case_set_problems and evidence_problems are given, so no case is hashed twice)."""
@@ -159,9 +189,19 @@ def sealed_cases(layout: RunLayout) -> dict[str, Sealed]:
     return {path.name: s for path, s in found.items() if s is not None}
 
 
+def started_cases(layout: RunLayout) -> list[str]:
+    """Every case a candidate stage started in the run, sorted: its evidence directory (sealed or partial) or only
+    its .work/ (the stage writes every selected case's spec there before it launches any)."""
+    if not layout.candidates.is_dir():
+        return []
+    names = {p.name.removesuffix(WORK_SUFFIX) for p in layout.candidates.iterdir() if p.is_dir()}
+    return sorted(n for n in names if CASE_NAME.match(n))
+
+
 def case_set_problems(layout: RunLayout, verdict: dict[str, Any], cases: dict[str, Sealed] | None = None) -> list[str]:
     """The verdict judges every case whose sealed evidence is in the run: a case is never left out of it (the
-    candidates section may change after freeze, so the frozen matrix does not fix the set; the evidence does).
+    candidates section may change after freeze, so the frozen matrix does not fix the set; the evidence does), and a
+    case started but never sealed is a candidate stage that did not finish (the verdict is an older one).
     cases: sealed_cases(layout), when the caller has it."""
     if not layout.candidates.is_dir():
         return []
@@ -169,7 +209,11 @@ def case_set_problems(layout: RunLayout, verdict: dict[str, Any], cases: dict[st
     lacking = [name for name in sealed if name not in verdict["cases"]]
     if lacking:
         return [(f"verdict: leaves out {len(lacking)} case(s) whose sealed evidence is in {layout.candidates} "
-                 f"({_listed(lacking)}): every case that ran is judged")]
+                 f"({listed(lacking)}): every case that ran is judged")]
+    unfinished = [name for name in started_cases(layout) if name not in verdict["cases"]]
+    if unfinished:
+        return [(f"candidate stage did not finish: cases missing from the verdict: {listed(unfinished)} (started "
+                 f"in {layout.candidates}, never sealed; the verdict is from an earlier candidate stage)")]
     return []
 
 
@@ -236,16 +280,16 @@ def compare_rows(name: str, judged: list[dict[str, Any]], recorded: list[dict[st
     lacking = [" ".join(k[:3]) for k in mine.keys() - theirs.keys()]
     surplus = [" ".join(k[:3]) for k in theirs.keys() - mine.keys()]
     if lacking:
-        problems.append(f"case {name}: the verdict lacks checks its evidence gives: {_listed(sorted(lacking))}")
+        problems.append(f"case {name}: the verdict lacks checks its evidence gives: {listed(sorted(lacking))}")
     if surplus:
-        problems.append(f"case {name}: the verdict has checks its evidence does not give: {_listed(sorted(surplus))}")
+        problems.append(f"case {name}: the verdict has checks its evidence does not give: {listed(sorted(surplus))}")
     differ = [" ".join(k[:3]) for k in sorted(mine.keys() & theirs.keys())
               if mine[k]["passed"] != theirs[k]["passed"] or not _same_number(mine[k]["value"], theirs[k]["value"])
               or not _same_number(mine[k]["bound"], theirs[k]["bound"]) or mine[k].get("step") != theirs[k].get("step")]
     if differ:
         # the step too: the reports read it as the row's step (qualify.verdict.Row.step), not from the tensor's name
         problems.append(f"case {name}: value, bound, step or outcome differs from what its evidence gives: "
-                        f"{_listed(differ)}")
+                        f"{listed(differ)}")
     return problems
 
 
@@ -317,10 +361,19 @@ def frozen_rounds_bound(layout: RunLayout, reference: dict[str, Any], acceptance
         return None
 
 
+def frozen_rounds_asked(reference: dict[str, Any]) -> int | None:
+    """The rounds the frozen matrix asks for (its rounds.rounds, in the reference summary's snapshot); None where the
+    snapshot does not say."""
+    section = (reference.get("matrix") or {}).get("rounds")
+    asked = section.get("rounds") if isinstance(section, dict) else None
+    return asked if isinstance(asked, int) and not isinstance(asked, bool) else None
+
+
 def rounds_problems(layout: RunLayout, tp: int, doc: Any, acceptance: dict[str, Any] | None = None,
-                    bound: float | None = None) -> list[str]:
+                    bound: float | None = None, asked: int | None = None) -> list[str]:
     """A rounds verdict is sealed, its pass flag follows from its rows, it ran on the frozen acceptance, and every
-    row is what its sealed evidence gives (qualify.rounds.rederive)."""
+    row, and the number of rounds it claims, is what its sealed evidence gives (qualify.rounds.rederive; asked: the
+    rounds the frozen matrix asks for)."""
     from qualify.rounds.rederive import rederive_problems
 
     where = layout.rounds_dir(tp)
@@ -337,7 +390,7 @@ def rounds_problems(layout: RunLayout, tp: int, doc: Any, acceptance: dict[str, 
     if used != acceptance.get("digest"):
         return [(f"rounds vllm-tp{tp}: ran on acceptance {used}, not on the frozen {acceptance.get('digest')} (its "
                  "logprob bound is not the frozen one)")]
-    return [f"rounds vllm-tp{tp}: {p}" for p in rederive_problems(where, doc, bound)]
+    return [f"rounds vllm-tp{tp}: {p}" for p in rederive_problems(where, doc, bound, asked)]
 
 
 def verify_run(layout: RunLayout, reference: dict[str, Any], acceptance: dict[str, Any] | None,
@@ -351,6 +404,8 @@ def verify_run(layout: RunLayout, reference: dict[str, Any], acceptance: dict[st
         got = (acceptance or {}).get("digest")
         if got != expect:
             problems.append(f"the acceptance's digest {got} is not the expected {expect}")
+    checked.append("no symlink in the run's evidence")
+    problems += link_problems(layout)
     claims = verdict is not None or bool(rounds)
     if acceptance is not None or claims:
         checked.append("acceptance and bound files against the reference evidence")
@@ -358,7 +413,10 @@ def verify_run(layout: RunLayout, reference: dict[str, Any], acceptance: dict[st
     if verdict is not None:
         checked.append("verdict against the acceptance and the cases that ran")
         own = verdict_problems(verdict, acceptance)
-        cases = sealed_cases(layout) if not own and acceptance is not None else None
+        try:
+            cases = sealed_cases(layout) if not own and acceptance is not None else None
+        except QualifyError as exc:  # a symlinked case directory (link_problems names it too)
+            cases, own = None, [str(exc)]
         if cases is not None:
             own = case_set_problems(layout, verdict, cases)
         problems += own
@@ -368,7 +426,10 @@ def verify_run(layout: RunLayout, reference: dict[str, Any], acceptance: dict[st
     bound = frozen_rounds_bound(layout, reference, acceptance) if rounds else None
     for tp, doc in sorted(rounds.items()):
         checked.append(f"rounds vllm-tp{tp} sealed and judged again from its sealed evidence")
-        problems += rounds_problems(layout, tp, doc, acceptance, bound)
+        try:
+            problems += rounds_problems(layout, tp, doc, acceptance, bound, frozen_rounds_asked(reference))
+        except QualifyError as exc:  # a symlinked rounds directory (link_problems names it too)
+            problems.append(f"rounds vllm-tp{tp}: {exc}")
     return Verification(tuple(checked), tuple(problems))
 
 

@@ -5,7 +5,8 @@ the sha256 of every file it wrote, and the info the stage records (its digest, i
 consumer opens a sealed directory with open_sealed, which verifies every file once and checks the
 digest it expects, and reads what it needs. On resume (after preemption or a requeue) a directory whose
 marker verifies is kept as it is, never overwritten; a directory without a valid marker is partial: it is
-removed and the stage runs again.
+removed and the stage runs again. A stage directory that is a symlink is refused (ManifestError), like a
+symlinked file inside one.
 
 Nothing here remembers a verification: a caller that has verified a directory keeps the Sealed it got
 rather than checking again (a file rewritten within one tick of the filesystem clock keeps its size
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qualify.errors import EvidenceError
+from qualify.errors import EvidenceError, ManifestError
 from qualify.hashing import hash_files, scan_files
 from qualify.store import read_json, write_json
 
@@ -41,6 +42,13 @@ class Sealed:
         return "sha256:" + self.files[name][1]
 
 
+def refuse_linked(path: Path) -> None:
+    """A stage directory that is a symlink (to another run's, say) is refused, as a symlinked file in it is
+    (qualify.hashing): never read through, never believed complete, never removed through the link."""
+    if Path(path).is_symlink():
+        raise ManifestError(f"refusing symlinked directory in evidence: {path}")
+
+
 def _digests(path: Path) -> dict[str, list]:
     sizes = {f: n for f, n in scan_files(path).items() if f != MARKER}
     files = sorted(sizes)
@@ -50,6 +58,7 @@ def _digests(path: Path) -> dict[str, list]:
 def check_sealed(path: Path) -> Sealed | None:
     """The verified seal of path, or None when path is missing, partial or modified since it was sealed."""
     path = Path(path)
+    refuse_linked(path)
     marker = path / MARKER
     if not marker.is_file():
         return None
@@ -71,6 +80,7 @@ def check_sealed_all(paths: Iterable[Path]) -> dict[Path, Sealed | None]:
     found: dict[Path, Sealed | None] = {}
     recorded: dict[Path, tuple[dict, dict, dict[str, int]]] = {}
     for path in map(Path, paths):
+        refuse_linked(path)
         found[path] = None
         marker = path / MARKER
         if not marker.is_file():
@@ -132,6 +142,7 @@ def seal(path: Path, info: dict[str, Any] | None = None, main: str | None = None
 def prepare_stage(path: Path) -> None:
     """Make path an empty directory, removing a partial earlier attempt. Refuses a complete one."""
     path = Path(path)
+    refuse_linked(path)
     if stage_is_complete(path):
         raise EvidenceError(f"refusing to overwrite a complete stage output: {path}")
     if path.exists():

@@ -2,6 +2,9 @@
 
 Every write goes to a temporary file in the target directory, is fsynced, then
 renamed over the target, so a reader never sees a half-written file. No pickles.
+A temporary file is named for its writer ('.<name>.<host>.<pid>.<random>.tmp'): a writer killed
+midway (SIGKILL, a scheduler's time limit) cannot remove its own, so the first write a process
+makes into a directory removes every temporary file there whose writer, on this host, is dead.
 Written files get the mode a plain open() would give (0666 less the umask), and a
 write the system refuses (disk full, no permission) is an OutputError naming the file.
 """
@@ -11,6 +14,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import socket
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -38,6 +43,43 @@ def _read_umask() -> int:
 _FILE_MODE = 0o666 & ~_read_umask()
 
 
+HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
+"""This host's name as a temporary file carries it (no dots: the name is split on them)."""
+TEMP_NAME = re.compile(r"^\.(?P<target>.+)\.(?P<host>[A-Za-z0-9-]+)\.(?P<pid>[0-9]+)\.[^.]+\.tmp$")
+_swept: set[str] = set()
+"""Directories this process has swept of dead writers' temporary files (once each)."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def sweep_stale_temps(directory: Path) -> list[str]:
+    """Remove the temporary files in directory whose writer was this host's and is no longer running (a write
+    killed midway); returns their names. Another host's, or a running writer's, are kept."""
+    removed = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return removed
+    for entry in entries:
+        m = TEMP_NAME.match(entry.name)
+        if m is None or m["host"] != HOST or int(m["pid"]) == os.getpid() or _alive(int(m["pid"])):
+            continue
+        try:
+            os.unlink(entry.path)
+            removed.append(entry.name)
+        except FileNotFoundError:  # another process swept it first
+            continue
+    return removed
+
+
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     """Call write(tmp_path), fsync tmp_path, then rename it onto path.
 
@@ -50,7 +92,10 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     tmp: Path | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        if str(path.parent) not in _swept:
+            sweep_stale_temps(path.parent)
+            _swept.add(str(path.parent))
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.{HOST}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
         tmp = Path(tmp_name)
         os.close(fd)
         write(tmp)

@@ -19,6 +19,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "matrices" / "tiny-qwen3.yaml"
+GRPO = REPO / "matrices" / "tiny-qwen3-grpo.yaml"
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -96,6 +97,25 @@ def pytest_collection_modifyitems(config, items):
         if missing:  # the modules' tests skip themselves at import, before there is an item to fail
             raise pytest.UsageError(f"CI=true: {', '.join(missing)} not importable; the integration tests that "
                                     "need them would skip (install them with scripts/install.sh)")
+
+
+@pytest.fixture(scope="session")
+def grpo_matrix():
+    from qualify.matrix import load_matrix
+
+    return load_matrix(GRPO)
+
+
+@pytest.fixture(scope="session")
+def grpo_run(tmp_path_factory, grpo_matrix):
+    """The GRPO matrix's reference (real vLLM capture) and acceptance, once per session (treat as read-only)."""
+    from qualify.freeze import freeze
+    from qualify.reference.stage import run_reference
+
+    run_dir = tmp_path_factory.mktemp("grpo") / "tiny-qwen3-grpo"
+    run_reference(grpo_matrix, run_dir)
+    freeze(run_dir)
+    return run_dir
 
 
 @pytest.fixture(scope="session")

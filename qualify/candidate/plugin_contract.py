@@ -2,7 +2,8 @@
 
 What a plugin's hooks must give back, each checked where it is first used, so that a mistake is one line naming
 the plugin, the hook, what was expected and what came back (the launcher adds the launch log's path):
-  objective()  under GRPO it is also passed grpo= and share=: its signature must take them;
+  objective()  under GRPO it is also passed grpo= and share=: its signature must take them; under PPO it is passed
+               share= where its signature takes it, and must take it at DP > 1;
                it returns (loss, outputs): the loss one differentiable number (this rank's share of the step's
                loss), outputs a dict holding every output the harness's own objective gives for the role, each
                with that output's shape and a floating dtype, and 0 off the response mask where the harness's is;
@@ -29,22 +30,48 @@ def _shape(t: Any) -> str:
         if isinstance(t, torch.Tensor) else f"a {type(t).__name__}"
 
 
-def check_objective_signature(engine: Any, name: str, grpo: bool) -> None:
-    """Under GRPO an engine's own objective() is called with grpo= and share=: refuse one that cannot take them."""
-    own = getattr(engine, "objective", None)
-    if own is None or not grpo:
-        return
+def _signature(own: Any) -> inspect.Signature | None:
     try:
-        signature = inspect.signature(own)
-        signature.bind("actor", None, None, None, None, grpo=None, share=None)
-    except TypeError:
-        params = ", ".join(("**" if p.kind is p.VAR_KEYWORD else "*" if p.kind is p.VAR_POSITIONAL else "") + p.name
-                           for p in signature.parameters.values())
-        raise ContractError(f"engine {name}: objective({params}) cannot take grpo= and share=; under "
-                            "GRPO it is called as objective(role, ppo, scores_BT, response_mask_BT, targets, *, "
-                            "grpo, share)") from None
+        return inspect.signature(own)
     except ValueError:  # no signature to inspect (a builtin): the call itself says
-        return
+        return None
+
+
+def _takes(signature: inspect.Signature, **kwargs: None) -> bool:
+    try:
+        signature.bind("actor", None, None, None, None, **kwargs)
+    except TypeError:
+        return False
+    return True
+
+
+def _params(signature: inspect.Signature) -> str:
+    return ", ".join(("**" if p.kind is p.VAR_KEYWORD else "*" if p.kind is p.VAR_POSITIONAL else "") + p.name
+                     for p in signature.parameters.values())
+
+
+def check_objective_signature(engine: Any, name: str, grpo: bool, dp: int = 1, packed: bool = False) -> bool:
+    """Whether an engine's own objective() is given share= (the rank's share of the step: qualify.ppo.objective's
+    GRPOShare or PPOShare). Under GRPO it is called with grpo= and share=, and under PPO at DP > 1 or packed (each
+    micro-batch a slice of the step) with share= (its loss must be divided by the step's normalizers, summed over the
+    DP ranks): refuse one that cannot take them. A PPO objective without share= is called without it at DP1 padded
+    (the rows are the whole step)."""
+    own = getattr(engine, "objective", None)
+    signature = None if own is None else _signature(own)
+    if signature is None:  # nothing to inspect: given what the case needs, and the call itself says
+        return own is not None and (grpo or dp > 1 or packed)
+    if grpo and not _takes(signature, grpo=None, share=None):
+        raise ContractError(f"engine {name}: objective({_params(signature)}) cannot take grpo= and share=; under "
+                            "GRPO it is called as objective(role, ppo, scores_BT, response_mask_BT, targets, *, "
+                            "grpo, share)")
+    if grpo or _takes(signature, share=None):
+        return True
+    if dp > 1 or packed:
+        where = f"at DP {dp}" if dp > 1 else "packed (each micro-batch a slice of the step)"
+        raise ContractError(f"engine {name}: objective({_params(signature)}) cannot take share=; under PPO {where} "
+                            "it is called as objective(role, ppo, scores_BT, response_mask_BT, targets, *, share) "
+                            "and divides by share.normalizers, the step's counts over every DP rank")
+    return False
 
 
 def check_loss(name: str, loss: Any) -> None:

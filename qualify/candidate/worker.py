@@ -56,7 +56,15 @@ from qualify.errors import EngineError, EvidenceError
 from qualify.hashing import file_digest
 from qualify.layout import work_dir
 from qualify.models.checkpoint import initial_parameters
-from qualify.ppo.objective import grpo_dp_share, grpo_share, role_objective, rows_of, step_rows
+from qualify.ppo.objective import (
+    grpo_dp_share,
+    grpo_share,
+    ppo_dp_share,
+    ppo_share,
+    role_objective,
+    rows_of,
+    step_rows,
+)
 from qualify.rollout.capture import load_rollout
 from qualify.stages import complete_stage, prepare_stage
 from qualify.store import json_safe, read_tensors, write_json
@@ -65,22 +73,25 @@ from qualify.versions import provenance
 
 
 def objective(engine: Any, spec: CaseSpec, scores_BT: torch.Tensor, batch: Batch, targets: dict[str, torch.Tensor],
-              share: Any = None, packed: PackedBatch | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              share: Any = None, gives_share: bool = True,
+              packed: PackedBatch | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The role's loss and judged outputs: the engine's own objective when it brings one, else the harness's.
 
     An engine qualifies its own loss code (normalizer, masking, clipping, KL placement) by implementing
     objective(role, ppo, scores_BT, response_mask_BT, targets) -> (loss, outputs) with the same output
-    names as qualify.ppo.objective.role_objective; under GRPO it is also given grpo= (the matrix's section)
-    and share= (qualify.ppo.objective.GRPOShare: the rank's advantages and the step's global normalizers).
-    packed: the micro-batch of a packed case the scores were unpacked from (its entropy is unpacked alike).
+    names as qualify.ppo.objective.role_objective; it is also given share= (this rank's share of the step:
+    qualify.ppo.objective.PPOShare, the step's global normalizers; GRPOShare, also the rank's advantages) where
+    gives_share (qualify.candidate.plugin_contract.check_objective_signature), and under GRPO grpo= (the matrix's
+    section). packed: the micro-batch of a packed case the scores were unpacked from (its entropy is unpacked alike).
     """
     own = getattr(engine, "objective", None)
-    grpo = {} if spec.grpo is None else {"grpo": spec.grpo, "share": share}
+    given = {} if spec.grpo is None else {"grpo": spec.grpo}
+    ours = given | {"share": share}
     if own is None:
-        return role_objective(spec.role, spec.ppo, scores_BT, batch.response_mask_BT, targets, **grpo,
+        return role_objective(spec.role, spec.ppo, scores_BT, batch.response_mask_BT, targets, **ours,
                               entropy_BT=policy_entropy(engine, spec, required=True, packed=packed,
                                                          seq_len=scores_BT.shape[1]))
-    result = own(spec.role, spec.ppo, scores_BT, batch.response_mask_BT, targets, **grpo)
+    result = own(spec.role, spec.ppo, scores_BT, batch.response_mask_BT, targets, **(ours if gives_share else given))
     if not isinstance(result, tuple) or len(result) != 2:
         raise ContractError(f"engine {spec.engine}: objective() returned {type(result).__name__}; expected a pair "
                             "(loss, outputs)")
@@ -91,7 +102,7 @@ def objective(engine: Any, spec: CaseSpec, scores_BT: torch.Tensor, batch: Batch
         entropy_BT = policy_entropy(engine, spec, required=False, packed=packed, seq_len=scores_BT.shape[1])
         if entropy_BT is None and spec.role == "actor" and spec.ppo.entropy_coef > 0:
             entropy_BT = torch.zeros_like(scores_BT)  # only the outputs' names and shapes are read
-        _, expected = role_objective(spec.role, spec.ppo, scores_BT.detach(), batch.response_mask_BT, targets, **grpo,
+        _, expected = role_objective(spec.role, spec.ppo, scores_BT.detach(), batch.response_mask_BT, targets, **ours,
                                      entropy_BT=None if entropy_BT is None else entropy_BT.detach())
     check_outputs(spec.engine, outputs, expected, batch.response_mask_BT)
     return loss, outputs
@@ -117,9 +128,10 @@ def policy_entropy(engine: Any, spec: CaseSpec, required: bool, packed: PackedBa
 
 def step_share(spec: CaseSpec, targets: dict[str, torch.Tensor], mask_BT: torch.Tensor, offset: int,
                group: Any) -> Any:
-    """GRPO: this rank's advantages and the step's normalizers (from every DP rank at DP > 1); None under PPO."""
+    """This rank's share of the step: the step's normalizers (from every DP rank at DP > 1) and under GRPO its rows'
+    advantages (from the step's groups)."""
     if spec.grpo is None:
-        return None
+        return ppo_share(mask_BT) if group is None else ppo_dp_share(mask_BT, group)
     if group is None:
         return grpo_share(spec.grpo, targets["score_B"], mask_BT)
     return grpo_dp_share(spec.grpo, targets["score_B"], mask_BT, offset, group)
@@ -176,7 +188,8 @@ def own_entropy_check(engine: Any, spec: CaseSpec, outputs: dict[str, torch.Tens
 
 
 def packed_step(engine: Any, spec: CaseSpec, batch: Batch, lengths_B: torch.Tensor, targets: dict[str, torch.Tensor],
-                share: Any, offset: int, first_row: int, group: Any) -> tuple[dict[str, torch.Tensor], Any, Any]:
+                share: Any, gives_share: bool, offset: int, first_row: int,
+                group: Any) -> tuple[dict[str, torch.Tensor], Any, Any]:
     """One step of a packed case on this rank (qualify.candidate.packed): per micro-batch of the rank's rows (the
     rollout's from first_row, the step's from offset; as many as every rank of the DP group runs), score, unpack, its
     share of the loss, backward; returns the step's outputs (the loss the shares' sum) and the worst
@@ -188,7 +201,7 @@ def packed_step(engine: Any, spec: CaseSpec, batch: Batch, lengths_B: torch.Tens
         scores_BT = unpack(engine.score(packed), packed, T)
         worst.append(own_logits_check(engine, spec, scores_BT, rows, start, packed))
         loss, outputs = objective(engine, spec, scores_BT, rows, rows_of(targets, packed.rows_S),
-                                  micro_share(share, packed.rows_S), packed)
+                                  micro_share(share, packed.rows_S), gives_share, packed)
         if spec.role == "actor" and spec.ppo.entropy_coef > 0:
             entropies.append(own_entropy_check(engine, spec, outputs, rows, start, packed))
         report_logprobs(engine, outputs, rows, packed)
@@ -258,7 +271,8 @@ def run_case(spec: CaseSpec, rank: int) -> None:
     ctx = engine_context(spec, rank, work)
     contract = agree_case(spec, rank)  # before the case's first collective: ranks that disagree stop here, named
     group = dp_group(spec.tp, spec.dp, rank)
-    check_objective_signature(engine, spec.engine, spec.grpo is not None)
+    gives_share = check_objective_signature(engine, spec.engine, spec.grpo is not None, spec.dp,
+                                            spec.packing == "packed")
     if spec.packing == "packed":
         require_packed(engine, spec.engine, spec.name)
     engine.setup(ctx)
@@ -285,7 +299,7 @@ def run_case(spec: CaseSpec, rank: int) -> None:
         if spec.packing == "packed":
             lengths_B = sample_lengths(rollout["prompt_mask_BT"][rows], rollout["response_mask_BT"][rows])
             outputs, worst, entropy = packed_step(engine, spec, batch, lengths_B, rows_of(targets, rows), share,
-                                                  offset, rows.start, group)
+                                                  gives_share, offset, rows.start, group)
             loss = outputs["loss"]
             sampler.append(worst)
             if spec.role == "actor" and spec.ppo.entropy_coef > 0:
@@ -296,7 +310,7 @@ def run_case(spec: CaseSpec, rank: int) -> None:
             if batch.routes_BTLK is not None:
                 hook = getattr(engine, "routes", None)
                 replayed.append(replay_check(hook() if hook is not None else None, batch.routes_BTLK, offset))
-            loss, outputs = objective(engine, spec, scores_BT, batch, rows_of(targets, rows), share)
+            loss, outputs = objective(engine, spec, scores_BT, batch, rows_of(targets, rows), share, gives_share)
             if spec.role == "actor" and spec.ppo.entropy_coef > 0:
                 entropies.append(own_entropy_check(engine, spec, outputs, batch, offset))
             outputs.update(reported_router_outputs(engine, spec))

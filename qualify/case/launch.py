@@ -22,6 +22,7 @@ from pathlib import Path
 
 from qualify.case.ranks import free_port, gpu_shortfall, rank_env
 from qualify.case.spec import CaseSpec
+from qualify.childlog import printable
 from qualify.layout import SPEC_FILE, work_dir
 from qualify.store import write_json
 
@@ -143,10 +144,10 @@ def failure_note(work: Path, log_path: Path, code: int) -> str:
     first = min((f for f in found if isinstance(f, dict) and "time" in f), key=lambda f: f["time"], default=None)
     if first is None:
         return log_tail(log_path, code)
-    return f"{first.get('type')}: {first.get('message')} (rank {first.get('rank')}); log {log_path}"
+    return printable(f"{first.get('type')}: {first.get('message')} (rank {first.get('rank')}); log {log_path}")
 
 
 def log_tail(log_path: Path, code: int) -> str:
-    """'exit N; log PATH:' and the log's last TAIL_LINES lines."""
-    tail = "\n".join(Path(log_path).read_text(errors="replace").splitlines()[-TAIL_LINES:])
-    return f"exit {code}; log {log_path}:\n{tail}"
+    """'exit N; log PATH:' and the log's last TAIL_LINES lines (each with its control characters escaped)."""
+    tail = "\n".join(map(printable, Path(log_path).read_text(errors="replace").splitlines()[-TAIL_LINES:]))
+    return f"exit {code}; log {printable(str(log_path))}:\n{tail}"

@@ -1,7 +1,8 @@
 """The one place where a QualifyError becomes a one-line message and exit 2.
 
 One line means one line: a message that spans several (an error quoting a child's output, say)
-is folded onto one, and a very long one is cut in the middle, keeping its start and its end.
+is folded onto one, and a very long one is cut in the middle, keeping its start and its end; the control
+characters of what it quotes (an engine's exception) are escaped (qualify.childlog.printable).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 import typer
 
+from qualify.childlog import printable
 from qualify.errors import QualifyError
 
 EXIT_FAILED = 1
@@ -40,7 +42,7 @@ def handle_errors(func: Callable[..., Any]) -> Callable[..., Any]:
         except QualifyError as exc:
             if os.environ.get("QUALIFY_DEBUG") == "1":
                 traceback.print_exc()
-            typer.echo(f"qualify: error: {one_line(str(exc))}", err=True)
+            typer.echo(f"qualify: error: {printable(one_line(str(exc)))}", err=True)
             raise typer.Exit(EXIT_USAGE) from None
 
     return wrapper

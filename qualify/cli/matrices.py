@@ -62,12 +62,17 @@ def show(matrix: MatrixFileArg, format: FormatOpt = Format.text) -> None:
 @handle_errors
 def validate(matrices: Annotated[list[Path], typer.Argument(help="Matrix YAML files.", show_default=False)]) -> None:
     """Validate matrix files and that each can run here; exit 2 naming the file and the first bad key, a required
-    branch no run of it can take, or what it names that this machine lacks (checkpoints, prompts file)."""
+    branch no run of it can take, what it names that this machine lacks (checkpoints, prompts file), or a tiny
+    family too large for this machine's memory."""
     from qualify.matrix import load_matrix
+    from qualify.memory import host_memory_bytes, tiny_family_problem
 
     for path in matrices:
         m = load_matrix(path)
         missing = m.missing_here()
         if missing:
             raise MatrixError(f"{path}: cannot run on this machine, it lacks {'; '.join(missing)}")
+        too_large = tiny_family_problem(m.models.tiny, host_memory_bytes()) if m.models.tiny is not None else None
+        if too_large:
+            raise MatrixError(f"{path}: {too_large}")
         typer.echo(f"ok {path} ({m.name}, {len(m.cases())} cases)")

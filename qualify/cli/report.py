@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 NAME = "report"
 HELP = ("Verify and summarize a run directory: reference, acceptance, candidate verdicts, rounds. "
-        "Exit 1 when the evidence does not verify or qualification failed.")
+        "Exit 1 when the evidence does not verify, qualification failed or a stage did not finish (no verdict).")
 EPILOG = ("Examples:  qualify report runs/tiny-qwen3  |  qualify report runs/tiny-qwen3 --format html --out report.html"
           "  |  qualify report runs/tiny-qwen3 --format junit --out junit.xml")
 
@@ -80,7 +80,8 @@ def render(format: ReportFormat, docs: RunDocs, summary: dict[str, Any], page_di
         # the verdict's testcases only when it verified; otherwise the failing verification says why
         verdict = docs.verdict if summary["verification"]["ok"] and readable(docs.verdict) else None
         return to_junit(verdict, name=summary["matrix"], problems=summary["verification"]["problems"],
-                        rounds=summary["rounds"])
+                        rounds=summary["rounds"], unfinished=summary["unfinished"])
+    from qualify.childlog import printable
     from qualify.report import to_markdown
 
-    return to_markdown(summary).encode()
+    return printable(to_markdown(summary), newlines=True).encode()  # a foreign string's control characters escaped

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from qualify.childlog import printable
 from qualify.verdict import ROUNDS_SCHEMA
 from qualify.waivers import waiver_text, waivers_of
 
@@ -27,8 +28,13 @@ def _fmt(v: Any) -> str:
         return f"{v:.3g}"
     if v is None:
         return ""
-    text = str(v)
+    text = printable(str(v))
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _text(v: Any) -> str:
+    """A string of the verdict as a cell: what an engine named (a tensor, a case) may hold control characters."""
+    return escape(printable(str(v)))
 
 
 def _failing_order(row: dict[str, Any], comparisons: list[str]) -> tuple:
@@ -81,7 +87,7 @@ def _rounds_footer(verdict: dict[str, Any], console: Console) -> None:
     console.print(f"logprob bound {_fmt(b['logprob_max_abs'])} = {b['k']} x {_fmt(b['control'])} + {b['floor']} "
                   f"({b['source']})")
     if verdict.get("failure"):
-        console.print(f"[bold red]{verdict['failure']}[/bold red]")
+        console.print(f"[bold red]{_text(verdict['failure'])}[/bold red]")
     status = "PASSED" if verdict["passed"] else "FAILED"
     console.print(f"[bold]{status}[/bold]: {verdict['num_checks'] - verdict['num_failed']}/{verdict['num_checks']} "
                   f"checks pass, {verdict['seconds']} s; evidence in the run's rounds/")
@@ -94,10 +100,12 @@ def _cases_footer(verdict: dict[str, Any], console: Console) -> None:
                                                        for tier in ("bitwise", "within_bound", "failing"))
                              for axis, t in c.get("invariance", {}).items())  # TP > 1 or DP > 1 cases' tiers
         waived = "".join(f"; waived: {w}" for w in waivers_of(r for r in verdict.get("rows", []) if r["case"] == name))
-        console.print(f"{status} {name}: {c['num_checks']} checks, {c['num_failed']} failed{invariance}{escape(waived)}")
+        console.print(f"{status} {_text(name)}: {c['num_checks']} checks, {c['num_failed']} failed{invariance}"
+                      f"{_text(waived)}")
         for row in verdict.get("rows", []):  # a case that did not run: what stopped it, whole
             if row["case"] == name and row["comparison"] == "run" and row.get("note"):
-                console.print(f"  [red]did not run:[/red] {escape(str(row['note']))}", highlight=False)
+                console.print(f"  [red]did not run:[/red] {escape(printable(str(row['note']), newlines=True))}",
+                              highlight=False)
     total = len(verdict["cases"])
     failed = sum(not c["passed"] for c in verdict["cases"].values())
     console.print(f"[bold]{'PASSED' if verdict['passed'] else 'FAILED'}[/bold]: {total - failed}/{total} cases pass"
@@ -113,9 +121,9 @@ def render_verdict(verdict: dict[str, Any], console: Console | None = None) -> N
         table.add_column(column, overflow="fold")
     for r in pick_rows(verdict):
         mark = "[green]ok[/green]" if r["passed"] else "[bold red]FAIL[/bold red]"
-        table.add_row(r["case"], _fmt(r.get("step")), r["comparison"], r["tensor"], r["metric"], _fmt(r["value"]),
-                      _fmt(r["bound"]), r.get("rule", ""), _fmt(r.get("ratio")) if r.get("bound") is not None else "",
-                      mark)
+        table.add_row(_text(r["case"]), _fmt(r.get("step")), _text(r["comparison"]), _text(r["tensor"]),
+                      _text(r["metric"]), escape(_fmt(r["value"])), escape(_fmt(r["bound"])), _text(r.get("rule", "")),
+                      _fmt(r.get("ratio")) if r.get("bound") is not None else "", mark)
     console.print(table)
     if verdict.get("schema") == ROUNDS_SCHEMA:
         _rounds_footer(verdict, console)

@@ -66,15 +66,16 @@ def moved_to(spec: Any, layout: RunLayout) -> Any:
     return replace(spec, **moved)
 
 
-def launch_worker(spec_path: Path, out: Path, key: str, tp: int, device: str, log_path: Path,
+def launch_worker(spec_path: Path, out: Path, key: str, ranks: int, device: str, log_path: Path,
                   engine: str = "") -> int:
-    """qualify.diagnose.worker's tp ranks, started the way the candidate stage starts a case's (qualify.case.launch)."""
+    """qualify.diagnose.worker's ranks (the case's tp x dp), started the way the candidate stage starts a case's
+    (qualify.case.launch)."""
     from qualify.case.launch import launch_env, start_module
     from qualify.engines.registry import preload_modules
 
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    return start_module("qualify.diagnose.worker", [str(spec_path), str(out), key], tp, device, launch_env(device, tp),
-                        log_path, preload_modules(engine))
+    return start_module("qualify.diagnose.worker", [str(spec_path), str(out), key], ranks, device,
+                        launch_env(device, ranks), log_path, preload_modules(engine))
 
 
 def candidate_layers(layout: RunLayout, case: str, spec: Any, log: StageLog) -> tuple[dict[str, Any], bool]:
@@ -84,7 +85,7 @@ def candidate_layers(layout: RunLayout, case: str, spec: Any, log: StageLog) -> 
 
     out = layout.diagnose / case
     key = fingerprint(stage_info(layout.case(case)))
-    with log.step(f"layer outputs of {case} ({spec.engine}, TP{spec.tp}, {spec.precision})") as step:
+    with log.step(f"layer outputs of {case} ({spec.engine}, TP{spec.tp} x DP{spec.dp}, {spec.precision})") as step:
         if stage_is_complete(out) and stage_info(out).get("key") == key:
             step.skip()
         else:
@@ -92,7 +93,7 @@ def candidate_layers(layout: RunLayout, case: str, spec: Any, log: StageLog) -> 
             here = spec_file(out)  # the case's spec with its paths where the run directory is now (moved_to)
             here.parent.mkdir(parents=True, exist_ok=True)
             write_json(here, spec.to_json())
-            code = launch_worker(here, out, key, spec.tp, spec.device, log_path, spec.engine)
+            code = launch_worker(here, out, key, spec.world_size, spec.device, log_path, spec.engine)
             if code != 0 or not stage_is_complete(out):
                 raise EvidenceError(f"the engine of case {case} did not produce its layer outputs: "
                                     + log_tail(log_path, code))
@@ -170,7 +171,7 @@ def diagnose(run_dir: Path, case: str, *, log: StageLog | None = None) -> dict[s
                     for f in families_of(spec.precision)}
     first = next(({"family": f, **d["first_departure"]} for f, d in families.items() if d["first_departure"]), None)
     doc = {"schema": DIAGNOSIS_SCHEMA, "case": case, "engine": spec.engine, "role": spec.role,
-           "precision": spec.precision, "tp": spec.tp, "step": 0, "acceptance_digest": acc.digest,
+           "precision": spec.precision, "tp": spec.tp, "dp": spec.dp, "step": 0, "acceptance_digest": acc.digest,
            "layer_outputs_hook": hook, "passed": first is None, "first_departure": first, "families": families}
     doc = json_safe(doc)
     write_json(layout.diagnose / f"{case}.json", doc)

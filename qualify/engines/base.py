@@ -173,9 +173,11 @@ class TrainEngine(Protocol):
     # the last score()'s full-vocabulary logits of this rank's rows, as computed, before the temperature (None for the
     # critic); the harness derives the reported logprobs from them (qualify.candidate.derived). OutputScoring has it.
     # Optional: an engine that brings its own loss code implements
-    #   objective(role, ppo, scores_BT, response_mask_BT, targets) -> (loss, outputs)
+    #   objective(role, ppo, scores_BT, response_mask_BT, targets, *, share) -> (loss, outputs)
     # returning the outputs qualify.ppo.objective.role_objective returns (actor: logprobs_BT, ratio_BT, kl_BT,
-    # kl_mean, clip_frac; critic: values_BT, clip_frac); the harness then judges those instead of its own.
+    # kl_mean, clip_frac; critic: values_BT, clip_frac); the harness then judges those instead of its own. share
+    # (qualify.ppo.objective.PPOShare; GRPO: GRPOShare, with grpo= too) holds the step's normalizers over every DP
+    # rank: the loss and scalars are this rank's share. Without share= it runs under PPO at DP1 only.
     # Optional (required with ppo.entropy_coef > 0): an actor engine implements
     #   entropy() -> Tensor | None
     # the (B, T) fp32 entropy of softmax(logits / temperature) over the real vocabulary at each position of its last

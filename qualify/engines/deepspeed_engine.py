@@ -1,7 +1,14 @@
-"""deepspeed: Hugging Face Qwen3 under DeepSpeed ZeRO-0, TP by DeepSpeed AutoTP or DP (gloo or NCCL).
+"""deepspeed: Hugging Face Qwen3 under DeepSpeed at ZeRO stage 0 to 3, TP by DeepSpeed AutoTP, DP by DeepSpeed itself
+(gloo or NCCL).
 
-DP (ctx.dp > 1, TP1 only): DeepSpeed's own data parallelism over the launch's ranks; it averages gradients, so the
-adapter scales each rank's loss share by dp to make the average the sum of the shares.
+The engine names are the stage: `deepspeed` is ZeRO-0, `deepspeed-zero1` to `deepspeed-zero3` stages 1 to 3 (one
+adapter, zero_stage its argument; qualify.engines.deepspeed_zero holds what the stages add). DP (ctx.dp > 1):
+DeepSpeed's own data parallelism over the launch's ranks; it averages gradients, so the adapter scales each rank's
+loss share by dp to make the average the sum of the shares. TP x DP: AutoTP's ranks are DeepSpeed's (dp, tp) mesh,
+TP ranks contiguous as the launch lays them out; the TP shards are gathered over its TP group.
+Under ZeRO 1-3 every exported tensor is read through DeepSpeed's own gathers (safe_get_full_grad,
+safe_get_full_fp32_param, safe_get_full_optimizer_state), the norm is DeepSpeed's (get_global_grad_norm()), and the
+state is exported only where the DP ranks' fragments cover the parameter exactly once (deepspeed_zero.incomplete_state).
 
 What DeepSpeed 0.19.8 does here, read in its source and measured on the tiny Qwen3:
 - The config alone shards the model: deepspeed.initialize with tensor_parallel.autotp_size > 1
@@ -41,11 +48,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from qualify.engines.base import Batch, EngineContext, OutputScoring, PackedBatch
+from qualify.engines.deepspeed_zero import ZERO_STAGES, accumulation_dtype, incomplete_state, zero_config
+from qualify.engines.shard_coverage import complete_state
 from qualify.errors import EngineError
 from qualify.models.hf import dtype_name, load_model
 
@@ -54,8 +64,8 @@ from qualify.models.hf import dtype_name, load_model
 NORM_REPORT_RTOL = 1e-5
 
 
-def ds_config(ctx: EngineContext, gradient_clipping: float | None) -> dict:
-    """The DeepSpeed config of a case; gradient_clipping None leaves DeepSpeed's default (1.0)."""
+def ds_config(ctx: EngineContext, gradient_clipping: float | None, zero_stage: int = 0) -> dict:
+    """The DeepSpeed config of a case at a ZeRO stage; gradient_clipping None leaves DeepSpeed's default (1.0)."""
     o = ctx.optimizer
     config = {
         "train_micro_batch_size_per_gpu": 1,
@@ -70,6 +80,8 @@ def ds_config(ctx: EngineContext, gradient_clipping: float | None) -> dict:
         "bf16": {"enabled": ctx.precision == "bf16"},
         "steps_per_print": 2**31 - 1,
     }
+    if zero_stage:
+        config.update(zero_config(zero_stage, ctx.precision == "bf16"))
     if gradient_clipping is not None:
         config["gradient_clipping"] = gradient_clipping
     return config
@@ -94,18 +106,19 @@ def tp_layout(module: torch.nn.Module) -> dict[str, tuple[int, tuple[int, ...]]]
     return layout
 
 
-def gather_dim(local: torch.Tensor, dim: int, sizes: tuple[int, ...]) -> torch.Tensor:
-    """Full tensor from every rank's shard along dim (shards may differ in size: pad, gather, trim)."""
+def gather_dim(local: torch.Tensor, dim: int, sizes: tuple[int, ...], group: Any = None) -> torch.Tensor:
+    """Full tensor from every TP rank's shard along dim (shards may differ in size: pad, gather, trim); group: the TP
+    group (None: the whole world, which is the TP group at DP1)."""
     width = max(sizes)
     pad = [0, 0] * (local.dim() - dim - 1) + [0, width - local.shape[dim]]
     padded = torch.nn.functional.pad(local.detach().contiguous(), pad)
     parts = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(parts, padded)
+    dist.all_gather(parts, padded, group=group)
     return torch.cat([part.narrow(dim, 0, size) for part, size in zip(parts, sizes)], dim)
 
 
 class DeepSpeedEngine(OutputScoring):
-    """The deepspeed engine (see module docstring)."""
+    """The deepspeed engine at a ZeRO stage (see module docstring)."""
 
     name = "deepspeed"
     gradient_clipping_from_matrix = True
@@ -113,11 +126,18 @@ class DeepSpeedEngine(OutputScoring):
     masters_from_checkpoint = True
     """bf16: False keeps DeepSpeed's FP32 masters cloned from the bf16 model."""
     forget_zero_grad_step = True
-    """bf16: False keeps the AdamW state of DeepSpeed's zero-gradient step at construction."""
+    """bf16, ZeRO-0: False keeps the AdamW state of DeepSpeed's zero-gradient step at construction."""
     mark_sharded_grads = True
-    """bf16, TP > 1: False lets DeepSpeed's norm drop the sharded gradients of TP ranks > 0."""
+    """bf16, ZeRO-0, TP > 1: False lets DeepSpeed's norm drop the sharded gradients of TP ranks > 0."""
     packed = True
     """Takes packed batches (see the module docstring)."""
+
+    def __init__(self, zero_stage: int = 0) -> None:
+        if zero_stage not in (0, *ZERO_STAGES):
+            raise EngineError(f"deepspeed: ZeRO stage {zero_stage} does not exist (0 to 3)")
+        self.zero_stage = zero_stage
+        if zero_stage and type(self).name == DeepSpeedEngine.name:
+            self.name = f"deepspeed-zero{zero_stage}"
 
     def setup(self, ctx: EngineContext) -> None:
         if ctx.device == "cpu":
@@ -128,16 +148,28 @@ class DeepSpeedEngine(OutputScoring):
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.utils.logger.setLevel(logging.WARNING)
         self.ctx = ctx
-        if ctx.tp > 1 and ctx.dp > 1:
-            raise EngineError(f"deepspeed: TP{ctx.tp} x DP{ctx.dp} is not built (the adapter gathers TP shards over "
-                              "the whole world); TP x DP with one of them 1 is")
         model = load_model(ctx.model_dir, ctx.role, "sdpa")
         fp32_full = {n: p.detach().clone() for n, p in model.named_parameters()}
+        self.full_shapes = {n: t.shape for n, t in fp32_full.items()}
         clip = ctx.optimizer.max_grad_norm if self.gradient_clipping_from_matrix else None
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                               config=ds_config(ctx, clip))
+                                               config=ds_config(ctx, clip, self.zero_stage))
         self.bf16 = self.engine.bfloat16_enabled()
         self.layout = tp_layout(self.engine.module)
+        self.tp_group = None
+        if ctx.tp > 1:  # AutoTP's (dp, tp) mesh: TP ranks contiguous, as the launch lays them out
+            from deepspeed.utils import groups
+
+            self.tp_group = groups.get_tensor_model_parallel_group()
+        self.read_grad_dtypes: dict[str, str] = {}
+        self.exported_norm: torch.Tensor | None = None
+        if self.zero_stage:
+            self._setup_zero(fp32_full)
+        else:
+            self._setup_zero0(fp32_full)
+        self.inner_optimizer().register_step_pre_hook(self._record_read_grad_dtypes)
+
+    def _setup_zero0(self, fp32_full: dict[str, torch.Tensor]) -> None:
         self.masters = self._masters()
         if self.bf16 and self.forget_zero_grad_step:
             self._forget_zero_grad_step()
@@ -146,15 +178,26 @@ class DeepSpeedEngine(OutputScoring):
         self.fp32_clip_norm: torch.Tensor | None = None
         if not self.bf16:
             self._keep_fp32_clip_norm()
-        self.read_grad_dtypes: dict[str, str] = {}
-        self.inner_optimizer().register_step_pre_hook(self._record_read_grad_dtypes)
+
+    def _setup_zero(self, fp32_full: dict[str, torch.Tensor]) -> None:
+        self.params_by_name = dict(self.engine.module.named_parameters())
+        accumulated = accumulation_dtype(self.engine.optimizer)
+        if accumulated != torch.float32:
+            raise EngineError(f"deepspeed ZeRO-{self.zero_stage}: {type(self.engine.optimizer).__name__} accumulates "
+                              f"gradients in {accumulated}, not FP32")
+        if self.bf16 and self.masters_from_checkpoint:
+            from deepspeed.utils import safe_set_full_fp32_param
+
+            device = next(self.engine.module.parameters()).device
+            for name, p in self.params_by_name.items():  # the bf16 parameters are these masters cast: untouched
+                safe_set_full_fp32_param(p, self._tp_shard(name, fp32_full[name]).to(device))
 
     def inner_optimizer(self) -> torch.optim.Optimizer:
-        """The torch AdamW that steps the masters (wrapped by DeepSpeed's optimizer under bf16)."""
-        return self.engine.optimizer.optimizer if self.bf16 else self.engine.optimizer
+        """The torch AdamW that steps the masters (wrapped by DeepSpeed's optimizer under bf16 or ZeRO)."""
+        return self.engine.optimizer.optimizer if self.bf16 or self.zero_stage else self.engine.optimizer
 
     def _masters(self) -> dict[str, tuple[torch.nn.Parameter, torch.Tensor]]:
-        """{HF name: (model parameter, FP32 master the optimizer steps)}."""
+        """ZeRO-0: {HF name: (model parameter, FP32 master the optimizer steps)}."""
         params = dict(self.engine.module.named_parameters())
         if not self.bf16:
             return {n: (p, p) for n, p in params.items()}
@@ -171,13 +214,17 @@ class DeepSpeedEngine(OutputScoring):
             assert int(s["step"]) == 1 and not s["exp_avg"].any() and not s["exp_avg_sq"].any(), s["step"]
         state.clear()
 
+    def _tp_shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This TP rank's shard of a full tensor, split as AutoTP split the parameter."""
+        if name not in self.layout:
+            return full
+        dim, sizes = self.layout[name]
+        return full.split(sizes, dim)[self.ctx.tp_rank]
+
     @torch.no_grad()
     def _load_fp32_masters(self, fp32_full: dict[str, torch.Tensor]) -> None:
         for name, (p, master) in self.masters.items():
-            shard = fp32_full[name]
-            if name in self.layout:  # split as AutoTP split the parameter (DP 1: rank = TP rank)
-                dim, sizes = self.layout[name]
-                shard = shard.split(sizes, dim)[dist.get_rank()]
+            shard = self._tp_shard(name, fp32_full[name])
             assert torch.equal(shard.to(p.device, p.dtype), p), f"{name}: the FP32 shard does not cast to the model's"
             master.copy_(shard)
 
@@ -194,6 +241,10 @@ class DeepSpeedEngine(OutputScoring):
         engine.clip_fp32_gradients = clip_fp32_gradients
 
     def _record_read_grad_dtypes(self, optimizer, args, kwargs) -> None:
+        if self.zero_stage:  # the flat FP32 partitions of the DP rank: one name for each
+            read = [m for g in optimizer.param_groups for m in g["params"] if m.grad is not None]
+            self.read_grad_dtypes = {f"partition{i}": dtype_name(m.grad) for i, m in enumerate(read)}
+            return
         names = {id(m): n for n, (_, m) in self.masters.items()}
         self.read_grad_dtypes = {names[id(m)]: dtype_name(m.grad) for g in optimizer.param_groups
                                  for m in g["params"] if m.grad is not None}
@@ -204,7 +255,7 @@ class DeepSpeedEngine(OutputScoring):
         Always a copy: the gradients are exported before step() clips them in place.
         """
         if name in self.layout:
-            local = gather_dim(local, *self.layout[name])
+            local = gather_dim(local, *self.layout[name], group=self.tp_group)
         return local.detach().to("cpu", copy=True)
 
     def score(self, batch: Batch | PackedBatch) -> torch.Tensor:
@@ -222,7 +273,8 @@ class DeepSpeedEngine(OutputScoring):
 
     def layer_outputs(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Full fp32 outputs of every decoder layer's modules and the final norm (qualify diagnose): AutoTP keeps
-        the HF module tree, and its row-parallel layers all-reduce, so every hooked output is whole."""
+        the HF module tree, and its row-parallel layers all-reduce, so every hooked output is whole (ZeRO-3's hooks
+        gather each module's parameters for its forward)."""
         from qualify.models.hooks import capture_layer_outputs
 
         return capture_layer_outputs(self.engine.module, batch.input_ids_BT)
@@ -233,64 +285,123 @@ class DeepSpeedEngine(OutputScoring):
         self.engine.backward(loss * self.ctx.dp if self.ctx.dp > 1 else loss)
 
     def grads(self) -> dict[str, torch.Tensor]:
-        # Under bf16 the optimizer reads grad.to(float32) of these: the cast is exact.
-        return {n: self.full(n, p.grad).float() for n, (p, _) in self.masters.items()}
+        if not self.zero_stage:  # under bf16 the optimizer reads grad.to(float32) of these: the cast is exact
+            return {n: self.full(n, p.grad).float() for n, (p, _) in self.masters.items()}
+        from deepspeed.utils import safe_get_full_grad
+
+        out = {}
+        for name, p in self.params_by_name.items():  # DP collectives, in the same order on every rank
+            grad = safe_get_full_grad(p)
+            if grad is None:
+                raise EngineError(f"deepspeed ZeRO-{self.zero_stage}: no gradient of {name} after backward")
+            out[name] = self.full(name, grad).float()
+        # every rank holds the whole gradients: their norm needs no collective (each in float64 on the CPU)
+        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in out.values()])
+        self.exported_norm = torch.linalg.vector_norm(norms).to(torch.float32)
+        return out
 
     def grad_dtypes(self) -> dict[str, str]:
-        # fp32: the optimizer reads p.grad. bf16: step() sets master.grad = p.grad.to(master.dtype).
-        # step() checks this against what the optimizer really read.
-        self.reported_grad_dtypes = {n: dtype_name(p.grad) if p is m else dtype_name(m)
-                                     for n, (p, m) in self.masters.items()}
+        # fp32: the optimizer reads p.grad. bf16 ZeRO-0: step() sets master.grad = p.grad.to(master.dtype). ZeRO 1-3:
+        # the FP32 partitions of the gradients DeepSpeed accumulates. step() checks this against what it really read.
+        if self.zero_stage:
+            accumulated = str(accumulation_dtype(self.engine.optimizer)).removeprefix("torch.")
+            self.reported_grad_dtypes = dict.fromkeys(self.params_by_name, accumulated)
+        else:
+            self.reported_grad_dtypes = {n: dtype_name(p.grad) if p is m else dtype_name(m)
+                                         for n, (p, m) in self.masters.items()}
         return self.reported_grad_dtypes
 
     def exported_grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of the full gradients: per-parameter norms, then the norm of those (fp32)."""
+        """ZeRO-0: global L2 norm of the full gradients: per-parameter norms, then the norm of those (fp32)."""
         sq = torch.stack([p.grad.float().pow(2).sum() for p, _ in self.masters.values()])
         if self.ctx.tp > 1:
             sharded = torch.tensor([n in self.layout for n in self.masters], device=sq.device)
             summed = sq.clone()
-            dist.all_reduce(summed)
+            dist.all_reduce(summed, group=self.tp_group)
             sq = torch.where(sharded, summed, sq)
         return torch.linalg.vector_norm(sq.sqrt()).cpu()
 
     def step(self) -> torch.Tensor:
-        exported = self.exported_grad_norm()
-        if self.bf16 and self.mark_sharded_grads:
+        exported = self.exported_norm if self.zero_stage else self.exported_grad_norm()
+        if self.bf16 and not self.zero_stage and self.mark_sharded_grads:
             for name, (p, _) in self.masters.items():
                 if name in self.layout:
                     p.grad.tensor_model_parallel = True
         self.engine.step()
-        reported = getattr(self, "reported_grad_dtypes", None)
-        if reported is not None and self.read_grad_dtypes != reported:
-            raise EngineError("deepspeed: the optimizer read gradients of other dtypes than reported: "
-                              f"{sorted(set(self.read_grad_dtypes.items()) ^ set(reported.items()))[:3]}")
-        ds_norm = self.engine.get_global_grad_norm() if self.bf16 else self.fp32_clip_norm
-        if ds_norm is None:  # fp32 without clipping: DeepSpeed computes no norm
+        self._check_read_grad_dtypes()
+        if self.zero_stage:
+            ds_norm = self.engine.get_global_grad_norm()
+        else:
+            ds_norm = self.engine.get_global_grad_norm() if self.bf16 else self.fp32_clip_norm
+        if ds_norm is None:  # fp32 ZeRO-0 without clipping: DeepSpeed computes no norm
             return exported
-        ds_norm = torch.as_tensor(ds_norm, dtype=torch.float32).reshape(()).cpu()
-        if dist.get_rank() == 0 and abs(float(ds_norm) - float(exported)) > NORM_REPORT_RTOL * float(exported):
+        ds_norm = torch.as_tensor(ds_norm).reshape(()).to("cpu", torch.float32)
+        if exported is not None and dist.get_rank() == 0 and \
+                abs(float(ds_norm) - float(exported)) > NORM_REPORT_RTOL * float(exported):
             print(f"deepspeed: DeepSpeed clipped with global grad norm {float(ds_norm):.9g}; the exported "
                   f"gradients' norm is {float(exported):.9g}", file=sys.stderr, flush=True)
         return ds_norm
 
+    def _check_read_grad_dtypes(self) -> None:
+        reported = getattr(self, "reported_grad_dtypes", None)
+        if reported is None:
+            return
+        read = self.read_grad_dtypes
+        if (set(read.values()) != set(reported.values())) if self.zero_stage else read != reported:
+            raise EngineError("deepspeed: the optimizer read gradients of other dtypes than reported: "
+                              f"{sorted(set(read.items()) ^ set(reported.items()))[:3]}")
+
     def params(self) -> dict[str, torch.Tensor]:
-        return {n: self.full(n, m).float() for n, (_, m) in self.masters.items()}
+        if not self.zero_stage:
+            return {n: self.full(n, m).float() for n, (_, m) in self.masters.items()}
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        return {n: self.full(n, safe_get_full_fp32_param(p)).float() for n, p in self.params_by_name.items()}
 
     def optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        state = self.inner_optimizer().state
         out: dict[str, dict[str, torch.Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}}
+        if self.zero_stage:
+            return self._zero_optimizer_state(out)
+        state = self.inner_optimizer().state
         for name, (_, master) in self.masters.items():
             if master in state:
                 for key, by_name in out.items():
                     by_name[name] = self.full(name, state[master][key])
         return out
 
+    def _zero_optimizer_state(self, out: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+        """The AdamW state consolidated by DeepSpeed's own gather, in the dtype its partitions hold it in, for every
+        parameter whose fragments the DP ranks of every TP rank hold exactly once and whose gathered state has the
+        parameter's full shape (shard_coverage.complete_state); any other parameter's state is left out (an evidence
+        row names it) and logged."""
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        held = {key: {s[key].dtype for s in self.inner_optimizer().state.values()} for key in out}
+        incomplete = incomplete_state(self.params_by_name, self.engine.seq_data_parallel_group)
+        for name, p in self.params_by_name.items():  # DP collectives, in the same order on every rank
+            for key, by_name in out.items():
+                full = self.full(name, safe_get_full_optimizer_state(p, key))
+                by_name[name] = full.to(*held[key]) if len(held[key]) == 1 else full
+        everywhere: list[Any] = [None] * dist.get_world_size()  # what any TP rank's DP group found incomplete
+        dist.all_gather_object(everywhere, incomplete)
+        out, left_out = complete_state(out, self.full_shapes, {n: w for found in everywhere for n, w in found.items()})
+        if dist.get_rank() == 0:
+            for name, why in left_out.items():
+                print(f"deepspeed ZeRO-{self.zero_stage}: the optimizer state of {name} is not complete: {why}",
+                      file=sys.stderr, flush=True)
+        return out
+
     def replicated(self) -> dict[str, torch.Tensor]:
-        return {n: m.detach().float().cpu() for n, (_, m) in self.masters.items() if n not in self.layout}
+        if not self.zero_stage:
+            return {n: m.detach().float().cpu() for n, (_, m) in self.masters.items() if n not in self.layout}
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        return {n: safe_get_full_fp32_param(p).detach().float().cpu() for n, p in self.params_by_name.items()
+                if n not in self.layout}
 
     def padded_rows(self) -> dict[str, torch.Tensor]:
         return {}  # AutoTP splits vocab-sized weights unevenly, it never pads them
 
     def close(self) -> None:
         self.engine.destroy()
-        self.engine = self.masters = None
+        self.engine = self.masters = self.params_by_name = None

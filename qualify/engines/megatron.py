@@ -10,7 +10,11 @@ vocab; the critic replaces the output layer by HF's replicated score Linear(hidd
 Training is Megatron's own: DistributedDataParallel with FP32 gradient buffers, Float16Module and
 Float16OptimizerWithFloat16Params (FP32 master weights) under bf16 or FP32Optimizer under fp32,
 finalize_model_grads (which all-reduces the q/k layernorm gradients across TP), and the optimizer's
-clip_grad. Weight decay applies to every tensor, as in the reference (Megatron's usual rule that
+clip_grad. Engine `megatron-distopt` (distributed_optimizer=True) takes Megatron's distributed optimizer instead: the
+gradients reduce-scattered, the masters and AdamW state sharded over DP (qualify.engines.megatron_distopt reads them
+back through megatron-core's own gathers). DP (ctx.dp > 1): the launch's tp x dp ranks are parallel_state's, TP
+ranks contiguous; calculate_per_token_loss makes DDP sum the DP ranks' gradients instead of averaging them (each
+rank's loss is already its share of the step's: the harness's normalizers are global). Weight decay applies to every tensor, as in the reference (Megatron's usual rule that
 skips norms and biases is a configuration choice, not numerics). megatron-core's DDP and optimizer
 allocate on CUDA, so this engine runs on GPUs only.
 """
@@ -18,6 +22,7 @@ allocate on CUDA, so this engine runs on GPUs only.
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from contextlib import nullcontext
 from typing import Any
@@ -35,6 +40,7 @@ from qualify.engines.megatron_convert import (
     padded_rows,
     param_name,
 )
+from qualify.engines.megatron_distopt import full_main_grads, gathered_state, incomplete_state, load_fp32_masters
 from qualify.engines.megatron_moe import RouteRecorder, define_router_gemm, moe_config
 from qualify.errors import EngineError
 
@@ -71,7 +77,30 @@ def transformer_config(hf_config: Any, layout: Qwen3Layout, ctx: EngineContext):
         bf16=ctx.precision == "bf16", params_dtype=torch.float32, attention_softmax_in_fp32=True,
         use_cpu_initialization=True, gradient_accumulation_fusion=False, bias_activation_fusion=False,
         bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
+        calculate_per_token_loss=True,  # DDP sums the DP ranks' gradients (gradient_scaling_factor 1): shares add up
         **moe_config(layout))
+
+
+def ddp_config(distributed_optimizer: bool):
+    """megatron-core DistributedDataParallelConfig: FP32 gradient buffers, no overlap (the reductions happen where the
+    adapter calls them), the distributed optimizer's reduce-scatter or the plain all-reduce."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
+                                         use_distributed_optimizer=distributed_optimizer)
+
+
+def optimizer_config(ctx: EngineContext, distributed_optimizer: bool):
+    """megatron-core OptimizerConfig of the matrix's AdamW (decoupled weight decay) and clip."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    o = ctx.optimizer
+    return OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.lr, weight_decay=o.weight_decay,
+                           adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_eps=o.eps,
+                           # clip_grad 0 skips Megatron's norm as well: inf clips nothing, reports the norm
+                           clip_grad=o.max_grad_norm if o.max_grad_norm > 0 else float("inf"),
+                           bf16=ctx.precision == "bf16", params_dtype=torch.float32,
+                           use_distributed_optimizer=distributed_optimizer, decoupled_weight_decay=True)
 
 
 def rope_theta(hf_config: Any) -> float:
@@ -89,6 +118,11 @@ class MegatronEngine(OutputScoring):
     packed = False
     """No packed batches: qualify.matrix.UNPACKED_ENGINES says why (the matrix refuses megatron x packed)."""
 
+    def __init__(self, distributed_optimizer: bool = False) -> None:
+        self.distributed_optimizer = distributed_optimizer
+        if distributed_optimizer and type(self).name == MegatronEngine.name:
+            self.name = "megatron-distopt"
+
     def setup(self, ctx: EngineContext) -> None:
         if not ctx.device.startswith("cuda"):
             raise EngineError("the megatron engine needs a CUDA device: megatron-core's DDP and optimizer "
@@ -102,11 +136,17 @@ class MegatronEngine(OutputScoring):
         self.ctx, self.notes = ctx, []
         if torch.device(ctx.device).index is not None:  # plain 'cuda': the launcher already set LOCAL_RANK's device
             torch.cuda.set_device(torch.device(ctx.device))
-        if not ps.model_parallel_is_initialized():
+        if not ps.model_parallel_is_initialized():  # the world's tp x dp ranks: DP is world / tp
             ps.initialize_model_parallel(tensor_model_parallel_size=ctx.tp)
         tensor_parallel.model_parallel_cuda_manual_seed(1234)  # dropout is 0; the tracker must exist
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.tp_group = ps.get_tensor_model_parallel_group()
+        self.dp_group = ps.get_data_parallel_group()
+        layout = (ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size(), self.tp_rank,
+                  ps.get_data_parallel_rank())
+        if layout != (ctx.tp, ctx.dp, ctx.tp_rank, ctx.dp_rank):
+            raise EngineError(f"megatron's parallel state (tp, dp, tp rank, dp rank) {layout} is not the launch's "
+                              f"{(ctx.tp, ctx.dp, ctx.tp_rank, ctx.dp_rank)}")
         hf_config = AutoConfig.from_pretrained(str(ctx.model_dir))
         self.layout = Qwen3Layout.from_hf_config(hf_config, ctx.role, VOCAB_DIVISIBLE_BY)
         if hf_config.vocab_size != ctx.vocab_size:
@@ -153,29 +193,29 @@ class MegatronEngine(OutputScoring):
         return gpt.to(self.ctx.device)
 
     def _wrap_and_build_optimizer(self, shard: dict[str, torch.Tensor]) -> None:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.distributed import DistributedDataParallel
+        from megatron.core.optimizer import get_megatron_optimizer
         from megatron.core.transformer.module import Float16Module
 
         module = Float16Module(self.config, self.gpt) if self.ctx.precision == "bf16" else self.gpt
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                   use_distributed_optimizer=False)
-        self.model = DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=module)
-        o = self.ctx.optimizer
-        opt_config = OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.lr, weight_decay=o.weight_decay,
-                                     adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_eps=o.eps,
-                                     # clip_grad 0 skips Megatron's norm as well: inf clips nothing, reports the norm
-                                     clip_grad=o.max_grad_norm if o.max_grad_norm > 0 else float("inf"),
-                                     bf16=self.ctx.precision == "bf16", params_dtype=torch.float32,
-                                     use_distributed_optimizer=False, decoupled_weight_decay=True)
+        self.model = DistributedDataParallel(config=self.config, ddp_config=ddp_config(self.distributed_optimizer),
+                                             module=module)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             # {} (not None): no wd_mult=0 group for norms and biases; every tensor decays, as in the reference
-            self.optimizer = get_megatron_optimizer(opt_config, [self.model], config_overrides={})
+            self.optimizer = get_megatron_optimizer(optimizer_config(self.ctx, self.distributed_optimizer),
+                                                    [self.model], config_overrides={})
         parts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
         # a MoE model's experts get an optimizer of their own, clipped by the chain's one global norm
         self.adams = [part.optimizer for part in parts]  # the torch AdamWs holding the moments, keyed by master params
         self.named = {n: p for n, p in self.gpt.named_parameters()}
+        self.gathered: dict[Any, dict[str, torch.Tensor]] | None = None  # distributed optimizer: after each step
+        if self.distributed_optimizer:
+            if self.ctx.precision == "bf16":  # the masters cloned from the bf16 params; the FP32 checkpoint instead
+                load_fp32_masters(self.optimizer, self.named, shard)
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            return
         self.master = {n: getattr(p, "main_param", p) for n, p in self.named.items()}
         if self.ctx.precision == "bf16":
             # Float16Optimizer makes its FP32 masters from the bf16 params, dropping the checkpoint's
@@ -235,6 +275,9 @@ class MegatronEngine(OutputScoring):
         return megatron_to_hf(shards, self.layout, self.notes)
 
     def grads(self) -> dict[str, torch.Tensor]:
+        if self.distributed_optimizer and self.ctx.dp > 1:  # reduce-scattered: each rank holds its shard reduced
+            full = full_main_grads(self.model)
+            return self._gathered({n: full[p] for n, p in self.named.items()})
         return self._gathered({n: p.main_grad for n, p in self.named.items()})
 
     def grad_dtypes(self) -> dict[str, str]:
@@ -249,25 +292,67 @@ class MegatronEngine(OutputScoring):
             grad_norm = float("nan")
         self.model.zero_grad_buffer()  # the next step's backward starts from zero (the step copied main -> model)
         self.optimizer.zero_grad()
+        if self.distributed_optimizer:
+            self.gathered = gathered_state(self.optimizer) if success else None
         return torch.tensor(float("nan") if grad_norm is None else float(grad_norm), dtype=torch.float32)
 
     def params(self) -> dict[str, torch.Tensor]:
+        if self.distributed_optimizer:
+            if self.gathered is None:  # no step taken (skipped): the model's own parameters, which it did not move
+                return self._gathered({n: p.float() for n, p in self.named.items()})
+            return self._gathered({n: self.gathered[p]["param"] for n, p in self.named.items()})
         return self._gathered({n: p.float() for n, p in self.master.items()})
 
     def optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        if self.distributed_optimizer:
+            return self._distributed_state()
         state = {p: s for adam in self.adams for p, s in adam.state.items()}
         if not all(p in state for p in self.master.values()):  # no step was taken (skipped)
             return {"exp_avg": {}, "exp_avg_sq": {}}
         return {key: self._gathered({n: state[p][key] for n, p in self.master.items()})
                 for key in ("exp_avg", "exp_avg_sq")}
 
+    def _distributed_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The AdamW state gathered by get_parameter_state_dp_zero after the step, for every parameter whose ranges
+        the DP ranks hold exactly once (megatron_distopt.incomplete_state); any other is left out (an evidence row
+        names it) and logged."""
+        if self.gathered is None:  # no step taken (skipped)
+            return {"exp_avg": {}, "exp_avg_sq": {}}
+        incomplete = incomplete_state(self.optimizer, self.named, self.dp_group)
+        for name, why in sorted(incomplete.items()):
+            print(f"megatron-distopt: rank {dist.get_rank()}: the optimizer state of {name} is not complete: {why}",
+                  file=sys.stderr, flush=True)
+        # the TP ranks gather their shards together: a parameter incomplete on any rank is left out on every rank
+        dropped: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(dropped, sorted(incomplete))
+        kept = {n: p for n, p in self.named.items() if not any(n in d for d in dropped)}
+        return {key: self._gathered_some({n: self.gathered[p][key] for n, p in kept.items()})
+                for key in ("exp_avg", "exp_avg_sq")}
+
+    def _gathered_some(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """_gathered over the Megatron names present; the HF names of an absent one are left out."""
+        if len(local) == len(self.named):
+            return self._gathered(local)
+        zeros = {n: torch.zeros_like(self.gathered[p]["param"]) for n, p in self.named.items() if n not in local}
+        full = self._gathered({**local, **zeros})
+        absent = {param_name(hf) for m, (_, names) in self.plan.items() if m in zeros for hf in names}
+        return {n: t for n, t in full.items() if n not in absent}
+
+    def _masters(self) -> dict[str, torch.Tensor]:
+        """This rank's FP32 masters under Megatron names (the distributed optimizer's as gathered after the step)."""
+        if not self.distributed_optimizer:
+            return {n: p.detach() for n, p in self.master.items()}
+        if self.gathered is None:  # before the first step: the model's parameters, cast from those masters
+            return {n: p.detach() for n, p in self.named.items()}
+        return {n: self.gathered[p]["param"] for n, p in self.named.items()}
+
     def replicated(self) -> dict[str, torch.Tensor]:
-        local = drop_extra_state({n: p.detach() for n, p in self.master.items()}, self.tp_rank, None)
+        local = drop_extra_state(self._masters(), self.tp_rank, None)
         return {names[0]: local[m].float().cpu() for m, (kind, names) in self.plan.items() if kind == "replicated"}
 
     def padded_rows(self) -> dict[str, torch.Tensor]:
         """Every padding row of the vocab-sized masters (all-gathered: at TP2 only the last rank holds any)."""
-        rows = padded_rows({n: p.detach() for n, p in self.master.items()}, self.layout, self.ctx.tp, self.tp_rank)
+        rows = padded_rows(self._masters(), self.layout, self.ctx.tp, self.tp_rank)
         out = {}
         for name in (names[0] for kind, names in self.plan.values() if kind == "vocab"):
             gathered: list[Any] = [None] * self.ctx.tp

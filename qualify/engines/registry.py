@@ -1,16 +1,24 @@
-"""Engine registry: a plain dict from name to factory, plus 'module:factory' plugins."""
+"""Engine registry: a plain dict from name to factory, plus 'module:factory' plugins.
+
+A plugin's factory is a function or class defined in Python source: its module's file is read (nothing imported but
+its parent packages) before anything runs, so a builtin or C function ('builtins:eval', 'os:abort') is refused in one
+line, never called; when the engine is made, what the name is bound to is checked again.
+"""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
+import inspect
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from qualify.engines.base import TrainEngine
 from qualify.errors import EngineError
-from qualify.matrix import BUILTIN_ENGINES, engine_name_problem
+from qualify.matrix import BUILTIN_ENGINES, DEEPSPEED_ENGINES, engine_name_problem
 
 Factory = Callable[[], TrainEngine]
 
@@ -21,24 +29,33 @@ def _torch_tp() -> TrainEngine:
     return TorchTPEngine()
 
 
-def _deepspeed() -> TrainEngine:
+def _deepspeed(zero_stage: int = 0) -> TrainEngine:
     from qualify.engines.deepspeed_engine import DeepSpeedEngine
 
-    return DeepSpeedEngine()
+    return DeepSpeedEngine(zero_stage=zero_stage)
 
 
-def _megatron() -> TrainEngine:
+def _megatron(distributed_optimizer: bool = False) -> TrainEngine:
     from qualify.engines.megatron import MegatronEngine
 
-    return MegatronEngine()
+    return MegatronEngine(distributed_optimizer=distributed_optimizer)
 
 
-ENGINES: dict[str, Factory] = dict(zip(BUILTIN_ENGINES, (_torch_tp, _deepspeed, _megatron), strict=True))
+def _fsdp2() -> TrainEngine:
+    from qualify.engines.fsdp2 import FSDP2Engine
 
-PRELOAD: dict[str, tuple[str, ...]] = {"deepspeed": ("deepspeed",)}
+    return FSDP2Engine()
+
+
+ENGINES: dict[str, Factory] = dict(zip(BUILTIN_ENGINES, (
+    _torch_tp, _deepspeed, _megatron, partial(_deepspeed, 1), partial(_deepspeed, 2), partial(_deepspeed, 3),
+    partial(_megatron, True), _fsdp2), strict=True))
+
+PRELOAD: dict[str, tuple[str, ...]] = {**dict.fromkeys(DEEPSPEED_ENGINES, ("deepspeed",)),
+                                        "fsdp2": ("torch.distributed.fsdp", "torch.distributed.tensor.parallel")}
 """Third-party modules a built-in engine's ranks import that a CPU launch's fork server imports before it forks them
-(qualify.case.forkserver; torch and transformers are always there). megatron runs on GPUs only, where ranks start
-fresh."""
+(qualify.case.forkserver; torch and transformers are always there). fsdp2's are torch's own FSDP2 and DTensor
+parallel modules. megatron runs on GPUs only, where ranks start fresh."""
 
 
 def preload_modules(engine: str) -> tuple[str, ...]:
@@ -47,12 +64,63 @@ def preload_modules(engine: str) -> tuple[str, ...]:
     return PRELOAD.get(engine, ())
 
 
+NOT_PYTHON = "not a function or class defined in Python source"
+"""What a factory must be (a builtin or C function is never called)."""
+
+
+def _bound_names(body: list[ast.stmt]) -> set[str]:
+    """Names a module's top level binds: def, class, assignment, import by name (under if/try/with too)."""
+    names: set[str] = set()
+    for node in body:
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names |= {a.asname or a.name.split(".")[0] for a in node.names if a.name != "*"}
+        elif isinstance(node, ast.If | ast.Try | ast.With):
+            for block in ("body", "orelse", "finalbody"):
+                names |= _bound_names(getattr(node, block, []))
+            for handler in getattr(node, "handlers", []):
+                names |= _bound_names(handler.body)
+    return names
+
+
+def factory_problem(name: str) -> str | None:
+    """Why a plugin's factory is not one qualify may call (None: its module is Python source that binds it): read
+    from the module's file, nothing imported but its parent packages."""
+    module_name, _, attr = name.partition(":")
+    origin = _module_spec(module_name).origin
+    if origin in ("built-in", "frozen"):
+        return f"engine plugin '{name}': module '{module_name}' is {origin} into the interpreter: '{attr}' is {NOT_PYTHON}"
+    if not origin.endswith(".py") or not Path(origin).is_file():
+        return f"engine plugin '{name}': module '{module_name}' is loaded from {origin}: '{attr}' is {NOT_PYTHON}"
+    try:
+        bound = _bound_names(ast.parse(Path(origin).read_bytes(), origin).body)
+    except (OSError, SyntaxError, ValueError) as exc:
+        return f"engine plugin '{name}': cannot read {origin}: {type(exc).__name__}: {exc}"
+    if attr not in bound:
+        return f"engine plugin '{name}': {origin} does not bind '{attr}' at its top level: {NOT_PYTHON}"
+    return None
+
+
 def require_engine(name: str, where: str = "") -> None:
-    """name is a registered engine or a 'module:factory' plugin (qualify.matrix.engine_name_problem); anything else
-    is an error listing the known ones."""
-    problem = engine_name_problem(name)
+    """name is a registered engine or a 'module:factory' plugin (qualify.matrix.engine_name_problem) whose factory
+    its module's source binds (factory_problem); anything else is an error listing the known ones."""
+    problem = engine_name_problem(name) or (None if name in ENGINES else factory_problem(name))
     if problem:
         raise EngineError(f"{problem}{where}")
+
+
+def _python_factory(factory: Any) -> bool:
+    """A function defined in Python, or a class defined in Python source (not a builtin or C function or type)."""
+    if inspect.isfunction(factory):
+        return True
+    try:
+        return inspect.isclass(factory) and inspect.getfile(factory).endswith(".py")
+    except TypeError:  # a built-in class
+        return False
 
 
 def get_engine(name: str) -> TrainEngine:
@@ -68,6 +136,8 @@ def get_engine(name: str) -> TrainEngine:
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise EngineError(f"engine plugin '{name}': {module_name} has no callable '{attr}'")
+    if not _python_factory(factory):
+        raise EngineError(f"engine plugin '{name}': {attr} is a {type(factory).__name__}, {NOT_PYTHON}")
     try:
         engine = factory()
     except Exception as exc:
@@ -93,8 +163,8 @@ BUILTIN_SOURCES = "qualify.engines"
 """Every module of this package is a built-in adapter's source (megatron's converter included)."""
 
 
-def _source_files(module_name: str) -> list[Path]:
-    """The .py files of a module, or of every module of a package (without importing the module itself)."""
+def _module_spec(module_name: str) -> Any:
+    """The import spec of a module, found without importing the module itself (its parent packages are)."""
     try:
         spec = importlib.util.find_spec(module_name)  # imports the parent packages, whose __init__ may raise
     except Exception as exc:
@@ -102,6 +172,12 @@ def _source_files(module_name: str) -> list[Path]:
             from exc
     if spec is None or spec.origin is None:
         raise EngineError(f"cannot find the source of engine module '{module_name}'")
+    return spec
+
+
+def _source_files(module_name: str) -> list[Path]:
+    """The .py files of a module, or of every module of a package (without importing the module itself)."""
+    spec = _module_spec(module_name)
     origin = Path(spec.origin)
     if spec.submodule_search_locations:
         return sorted(p for loc in spec.submodule_search_locations for p in Path(loc).rglob("*.py"))

@@ -10,6 +10,11 @@ real loss the same way: implement objective() by calling that code.
     value_t   = 1/2 max((v_t - R_t)^2, (v_old_t + clip(v_t - v_old_t, -eps_v, eps_v) - R_t)^2)
     loss      = reduce(term_t over response tokens), reduce = the matrix's token normalizer
     clip_frac = reduce(1[clipped term > unclipped term]),  kl_t = logp_t - logp_ref_t
+
+On a DP rank (or whenever the worker gives it, DP1 included) the hook takes `share`: its `normalizers` are the
+whole step's numbers of active tokens and of sequences with one, summed over the DP ranks, and reduce divides by
+them instead of its own rows' counts. Each rank's loss is then its share of the step's, as the engine's DP gradient
+sum requires.
 """
 
 from __future__ import annotations
@@ -21,16 +26,20 @@ import torch
 from qualify.engines.torch_tp import TorchTPEngine
 
 
-def reduce_tokens(x_BT: torch.Tensor, mask_BT: torch.Tensor, normalizer: str, constant: float | None) -> torch.Tensor:
-    """Average x over response tokens: all of them ('global'), per sequence then over sequences, or / constant."""
+def reduce_tokens(x_BT: torch.Tensor, mask_BT: torch.Tensor, normalizer: str, constant: float | None,
+                  counts: Any = None) -> torch.Tensor:
+    """Average x over response tokens: all of them ('global'), per sequence then over sequences, or / constant.
+    counts: the step's (num_active_tokens, num_active_sequences) when these rows are a slice of it; None: these
+    rows' own."""
     x_BT = torch.where(mask_BT, x_BT, torch.zeros_like(x_BT))
+    tokens, sequences = (int(mask_BT.sum()), int(mask_BT.any(dim=1).sum())) if counts is None else map(int, counts)
     if normalizer == "global":
-        return x_BT.sum() / max(int(mask_BT.sum()), 1)
+        return x_BT.sum() / max(tokens, 1)
     if normalizer == "constant":
         return x_BT.sum() / constant
     count_B = mask_BT.sum(dim=1)
     seq_B = x_BT.sum(dim=1) / count_B.clamp(min=1)
-    return (seq_B * (count_B > 0)).sum() / max(int((count_B > 0).sum()), 1)
+    return (seq_B * (count_B > 0)).sum() / max(sequences, 1)
 
 
 class OwnObjectiveEngine(TorchTPEngine):
@@ -39,8 +48,8 @@ class OwnObjectiveEngine(TorchTPEngine):
     name = "own-objective"
 
     def reduce(self, x_BT: torch.Tensor, mask_BT: torch.Tensor, normalizer: str,
-               constant: float | None) -> torch.Tensor:
-        return reduce_tokens(x_BT, mask_BT, normalizer, constant)
+               constant: float | None, counts: Any = None) -> torch.Tensor:
+        return reduce_tokens(x_BT, mask_BT, normalizer, constant, counts)
 
     def normalizer(self, ppo: Any) -> tuple[str, float | None]:
         return ppo.token_normalizer, ppo.normalizer_constant
@@ -53,8 +62,9 @@ class OwnObjectiveEngine(TorchTPEngine):
         return (values_BT - returns_BT).square(), (clipped_BT - returns_BT).square()
 
     def objective(self, role: str, ppo: Any, scores_BT: torch.Tensor, mask_BT: torch.Tensor,
-                  targets: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                  targets: dict[str, torch.Tensor], *, share: Any = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         normalizer, constant = self.normalizer(ppo)
+        counts = None if share is None else share.normalizers
         zero = torch.zeros_like(scores_BT)
         scores_BT = torch.where(mask_BT, scores_BT, zero)
         if role == "actor":
@@ -62,17 +72,17 @@ class OwnObjectiveEngine(TorchTPEngine):
             adv_BT = torch.where(mask_BT, targets["advantages_BT"], zero)
             ratio_BT = torch.exp(torch.where(mask_BT, scores_BT - targets["old_logprobs_BT"], zero))
             plain_BT, clipped_BT = -adv_BT * ratio_BT, -adv_BT * ratio_BT.clamp(1 - eps, 1 + eps)
-            loss = self.reduce(torch.maximum(plain_BT, clipped_BT), mask_BT, normalizer, constant)
-            clip_frac = self.reduce((clipped_BT > plain_BT).float(), mask_BT, normalizer, constant)
+            loss = self.reduce(torch.maximum(plain_BT, clipped_BT), mask_BT, normalizer, constant, counts)
+            clip_frac = self.reduce((clipped_BT > plain_BT).float(), mask_BT, normalizer, constant, counts)
             kl_BT = torch.where(mask_BT, scores_BT.detach() - targets["ref_logprobs_BT"], zero)
             return loss, {"logprobs_BT": scores_BT.detach(), "ratio_BT": torch.where(mask_BT, ratio_BT, zero).detach(),
-                          "kl_BT": kl_BT, "kl_mean": reduce_tokens(kl_BT, mask_BT, "global", None),
+                          "kl_BT": kl_BT, "kl_mean": self.reduce(kl_BT, mask_BT, "global", None, counts),
                           "clip_frac": clip_frac.detach()}
         old_BT = torch.where(mask_BT, targets["old_values_BT"], zero)
         returns_BT = torch.where(mask_BT, targets["returns_BT"], zero)
         plain_BT, clipped_BT = self.value_terms(scores_BT, old_BT, returns_BT, ppo)
-        loss = self.reduce(0.5 * torch.maximum(plain_BT, clipped_BT), mask_BT, normalizer, constant)
-        clip_frac = self.reduce((clipped_BT > plain_BT).float(), mask_BT, normalizer, constant)
+        loss = self.reduce(0.5 * torch.maximum(plain_BT, clipped_BT), mask_BT, normalizer, constant, counts)
+        clip_frac = self.reduce((clipped_BT > plain_BT).float(), mask_BT, normalizer, constant, counts)
         return loss, {"values_BT": scores_BT.detach(), "clip_frac": clip_frac.detach()}
 
 

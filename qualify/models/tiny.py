@@ -93,7 +93,13 @@ about 17 s of one core, mostly the serial draws of its weights; four roles made 
 def make_tiny_family(spec: TinyModel, models_dir: Path) -> dict[str, Path]:
     """Write every role's checkpoint under models_dir/<role>; complete ones are kept as they are. Each role is drawn
     from its own seed in its own process where the models are large (the same bits: a process's draws depend on its
-    seed alone)."""
+    seed alone). A family too large for this machine's memory is refused before a weight is drawn."""
+    from qualify.errors import MatrixError
+    from qualify.memory import host_memory_bytes, tiny_family_problem
+
+    too_large = tiny_family_problem(spec, host_memory_bytes())
+    if too_large:
+        raise MatrixError(too_large)
     paths, todo = {}, []
     for role in SEED_OFFSETS:
         out = Path(models_dir) / role

@@ -171,8 +171,9 @@ def aggregation_weights(ppo: Any, grpo: Any, mask_BT: torch.Tensor, normalizer: 
     """Each token's weight in the step's aggregation (float64, (B, T)): GRPO's grpo.aggregation, PPO's masked mean
     with `normalizer` (ppo.token_normalizer when None). The aggregation is linear in the per-token terms: its
     gradient is each token's weight."""
-    from qualify.ppo.grpo import count_normalizers, per_sequence_loss
+    from qualify.ppo.grpo import per_sequence_loss
     from qualify.ppo.math import masked_mean
+    from qualify.ppo.share import count_normalizers
 
     mask_BT = mask_BT.bool()
     x = torch.zeros(mask_BT.shape, dtype=torch.float64, requires_grad=True)

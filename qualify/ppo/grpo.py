@@ -20,6 +20,7 @@ import torch
 
 from qualify.errors import QualifyError
 from qualify.ppo.math import check_mode, clipped_surrogate, less_entropy
+from qualify.ppo.share import Normalizers, count_normalizers  # noqa: F401  (re-exported: their home is ppo.share)
 from qualify.ppo.vocab_parallel import tree_sum
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
@@ -164,30 +165,6 @@ def kl_estimate(
 
 
 # --- loss aggregation with global normalizers ---------------------------------------------------------------
-
-
-class Normalizers(NamedTuple):
-    """The batch-level denominators of the loss aggregations: int64 0-d tensors, global over DP ranks."""
-
-    num_active_tokens: torch.Tensor
-    """sum_{b,t} m[b, t] over the global batch."""
-    num_active_sequences: torch.Tensor
-    """number of rows of the global batch with at least one active token."""
-
-
-def count_normalizers(mask_BT: torch.Tensor) -> Normalizers:
-    """This batch's (or this rank's slice's) Normalizers. On a DP rank, sum them over ranks
-    (all_reduce_normalizers) before use: integer sums are exact, in any order."""
-    return Normalizers(num_active_tokens=mask_BT.sum(), num_active_sequences=mask_BT.any(-1).sum())
-
-
-def all_reduce_normalizers(local: Normalizers, group=None) -> Normalizers:
-    """Global Normalizers from every rank's count_normalizers, by one int64 all_reduce(SUM) over group."""
-    import torch.distributed as dist
-
-    counts_2 = torch.stack([local.num_active_tokens, local.num_active_sequences]).to(torch.int64)
-    dist.all_reduce(counts_2, op=dist.ReduceOp.SUM, group=group)
-    return Normalizers(num_active_tokens=counts_2[0], num_active_sequences=counts_2[1])
 
 
 def per_sequence_loss(

@@ -13,6 +13,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from qualify.ppo.share import Normalizers, count_normalizers
+
 NORMALIZERS = ("global", "per_sequence", "constant")
 
 
@@ -56,30 +58,36 @@ def masked_sum(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
 
 
 def masked_mean(
-    x_BT: torch.Tensor, mask_BT: torch.Tensor, normalizer: str, constant: float | None = None
+    x_BT: torch.Tensor, mask_BT: torch.Tensor, normalizer: str, constant: float | None = None,
+    normalizers: Normalizers | None = None,
 ) -> torch.Tensor:
     """Mean of x over active tokens, as the PPO token normalizer says. Returns a scalar.
 
-    - 'global':       sum_{b,t} m*x / sum_{b,t} m               (every active token weighs the same)
-    - 'per_sequence': mean over rows with >= 1 active token of (sum_t m*x / sum_t m)
+    - 'global':       sum_{b,t} m*x / N_tok                     (every active token weighs the same)
+    - 'per_sequence': sum over rows with >= 1 active token of (sum_t m*x / sum_t m), / N_seq
                       (every sequence weighs the same)
     - 'constant':     sum_{b,t} m*x / constant                   (independent of the batch's lengths)
 
+    N_tok and N_seq are the step's normalizers (qualify.ppo.share): given, x is a slice of the step (a micro-batch,
+    a DP rank's rows) and the result is its exact share of the step's mean (the shares sum to it); None, they are
+    this batch's own counts (the batch is the whole step).
     No active token at all gives 0, not NaN, and keeps the graph: the gradient is then 0.
     `constant` is required with 'constant' and only then (the matrix's rule).
     """
     check_mode("normalizer", normalizer, NORMALIZERS, "constant", constant)
+    if normalizers is None:
+        normalizers = count_normalizers(mask_BT)
     xm_BT = torch.where(mask_BT, x_BT, 0.0)
     if normalizer == "global":
         # clamp_min(1): with no active token the sum is 0, so 0 / 1 = 0 instead of 0 / 0 = NaN.
-        return xm_BT.sum() / mask_BT.sum().clamp_min(1).to(x_BT.dtype)
+        return xm_BT.sum() / normalizers.num_active_tokens.clamp_min(1).to(x_BT.dtype)
     if normalizer == "constant":
         return xm_BT.sum() / constant
     num_active_B = mask_BT.sum(-1)
     row_mean_B = xm_BT.sum(-1) / num_active_B.clamp_min(1).to(x_BT.dtype)
-    has_any_B = num_active_B > 0
     # Rows with no active token are left out of the mean over rows, not counted as a 0.
-    return torch.where(has_any_B, row_mean_B, 0.0).sum() / has_any_B.sum().clamp_min(1).to(x_BT.dtype)
+    return torch.where(num_active_B > 0, row_mean_B, 0.0).sum() / \
+        normalizers.num_active_sequences.clamp_min(1).to(x_BT.dtype)
 
 
 def last_active_index(mask_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,6 +273,7 @@ def clipped_policy_loss(
     normalizer: str,
     constant: float | None = None,
     decided_BT: torch.Tensor | None = None,
+    normalizers: Normalizers | None = None,
     *,
     clip_eps_high: float | None = None,
     dual_clip_c: float | None = None,
@@ -277,7 +286,7 @@ def clipped_policy_loss(
         loss_t  = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - clip_eps, 1 + clip_eps_high))
                   (then min(loss_t, -A_t * dual_clip_c) where A_t < 0, with a dual clip: clipped_surrogate)
                   - entropy_coef * H_t                                       (an entropy bonus)
-        loss    = masked_mean(loss_t, mask, normalizer, constant)
+        loss    = masked_mean(loss_t, mask, normalizer, constant, normalizers)
         clip_frac = masked_mean(1[a clipped term is taken], same normalizer)
 
     clip_eps is the lower edge's range, clip_eps_high the upper's (default clip_eps). entropy_BT (B, T): the entropy
@@ -285,11 +294,13 @@ def clipped_policy_loss(
     The comparison is strict: a ratio exactly at an edge is not clipped. clip_frac is a float tensor without
     gradient. decided_BT (bool, optional) imposes the decision instead of the max: the clipped term where True, the
     unclipped one elsewhere (a reference replayed on a candidate's decisions, qualify.ppo.decisions).
+    normalizers: the step's (qualify.ppo.share) when these rows are a slice of it: loss and clip_frac are its shares.
     """
     high = clip_eps if clip_eps_high is None else clip_eps_high
     s = clipped_surrogate(logp_BT, logp_old_BT, advantages_BT, mask_BT, clip_eps, high, decided_BT, dual_clip_c)
-    loss = masked_mean(less_entropy(s.term_BT, entropy_BT, mask_BT, entropy_coef), mask_BT, normalizer, constant)
-    clip_frac = masked_mean(s.is_clipped_BT, mask_BT, normalizer, constant)
+    loss = masked_mean(less_entropy(s.term_BT, entropy_BT, mask_BT, entropy_coef), mask_BT, normalizer, constant,
+                       normalizers)
+    clip_frac = masked_mean(s.is_clipped_BT, mask_BT, normalizer, constant, normalizers)
     return loss, s.ratio_BT, clip_frac
 
 
@@ -313,6 +324,7 @@ def clipped_value_loss(
     normalizer: str,
     constant: float | None = None,
     decided_BT: torch.Tensor | None = None,
+    normalizers: Normalizers | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO clipped value loss. Returns (loss scalar, clip_frac scalar).
 
@@ -321,7 +333,8 @@ def clipped_value_loss(
         loss     = masked_mean(loss_t, mask, normalizer, constant)
         clip_frac = masked_mean(1[(v_clip_t - R_t)^2 > (v_t - R_t)^2], same normalizer)
 
-    clip_frac is a float tensor without gradient. decided_BT: as in clipped_policy_loss.
+    clip_frac is a float tensor without gradient. decided_BT and normalizers (the step's, for a slice of it): as in
+    clipped_policy_loss.
     """
     # Same guard as in clipped_policy_loss: nothing off the mask reaches the arithmetic.
     v_BT = torch.where(mask_BT, values_BT, 0.0)
@@ -336,9 +349,9 @@ def clipped_value_loss(
         eps_BT = torch.full_like(old_BT, clip_eps)  # in the values' dtype, as clamp converts clip_eps
         edge_BT = old_BT + torch.where(delta_BT >= 0, eps_BT, -eps_BT)  # the side this run's value is on
         decided = Decided(decided_BT, (delta_BT > clip_eps) | (delta_BT < -clip_eps), (edge_BT - ret_BT) ** 2)
-    loss = masked_mean(0.5 * choose(unclipped_BT, clipped_BT, decided), mask_BT, normalizer, constant)
+    loss = masked_mean(0.5 * choose(unclipped_BT, clipped_BT, decided), mask_BT, normalizer, constant, normalizers)
     is_clipped_BT = clipped_fraction_mask(unclipped_BT, clipped_BT, decided).detach().to(values_BT.dtype)
-    clip_frac = masked_mean(is_clipped_BT, mask_BT, normalizer, constant)
+    clip_frac = masked_mean(is_clipped_BT, mask_BT, normalizer, constant, normalizers)
     return loss, clip_frac
 
 

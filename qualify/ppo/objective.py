@@ -5,10 +5,13 @@ is step k = e * minibatches + m and trains on a contiguous slice of the rows. Ol
 the rollout's and advantages, returns and old values stay the frozen targets', so from step 1 on
 the policy is off the rollout's and the ratio, the clips and Adam's later steps are exercised.
 
+A slice of a step (a micro-batch of the reference, a DP rank's rows) gets what it needs from the whole step (its
+share): PPO's the step's normalizers (PPOShare), GRPO's also its rows' advantages (GRPOShare). Its loss and its
+scalars (clip fractions, KL mean, policy loss) are then its exact shares of the step's: the shares of a step sum
+to its values, and gradients summed over the slices are the step's.
+
 GRPO (qualify.ppo.grpo) has the actor alone: advantages are group-relative, computed per step from the frozen
-rewards (score_B) of the step's rows (whole groups), and the loss is aggregated with the step's normalizers. A
-slice of the step (a micro-batch, a DP rank's rows) gets both from the whole step (GRPOShare), so its loss is
-its exact share of the step's loss.
+rewards (score_B) of the step's rows (whole groups), and the loss is aggregated with the step's normalizers.
 """
 
 from __future__ import annotations
@@ -18,10 +21,7 @@ from typing import Any, NamedTuple
 import torch
 
 from qualify.ppo.grpo import (
-    Normalizers,
     all_gather_rewards,
-    all_reduce_normalizers,
-    count_normalizers,
     group_advantages,
     group_stats,
     grpo_loss,
@@ -29,6 +29,7 @@ from qualify.ppo.grpo import (
     token_advantages,
 )
 from qualify.ppo.math import clipped_policy_loss, clipped_value_loss, kl_terms, masked_mean, policy_settings
+from qualify.ppo.share import Normalizers, all_reduce_normalizers, count_normalizers
 
 DECIDED_KEY = "decided_clipped_BT"
 """A target a replayed reference carries: the clip decision imposed on every token (qualify.ppo.decisions)."""
@@ -43,39 +44,38 @@ def step_rows(num_rows: int, epochs: int, minibatches: int) -> list[slice]:
 
 
 def role_objective(role: str, ppo: Any, scores_BT: torch.Tensor, mask_BT: torch.Tensor,
-                   targets: dict[str, torch.Tensor], normalizer: str | None = None,
-                   constant: float | None = None, *, grpo: Any = None,
-                   share: GRPOShare | None = None,
+                   targets: dict[str, torch.Tensor], *, grpo: Any = None,
+                   share: GRPOShare | PPOShare | None = None,
                    entropy_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss, judged outputs) of one role on one (mini)batch; targets are already sliced to its rows.
 
-    scores_BT are the actor's sampler-formula logprobs or the critic's values; the normalizer (and
-    its constant) default to the matrix's, and a micro-batch control passes its own. With grpo (the
-    matrix's GRPO section) the objective is GRPO's (grpo_objective; share: from the whole step). With
-    targets[DECIDED_KEY] the clip decision of every token is imposed instead of taken (a replayed reference).
-    entropy_BT: the actor's entropy per token from the same forward (qualify.ppo.entropy), differentiable; read (and
-    judged, as outputs entropy_BT) only with ppo.entropy_coef > 0.
+    scores_BT are the actor's sampler-formula logprobs or the critic's values. share: what these rows need from the
+    whole step when they are a slice of it (a micro-batch, a DP rank's rows): PPOShare (PPO) or GRPOShare (GRPO);
+    None: the rows are the whole step. With grpo (the matrix's GRPO section) the objective is GRPO's
+    (grpo_objective). With targets[DECIDED_KEY] the clip decision of every token is imposed instead of taken (a
+    replayed reference). entropy_BT: the actor's entropy per token from the same forward (qualify.ppo.entropy),
+    differentiable; read (and judged, as outputs entropy_BT) only with ppo.entropy_coef > 0.
     """
     if grpo is not None:
         if role != "actor":
             raise ValueError(f"GRPO trains the actor alone, not the {role}")
         return grpo_objective(ppo, grpo, scores_BT, mask_BT, targets,
                               share if share is not None else grpo_share(grpo, targets["score_B"], mask_BT), entropy_BT)
-    if normalizer is None:
-        normalizer, constant = ppo.token_normalizer, ppo.normalizer_constant
+    norms = None if share is None else share.normalizers
     scores_BT = scores_BT * mask_BT
     if role == "actor":
         loss, ratio_BT, clip_frac = clipped_policy_loss(scores_BT, targets["old_logprobs_BT"],
                                                         targets["advantages_BT"], mask_BT,
-                                                        policy_settings(ppo).low,
-                                                        normalizer, constant, targets.get(DECIDED_KEY),
+                                                        policy_settings(ppo).low, ppo.token_normalizer,
+                                                        ppo.normalizer_constant, targets.get(DECIDED_KEY), norms,
                                                         **policy_clip(ppo, entropy_BT))
         kl_BT = kl_terms(scores_BT.detach(), targets["ref_logprobs_BT"]) * mask_BT
         return loss, {"logprobs_BT": scores_BT.detach(), "ratio_BT": (ratio_BT * mask_BT).detach(), "kl_BT": kl_BT,
-                      "kl_mean": masked_mean(kl_BT, mask_BT, "global"), "clip_frac": clip_frac.detach(),
-                      **entropy_output(ppo, entropy_BT, mask_BT)}
+                      "kl_mean": masked_mean(kl_BT, mask_BT, "global", normalizers=norms),
+                      "clip_frac": clip_frac.detach(), **entropy_output(ppo, entropy_BT, mask_BT)}
     loss, clip_frac = clipped_value_loss(scores_BT, targets["old_values_BT"], targets["returns_BT"], mask_BT,
-                                         ppo.value_clip_eps, normalizer, constant, targets.get(DECIDED_KEY))
+                                         ppo.value_clip_eps, ppo.token_normalizer, ppo.normalizer_constant,
+                                         targets.get(DECIDED_KEY), norms)
     return loss, {"values_BT": scores_BT.detach(), "clip_frac": clip_frac.detach()}
 
 
@@ -95,6 +95,24 @@ def entropy_output(ppo: Any, entropy_BT: torch.Tensor | None, mask_BT: torch.Ten
 
 def rows_of(targets: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
     return {k: v[rows] for k, v in targets.items()}
+
+
+class PPOShare(NamedTuple):
+    """What a slice of one PPO step's rows needs from the whole step: its normalizers (advantages, returns and old
+    values are the frozen targets' already)."""
+
+    normalizers: Normalizers
+    """The whole step's numbers of active tokens and active sequences."""
+
+
+def ppo_share(mask_BT: torch.Tensor) -> PPOShare:
+    """The share of a whole step (single process): the normalizers of these rows themselves."""
+    return PPOShare(count_normalizers(mask_BT))
+
+
+def ppo_dp_share(mask_bT: torch.Tensor, group: Any = None) -> PPOShare:
+    """A DP rank's share of a step whose rows it holds a slice of: the normalizers summed over ranks (exact)."""
+    return PPOShare(all_reduce_normalizers(count_normalizers(mask_bT), group))
 
 
 class GRPOShare(NamedTuple):

@@ -16,7 +16,7 @@ from typing import Any
 from qualify.compare import step_dir
 from qualify.errors import EvidenceError, FrozenError, QualifyError
 from qualify.layout import RunLayout
-from qualify.matrix import Capture, Matrix, Models
+from qualify.matrix import MEGATRON_ENGINES, Capture, Matrix, Models
 from qualify.models.family import model_dirs
 from qualify.ppo.objective import step_rows
 from qualify.reference.context import ScoringContext
@@ -284,8 +284,9 @@ def require_routing_setting(routing: str | None, engines: tuple[str, ...], actor
     if moe != (routing is not None):
         raise QualifyError(f"{actor_dir} is a {'Qwen3-MoE' if moe else 'dense Qwen3'} actor: rollout.routing (replay "
                            "or recompute) is required for a MoE actor and refused for a dense one")
-    if moe and "megatron" in engines and max(tps) > 1:
-        raise QualifyError(f"candidates.engines lists megatron beside the Qwen3-MoE actor {actor_dir} with "
+    megatron = [e for e in engines if e in MEGATRON_ENGINES]
+    if moe and megatron and max(tps) > 1:
+        raise QualifyError(f"candidates.engines lists {megatron[0]} beside the Qwen3-MoE actor {actor_dir} with "
                            f"candidates.tp {list(tps)}: megatron runs a Qwen3-MoE model at TP 1 only (megatron-core "
                            "trains MoE under TP with sequence parallelism alone, which the norms of its local spec "
                            "refuse); give megatron a matrix of its own with tp [1]")

@@ -3,9 +3,10 @@
 BF16 runs the forward and backward in a bf16 copy of the model; its gradients are cast to FP32
 into the FP32 master parameters, which are clipped and stepped by torch.optim.AdamW (the FP32
 master-weight scheme that Megatron and DeepSpeed use). FP32 runs everything on the master.
-A micro-batch control splits the rows in two and accumulates gradients, scaling each micro-batch
-loss so that the sum equals the full-batch loss for every token normalizer. The packed control packs each step's
-rows into micro-batches of whole samples (qualify.case.packing), scores them packed and accumulates alike.
+A micro-batch control splits the rows in two and accumulates gradients; each micro-batch's loss is its share of the
+step's (the step's normalizers, qualify.ppo.share, as a candidate's DP rank computes it), so the shares sum to the
+full-batch loss for every token normalizer and aggregation. The packed control packs each step's rows into
+micro-batches of whole samples (qualify.case.packing), scores them packed and accumulates alike.
 
 Forward and backward run on reference.device (auto: CUDA when present). With reference.offload: host
 the FP32 master, its gradients and the AdamW state stay in host memory and only the compute copy (an
@@ -30,7 +31,7 @@ from qualify.models.hooks import capture_layer_outputs
 from qualify.models.routing import replayed_routes, router_outputs, routing
 from qualify.ppo.formula import PROCESSED_KEY, rollout_sampling
 from qualify.ppo.math import kl_terms, masked_mean
-from qualify.ppo.objective import DECIDED_KEY, GRPOShare, grpo_share, role_objective, rows_of, step_rows
+from qualify.ppo.objective import DECIDED_KEY, GRPOShare, grpo_share, ppo_share, role_objective, rows_of, step_rows
 from qualify.reference.tp_numerics import fuse_norms, fuse_projections, split_like_tp
 
 if TYPE_CHECKING:
@@ -103,18 +104,6 @@ def combined_control(perturbations: tuple[str, ...], max_tp: int, pack_tokens: i
         elif p != "combined":
             settings |= _PERTURB[p]
     return Control(name="combined", **settings)
-
-
-def _loss_scale(mask_BT: torch.Tensor, rows: slice, normalizer: str,
-                constant: float | None) -> tuple[str, float | None, float]:
-    """(normalizer, constant, weight) for a micro-batch so that weighted micro-batch losses sum to the full loss."""
-    if normalizer == "global":
-        return "constant", float(mask_BT.sum()), 1.0
-    if normalizer == "per_sequence":
-        rows_total = int(mask_BT.any(1).sum())
-        rows_here = int(mask_BT[rows].any(1).sum())
-        return "per_sequence", None, (rows_here / rows_total) if rows_total else 0.0
-    return "constant", constant, 1.0
 
 
 def _row_slices(B: int, n: int) -> list[slice]:
@@ -275,8 +264,9 @@ def _forward_backward(ctx: ScoringContext, role: str, control: Control, model: t
     parts: dict[str, list[torch.Tensor]] = {}
     totals = {key: torch.zeros((), dtype=torch.float32, device=mask_BT.device)
               for key in ("loss", "clip_frac") + (("kl_mean", "policy_loss") if grpo else ())}
-    # GRPO: advantages and normalizers of the whole step (rows in their own order), each micro-batch takes its share
-    share = grpo_share(grpo, targets["score_B"], batch["response_mask_BT"]) if grpo else None
+    # the whole step's normalizers (GRPO: and advantages, rows in their own order): each micro-batch takes its share
+    mask_step_BT = batch["response_mask_BT"]
+    share = grpo_share(grpo, targets["score_B"], mask_step_BT) if grpo else ppo_share(mask_step_BT)
     lengths_B = None
     if control.pack_tokens is not None:  # whole samples packed, in the control's row order (qualify.case.packing)
         lengths_B = sample_lengths(batch["prompt_mask_BT"], batch["response_mask_BT"])[order].cpu()
@@ -284,10 +274,7 @@ def _forward_backward(ctx: ScoringContext, role: str, control: Control, model: t
     else:
         slices = _row_slices(ids_BT.shape[0], control.microbatches)
     for rows in slices:
-        normalizer, constant, weight = (p.token_normalizer, p.normalizer_constant, 1.0)
-        if len(slices) > 1 and share is None:
-            normalizer, constant, weight = _loss_scale(mask_BT, rows, p.token_normalizer, p.normalizer_constant)
-        part = None if share is None else GRPOShare(share.advantages_B[order][rows], share.normalizers)
+        part = share if grpo is None else GRPOShare(share.advantages_B[order][rows], share.normalizers)
         m_BT = mask_BT[rows]
         packed = None if lengths_B is None else pack_rows(ids_BT, mask_BT, lengths_B, rows)
         # a MoE actor replays the rollout's routes through the forward and the backward (which may recompute it)
@@ -305,19 +292,19 @@ def _forward_backward(ctx: ScoringContext, role: str, control: Control, model: t
                                                   packed, ids_BT.shape[1]), None
             else:
                 scores_BT, entropy_BT = critic_values(model, ids_BT[rows]), None
-            loss, out = role_objective(role, p, scores_BT, m_BT, rows_of(tgt, rows), normalizer, constant,
-                                       grpo=grpo, share=part, entropy_BT=entropy_BT)
+            loss, out = role_objective(role, p, scores_BT, m_BT, rows_of(tgt, rows), grpo=grpo, share=part,
+                                       entropy_BT=entropy_BT)
             for key in ("logprobs_BT", "ratio_BT", "values_BT", "kl_BT", "advantages_B", "seq_loss_B", "entropy_BT"):
                 if key in out:
                     parts.setdefault(key, []).append(out[key])
-            (loss * weight).backward()
-        totals["loss"] += (loss * weight).detach()
+            loss.backward()
+        totals["loss"] += loss.detach()
         for key in totals.keys() - {"loss"}:
-            totals[key] += (out[key] * weight).detach()
+            totals[key] += out[key].detach()
     undo = torch.argsort(order)
     outputs = {k: torch.cat(v)[undo] for k, v in parts.items()}
     outputs.update(totals)
-    if role == "actor" and share is None:  # PPO's KL is judged as a masked mean (GRPO's is its aggregated term)
+    if role == "actor" and grpo is None:  # PPO's KL is judged as a masked mean (GRPO's is its aggregated term)
         kl_BT = kl_terms(outputs["logprobs_BT"], targets["ref_logprobs_BT"]) * batch["response_mask_BT"]
         outputs["kl_BT"] = kl_BT
         outputs["kl_mean"] = masked_mean(kl_BT, batch["response_mask_BT"], "global")

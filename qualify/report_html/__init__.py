@@ -6,7 +6,8 @@ multi-step cases), value/bound per tensor family, the train-vs-rollout |delta| d
 precision, the coverage the acceptance sealed, rounds, each case's failing rows and the rows nearest their bound
 per tensor family (a bounded number: qualify.report_html.rows; the page links the verdict JSON for every row) with
 the bound family and term that set each bound, and provenance (versions, digests, host, git, platform). A forged
-verdict renders too: its unreadable rows and fields are left out or shown as escaped text.
+verdict renders too: its unreadable rows and fields are left out or shown as escaped text. Whatever an engine
+wrote (an exception in a note, a tensor name) has its control characters escaped (qualify.childlog.printable).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from qualify.childlog import printable
 from qualify.report import RunDocs
 from qualify.report_html import data, page
 from qualify.report_html.case_rows import case_section, rows_note, verdict_href
@@ -32,7 +34,7 @@ def to_html(docs: RunDocs, summary: dict[str, Any], page_dir: Path | None = None
     # numbers of a verdict that does not verify are neither plotted nor tabled: they are not evidence
     all_rows = docs.verdict["rows"] if verified and readable(docs.verdict) else []
     rows = data.readable_rows(all_rows)
-    parts = [page.banner(summary), page.verification(summary["verification"])]
+    parts = [page.banner(summary), page.verification(summary["verification"], summary.get("unfinished"))]
     if cases and verified:
         grid_rows, grid_cols, cells = data.heatmap_cells(cases)
         families, ratios = data.family_ratios(rows)
@@ -60,5 +62,6 @@ def to_html(docs: RunDocs, summary: dict[str, Any], page_dir: Path | None = None
     parts += [case_section(name, c, groups[name], bounds, verified) for name, c in cases.items()]
     parts += diagnosis_sections(docs.layout.root, (docs.acceptance or {}).get("digest"), verified)  # qualify diagnose
     parts.append(page.mapping_section("Provenance", "provenance", summary["provenance"]))
-    return page.document(f"qualify report: {summary['matrix']}", parts)
+    # the page's own lines are its newlines: any other control character in it came from a foreign string
+    return printable(page.document(f"qualify report: {summary['matrix']}", parts), newlines=True)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
-from qualify.report import FAILED, NO_VERDICT, NOT_VERIFIED, PASSED, rollout_self_line
+from qualify.report import FAILED, NO_VERDICT, NOT_VERIFIED, PASSED, rollout_self_line, unfinished_line
 from qualify.report_html.data import fmt
 from qualify.waivers import waiver_text
 
@@ -45,12 +45,15 @@ def banner(summary: dict[str, Any]) -> str:
         detail += waiver_text(cand.get("waivers") or [])  # beside the result: each check the matrix waived
     elif summary["status"] == NOT_VERIFIED:
         detail = ": the evidence does not verify, so no result is shown as a pass"
+    elif summary.get("unfinished"):
+        detail = ": " + "; ".join(unfinished_line(u) for u in summary["unfinished"])
     return f'<div id="banner" class="{css}" data-status="{escape(summary["status"])}">{word}{escape(detail)}</div>'
 
 
-def verification(v: dict[str, Any]) -> str:
+def verification(v: dict[str, Any], unfinished: list[dict[str, str]] | None = None) -> str:
+    """What was verified, every problem, and every stage that did not finish (qualify.report.unfinished_stages)."""
     checked = "".join(f"<li>{escape(c)}</li>" for c in v["checked"]) or "<li>nothing to verify yet</li>"
-    problems = "".join(f"<li>{escape(p)}</li>" for p in v["problems"])
+    problems = "".join(f"<li>{escape(p)}</li>" for p in [*v["problems"], *map(unfinished_line, unfinished or [])])
     return (f'<section id="verification"><h2>Verification</h2><ul>{checked}</ul>'
             + (f'<ul class="problems">{problems}</ul>' if problems else "") + "</section>")
 

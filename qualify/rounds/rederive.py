@@ -9,8 +9,11 @@ Every row of a rounds verdict is one check whose rule is written in the row ('==
     computed again from both sides' logprobs), round-<r>/install.json (every rank's acknowledgment checked
     again against the expected shard digests), probes/<name>.json (each probe's outcome decided again);
   - its bound is the one the frozen acceptance gives (k x the reference's vLLM-vs-HF control + floor);
-and every piece of evidence in the run has its row: a row cannot be dropped from a verdict while its evidence
-stays. A writer who forges the evidence files themselves consistently is what only the acceptance anchor and a
+every piece of evidence in the run has its row: a row cannot be dropped from a verdict while its evidence
+stays; and the number of rounds the verdict claims is not taken from it either: at least what a rounds run has
+and what was asked for (the frozen matrix's rounds.rounds for a report, the options for a reuse), no round's
+evidence past it, its last round untrained (only a round with a round after it trains), and a pass holds one
+actor version per round, each the one the install before it acknowledged. A writer who forges the evidence files themselves consistently is what only the acceptance anchor and a
 signature protect against (README, threat model).
 """
 
@@ -259,15 +262,53 @@ def evidence_problems(where: Path, rows: list[dict[str, Any]], rounds: int) -> l
     return out
 
 
-def rederive_problems(where: Path, doc: dict[str, Any], bound: float | None) -> list[str]:
-    """Every reason the rounds verdict at `where` is not what its sealed evidence gives (empty: it is)."""
+def count_problems(where: Path, doc: dict[str, Any], rounds: int, asked: int | None) -> list[str]:
+    """The number of rounds the verdict claims against what a run has, what was asked for, and its evidence: rounds
+    past it, a last round that trained, and (for a pass) one acknowledged actor version per round."""
+    from qualify.matrix import MIN_ROUNDS
+
+    out = []
+    if rounds < MIN_ROUNDS:
+        out.append(f"claims {rounds} rounds; a rounds run has at least {MIN_ROUNDS}")
+    if asked is not None and rounds < asked:
+        out.append(f"claims {rounds} rounds; {asked} were asked for")
+    beyond = sorted(p.name for p in where.glob("round-*") if p.name[6:].isdigit() and int(p.name[6:]) >= rounds)
+    if beyond:
+        out.append(f"{', '.join(beyond)} is in the evidence beyond the {rounds} rounds it claims")
+    if rounds > 0 and (where / f"round-{rounds - 1}" / "train").exists():
+        out.append(f"round {rounds - 1} trained an actor step: the run asked for more than its {rounds} rounds")
+    if doc.get("passed") is True:
+        out += version_problems(where, doc.get("actor_versions"), rounds)
+    return out
+
+
+def version_problems(where: Path, versions: Any, rounds: int) -> list[str]:
+    """A pass installed v1 .. v(rounds-1): its actor versions are v0 .. v(rounds-1), each v(r+1) the version the
+    install after round r acknowledged (round-r/install.json)."""
+    numbers = [v.get("version") for v in versions] if isinstance(versions, list) and all(
+        isinstance(v, dict) for v in versions) else None
+    if numbers != list(range(rounds)):
+        return [f"passed, but its actor versions are {numbers} for {rounds} rounds"]
+    out = []
+    for v in versions[1:]:
+        acknowledged = (_read(where / f"round-{v['version'] - 1}" / "install.json") or {}).get("version_digest")
+        if v.get("digest") != acknowledged:
+            out.append(f"actor version {v['version']} is {v.get('digest')}; the install after round "
+                       f"{v['version'] - 1} acknowledged {acknowledged}")
+    return out
+
+
+def rederive_problems(where: Path, doc: dict[str, Any], bound: float | None, asked: int | None = None) -> list[str]:
+    """Every reason the rounds verdict at `where` is not what its sealed evidence gives (empty: it is). asked: the
+    rounds the run was asked for (None: only the least a run has is held)."""
     rows = doc.get("rows")
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         return ["no readable rows"]
     rounds = doc.get("rounds")
     if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 0:
         return [f"rounds {rounds!r} is not a number of rounds"]
-    problems = row_problems(rows, bound) + probe_problems(where, rows, bound) + evidence_problems(where, rows, rounds)
+    problems = count_problems(where, doc, rounds, asked)  # first: every other check reads as many rounds as it says
+    problems += row_problems(rows, bound) + probe_problems(where, rows, bound) + evidence_problems(where, rows, rounds)
     if doc.get("passed") is True:
         missing = [f"round-{r}" for r in range(rounds) if not (where / f"round-{r}" / "round.json").is_file()]
         missing += [f"install after round {r}" for r in range(rounds - 1)

@@ -211,7 +211,7 @@ def run_rounds(matrix: Matrix, run_dir: Path, options: RoundsOptions | None = No
     tp = opts.vllm_tp or matrix.rollout.vllm_tp[0]
     out = layout.rounds_dir(tp)
     if stage_is_complete(out):
-        return reuse(out, tp, log)
+        return reuse(out, tp, log, opts.rounds)
     base = resolve_base(layout, matrix.rollout.vllm_tp[0],
                         prepare_models(matrix.models, layout, matrix.resolve), matrix.freeze)
     prepare_stage(out)
@@ -236,13 +236,15 @@ def run_rounds(matrix: Matrix, run_dir: Path, options: RoundsOptions | None = No
     return finish(s, opts, matrix.name, versions, frozen_after, failure, time.monotonic() - started)
 
 
-def reuse(out: Path, tp: int, log: StageLog) -> Verdict:
-    """A complete rounds run, reused only when every row is what its sealed evidence gives."""
+def reuse(out: Path, tp: int, log: StageLog, asked: int) -> Verdict:
+    """A complete rounds run, reused only when every row is what its sealed evidence gives and it ran at least the
+    rounds asked for now."""
     from qualify.rounds.rederive import rederive_problems
 
     doc = read_json(out / "verdict.json")
-    bound = doc.get("bound", {}).get("logprob_max_abs") if isinstance(doc.get("bound"), dict) else None
-    problems = rederive_problems(out, doc, bound) if isinstance(doc, dict) else ["not a rounds verdict"]
+    bound = doc.get("bound", {}).get("logprob_max_abs") if isinstance(doc, dict) and isinstance(doc.get("bound"),
+                                                                                                dict) else None
+    problems = rederive_problems(out, doc, bound, asked) if isinstance(doc, dict) else ["not a rounds verdict"]
     if problems:
         raise EvidenceError(f"the sealed rounds verdict in {out} is {problems[0]}: move it away to run the rounds "
                             "again")

@@ -175,7 +175,9 @@ def throwaway_app(error: Exception) -> typer.Typer:
     (EngineError("unknown engine 'boom' (known: deepspeed, megatron, torch-tp)"),
      "unknown engine 'boom' (known: deepspeed, megatron, torch-tp)"),
     (MatrixError("m.yaml: unknown key 'x'"), "m.yaml: unknown key 'x'"),
-])
+    (EngineError("engine plugin 'p:f': calling f() failed: RuntimeError: \x1b[2J\x1b]0;pwned\x07\u202e"),
+     "engine plugin 'p:f': calling f() failed: RuntimeError: \\x1b[2J\\x1b]0;pwned\\x07\\u202e"),
+], ids=["unknown-engine", "matrix-key", "engine-message-with-control-characters"])
 def test_handler_maps_qualify_errors_to_exit_2(error, message):
     demo = throwaway_app(error)
     result = CliRunner().invoke(demo, ["boom"])

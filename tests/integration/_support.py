@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -143,3 +145,29 @@ def forged_copy(run, tmp_path, edit, tp: int = 1):
     complete_stage(out, stage_info(out) | {"passed": verdict["passed"]})
     docs = load_docs(copy)
     return verify_run(docs.layout, docs.reference, docs.acceptance, docs.verdict, docs.rounds).problems
+
+
+KILLED_WRITER = """
+import sys, time
+from pathlib import Path
+from qualify.store import atomic_write
+
+def half_then_hang(tmp):
+    tmp.write_text("half")
+    print("writing", flush=True)
+    time.sleep(600)
+
+atomic_write(Path(sys.argv[1]), half_then_hang)
+"""
+
+
+def killed_writer(target: Path, kill: bool = True) -> subprocess.Popen:
+    """A process that starts the atomic write of target and is killed (SIGKILL) midway, as a freeze or a report killed
+    by a scheduler is: its temp file stays behind. kill=False: it is left hanging (alive) mid-write."""
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(target)], stdout=subprocess.PIPE, text=True,
+                            env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert proc.stdout.readline() == "writing\n"
+    if kill:
+        proc.kill()
+        proc.wait()
+    return proc

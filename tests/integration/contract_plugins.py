@@ -57,8 +57,12 @@ def short_ratio() -> OwnObjectiveEngine:
 
 
 class FiveParameterObjective(OwnObjectiveEngine):
-    """The README's PPO objective(role, ppo, scores_BT, response_mask_BT, targets) used under GRPO, which also passes
-    grpo= and share=."""
+    """The README's PPO objective(role, ppo, scores_BT, response_mask_BT, targets), without share=: used under GRPO,
+    which also passes grpo= and share=, or under PPO at DP > 1, which passes share=."""
+
+    def objective(self, role: str, ppo: Any, scores_BT: torch.Tensor, mask_BT: torch.Tensor,
+                  targets: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return super().objective(role, ppo, scores_BT, mask_BT, targets)
 
 
 def five_parameter_objective() -> OwnObjectiveEngine:

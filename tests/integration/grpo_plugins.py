@@ -11,8 +11,8 @@ from dataclasses import replace
 import torch
 
 from qualify.engines.torch_tp import TorchTPEngine
-from qualify.ppo.grpo import Normalizers, count_normalizers
 from qualify.ppo.objective import GRPOShare, grpo_objective, grpo_share
+from qualify.ppo.share import Normalizers, count_normalizers
 
 
 class _GRPOObjective(TorchTPEngine):
@@ -109,3 +109,11 @@ class EpsInsideStd(_GRPOObjective):
 
 def eps_inside_std():
     return EpsInsideStd()
+
+
+def trl_bnpo():
+    """TRL's loss (qualify.examples.trl_grpo) with loss_type 'bnpo': each process divides by its own tokens, and the
+    processes' gradients are averaged (DDP). Right at DP1; at DP > 1 a mean of per-process token means."""
+    from qualify.examples.trl_grpo import TRLGRPOEngine
+
+    return TRLGRPOEngine({"loss_type": "bnpo"})

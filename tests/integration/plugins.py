@@ -99,9 +99,9 @@ class PerSequenceNormalizer(OwnObjectiveEngine):
 class PaddingInDenominator(OwnObjectiveEngine):
     """Divides by every position after the prompt, the padding of shorter responses included."""
 
-    def reduce(self, x_BT, mask_BT, normalizer, constant):
+    def reduce(self, x_BT, mask_BT, normalizer, constant, counts=None):
         if normalizer != "global":
-            return super().reduce(x_BT, mask_BT, normalizer, constant)
+            return super().reduce(x_BT, mask_BT, normalizer, constant, counts)
         after_prompt_BT = mask_BT.cumsum(dim=1) > 0
         return torch.where(mask_BT, x_BT, torch.zeros_like(x_BT)).sum() / int(after_prompt_BT.sum())
 
@@ -154,6 +154,17 @@ def nan_gradient() -> TorchTPEngine:
 
 def skips_non_finite_step() -> TorchTPEngine:
     return SkipsNonFiniteStep()
+
+
+class CrashesInStep(TorchTPEngine):
+    """A trainer that crashes in its optimizer step: a rounds run whose training dies in round 0."""
+
+    def step(self):
+        raise RuntimeError("the trainer crashed in its optimizer step")
+
+
+def crashes_in_step() -> TorchTPEngine:
+    return CrashesInStep()
 
 
 # Faults in one decoder layer only: `qualify diagnose` must name that layer and module (negative controls).

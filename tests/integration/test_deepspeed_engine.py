@@ -118,3 +118,23 @@ def test_zero0_bf16_traps_fail_where_deepspeed_passes(run_copy):
     assert any(r["comparison"] == "derived" and r["tensor"].endswith("/outputs/grad_norm") and not r["passed"]
                for r in verdict["rows"])
     assert "outputs/grad_norm" in failed_tensors(verdict, m.cases()[0].name, step=0)
+
+
+ZERO_ENGINES = ["deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3"]
+
+
+def test_zero_stages_pass_fp32_and_bf16_actor_and_critic(run_copy):
+    """ZeRO 1, 2 and 3 at TP1 x DP1 on the embedded default (PPO): stage 1's BF16_Optimizer and stage 2/3's ZeRO
+    optimizers with FP32 gradient accumulation under bf16, every tensor read through DeepSpeed's own gathers, the
+    norm DeepSpeed's. Three launches (one per stage) of four cases. DP2 runs in test_grpo_chain.py."""
+    m = matrix_with(run_copy.parent, engines=ZERO_ENGINES, tp=[1])
+    verdict = run_candidates(m, run_copy).to_json()
+    assert set(verdict["cases"]) == {c.name for c in m.cases()} and len(verdict["cases"]) == 12
+    failed = [(r["case"], r["comparison"], r["tensor"], r["metric"]) for r in verdict["rows"] if not r["passed"]]
+    assert verdict["passed"] and not failed, failed[:8]
+    for case in verdict["cases"]:  # the gradients the optimizer read are FP32, and every parameter has its state
+        rows = {(r["tensor"], r["metric"]): float(r["value"]) for r in verdict["rows"]
+                if r["case"] == case and r["comparison"] == "evidence" and r["tensor"].startswith("evidence/")}
+        assert rows[("evidence/grad_buffers", "num_not_fp32")] == 0.0
+        assert rows[("evidence/optimizer_state", "num_params")] == 0.0
+        assert rows[("evidence/optimizer_state", "num_not_fp32")] == 0.0

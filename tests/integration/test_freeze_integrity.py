@@ -92,3 +92,19 @@ def test_candidate_refuses_an_acceptance_other_than_the_expected_one(run_copy, t
     with pytest.raises(EvidenceError, match="has digest sha256:[0-9a-f]+, not the expected sha256:pinned"):
         run_candidates(m, run_copy, only="torch-tp-fp32-tp1-actor", expect="sha256:pinned")
     assert not RunLayout(run_copy).case("torch-tp-fp32-tp1-actor").exists()
+
+
+def test_a_freeze_killed_midway_leaves_no_temp_file_once_it_runs_again(run_copy):
+    """A freeze killed while it wrote (a scheduler's SIGKILL) leaves its temp files in acceptance/ and its work
+    directory; the next freeze removes them and writes the same acceptance, byte for byte."""
+    from tests.integration._support import killed_writer
+
+    layout = RunLayout(run_copy)
+    frozen = layout.acceptance.read_bytes()
+    shutil.rmtree(layout.acceptance_dir)
+    for target in (layout.acceptance, layout.bounds / "actor-fp32-repeat.json",
+                   layout.freeze_work / "actor-fp32-repeat.json"):
+        killed_writer(target)
+    assert len(list(run_copy.rglob("*.tmp"))) == 3
+    freeze(run_copy)
+    assert list(run_copy.rglob("*.tmp")) == [] and layout.acceptance.read_bytes() == frozen

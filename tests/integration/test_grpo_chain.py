@@ -10,31 +10,14 @@ from pathlib import Path
 import pytest
 
 from qualify.candidate.run import run_candidates
-from qualify.freeze import freeze
 from qualify.layout import RunLayout
-from qualify.matrix import load_matrix
 from qualify.rollout.capture import load_rollout
 from qualify.store import read_json
 from tests.integration._support import plugins_importable  # noqa: F401  (autouse fixture)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.engines]
 GRPO_MATRIX = Path(__file__).resolve().parents[2] / "matrices" / "tiny-qwen3-grpo.yaml"
-
-
-@pytest.fixture(scope="module")
-def grpo_matrix():
-    return load_matrix(GRPO_MATRIX)
-
-
-@pytest.fixture(scope="module")
-def grpo_run(tmp_path_factory, grpo_matrix):
-    """The GRPO matrix's reference (real vLLM capture) and acceptance (treat as read-only)."""
-    from qualify.reference.stage import run_reference
-
-    run_dir = tmp_path_factory.mktemp("grpo") / "tiny-qwen3-grpo"
-    run_reference(grpo_matrix, run_dir)
-    freeze(run_dir)
-    return run_dir
+# grpo_matrix and grpo_run (the GRPO matrix's reference and acceptance) are session fixtures (tests/conftest.py)
 
 
 def test_rollout_has_groups_of_distinct_responses(grpo_run, grpo_matrix):
@@ -155,6 +138,51 @@ def test_deepspeed_passes_at_tp1_dp2_and_tp2(grpo_run, tmp_path):
     assert "vs dp1" in verdict["cases"]["deepspeed-bf16-tp1-dp2-actor"]["invariance"]
 
 
+def test_deepspeed_zero_stages_pass_at_tp1_dp2(grpo_run, tmp_path):
+    """DeepSpeed ZeRO 1, 2 and 3 over two DP ranks, fp32 and bf16: the masters, AdamW state and (stage 2, 3) the
+    gradients and (stage 3) the parameters sharded over the ranks, read back through DeepSpeed's own gathers; the
+    gradient DeepSpeed averages is the sum of the ranks' shares (the loss scaled by dp), its global norm is the one
+    clipped with and reported. Every parameter's state is gathered whole."""
+    from tests.integration._support import matrix_with, require_module
+
+    require_module("deepspeed")
+    matrix = matrix_with(tmp_path, base=GRPO_MATRIX, engines=["deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3"],
+                         tp=[1], dp=[2])
+    verdict = run_candidates(matrix, grpo_run).to_json()
+    assert set(verdict["cases"]) == {c.name for c in matrix.cases()} and len(verdict["cases"]) == 6
+    failed = [(r["case"], r["comparison"], r["tensor"], r["metric"]) for r in verdict["rows"] if not r["passed"]]
+    assert verdict["passed"] and not failed, failed[:8]
+    for case in verdict["cases"]:
+        [state] = [r for r in verdict["rows"] if r["case"] == case and r["tensor"] == "evidence/optimizer_state"
+                   and r["metric"] == "num_params"]
+        assert float(state["value"]) == 0.0
+
+
+def test_a_zero3_parameter_used_stale_after_the_step_fails_from_step_1(grpo_run, tmp_path):
+    """Negative control (tests/integration/zero_plugins.py): ZeRO-3 at TP1 x DP2 whose forward after each step runs on
+    the parameters gathered before it. Step 0 starts from the checkpoint and passes whole; from step 1 the logprobs
+    and the gradients leave their fp32 bounds by orders of magnitude (measured 2026-12-07 on 2 AMD EPYC cores:
+    logprobs 2.8e4 x, every gradient at least 2.3e4 x), while the moments and updates, DeepSpeed's own from those
+    gradients, derive."""
+    from tests.integration._support import matrix_with, require_module
+
+    require_module("deepspeed")
+    matrix = matrix_with(tmp_path, base=GRPO_MATRIX, engines=["tests.integration.zero_plugins:stale_after_step"],
+                         precisions=["fp32"], tp=[1], dp=[2])
+    [case] = [c.name for c in matrix.cases()]
+    verdict = run_candidates(matrix, grpo_run).to_json()
+    assert not verdict["passed"]
+    rows = [r for r in verdict["rows"] if r["case"] == case]
+    assert all(r["passed"] for r in rows if r["tensor"].startswith("step0/")), "step 0 runs on the checkpoint"
+    assert all(r["passed"] for r in rows if r["comparison"] in ("evidence", "derived")), "no crash, no NaN"
+    for step in (1, 2):
+        logprobs = [r for r in rows if r["tensor"] == f"step{step}/outputs/logprobs_BT" and r["metric"] == "max_abs"
+                    and r["comparison"].startswith("vs ref")]
+        assert logprobs and all(float(r["value"]) >= 10 * float(r["bound"]) for r in logprobs), logprobs
+        grads = [r for r in rows if r["tensor"].startswith(f"step{step}/grads/") and r["metric"] == "max_abs"]
+        assert grads and all(float(r["value"]) >= 10 * float(r["bound"]) for r in grads), grads
+
+
 def test_torch_tp_and_deepspeed_pass_packed_at_dp1_and_dp2(grpo_run, tmp_path):
     """Packed micro-batches (matrix's pack_tokens, the budget of its reference's packed control) at DP1 and DP2, where
     the ranks hold other numbers of micro-batches: every case passes with its closest bound row at most half its
@@ -249,20 +277,53 @@ def test_a_ppo_objective_under_grpo_is_a_one_line_failing_row(grpo_run, tmp_path
 
 def test_trl_grpo_loss_qualifies_and_a_setting_changed_away_fails_by_name(grpo_run, tmp_path):
     """The shipped example adapter of a real peer library's loss (TRL's GRPOTrainer._compute_loss, from PyPI):
-    PASS with its settings mapped from the matrix; TRL's 'grpo' loss type where the matrix says token_mean fails
-    naming the loss and the gradients from step 0."""
+    PASS on every case of the GRPO default (TP1, TP1xDP2, TP2; fp32 and bf16) with its settings mapped from the
+    matrix (token_mean: TRL's default 'dapo', normalized by the tokens of every process); TRL's 'grpo' loss type where
+    the matrix says token_mean fails naming the loss and the gradients from step 0."""
     from tests.integration._support import matrix_with, require_module
 
     require_module("trl")
-    m = matrix_with(tmp_path, base=GRPO_MATRIX, engines=["qualify.examples.trl_grpo:engine",
-                                                          "qualify.examples.trl_grpo:mismatched"],
-                    precisions=["fp32"], tp=[1], dp=[1])
+    m = matrix_with(tmp_path, base=GRPO_MATRIX, engines=["qualify.examples.trl_grpo:engine"])
     verdict = run_candidates(m, grpo_run).to_json()
-    good, bad = (c.name for c in m.cases())
-    failed = [r for r in verdict["rows"] if r["case"] == good and not r["passed"]]
-    assert verdict["cases"][good]["passed"], failed[:5]
-    wrong = {r["tensor"] for r in verdict["rows"] if r["case"] == bad and not r["passed"]}
+    failed = [r for r in verdict["rows"] if not r["passed"]]
+    assert len(verdict["cases"]) == 6 and verdict["passed"], failed[:5]
+    dp2 = next(c.name for c in m.cases() if c.dp == 2 and c.precision == "fp32")
+    assert "vs dp1" in verdict["cases"][dp2]["invariance"]
+    (tmp_path / "bad").mkdir()
+    bad_matrix = matrix_with(tmp_path / "bad", base=GRPO_MATRIX, engines=["qualify.examples.trl_grpo:mismatched"],
+                             precisions=["fp32"], tp=[1], dp=[1])
+    bad = run_candidates(bad_matrix, grpo_run).to_json()
+    wrong = {r["tensor"] for r in bad["rows"] if not r["passed"]}
     assert "step0/outputs/loss" in wrong and any(t.startswith("step0/grads/") for t in wrong), sorted(wrong)[:10]
+
+
+def test_trl_per_process_token_mean_fails_at_dp2(grpo_run, tmp_path):
+    """TRL's 'bnpo' loss type divides by this process's tokens: at DP1 the matrix's token_mean, at DP2 (the ranks
+    holding unequal tokens) a mean of per-process token means, which fails naming the loss and the gradients from
+    step 0 by 10x their bounds or more, while the forward's outputs pass."""
+    from qualify.ppo.grpo import dp_slices
+    from tests.integration._support import matrix_with, require_module
+
+    require_module("trl")
+    mask_BT = load_rollout(RunLayout(grpo_run).rollout(1))["response_mask_BT"]
+    counts = [int(mask_BT[rows].sum()) for rows in dp_slices(mask_BT.shape[0], 2)]
+    assert counts[0] != counts[1], counts  # with equal tokens per rank the two normalizations agree
+    m = matrix_with(tmp_path, base=GRPO_MATRIX, engines=["tests.integration.grpo_plugins:trl_bnpo"],
+                    precisions=["fp32"], tp=[1], dp=[2])
+    verdict = run_candidates(m, grpo_run).to_json()
+    step0 = [r for r in verdict["rows"] if r["tensor"].startswith("step0/")]
+    failed = {r["tensor"] for r in step0 if not r["passed"]}
+    assert {"step0/outputs/loss", "step0/outputs/seq_loss_B"} <= failed, sorted(failed)[:10]
+    assert "step0/outputs/logprobs_BT" not in failed and "step0/outputs/advantages_B" not in failed
+
+    def ratio(r):
+        return float(r["value"]) / float(r["bound"]) if float(r["bound"]) > 0 else float("inf")
+
+    loss = max(ratio(r) for r in step0 if r["tensor"] == "step0/outputs/loss" and not r["passed"])
+    grads = max((r for r in step0 if r["tensor"].startswith("step0/grads/") and not r["passed"]), key=ratio)
+    print(f"trl bnpo at DP2 (tokens per rank {counts}): step0/outputs/loss {loss:.3g}x, {grads['tensor']} "
+          f"{grads['metric']} {ratio(grads):.3g}x")
+    assert loss >= 10 and ratio(grads) >= 10
 
 
 def test_eps_inside_the_std_fails_the_advantages_derivation(grpo_run, tmp_path):

@@ -349,6 +349,21 @@ def case_copied_over_another(run: Path) -> None:
     marker.write_text(marker.read_text().replace(f'"case": "{CASES[0]}"', f'"case": "{CASES[1]}"'))
 
 
+def case_left_unsealed_and_out(run: Path) -> None:
+    """What a later candidate stage that died midway leaves: a case it redid and never sealed, which the verdict (an
+    earlier stage's) does not list."""
+    edit_verdict(run, drop_a_case)
+    (RunLayout(run).case(CASES[1]) / "_complete.json").unlink()
+
+
+def case_linked_to_another_runs(run: Path) -> None:
+    """One case directory replaced by a symlink to the same case of another run (the untouched original)."""
+    layout = RunLayout(run)
+    shutil.rmtree(layout.case(CASES[1]))
+    layout.case(CASES[1]).symlink_to(run.parent / "original" / "candidates" / CASES[1],
+                                     target_is_directory=True)
+
+
 def remove_acceptance(run: Path) -> None:
     shutil.rmtree(RunLayout(run).acceptance_dir)
 
@@ -365,9 +380,13 @@ def remove_acceptance(run: Path) -> None:
     (lambda run: edit_verdict(run, drop_a_case), "verdict: leaves out 1 case(s) whose sealed evidence is in"),
     (every_case_a_passed_run_row, "a case that did not run cannot pass"),
     (case_copied_over_another, f"case {CASES[1]}: its evidence was made from the spec of '{CASES[0]}'"),
+    (case_left_unsealed_and_out, f"candidate stage did not finish: cases missing from the verdict: {CASES[1]}"),
+    (case_linked_to_another_runs, "refusing symlinked directory in evidence: "),
 ], ids=["reference", "bound-file", "no-acceptance", "case-evidence", "case-removed", "verdict-value",
-        "verdict-dropped-check", "verdict-bound", "verdict-dropped-case", "verdict-run-rows", "case-copied"])
+        "verdict-dropped-check", "verdict-bound", "verdict-dropped-case", "verdict-run-rows", "case-copied",
+        "case-unsealed-and-dropped", "case-linked"])
 def test_tampered_evidence_is_not_verified(candidate_run, tmp_path, tamper, expect):
+    (tmp_path / "original").symlink_to(candidate_run, target_is_directory=True)  # another run, for a link to it
     run = tampered(candidate_run, tmp_path)
     tamper(run)
     code, output = report(run, "--format", "json")
@@ -381,3 +400,51 @@ def test_tampered_evidence_is_not_verified(candidate_run, tmp_path, tamper, expe
 def test_untouched_copy_verifies(candidate_run, tmp_path):
     code, output = report(tampered(candidate_run, tmp_path), "--format", "json")
     assert code == 0 and json.loads(output)["status"] == "PASSED", output
+
+
+# ---- no verdict is no pass --------------------------------------------------------------------------
+
+FORMATS = ("text", "markdown", "json", "html", "junit")
+
+
+def assert_no_verdict_fails(run: Path, out_dir: Path, reason: str) -> None:
+    """Every format exits 1 with NO VERDICT, and the JUnit file has a failing testcase naming the candidate stage."""
+    from junitparser import JUnitXml
+
+    for fmt in FORMATS:
+        out = out_dir / f"report.{fmt}"
+        code, output = report(run, "--format", fmt, "--out", str(out))
+        assert code == 1 and "(NO VERDICT)" in output, (fmt, output)
+    summary = json.loads((out_dir / "report.json").read_text())
+    assert summary["verification"]["ok"] and summary["unfinished"] == [{"stage": "candidate", "reason": reason}]
+    failing = [tc for suite in JUnitXml.fromfile(str(out_dir / "report.junit")) for tc in suite if not tc.is_passed]
+    assert [tc.name for tc in failing] == ["candidate stage finished"]
+    assert f"candidate stage did not finish: {reason}" in failing[0].result[0].message
+    assert "candidate stage did not finish" in (out_dir / "report.html").read_text()
+
+
+def test_reference_and_acceptance_alone_are_no_verdict(run_copy, tmp_path):
+    """Frozen, no candidate stage yet: the report of a qualification that has not happened fails."""
+    assert_no_verdict_fails(run_copy, tmp_path, "no verdict")
+
+
+def test_a_candidate_stage_that_died_before_its_verdict_fails(candidate_run, tmp_path):
+    """The cases sealed, the stage killed before it wrote the verdict (the judge's out-of-memory of issue 53)."""
+    run = tampered(candidate_run, tmp_path)
+    RunLayout(run).verdict.unlink()
+    assert_no_verdict_fails(run, tmp_path, f"no verdict (cases started: {', '.join(sorted(CASES))})")
+
+
+def test_candidate_on_a_run_with_a_symlinked_case_is_one_line(candidate_run, tmp_path):
+    """`qualify candidate` on a run whose case directory links to another run's: one line, exit 2, nothing removed
+    through the link (it was a traceback from rmtree on a link)."""
+    (tmp_path / "original").symlink_to(candidate_run, target_is_directory=True)
+    run = tampered(candidate_run, tmp_path)
+    case_linked_to_another_runs(run)
+    matrix = matrix_with(tmp_path, engines=["torch-tp"], precisions=["fp32", "bf16"], tp=[1], roles=["actor"])
+    result = CliRunner().invoke(app, ["candidate", str(matrix.source), "--run", str(run)])
+    assert result.exit_code == 2 and "Traceback" not in result.stderr, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("qualify: error:")]  # after the log
+    assert len(errors) == 1 and f"refusing symlinked directory in evidence: {RunLayout(run).case(CASES[1])}" in \
+        errors[0], result.stderr
+    assert (candidate_run / "candidates" / CASES[1] / "_complete.json").is_file()

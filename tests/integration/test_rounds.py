@@ -206,6 +206,36 @@ def test_a_forged_complete_run_is_not_reused(tp1, tiny_matrix, tmp_path):
     assert RunLayout(tmp_path / "forged").rounds_dir(1).is_dir()
 
 
+def test_a_crashed_round_forged_into_a_pass_is_neither_verified_nor_reused(frozen_run, tiny_matrix, tmp_path,
+                                                                          monkeypatch):
+    """Issue 53: a rounds run whose training crashed in round 0 (FAILED, its 'rounds completed' row failing), its
+    verdict edited to passed with `rounds: 1` (or 0) and that row dropped, every seal recomputed: the report does not
+    verify it and `qualify rounds` does not reuse it (the count is held to what a run has, to the frozen matrix's
+    rounds.rounds and the options asked for, and to the evidence: round 0 trained)."""
+    import os
+    from pathlib import Path
+
+    from qualify.errors import EvidenceError
+
+    repo = str(Path(__file__).resolve().parents[2])  # the trainer's ranks import the plugin from the repo root
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
+    crashing = RoundsOptions(vllm_tp=1, engine="tests.integration.plugins:crashes_in_step", probes=())
+    run = copy_run(frozen_run, tmp_path / "run")
+    verdict = run_rounds(tiny_matrix, run, crashing).to_json()
+    assert not verdict["passed"] and verdict["failure"].startswith("TrainFailed"), verdict["failure"]
+    assert [r["tensor"] for r in verdict["rows"] if not r["passed"]] == ["rounds completed"]
+    for claimed in (1, 0):
+        def edit(out, forged, claimed=claimed):
+            forged["rows"] = [r for r in forged["rows"] if r["tensor"] != "rounds completed"]
+            forged.update(passed=True, rounds=claimed, failure=None, num_failed=0, num_checks=len(forged["rows"]))
+
+        problems = forged_copy(run, tmp_path / f"claims-{claimed}", edit)
+        assert any(f"claims {claimed} rounds; a rounds run has at least 2" in p for p in problems), problems
+        assert any(f"claims {claimed} rounds; 2 were asked for" in p for p in problems), problems
+        with pytest.raises(EvidenceError, match=f"claims {claimed} rounds.*move it away"):
+            run_rounds(tiny_matrix, tmp_path / f"claims-{claimed}" / "forged", crashing)
+
+
 def test_a_trainer_declared_exact_is_judged_after_each_weight_sync(tp1, frozen_run, tmp_path):
     """Seed 002's claim after an update and a weight sync: every training round compares the trainer's step-0
     logprobs with the logprobs vLLM sampled that round's rollout with, bit for bit. Undeclared (tp1's torch-tp) the

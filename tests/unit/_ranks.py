@@ -28,7 +28,7 @@ def spawn_ranks(world: int, target: Callable[..., None], *args: Any, timeout: fl
         results = sorted((queue.get(timeout=timeout) for _ in procs), key=lambda x: x[0])
     finally:
         for p in procs:
-            p.join(timeout=30)
+            p.join(timeout=120)  # a rank that imported TRL (and with it vLLM) takes seconds to tear down
             if p.is_alive():
                 p.kill()
     assert [p.exitcode for p in procs] == [0] * world

@@ -16,8 +16,9 @@ from qualify.matrix import load_matrix
 from qualify.models import hf
 from qualify.models.tiny import build_tiny_model
 from qualify.ppo.decisions import decisions, differing
-from qualify.ppo.grpo import count_normalizers, grpo_loss, token_advantages
+from qualify.ppo.grpo import grpo_loss, token_advantages
 from qualify.ppo.math import clipped_policy_loss, clipped_value_loss
+from qualify.ppo.share import count_normalizers
 from qualify.reference.context import ScoringContext
 from qualify.reference.step import Control, run_role
 

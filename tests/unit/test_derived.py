@@ -229,7 +229,8 @@ def test_clip_frac_is_derived_by_the_matrix_definition():
     """The clip fraction of the case's own ratio and advantages: the objective's own value passes; a token mean
     reported where the matrix's GRPO clip_frac is loss-weighted under a sequence-mean aggregation fails."""
     from qualify.candidate.derived import clip_frac_derivation
-    from qualify.ppo.grpo import count_normalizers, grpo_loss
+    from qualify.ppo.grpo import grpo_loss
+    from qualify.ppo.share import count_normalizers
 
     B, T = 8, 10
     mask = torch.zeros(B, T, dtype=torch.bool)

@@ -143,3 +143,38 @@ def test_the_launcher_is_fork_on_the_cpu_direct_on_a_gpu_and_checked(monkeypatch
     monkeypatch.setenv("QUALIFY_LAUNCHER", "direct")
     assert start_module("probe_mod", ["x"], 1, "cpu", env_for(), in_tmp / "direct.log") == 0
     assert read_out(in_tmp, 0)["argv"] == ["x"]
+
+
+FSDP2_PROBE = """
+import json, os
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 3)
+fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+model.set_gradient_divide_factor(1.0)
+model.set_force_sum_reduction_for_comms(True)
+model(torch.full((1, 4), float(dist.get_rank() + 1))).sum().backward()
+with open(f"out-{os.environ['RANK']}.json", "w") as f:
+    json.dump({"bias_grad": model.bias.grad.full_tensor().tolist()}, f)
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp2_ranks_fork_from_a_server_that_preloaded_its_modules(in_tmp):
+    """The fsdp2 engine's CPU ranks: the server imports its preload list (a name that does not import would be left
+    out silently), and two forked ranks run fully_shard over gloo, summing the bias gradient over DP (1 + 1)."""
+    from qualify.engines.registry import preload_modules
+
+    preload = preload_modules("fsdp2")
+    assert preload and set(preload) <= set(forkserver.server_for(env_for(), preload).preloaded)
+    (in_tmp / "probe_mod.py").write_text(FSDP2_PROBE)
+    log_path = in_tmp / "launch.log"
+    with open(log_path, "w") as log:
+        code = forkserver.run_module_ranks("probe_mod", [], 2, env_for(), log, preload)
+    assert code == 0, log_path.read_text()
+    assert [read_out(in_tmp, r)["bias_grad"] for r in (0, 1)] == [[2.0, 2.0, 2.0]] * 2

@@ -22,10 +22,7 @@ from qualify.ppo.grpo import (
     AGGREGATIONS,
     KL_ESTIMATORS,
     DataParallelError,
-    Normalizers,
     all_gather_rewards,
-    all_reduce_normalizers,
-    count_normalizers,
     dp_slices,
     group_advantages,
     group_stats,
@@ -34,6 +31,7 @@ from qualify.ppo.grpo import (
     per_sequence_loss,
     token_advantages,
 )
+from qualify.ppo.share import Normalizers, all_reduce_normalizers, count_normalizers
 from tests.unit._ranks import spawn_ranks
 
 NUM_ROWS, NUM_POS, GROUP = 12, 9, 4  # 3 groups of 4: at dp=2 and dp=4, group 1 straddles two ranks

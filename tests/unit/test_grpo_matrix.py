@@ -79,7 +79,9 @@ def test_ppo_default_is_unchanged():
     (edit(GRPO, candidates={"dp": [0]}), "dp must list degrees >= 1"),
     (edit(GRPO, candidates={"dp": [2, 2]}), "dp lists [2] more than once"),
     (edit(GRPO, candidates={"max_ranks": 0}), "max_ranks 0 leaves no case"),
-    (edit(PPO, candidates={"dp": [1, 2]}), "DP above 1 is built for algorithm grpo only"),
+    (edit(PPO, candidates={"dp": [1, 3]}), "candidates.dp 3 does not divide the 8 rows of an optimizer step"),
+    (edit(PPO, ppo={"minibatches": 2}, candidates={"dp": [8]}), ("candidates.dp 8 does not divide the 4 rows of an "
+                                                                 "optimizer step (8 rows / ppo.minibatches 2)")),
     (edit(GRPO, candidates={"vocab_tile": 0}), "vocab_tile must be >= 1 or null"),
     (edit(GRPO, candidates={"vocab_tile": 48}), ("candidates.vocab_tile 48 x candidates.tp 1 does not divide "
                                                  "models.tiny vocab_size 512")),
@@ -88,6 +90,13 @@ def test_ppo_default_is_unchanged():
 ])
 def test_invalid_grpo_and_dp_settings_name_the_problem(tmp_path, data, expected):
     assert expected in error(tmp_path, data)
+
+
+def test_ppo_runs_actor_and_critic_at_dp2(tmp_path):
+    m = load(tmp_path, edit(PPO, candidates={"engines": ["torch-tp"], "precisions": ["fp32"], "tp": [1],
+                                             "dp": [1, 2]}))
+    assert [c.name for c in m.cases()] == ["torch-tp-fp32-tp1-actor", "torch-tp-fp32-tp1-critic",
+                                           "torch-tp-fp32-tp1-dp2-actor", "torch-tp-fp32-tp1-dp2-critic"]
 
 
 def test_dr_grpo_and_population_std_load(tmp_path):

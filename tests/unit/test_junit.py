@@ -78,6 +78,18 @@ def test_verified_evidence_is_a_passing_testcase(tmp_path):
     assert tc.name == "evidence verifies" and tc.is_passed
 
 
+def test_a_stage_that_did_not_finish_is_a_failing_testcase(tmp_path):
+    """Evidence that verifies is not a pass when the candidate stage never finished: the testcase says which stage."""
+    xml = parse(to_junit(None, name="tiny", problems=[],
+                         unfinished=[{"stage": "candidate", "reason": "no verdict"}]), tmp_path)
+    suites = {s.name: s for s in xml}
+    (stage,) = list(suites["qualify tiny: stages"])
+    assert stage.name == "candidate stage finished" and not stage.is_passed
+    assert "candidate stage did not finish: no verdict" in stage.result[0].message
+    assert int(ET.fromstring(to_junit(None, name="tiny", problems=[], unfinished=[
+        {"stage": "candidate", "reason": "no verdict"}])).get("failures")) == 1
+
+
 def test_a_case_without_rows_fails(tmp_path):
     xml = parse(to_junit({"cases": {CASES[0]: {"passed": False}}, "rows": []}, name="tiny"), tmp_path)
     (suite,) = list(xml)
@@ -135,3 +147,14 @@ def test_control_characters_of_a_crash_message_keep_the_document_valid(tmp_path)
     assert "\\x1b[31mboom\\x1b[0m at \\x00 byte" in text and "\x1b" not in text and "\x00" not in text
     assert root.get("name") == "qualify tiny\\x07"
     assert parse(data, tmp_path)  # and junitparser reads it
+
+
+def test_an_engines_message_is_escaped_beyond_what_xml_refuses(tmp_path):
+    """What XML holds but a CI log or terminal would act on: C1 controls (CSI), a bidirectional override, CR."""
+    v = sample_verdict()
+    v["rows"][0] |= {"passed": False, "note": "RuntimeError: \x9b2J wiped\u202eexe.txt\rover"}
+    v["cases"][v["rows"][0]["case"]]["passed"] = False
+    root = ET.fromstring(to_junit(v, name="tiny"))
+    text = "".join(root.itertext()) + " ".join(f.get("message", "") for f in root.iter("failure"))
+    assert "\\x9b2J wiped\\u202eexe.txt\\x0dover" in text
+    assert not any(c in text for c in "\x9b\u202e\r")

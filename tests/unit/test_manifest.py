@@ -401,3 +401,20 @@ def test_many_small_files_through_worker_processes(tmp_path, monkeypatch):
     result = cli("verify", str(manifest), "--jobs", "2", "--format", "json")
     assert result.exit_code == 1
     assert [m["path"] for m in json.loads(result.stdout)["modified"]] == ["d3/f00013"]
+
+
+def test_a_symlinked_evidence_directory_named_by_the_manifest_is_refused(tmp_path):
+    """The evidence root a manifest names ('evidence': '../reference') may not be a link to another run's."""
+    from qualify.manifest import verify_manifest
+
+    real = tmp_path / "other" / "reference"
+    for rel, data in FILES.items():
+        (real / rel).parent.mkdir(parents=True, exist_ok=True)
+        (real / rel).write_bytes(data)
+    run = tmp_path / "run"
+    (run / "acceptance").mkdir(parents=True)
+    (run / "reference").symlink_to(real, target_is_directory=True)
+    manifest = run / "acceptance" / "manifest.json"
+    write_json(manifest, build_manifest(real, progress=False, extra={"evidence": "../reference"}))
+    with pytest.raises(ManifestError, match="refusing symlinked evidence directory"):
+        verify_manifest(manifest, progress=False)

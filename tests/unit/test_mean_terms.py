@@ -14,7 +14,8 @@ from qualify.bounds.control_error import MEANS_TEXT, means_scale_error, step_fam
 from qualify.bounds.rule import BoundRule
 from qualify.compare import RunTensors
 from qualify.ppo.decisions import mean_terms
-from qualify.ppo.grpo import count_normalizers, grpo_loss, token_advantages
+from qualify.ppo.grpo import grpo_loss, token_advantages
+from qualify.ppo.share import count_normalizers
 from tests.unit._runs import OPT
 
 PPO = SimpleNamespace(clip_eps=0.2, value_clip_eps=0.2, token_normalizer="per_sequence", normalizer_constant=None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -170,3 +171,59 @@ def test_a_moe_shape_counts_the_parameters_the_model_has():
     assert 30.0e9 < shape.params < 31.0e9  # Qwen3-30B-A3B: 30.5B parameters
     with pytest.raises(SlurmError, match="mlp_only_layers"):
         shape_from_config(config | {"mlp_only_layers": [0]}, "actor")
+
+
+def tiny_matrix_text(**sizes) -> str:
+    text = (Path(__file__).resolve().parents[2] / "matrices" / "tiny-qwen3.yaml").read_text()
+    for key, value in sizes.items():
+        pattern = rf"^(    {key}:) .*$"
+        text, found = re.subn(pattern, rf"\1 {value}", text, flags=re.MULTILINE)
+        assert found == 1, key
+    return text
+
+
+@pytest.mark.parametrize("value, says", [
+    ("1e30", "models.tiny.hidden_size: expected an integer, got '1e30'"),
+    ("1.0e+30", "models.tiny.hidden_size: expected an integer, got 1e+30"),
+    (str(10 ** 30), f"models.tiny: hidden_size {10 ** 30} is over 1048576"),
+    ("-5", "models.tiny: hidden_size must be >= 1"),
+])
+def test_an_absurd_model_size_is_refused_in_one_line_naming_the_field(tmp_path, value, says):
+    """hidden_size: 1e30 (written as a float or as an integer) is refused when the matrix is loaded, by every
+    command (`matrices validate`, `reference`), naming the field; it was a crash in torch."""
+    from typer.testing import CliRunner
+
+    from qualify.cli.app import app
+
+    path = tmp_path / "m.yaml"
+    path.write_text(tiny_matrix_text(hidden_size=value))
+    for command in (["matrices", "validate", str(path)], ["reference", str(path), "--run", str(tmp_path / "run")]):
+        result = CliRunner().invoke(app, command)
+        assert result.exit_code == 2 and says in result.stderr and "Traceback" not in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_merely_huge_family_is_refused_by_its_memory_estimate(tmp_path):
+    """Sizes each within bounds whose four fp32 models exceed this machine's memory (about 48 TB here): refused by
+    `matrices validate` and by the reference before a weight is drawn, naming the field that weighs most."""
+    from typer.testing import CliRunner
+
+    from qualify.cli.app import app
+    from qualify.errors import MatrixError
+    from qualify.matrix import load_matrix
+    from qualify.memory import host_memory_bytes, tiny_family_problem
+    from qualify.models.tiny import make_tiny_family
+
+    path = tmp_path / "m.yaml"
+    path.write_text(tiny_matrix_text(hidden_size=1_000_000, intermediate_size=1_000_000))
+    tiny = load_matrix(path).models.tiny  # each size within its bound
+    problem = tiny_family_problem(tiny, host_memory_bytes())
+    assert problem.startswith("models.tiny.hidden_size 1000000: the tiny family's four models hold ")
+    assert "GiB in fp32, over the " in problem and "GiB of this machine's memory" in problem
+    result = CliRunner().invoke(app, ["matrices", "validate", str(path)])
+    assert result.exit_code == 2 and f"{path}: {problem}" in result.stderr, result.stderr
+    with pytest.raises(MatrixError, match="models.tiny.hidden_size 1000000"):
+        make_tiny_family(tiny, tmp_path / "models")
+    assert not (tmp_path / "models").exists()
+    assert tiny_family_problem(load_matrix(path.parent / "m.yaml").models.tiny, 1 << 62) is None  # a host that holds it

@@ -9,8 +9,9 @@ import torch
 import yaml
 
 from qualify.matrix import load_matrix
-from qualify.ppo.grpo import count_normalizers, grpo_loss
+from qualify.ppo.grpo import grpo_loss
 from qualify.ppo.math import masked_gae, whiten_advantages
+from qualify.ppo.share import count_normalizers
 from tests.unit._runs import REPO
 
 gen = torch.Generator().manual_seed(3)

@@ -101,5 +101,26 @@ def test_a_ppo_objective_signature_under_grpo_is_refused_before_setup():
     with pytest.raises(ContractError) as exc:
         check_objective_signature(Five(), "plug", grpo=True)
     one_line(exc, "objective(role, ppo, scores_BT, response_mask_BT, targets) cannot take grpo= and share=")
-    check_objective_signature(Five(), "plug", grpo=False)
-    check_objective_signature(Kw(), "plug", grpo=True)
+    assert check_objective_signature(Kw(), "plug", grpo=True) is True
+
+
+def test_a_ppo_objective_without_share_runs_at_dp1_and_is_refused_above():
+    """PPO: an objective() that cannot take share= is called without it at DP1 (its rows are the whole step), and
+    refused at DP > 1, where only the step's normalizers over every DP rank make its loss the rank's share."""
+    class Five:
+        def objective(self, role, ppo, scores_BT, response_mask_BT, targets):
+            return None
+
+    class Shared:
+        def objective(self, role, ppo, scores_BT, response_mask_BT, targets, *, share=None):
+            return None
+
+    assert check_objective_signature(Five(), "plug", grpo=False) is False
+    assert check_objective_signature(Five(), "plug", grpo=False, dp=1) is False
+    with pytest.raises(ContractError) as exc:
+        check_objective_signature(Five(), "plug", grpo=False, dp=2)
+    one_line(exc, "engine plug: objective(role, ppo, scores_BT, response_mask_BT, targets) cannot take share=; "
+                  "under PPO at DP 2")
+    assert check_objective_signature(Shared(), "plug", grpo=False, dp=1) is True
+    assert check_objective_signature(Shared(), "plug", grpo=False, dp=2) is True
+    assert check_objective_signature(object(), "plug", grpo=False, dp=2) is False  # no hook: the harness's own

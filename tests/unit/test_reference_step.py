@@ -10,7 +10,8 @@ from qualify.matrix import PPO, TinyModel
 from qualify.models import hf
 from qualify.models.tiny import build_tiny_model
 from qualify.ppo.math import masked_gae, token_rewards
-from qualify.reference.step import Control, _loss_scale, _row_slices
+from qualify.ppo.share import count_normalizers
+from qualify.reference.step import Control, _row_slices
 
 SPEC = TinyModel(seed=7, vocab_size=128, hidden_size=64, intermediate_size=64, num_layers=1, num_heads=2,
                  num_kv_heads=1, head_dim=32)
@@ -27,19 +28,21 @@ def batch(B=4, T=12, seed=0):
 
 
 @pytest.mark.parametrize("normalizer,constant", [("global", None), ("per_sequence", None), ("constant", 16.0)])
-def test_microbatch_weights_sum_to_full_batch_loss(normalizer, constant):
+def test_microbatch_shares_sum_to_full_batch_loss(normalizer, constant):
+    """Each micro-batch divides by the whole step's normalizers (as the reference's micro-batch control does): the
+    shares sum to the full batch's loss and clip fraction (unequal active tokens and sequences per micro-batch)."""
     from qualify.ppo.math import clipped_value_loss
 
     _, mask = batch()
     g = torch.Generator().manual_seed(1)
     v, old, ret = (torch.randn(4, 12, generator=g) for _ in range(3))
-    full, _ = clipped_value_loss(v, old, ret, mask, 0.2, normalizer, constant)
-    total = torch.zeros(())
+    full, full_frac = clipped_value_loss(v, old, ret, mask, 0.2, normalizer, constant)
+    total, frac = torch.zeros(()), torch.zeros(())
     for rows in _row_slices(4, 2):
-        n, c, w = _loss_scale(mask, rows, normalizer, constant)
-        part, _ = clipped_value_loss(v[rows], old[rows], ret[rows], mask[rows], 0.2, n, c)
-        total += part * w
-    assert torch.allclose(total, full, rtol=1e-6, atol=1e-7)
+        part, part_frac = clipped_value_loss(v[rows], old[rows], ret[rows], mask[rows], 0.2, normalizer, constant,
+                                             normalizers=count_normalizers(mask))
+        total, frac = total + part, frac + part_frac
+    assert torch.allclose(total, full, rtol=1e-6, atol=1e-7) and torch.allclose(frac, full_frac, rtol=1e-6)
 
 
 def test_reward_is_pooled_at_last_response_token_and_zero_without_response():

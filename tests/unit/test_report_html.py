@@ -401,3 +401,12 @@ def test_every_string_on_the_page_is_escaped(tmp_path):
     assert verified.count(escape(HOSTILE)) >= 8  # case, role, comparison, tensor, metric, notes, family, check
     assert f'data-family="{escape(HOSTILE)}"' in verified
     assert not EXTERNAL.search(verified) and not EXTERNAL.search(unverified)
+
+
+def test_an_engines_control_characters_are_escaped_in_the_page(tmp_path):
+    """A failing row's note (an engine's exception) and a tensor name it chose: their control characters and
+    bidirectional overrides are written as escapes, never put in the page raw."""
+    failing = row(2.0, note="RuntimeError: \x1b[2J\x07 wiped\u202eexe.txt", tensor="grads/w\x1b[8m")
+    html, _ = page_of(make_run(tmp_path, verdict([failing])), Verification(("hand-made data",), ()))
+    assert not any(c in html for c in "\x1b\x07\u202e")
+    assert "\\x1b[2J\\x07 wiped\\u202eexe.txt" in html and "grads/w\\x1b[8m" in html

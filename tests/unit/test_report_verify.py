@@ -203,11 +203,48 @@ def test_status_is_pass_or_fail_only_when_verified():
     assert status_of(ok, None, {1: {"passed": False}}) == FAILED
 
 
-def test_reference_only_run_reports_no_verdict_and_exit_0(tmp_path):
+@pytest.mark.parametrize("fmt", ["text", "markdown", "json", "html", "junit"])
+def test_a_run_without_verdict_fails_in_every_format(tmp_path, fmt):
+    """A report of a qualification that has not happened (no acceptance, no candidate verdict) is no success: exit 1
+    in every format, and the JUnit file holds a failing testcase naming the stage that did not finish."""
+    from junitparser import JUnitXml
+
     run = make_run(tmp_path)
-    result = CliRunner().invoke(app, ["report", str(run), "--format", "json"])
-    assert result.exit_code == 0, result.output
-    assert json.loads(result.output)["status"] == NO_VERDICT
+    out = tmp_path / f"report.{fmt}"
+    result = CliRunner().invoke(app, ["report", str(run), "--format", fmt, "--out", str(out)])
+    assert result.exit_code == 1, result.output
+    assert "NO VERDICT" in result.output
+    text = out.read_text()
+    if fmt == "json":
+        summary = json.loads(text)
+        assert summary["status"] == NO_VERDICT
+        assert {"stage": "candidate", "reason": "no verdict"} in summary["unfinished"]
+    elif fmt == "junit":
+        failing = [tc for suite in JUnitXml.fromfile(str(out)) for tc in suite if not tc.is_passed]
+        assert any("candidate stage did not finish: no verdict" in tc.result[0].message for tc in failing), text
+        assert any("freeze stage did not finish: no acceptance" in tc.result[0].message for tc in failing), text
+    else:
+        assert "candidate stage did not finish: no verdict" in text
+
+
+def test_cases_started_but_missing_from_the_verdict_are_named(tmp_path):
+    """A candidate stage that did not finish leaves cases the verdict (an older one) does not list: their evidence
+    started, sealed or not (a case directory, or only its .work/ with the spec). Each is a problem, never a pass."""
+    from qualify.layout import work_dir
+    from qualify.report import load_docs, unfinished_stages
+    from qualify.report_verify import case_set_problems, started_cases
+
+    layout = RunLayout(make_run(tmp_path, verdict()))
+    other = "torch-tp-fp32-tp2-actor"
+    assert started_cases(layout) == [] and case_set_problems(layout, verdict()) == []
+    layout.case(other).mkdir()  # partial: never sealed
+    work_dir(layout.case("deepspeed-fp32-tp1-actor")).mkdir()  # its spec written, nothing launched yet
+    (layout.candidates / "replays").mkdir()  # not a case
+    assert started_cases(layout) == ["deepspeed-fp32-tp1-actor", other]
+    problems = case_set_problems(layout, verdict())
+    assert len(problems) == 1 and "cases missing from the verdict: deepspeed-fp32-tp1-actor, " + other in problems[0]
+    assert {"stage": "candidate", "reason": f"cases missing from the verdict: deepspeed-fp32-tp1-actor, {other}"} \
+        in unfinished_stages(load_docs(layout.root))
 
 
 def test_report_out_into_a_missing_directory_is_a_usage_error(tmp_path):
@@ -224,10 +261,12 @@ def test_junit_of_an_unverified_run_has_no_passing_candidate_testcases(tmp_path)
     out = tmp_path / "junit.xml"
     result = CliRunner().invoke(app, ["report", str(run), "--format", "junit", "--out", str(out)])
     assert result.exit_code == 1, result.output
-    suites = list(JUnitXml.fromfile(str(out)))
-    assert [s.name for s in suites] == ["qualify tiny: verification"]
-    (tc,) = list(suites[0])
+    suites = {s.name: s for s in JUnitXml.fromfile(str(out))}
+    assert sorted(suites) == ["qualify tiny: stages", "qualify tiny: verification"]
+    (tc,) = list(suites["qualify tiny: verification"])
     assert not tc.is_passed and "no acceptance" in tc.result[0].text
+    (stage,) = list(suites["qualify tiny: stages"])
+    assert not stage.is_passed and "freeze stage did not finish: no acceptance" in stage.result[0].message
 
 
 def test_a_case_that_did_not_run_needs_no_evidence_and_fails(tmp_path):
@@ -252,3 +291,38 @@ def test_an_expected_acceptance_digest_is_checked_by_the_report(tmp_path):
     same = verify_run(layout, reference_doc(), ACC, None, {}, expect=ACC["digest"])
     assert not any("is not the expected" in p for p in same.problems)
     assert "the acceptance's digest is the expected sha256:acc" in same.checked
+
+
+def test_a_symlink_anywhere_in_the_runs_evidence_is_a_problem(tmp_path):
+    """A case directory linked to another run's case (or any linked directory or file under reference/,
+    acceptance/, candidates/, rounds/) is refused, never followed; the .work/ scratch beside a stage is not evidence."""
+    from qualify.layout import work_dir
+    from qualify.report_verify import link_problems, verify_run
+
+    layout = RunLayout(make_run(tmp_path, verdict()))
+    other = tmp_path / "other-run" / "candidates" / CASE
+    other.mkdir(parents=True)
+    (other / "meta.json").write_text("{}")
+    complete_stage(other, {"case": CASE, "rollout_digest": ACC["rollout_digest"]})
+    assert link_problems(layout) == []
+    layout.case(CASE).symlink_to(other, target_is_directory=True)
+    work_dir(layout.case(CASE)).mkdir()
+    (work_dir(layout.case(CASE)) / "scratch").symlink_to(other)  # scratch: not evidence
+    (layout.reference / "linked.json").symlink_to(other / "meta.json")
+    linked_file = layout.reference / "linked.json"
+    assert link_problems(layout) == [f"refusing symlink in evidence: {linked_file} -> {other / 'meta.json'}",
+                                     f"refusing symlinked directory in evidence: {layout.case(CASE)} -> {other}"]
+    problems = verify_run(layout, reference_doc(), ACC, verdict(), {}).problems
+    assert f"refusing symlinked directory in evidence: {layout.case(CASE)}" in problems
+
+
+def test_a_case_name_with_control_characters_is_printed_escaped(tmp_path):
+    """A forged verdict's case name (or any string from the run) is shown with its control characters escaped."""
+    hostile = "x\x1b[2J\x1b]0;pwned\x07-fp32-tp1-actor"
+    v = verdict([row() | {"case": hostile}])
+    v["cases"] = {hostile: v["cases"][CASE]}
+    run = make_run(tmp_path, v)
+    for fmt in ("text", "markdown"):
+        result = CliRunner().invoke(app, ["report", str(run), "--format", fmt])
+        assert result.exit_code == 1 and "\x1b" not in result.output and "\x07" not in result.output, fmt
+        assert "x\\x1b[2J\\x1b]0;pwned\\x07-fp32-tp1-actor" in result.output.replace("\n", "")

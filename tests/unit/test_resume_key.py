@@ -90,3 +90,104 @@ def test_a_module_the_ranks_imported_that_changed_makes_the_case_stale(tmp_path,
     finally:
         sys.modules.pop("peer_loss", None)
 
+
+
+def reused_after(case: Path, change) -> str | None:
+    """Seal a case with what this process imported, apply change, and say why the case would not be reused."""
+    prepare_stage(case)
+    complete_stage(case, {"key": {"spec": "s", KEY: record(work_dir(case))}})
+    assert stale_reason(case, {"spec": "s"}) is None
+    change()
+    return stale_reason(case, {"spec": "s"})
+
+
+@pytest.fixture
+def imported_module(monkeypatch):
+    """Import a module under a fresh name (whatever loader its location takes); it is forgotten afterwards."""
+    names = []
+
+    def load(name: str, where: Path):
+        monkeypatch.syspath_prepend(str(where))
+        import importlib
+
+        importlib.invalidate_caches()
+        names.append(name)
+        return importlib.import_module(name)
+    yield load
+    for name in names:
+        for loaded in [m for m in sys.modules if m.split(".")[0] == name.split(".")[0]]:
+            sys.modules.pop(loaded)
+
+
+def test_a_module_imported_from_a_zip_archive_that_changed_makes_the_case_stale(tmp_path, imported_module):
+    """A zip archive on PYTHONPATH (zipimport): the member the rank imported is hashed, not only .py files on disk."""
+    import zipfile
+
+    archive = tmp_path / "peer.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("zipped_peer_loss.py", "def loss(x):\n    return x\n")
+        z.writestr("other.txt", "unrelated")
+    module = imported_module("zipped_peer_loss", archive)
+    assert module.__file__ == str(archive / "zipped_peer_loss.py") and module.loss(3) == 3
+    assert str(archive.resolve() / "zipped_peer_loss.py") in imported_files()
+
+    def edit_member() -> None:
+        with zipfile.ZipFile(archive, "w") as z:
+            z.writestr("zipped_peer_loss.py", "def loss(x):\n    return 2 * x\n")
+            z.writestr("other.txt", "unrelated")
+    assert reused_after(tmp_path / "case", edit_member) == "imported code changed since it was sealed"
+
+
+def test_a_sourceless_pyc_that_changed_makes_the_case_stale(tmp_path, imported_module):
+    """A module shipped as a .pyc alone (SourcelessFileLoader): its bytecode is hashed."""
+    import py_compile
+
+    src, where = tmp_path / "src" / "compiled_peer.py", tmp_path / "lib"
+    src.parent.mkdir()
+    where.mkdir()
+    src.write_text("def loss(x):\n    return x\n")
+    py_compile.compile(str(src), cfile=str(where / "compiled_peer.pyc"), doraise=True)
+    module = imported_module("compiled_peer", where)
+    assert module.__file__.endswith("compiled_peer.pyc") and module.loss(3) == 3
+
+    def recompile() -> None:
+        src.write_text("def loss(x):\n    return 2 * x\n")
+        py_compile.compile(str(src), cfile=str(where / "compiled_peer.pyc"), doraise=True)
+    assert reused_after(tmp_path / "case", recompile) == "imported code changed since it was sealed"
+
+
+def test_an_extension_module_that_changed_makes_the_case_stale(tmp_path, monkeypatch):
+    """A compiled extension (.so) imported from outside the standard library: its file is hashed."""
+    import importlib.util
+    import sysconfig
+
+    dynload = Path(sysconfig.get_config_var("DESTSHARED") or "/nonexistent")
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    name = next((n for n in ("xxlimited", "xxlimited_35") if (dynload / (n + suffix)).is_file()
+                 and n not in sys.modules), None)
+    if name is None:
+        pytest.skip("this Python has no xxlimited test extension to copy")
+    copy = tmp_path / (name + suffix)
+    copy.write_bytes((dynload / (name + suffix)).read_bytes())
+    spec = importlib.util.spec_from_file_location(name, copy)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setitem(sys.modules, name, module)
+    assert str(copy.resolve()) in imported_files()
+
+    def rebuild() -> None:  # a new file over the old one: the loaded library keeps its own (mapped) bytes
+        new = tmp_path / "rebuilt.so"
+        new.write_bytes(copy.read_bytes() + b"\0")
+        new.replace(copy)
+    assert reused_after(tmp_path / "case", rebuild) == "imported code changed since it was sealed"
+
+
+def test_a_namespace_package_is_skipped_and_its_modules_are_hashed(tmp_path, imported_module):
+    """A namespace package has no file of its own; the module imported from it is recorded."""
+    (tmp_path / "nspeer").mkdir()
+    (tmp_path / "nspeer" / "loss.py").write_text("def loss(x):\n    return x\n")
+    imported_module("nspeer.loss", tmp_path)
+    assert sys.modules["nspeer"].__file__ is None  # a namespace package
+    files = imported_files()
+    assert str((tmp_path / "nspeer" / "loss.py").resolve()) in files
+    assert not any(Path(f).name == "nspeer" for f in files)

@@ -129,3 +129,22 @@ def test_reuse_of_a_complete_output_without_recorded_settings_is_refused(tmp_pat
         reuse_complete(out, fingerprint({"a": 1}), "thing")
     assert str(caught.value) == (f"thing at {out} was made with other settings than the matrix now asks for; "
                                  "it is never overwritten: use another --out directory")
+
+
+def test_a_symlinked_stage_directory_is_refused_not_followed(tmp_path):
+    """A stage directory that is a symlink (to another run's sealed case, say) is refused wherever a seal is checked,
+    as a symlinked file inside it is: never believed complete, never removed through the link."""
+    from qualify.errors import ManifestError
+    from qualify.stages import check_sealed, check_sealed_all, prepare_stage, stage_is_complete
+
+    other = tmp_path / "other-run" / "case"
+    other.mkdir(parents=True)
+    (other / "outputs.json").write_text("{}")
+    complete_stage(other, {"case": "x"})
+    link = tmp_path / "run" / "case"
+    link.parent.mkdir()
+    link.symlink_to(other, target_is_directory=True)
+    for check in (check_sealed, stage_is_complete, lambda p: check_sealed_all([other, p]), prepare_stage):
+        with pytest.raises(ManifestError, match=f"refusing symlinked directory in evidence: {link}"):
+            check(link)
+    assert stage_is_complete(other) and (other / "outputs.json").is_file()  # the link's target is untouched

@@ -231,3 +231,42 @@ def test_empty_tensor_dict_round_trips(tmp_path):
 
     write_tensors(tmp_path / "m.safetensors", {})
     assert read_tensors(tmp_path / "m.safetensors") == {}
+
+
+def test_a_killed_writers_temp_file_is_removed_by_the_next_write_in_its_directory(tmp_path):
+    from qualify.store import write_json
+    from tests.integration._support import killed_writer
+
+    killed_writer(tmp_path / "acceptance.json")
+    left = [n for n in names(tmp_path) if n.endswith(".tmp")]
+    assert len(left) == 1 and left[0].startswith(".acceptance.json.")  # what a killed run leaves
+    live = killed_writer(tmp_path / "other.json", kill=False)
+    try:
+        write_json(tmp_path / "acceptance.json", {"a": 1})
+        remaining = [n for n in names(tmp_path) if n.endswith(".tmp")]
+        assert len(remaining) == 1 and remaining[0].startswith(".other.json.")  # a live writer's is kept
+        assert json.loads((tmp_path / "acceptance.json").read_text()) == {"a": 1}
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_a_killed_report_leaves_nothing_once_the_report_runs_again(tmp_path):
+    """`qualify report --out` killed while it wrote: the next report removes the temp file and writes the report."""
+    from typer.testing import CliRunner
+
+    from qualify.cli.app import app
+    from qualify.layout import RunLayout
+    from tests.integration._support import killed_writer
+
+    run = tmp_path / "run"
+    RunLayout(run).reference.mkdir(parents=True)
+    RunLayout(run).reference_summary.write_text(json.dumps({
+        "matrix": {"name": "tiny"}, "rollout_digest": "sha256:roll", "tp_agreement": {}, "rollout_mismatch": {},
+        "controls": ["r0"]}))
+    out = tmp_path / "out" / "report.json"
+    out.parent.mkdir()
+    killed_writer(out)
+    assert any(n.endswith(".tmp") for n in names(out.parent))
+    CliRunner().invoke(app, ["report", str(run), "--format", "json", "--out", str(out)])
+    assert names(out.parent) == ["report.json"] and json.loads(out.read_text())["matrix"] == "tiny"

@@ -78,3 +78,37 @@ def test_the_message_names_the_log_file():
     assert message == ("vLLM capture at TP3 failed (exit 1): ValueError: Total number of attention heads (4) must be "
                        "divisible by tensor parallel size (3). (full output: runs/x/reference/rollout/tp3.log)")
     assert "\n" not in message
+
+
+HOSTILE = "boom\x1b[2J\x1b]0;pwned\x07 \r\x08\x7f\x9b\u202etxt.exe\u2066 end\nnext\tcol"
+
+
+def test_printable_escapes_every_control_character_of_a_foreign_string():
+    """ESC, BEL, CR, backspace, DEL, C1 and bidirectional overrides from an engine's message become visible escapes;
+    a tab stays; a newline is escaped too unless the caller keeps its own lines."""
+    from qualify.childlog import printable
+
+    assert printable(HOSTILE) == ("boom\\x1b[2J\\x1b]0;pwned\\x07 \\x0d\\x08\\x7f\\x9b\\u202etxt.exe\\u2066 end\\x0anext"
+                                  "\tcol")
+    assert printable(HOSTILE, newlines=True).split("\n") == [printable("boom\x1b[2J\x1b]0;pwned\x07 \r\x08\x7f\x9b"
+                                                                       "\u202etxt.exe\u2066 end"), "next\tcol"]
+    assert printable("plain ascii, [rich] markup and unicode: µ é") == "plain ascii, [rich] markup and unicode: µ é"
+
+
+def test_a_rank_exception_and_a_launch_log_are_quoted_escaped(tmp_path):
+    """failure_note, the 'did not run' note of a case: an engine's exception message and its log's last lines."""
+    import json
+    import time
+
+    from qualify.case.launch import failure_note
+
+    log_path = tmp_path / "launch.log"
+    log_path.write_text(f"line one\n{HOSTILE}\n")
+    note = failure_note(tmp_path, log_path, 1)  # no recorded exception: the log's tail
+    assert not any(c in note for c in "\x1b\x07\r\x08\x7f\x9b\u202e") and "\\x1b[2J" in note
+    assert note.splitlines()[1:] == ["line one", "boom\\x1b[2J\\x1b]0;pwned\\x07 ",  # a log's CR ends its line
+                                     "\\x08\\x7f\\x9b\\u202etxt.exe\\u2066 end", "next\tcol"]
+    (tmp_path / "failure-rank0.json").write_text(json.dumps({"rank": 0, "type": "Runtime\x1bError",
+                                                             "message": HOSTILE, "time": time.time()}))
+    note = failure_note(tmp_path, log_path, 1)
+    assert note.startswith("Runtime\\x1bError: boom\\x1b[2J") and "\n" not in note and "\x1b" not in note

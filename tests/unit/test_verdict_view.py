@@ -48,3 +48,19 @@ def test_a_case_that_did_not_run_shows_its_note_whole():
     text = out.getvalue()
     assert ("did not run: ContractError: engine c: objective()'s output ratio_BT is [bad] (rank 0); log "
             "/x/launch.log") in text
+
+
+def test_an_engines_control_characters_are_shown_escaped():
+    """Terminal injection: an engine's exception (the 'did not run' note) and a tensor name it exported are printed
+    with their control characters escaped, never raw."""
+    rows = [Row("c-fp32-tp1-actor", "actor", "run", "case", "exit", 1.0, 0.0, False,
+                "RuntimeError: \x1b[2J\x1b]0;pwned\x07 wiped\u202e (rank 0)\nsecond line"),
+            Row("d-fp32-tp1-actor", "actor", "vs ref fp32-r0 [fp32-repeat]", "step0/grads/w\x1b[8m", "max_abs", 2.0,
+                1.0, False, step=0)]
+    doc = make_verdict(VERDICT_SCHEMA, "m", rows, ["c-fp32-tp1-actor", "d-fp32-tp1-actor"]).to_json()
+    out = io.StringIO()
+    render_verdict(doc, Console(file=out, width=400, highlight=False))
+    text = out.getvalue()
+    assert not any(c in text for c in "\x1b\x07\u202e"), repr(text)
+    assert "did not run: RuntimeError: \\x1b[2J\\x1b]0;pwned\\x07 wiped\\u202e (rank 0)" in text
+    assert "w\\x1b[8m" in text

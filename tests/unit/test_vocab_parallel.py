@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from qualify.ppo.grpo import (
-    count_normalizers,
     dp_slices,
     group_advantages,
     group_stats,
@@ -16,6 +15,7 @@ from qualify.ppo.grpo import (
     token_advantages,
 )
 from qualify.ppo.logprob import naive_sampler_logprobs
+from qualify.ppo.share import count_normalizers
 from qualify.ppo.vocab_parallel import (
     merge_partials,
     tile_partials,
