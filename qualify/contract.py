@@ -63,6 +63,9 @@ class Contract:
     """'k1', 'k2' or 'k3'."""
     group_size: int = 1
     """GRPO responses per prompt (1 for PPO)."""
+    pack_tokens: int | None = None
+    """token budget of a packed micro-batch, None for padded batches: ranks that pack otherwise feed collectives of
+    other shapes."""
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:

@@ -99,7 +99,8 @@ def verified_reference(layout: RunLayout) -> tuple[dict[str, Any], Any]:
         raise EvidenceError(f"the matrix snapshot {layout.matrix_snapshot / 'matrix.json'} is not the file sealed as "
                             f"{sealed_as}: it was changed and sealed again")
     matrix = from_dict(Matrix, read_json(layout.matrix_snapshot / "matrix.json"), str(layout.matrix_snapshot))
-    declared = [c.name for c in controls_of(matrix.reference, matrix.candidates.tp)]
+    declared = [c.name for c in controls_of(matrix.reference, matrix.candidates.tp,
+                                               matrix.candidates.pack_tokens)]
     if summary["controls"] != declared:  # the list is the sealed snapshot's; reference.json is only checked against it
         raise EvidenceError(f"{layout.reference_summary} lists controls {summary['controls']}, but the sealed matrix "
                             f"snapshot declares {declared}: the summary was changed, or made from another matrix")

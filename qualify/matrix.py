@@ -22,7 +22,7 @@ from qualify.waivers import WAIVABLE, unknown_checks
 Precision = Literal["fp32", "bf16"]
 Role = Literal["actor", "critic"]
 Perturbation = Literal["microbatch_split", "batch_order", "attn_impl", "tp_split", "fused_projections",
-                       "optimizer_order", "fused_adam", "fused_norm", "combined"]
+                       "optimizer_order", "fused_adam", "fused_norm", "packed", "combined"]
 TokenNormalizer = Literal["global", "per_sequence", "constant"]
 Topology = Literal["dedicated", "shared"]
 LogprobFormula = Literal["full", "processed"]
@@ -31,6 +31,7 @@ Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_n
 KLEstimator = Literal["k1", "k2", "k3", "k3_ratio"]
 ClipFrac = Literal["loss_weighted", "token_mean"]
 StdEstimator = Literal["population", "unbiased"]
+Packing = Literal["padded", "packed"]
 PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16")
 METRIC_KINDS = ("logprob", "value", "loss", "grad", "grad_norm", "update", "target", "relative")
 MAX_SEED = 2**63 - 1
@@ -45,6 +46,12 @@ DEEPSPEED_ENGINES = ("deepspeed", "deepspeed-zero1", "deepspeed-zero2", "deepspe
 """DeepSpeed at ZeRO stage 0 (plain deepspeed) to 3, the stage each one's index: one adapter, the stage its setting."""
 MEGATRON_ENGINES = ("megatron", "megatron-distopt")
 """Megatron without and with its distributed optimizer: one adapter, the optimizer its setting."""
+_MEGATRON_UNPACKED = ("megatron-core's local layer spec (no Transformer Engine) attends with DotProductAttention, which "
+                      "refuses packed sequences (its THD format, PackedSeqParams with cu_seqlens, needs "
+                      "TEDotProductAttention)")
+UNPACKED_ENGINES = {name: _MEGATRON_UNPACKED for name in MEGATRON_ENGINES}
+"""Built-in engines that cannot take packed batches, and why (a plugin says it can with a class attribute packed = True:
+qualify.engines.base.TrainEngine)."""
 
 
 def engine_name_problem(name: str) -> str | None:
@@ -447,6 +454,9 @@ class Reference:
     apex's and Transformer Engine's FusedAdam, which Megatron steps: the decay folded into the update and the parameter
     rounded once, a shift common to every entry that bias and norm-weight gradients sum whole), fused_norm (each
     RMSNorm as one fused kernel, F.rms_norm, rounding once, as Megatron, apex and Transformer Engine compute it),
+    packed (each step's rows packed into micro-batches of candidates.pack_tokens tokens, as a packed case trains on
+    them: position ids restarting per sample, attention within each sample, gradients accumulated over the
+    micro-batches with the step's normalizers; qualify.case.packing; required when candidates.packing lists packed),
     combined (one more control with every other listed perturbation at once, tp_split at the largest candidates.tp
     degree, of two optimizer forms the one listed last: an engine differs from the reference in several of these ways
     together, and its error is their sum, which no single control samples; needs at least two others)."""
@@ -551,6 +561,13 @@ class Candidates:
     max_ranks: int | None = None
     """Leave out the cases whose tp x dp exceeds this (2 on a 2-core machine keeps TP1xDP2 and TP2xDP1 and drops
     TP2xDP2); unset: every combination runs."""
+    packing: tuple[Packing, ...] = ("padded",)
+    """Batch layouts the cases train on: 'padded' (right-padded (B, T) rows) and 'packed' (remove-padding: each
+    micro-batch's whole samples concatenated into one row, position ids restarting per sample, cu_seqlens;
+    qualify.case.packing), judged against the same reference and bounds; a packed case is named ...-packed-<role>."""
+    pack_tokens: int | None = None
+    """Token budget of one packed micro-batch (prompt and response tokens of whole samples, greedy in row order):
+    required when packing lists packed or reference.perturbations lists packed."""
     roles: tuple[Role, ...] = ("actor", "critic")
     """Roles."""
     topologies: tuple[Topology, ...] = ("dedicated",)
@@ -584,7 +601,7 @@ class Candidates:
     the waiver beside the verdict; without the waiver the row fails."""
 
     def __post_init__(self) -> None:
-        for name in ("engines", "precisions", "tp", "dp", "roles", "topologies"):
+        for name in ("engines", "precisions", "tp", "dp", "packing", "roles", "topologies"):
             _distinct(name, getattr(self, name))
         for engine in self.engines:
             problem = engine_name_problem(engine)
@@ -612,10 +629,22 @@ class Candidates:
         if bad:
             raise ValueError(f"determinism must be 'bitwise' or 'bounded' per engine, got {', '.join(bad)}")
         self.check_waivers()
+        self.check_packing()
         if self.max_ranks is not None and self.max_ranks < min(self.tp) * min(self.dp):
             raise ValueError(f"max_ranks {self.max_ranks} leaves no case (the smallest is tp {min(self.tp)} x dp "
                              f"{min(self.dp)})")
 
+
+    def check_packing(self) -> None:
+        """pack_tokens is a positive budget; packed cases are refused for the built-in engines that cannot take them."""
+        if self.pack_tokens is not None and self.pack_tokens < 1:
+            raise ValueError(f"pack_tokens must be >= 1 or null, got {self.pack_tokens}")
+        if "packed" in self.packing and self.pack_tokens is None:
+            raise ValueError("packing lists packed: pack_tokens (the token budget of a packed micro-batch) is required")
+        for engine in self.engines if "packed" in self.packing else ():
+            if engine in UNPACKED_ENGINES:
+                raise ValueError(f"packing lists packed, which engine {engine} cannot take: {UNPACKED_ENGINES[engine]}; "
+                                 "give it a matrix with packing [padded]")
 
     def check_waivers(self) -> None:
         """waive names engines of engines, and waivable checks (qualify.waivers.WAIVABLE), each once per engine."""
@@ -680,13 +709,16 @@ class Case:
     tp: int
     role: Role
     dp: int = 1
+    packing: Packing = "padded"
 
     @property
     def name(self) -> str:
-        """engine-precision-tp<N>[-dp<M>]-role: the DP degree appears only above 1, so DP1 names stay as they were."""
+        """engine-precision-tp<N>[-dp<M>][-packed]-role: the DP degree appears only above 1 and the packing only when
+        packed, so DP1 padded names stay as they were."""
         safe = self.engine.replace(":", "-").replace(".", "-")
         dp = f"-dp{self.dp}" if self.dp > 1 else ""
-        return f"{safe}-{self.precision}-tp{self.tp}{dp}-{self.role}"
+        packed = "-packed" if self.packing == "packed" else ""
+        return f"{safe}-{self.precision}-tp{self.tp}{dp}{packed}-{self.role}"
 
     @property
     def world_size(self) -> int:
@@ -774,6 +806,7 @@ class Matrix:
             raise ValueError("reference.precisions must be [fp32, bf16]: the bound families need both")
         self._check_algorithm()
         self._check_required_branches()
+        self._check_packing()
         if self.ppo.entropy_coef > 0 and self.candidates.vocab_tile is not None:
             raise ValueError(f"ppo.entropy_coef {self.ppo.entropy_coef} with candidates.vocab_tile "
                              f"{self.candidates.vocab_tile}: the vocab-parallel logprob path computes no entropy; "
@@ -815,6 +848,27 @@ class Matrix:
             if never.get(branch):
                 raise ValueError(f"freeze.require lists {branch}, which no reference of this matrix can exercise: "
                                  f"{BRANCHES[branch]}")
+
+    def _check_packing(self) -> None:
+        """Packed cases need the reference's packed control (what packing changes enters the bounds through it, never
+        a wider tolerance); its budget is candidates.pack_tokens, which every sample must fit (samples are never
+        split); a MoE family's routes are not replayed in the packed layout."""
+        c, r = self.candidates, self.rollout
+        packed_cases, packed_control = "packed" in c.packing, "packed" in self.reference.perturbations
+        if packed_cases and not packed_control:
+            raise ValueError("candidates.packing lists packed: reference.perturbations must list packed, the control "
+                             "that samples what packing legitimately changes (attention shapes, micro-batching)")
+        if packed_control and c.pack_tokens is None:
+            raise ValueError("reference.perturbations lists packed: candidates.pack_tokens (the token budget of a "
+                             "packed micro-batch) is required")
+        longest = r.prompt_len + r.max_new_tokens
+        if c.pack_tokens is not None and r.prompts_file is None and c.pack_tokens < longest:
+            raise ValueError(f"candidates.pack_tokens {c.pack_tokens} is less than the longest sample, rollout.prompt_len "
+                             f"{r.prompt_len} + max_new_tokens {r.max_new_tokens} = {longest} tokens (a sample is "
+                             "never split)")
+        if (packed_cases or packed_control) and r.routing is not None:
+            raise ValueError("packed batches are not built for a MoE family (rollout.routing): its routes are "
+                             "replayed in the padded layout only")
 
     def _check_algorithm(self) -> None:
         """GRPO: its section, no critic, whole groups in every minibatch, one seed per response."""
@@ -864,10 +918,11 @@ class Matrix:
         return self.objective.roles
 
     def cases(self) -> list[Case]:
-        """Every case of the candidate matrix, in a stable order (DP degrees after TP's, DP1 first)."""
+        """Every case of the candidate matrix, in a stable order (DP degrees after TP's, DP1 first; each layout of
+        candidates.packing after the DP degree, in its order)."""
         c = self.candidates
-        return [Case(engine=e, precision=p, tp=t, role=r, dp=d)
-                for e, p, t, d, r in itertools.product(c.engines, c.precisions, c.tp, c.dp, c.roles)
+        return [Case(engine=e, precision=p, tp=t, role=r, dp=d, packing=k)
+                for e, p, t, d, k, r in itertools.product(c.engines, c.precisions, c.tp, c.dp, c.packing, c.roles)
                 if c.max_ranks is None or t * d <= c.max_ranks]
 
     def resolve(self, path: str) -> Path:

@@ -100,10 +100,13 @@ def unfinished_line(entry: dict[str, str]) -> str:
 
 
 def case_axes(name: str) -> dict[str, Any]:
-    """engine, precision, tp and role of a case name (empty for a name that is not one)."""
+    """engine, precision, tp and role of a case name (empty for a name that is not one), and its packing where the
+    name says packed."""
     m = CASE_NAME.match(name)
-    return {} if m is None else {"engine": m["engine"], "precision": m["precision"], "tp": int(m["tp"]),
-                                 "role": m["role"]}
+    if m is None:
+        return {}
+    packed = {"packing": m["packing"]} if m["packing"] else {}
+    return {"engine": m["engine"], "precision": m["precision"], "tp": int(m["tp"]), "role": m["role"]} | packed
 
 
 def _case_summary(name: str, c: dict[str, Any]) -> dict[str, Any]:

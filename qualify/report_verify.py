@@ -23,7 +23,7 @@ from qualify.layout import WORK_SUFFIX, RunLayout
 from qualify.stages import Sealed, check_sealed_all, stage_is_complete
 
 CASE_NAME = re.compile(r"^(?P<engine>.+)-(?P<precision>fp32|bf16)-tp(?P<tp>[1-9][0-9]*)(?:-dp(?P<dp>[2-9]|[1-9][0-9]+))?"
-                       r"-(?P<role>actor|critic)$")
+                       r"(?:-(?P<packing>packed))?-(?P<role>actor|critic)$")
 VERDICT_SCHEMA = "qualify.verdict/1"
 ROW_KEYS = ("case", "role", "comparison", "tensor", "metric", "value", "bound", "passed")
 REL_TOL = 1e-9  # judged again in the same float64 arithmetic; only the JSON round trip may differ
@@ -107,7 +107,7 @@ def row_problems(row: Any, index: int, cases: dict[str, Any]) -> list[str]:
 def case_problems(name: str, summary: Any, rows: list[dict[str, Any]]) -> list[str]:
     """A case's summary agrees with its rows."""
     if not CASE_NAME.match(name):
-        return [f"verdict case {name!r} is not an <engine>-<precision>-tp<N>[-dp<M>]-<role> name"]
+        return [f"verdict case {name!r} is not an <engine>-<precision>-tp<N>[-dp<M>][-packed]-<role> name"]
     num_failed = sum(not r["passed"] for r in rows)
     if (summary["passed"] is not (bool(rows) and num_failed == 0) or summary["num_checks"] != len(rows)
             or summary["num_failed"] != num_failed):
@@ -246,7 +246,7 @@ def sealed_problems(layout: RunLayout, acceptance: dict[str, Any], names: list[s
 
 def spec_problems(name: str, where: Path) -> list[str]:
     """The case's sealed meta.json (its digest is in the seal) records the spec the evidence was made from: the case
-    that spec names (engine, precision, TP, DP, role) must be this one (another case's evidence copied over it is
+    that spec names (engine, precision, TP, DP, packing, role) must be this one (another case's evidence copied over it is
     not)."""
     from qualify.matrix import Case
     from qualify.store import read_json
@@ -254,7 +254,7 @@ def spec_problems(name: str, where: Path) -> list[str]:
     try:
         spec = read_json(where / "meta.json").get("case", {})
         made = Case(engine=spec["engine"], precision=spec["precision"], tp=int(spec["tp"]), role=spec["role"],
-                    dp=int(spec.get("dp", 1)))
+                    dp=int(spec.get("dp", 1)), packing=spec.get("packing", "padded"))
     except (QualifyError, AttributeError, KeyError, TypeError, ValueError):
         return [f"case {name}: its sealed meta.json does not record the spec it was run from"]
     if made.name != name or spec.get("name") != name:
@@ -313,7 +313,7 @@ def rejudge_problems(layout: RunLayout, reference: dict[str, Any], acceptance: d
         parts = CASE_NAME.match(name)
         assert parts is not None  # checked by case_problems
         case = Case(engine=parts["engine"], precision=parts["precision"], tp=int(parts["tp"]), role=parts["role"],
-                    dp=int(parts["dp"] or 1))
+                    dp=int(parts["dp"] or 1), packing=parts["packing"] or "padded")
         if case.role not in befores:
             befores[case.role] = initial_parameters(models[case.role])
         try:

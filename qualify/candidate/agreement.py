@@ -13,7 +13,8 @@ COMPUTE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 def case_contract(spec: Any) -> Contract:
     """The contract a case's spec declares: algorithm and normalizer (GRPO's aggregation and constant, or PPO's token
-    normalizer), vocabulary (padded to a multiple of TP), TP x DP layout, dtypes, logprob chunking, temperature, KL."""
+    normalizer), vocabulary (padded to a multiple of TP), TP x DP layout, dtypes, logprob chunking, temperature, KL,
+    packing budget."""
     grpo, ppo = spec.grpo, spec.ppo
     vocab = spec.vocab_size
     return Contract(
@@ -25,7 +26,7 @@ def case_contract(spec: Any) -> Contract:
         logprob_chunk_tokens=spec.logprob_chunk_tokens, vocab_tile_size=spec.vocab_tile, temperature=spec.temperature,
         kl_coef=ppo.kl_coef if grpo is None else grpo.kl_coef,
         kl_estimator="k1" if grpo is None else grpo.kl_estimator,
-        group_size=1 if grpo is None else grpo.group_size)
+        group_size=1 if grpo is None else grpo.group_size, pack_tokens=spec.pack_tokens)
 
 
 def agree_case(spec: Any, rank: int) -> str:

@@ -50,23 +50,25 @@ def _params(signature: inspect.Signature) -> str:
                      for p in signature.parameters.values())
 
 
-def check_objective_signature(engine: Any, name: str, grpo: bool, dp: int = 1) -> bool:
+def check_objective_signature(engine: Any, name: str, grpo: bool, dp: int = 1, packed: bool = False) -> bool:
     """Whether an engine's own objective() is given share= (the rank's share of the step: qualify.ppo.objective's
-    GRPOShare or PPOShare). Under GRPO it is called with grpo= and share=, and under PPO at DP > 1 with share= (its
-    loss must be divided by the step's normalizers, summed over the DP ranks): refuse one that cannot take them. A
-    PPO objective without share= is called without it at DP1 (the rows are the whole step)."""
+    GRPOShare or PPOShare). Under GRPO it is called with grpo= and share=, and under PPO at DP > 1 or packed (each
+    micro-batch a slice of the step) with share= (its loss must be divided by the step's normalizers, summed over the
+    DP ranks): refuse one that cannot take them. A PPO objective without share= is called without it at DP1 padded
+    (the rows are the whole step)."""
     own = getattr(engine, "objective", None)
     signature = None if own is None else _signature(own)
     if signature is None:  # nothing to inspect: given what the case needs, and the call itself says
-        return own is not None and (grpo or dp > 1)
+        return own is not None and (grpo or dp > 1 or packed)
     if grpo and not _takes(signature, grpo=None, share=None):
         raise ContractError(f"engine {name}: objective({_params(signature)}) cannot take grpo= and share=; under "
                             "GRPO it is called as objective(role, ppo, scores_BT, response_mask_BT, targets, *, "
                             "grpo, share)")
     if grpo or _takes(signature, share=None):
         return True
-    if dp > 1:
-        raise ContractError(f"engine {name}: objective({_params(signature)}) cannot take share=; under PPO at DP {dp} "
+    if dp > 1 or packed:
+        where = f"at DP {dp}" if dp > 1 else "packed (each micro-batch a slice of the step)"
+        raise ContractError(f"engine {name}: objective({_params(signature)}) cannot take share=; under PPO {where} "
                             "it is called as objective(role, ppo, scores_BT, response_mask_BT, targets, *, share) "
                             "and divides by share.normalizers, the step's counts over every DP rank")
     return False

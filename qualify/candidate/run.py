@@ -62,10 +62,16 @@ def require_frozen_matrix(matrix: Matrix, layout: RunLayout) -> None:
     snapshot = layout.matrix_snapshot / "matrix.json"
     if not snapshot.is_file():
         raise EvidenceError(f"no matrix snapshot at {snapshot}: the reference predates it; rerun 'qualify reference'")
-    changed = frozen_field_differences(read_snapshot(snapshot), to_dict(matrix))
+    frozen = read_snapshot(snapshot)
+    changed = frozen_field_differences(frozen, to_dict(matrix))
     if changed:
         raise QualifyError(f"the matrix differs from the one frozen in the acceptance: {'; '.join(changed[:3])}"
                            f"{' ...' if len(changed) > 3 else ''} (only 'candidates' may change after a freeze)")
+    budget = frozen.get("candidates", {}).get("pack_tokens")
+    if "packed" in matrix.candidates.packing and matrix.candidates.pack_tokens != budget:
+        raise QualifyError(f"candidates.pack_tokens {matrix.candidates.pack_tokens} is not {budget}, the budget the "
+                           "reference's packed control was scored with (frozen in the matrix snapshot): packed cases "
+                           "are judged against bounds of their own layout")
 
 
 def check_engines(candidates: Candidates, source: str) -> None:
@@ -308,7 +314,7 @@ def judge_case(ctx: ScoringContext, case: Case, bounds: dict, before: dict, veri
                        inputs.masks[0], read_json(layout.rollout(ctx.primary_tp) / "rollout.json").get("prefill_vs_decode"))
     rows += evidence_rows(case.name, case.role, cand[0].meta)
     rows += precision_rows(case.name, case.role, cand, own_ref)
-    # TPn against TP1 and DPn against DP1 (the same case at the lower degree), when that case ran
+    # TPn against TP1, DPn against DP1 (the same case at the lower degree) and packed against padded, when that case ran
     bitwise = cand[0].meta.get("case", {}).get("determinism") == "bitwise"
     for axis, base in invariance_bases(case):
         if not (base.name in verified or stage_is_complete(layout.case(base.name))):
@@ -324,7 +330,7 @@ def judge_case(ctx: ScoringContext, case: Case, bounds: dict, before: dict, veri
                                      f"two cases decided differently at step {same}, each is compared with the "
                                      f"reference replayed on its own decisions")
                      for r in decision_rows(case.name, case.role, comparison, mine, theirs, fam, steps=same + 1)[-1:]]
-        if bitwise:
+        if bitwise and axis != "padded":  # the declaration is across TP x DP; packing is another layout
             rows += bitwise_rows(case.name, case.role, axis, cand, base_steps)
     if resident.device is not None:  # the case's decoded tensors held there (qualify.tensor_codec): no longer read
         release_decoded(resident.device)
@@ -332,9 +338,10 @@ def judge_case(ctx: ScoringContext, case: Case, bounds: dict, before: dict, veri
 
 
 def invariance_bases(case: Case) -> list[tuple[str, Case]]:
-    """('tp1', the case at TP1) when TP > 1 and ('dp1', the case at DP1) when DP > 1."""
-    return [(axis, base) for axis, base in (("tp1", replace(case, tp=1)), ("dp1", replace(case, dp=1)))
-            if base != case]
+    """('tp1', the case at TP1) when TP > 1, ('dp1', the case at DP1) when DP > 1 and ('padded', the case padded) when
+    packed."""
+    return [(axis, base) for axis, base in (("tp1", replace(case, tp=1)), ("dp1", replace(case, dp=1)),
+                                            ("padded", replace(case, packing="padded"))) if base != case]
 
 
 def case_invariance(layout: RunLayout, case: Case, rows: list[Row]) -> dict[str, Any]:

@@ -29,6 +29,13 @@ from qualify.candidate.imported import record as record_imported
 from qualify.candidate.layer_probe import merge_ranks as merge_layer_ranks
 from qualify.candidate.layer_probe import probe_rollout_layers
 from qualify.candidate.layout_probe import merge_ranks, probe_layouts
+from qualify.candidate.packed import (
+    merge_microbatches,
+    micro_batches_of_step,
+    micro_share,
+    require_packed,
+    worst_token,
+)
 from qualify.candidate.padding import exposed_rows, padding_found
 from qualify.candidate.plugin_contract import (
     ContractError,
@@ -38,8 +45,9 @@ from qualify.candidate.plugin_contract import (
     check_outputs,
 )
 from qualify.candidate.routing_rows import replay_check
-from qualify.case.context import Batch
+from qualify.case.context import Batch, PackedBatch
 from qualify.case.launch import record_failure
+from qualify.case.packing import pack_batch, sample_lengths, unpack
 from qualify.case.ranks import init_distributed
 from qualify.case.spec import CaseSpec, case_batch, engine_context, read_spec
 from qualify.compare import step_dir, write_step
@@ -65,7 +73,8 @@ from qualify.versions import provenance
 
 
 def objective(engine: Any, spec: CaseSpec, scores_BT: torch.Tensor, batch: Batch, targets: dict[str, torch.Tensor],
-              share: Any = None, gives_share: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              share: Any = None, gives_share: bool = True,
+              packed: PackedBatch | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The role's loss and judged outputs: the engine's own objective when it brings one, else the harness's.
 
     An engine qualifies its own loss code (normalizer, masking, clipping, KL placement) by implementing
@@ -73,14 +82,15 @@ def objective(engine: Any, spec: CaseSpec, scores_BT: torch.Tensor, batch: Batch
     names as qualify.ppo.objective.role_objective; it is also given share= (this rank's share of the step:
     qualify.ppo.objective.PPOShare, the step's global normalizers; GRPOShare, also the rank's advantages) where
     gives_share (qualify.candidate.plugin_contract.check_objective_signature), and under GRPO grpo= (the matrix's
-    section).
+    section). packed: the micro-batch of a packed case the scores were unpacked from (its entropy is unpacked alike).
     """
     own = getattr(engine, "objective", None)
     given = {} if spec.grpo is None else {"grpo": spec.grpo}
     ours = given | {"share": share}
     if own is None:
         return role_objective(spec.role, spec.ppo, scores_BT, batch.response_mask_BT, targets, **ours,
-                              entropy_BT=policy_entropy(engine, spec, required=True))
+                              entropy_BT=policy_entropy(engine, spec, required=True, packed=packed,
+                                                         seq_len=scores_BT.shape[1]))
     result = own(spec.role, spec.ppo, scores_BT, batch.response_mask_BT, targets, **(ours if gives_share else given))
     if not isinstance(result, tuple) or len(result) != 2:
         raise ContractError(f"engine {spec.engine}: objective() returned {type(result).__name__}; expected a pair "
@@ -88,7 +98,8 @@ def objective(engine: Any, spec: CaseSpec, scores_BT: torch.Tensor, batch: Batch
     loss, outputs = result
     check_loss(spec.engine, loss)
     with torch.no_grad():  # what the harness's own objective gives for the same inputs: names, shapes, masking
-        entropy_BT = policy_entropy(engine, spec, required=False)  # an own objective may compute its own entropy
+        # an own objective may compute its own entropy
+        entropy_BT = policy_entropy(engine, spec, required=False, packed=packed, seq_len=scores_BT.shape[1])
         if entropy_BT is None and spec.role == "actor" and spec.ppo.entropy_coef > 0:
             entropy_BT = torch.zeros_like(scores_BT)  # only the outputs' names and shapes are read
         _, expected = role_objective(spec.role, spec.ppo, scores_BT.detach(), batch.response_mask_BT, targets, **ours,
@@ -97,9 +108,11 @@ def objective(engine: Any, spec: CaseSpec, scores_BT: torch.Tensor, batch: Batch
     return loss, outputs
 
 
-def policy_entropy(engine: Any, spec: CaseSpec, required: bool) -> torch.Tensor | None:
+def policy_entropy(engine: Any, spec: CaseSpec, required: bool, packed: PackedBatch | None = None,
+                   seq_len: int = 0) -> torch.Tensor | None:
     """The actor's entropy per token from the forward score() just ran (the engine's entropy() hook, differentiable)
-    when the matrix has an entropy bonus; None otherwise. required: an engine without it is refused in one line."""
+    when the matrix has an entropy bonus; None otherwise. required: an engine without it is refused in one line.
+    packed: the packed micro-batch score() ran on, whose (1, N) entropy is unpacked to its rows (seq_len positions)."""
     if spec.role != "actor" or spec.ppo.entropy_coef == 0:
         return None
     hook = getattr(engine, "entropy", None)
@@ -108,6 +121,8 @@ def policy_entropy(engine: Any, spec: CaseSpec, required: bool) -> torch.Tensor 
         raise EngineError(f"engine {spec.engine}: ppo.entropy_coef {spec.ppo.entropy_coef} needs the entropy of the "
                           "policy from the forward score() ran, and the engine has no entropy() hook (or it gave none); "
                           "see qualify.engines.base.TrainEngine")
+    if entropy_BT is not None and packed is not None:
+        entropy_BT = unpack(entropy_BT, packed, seq_len)
     return entropy_BT
 
 
@@ -122,12 +137,16 @@ def step_share(spec: CaseSpec, targets: dict[str, torch.Tensor], mask_BT: torch.
     return grpo_dp_share(spec.grpo, targets["score_B"], mask_BT, offset, group)
 
 
-def report_logprobs(engine: Any, outputs: dict[str, torch.Tensor], batch: Batch) -> None:
+def report_logprobs(engine: Any, outputs: dict[str, torch.Tensor], batch: Batch,
+                    packed: PackedBatch | None = None) -> None:
     """The judged logprobs are the engine's in its declared formula when its logprobs() hook gives them (the
-    loss was built from score()'s full formula either way); response positions only, 0 elsewhere."""
+    loss was built from score()'s full formula either way); response positions only, 0 elsewhere. packed: the
+    micro-batch the hook's (1, N) logprobs are of (batch: its rows)."""
     hook = getattr(engine, "logprobs", None)
     declared_BT = hook() if hook is not None and "logprobs_BT" in outputs else None
     if declared_BT is not None:
+        if packed is not None:
+            declared_BT = unpack(declared_BT.float().cpu(), packed, batch.input_ids_BT.shape[1])
         mask_BT = batch.response_mask_BT
         outputs["logprobs_BT"] = torch.where(mask_BT, declared_BT.float().cpu(), torch.zeros((), dtype=torch.float32))
 
@@ -141,27 +160,54 @@ def reported_router_outputs(engine: Any, spec: CaseSpec) -> dict[str, torch.Tens
 
 
 def own_logits_check(engine: Any, spec: CaseSpec, scores_BT: torch.Tensor, batch: Batch,
-                     offset: int) -> dict[str, Any] | None:
+                     offset: int, packed: PackedBatch | None = None) -> dict[str, Any] | None:
     """The actor's scores against the sampler formula of its own logits (qualify.candidate.derived.sampler_check);
-    None where the engine exposes no logits."""
+    None where the engine exposes no logits. packed: the micro-batch the hook's (1, N, V) logits are of."""
     hook = getattr(engine, "logits", None)
     logits = hook() if spec.role == "actor" and hook is not None else None
     if logits is None:
         return None
+    if packed is not None:
+        logits = unpack(logits, packed, batch.input_ids_BT.shape[1])
     return sampler_check(logits, batch.input_ids_BT, scores_BT, batch.response_mask_BT, spec.temperature,
                          spec.vocab_size, offset)
 
 
 def own_entropy_check(engine: Any, spec: CaseSpec, outputs: dict[str, torch.Tensor], batch: Batch,
-                      offset: int) -> dict[str, Any] | None:
+                      offset: int, packed: PackedBatch | None = None) -> dict[str, Any] | None:
     """With an entropy bonus, the actor's reported entropy against the entropy of its own logits
-    (qualify.candidate.derived.entropy_check); None where the engine exposes no logits."""
+    (qualify.candidate.derived.entropy_check); None where the engine exposes no logits. packed: as own_logits_check."""
     hook = getattr(engine, "logits", None)
     logits = hook() if hook is not None and "entropy_BT" in outputs else None
     if logits is None:
         return None
+    if packed is not None:
+        logits = unpack(logits, packed, batch.input_ids_BT.shape[1])
     return entropy_check(logits, outputs["entropy_BT"], batch.response_mask_BT, spec.temperature, spec.vocab_size,
                          offset)
+
+
+def packed_step(engine: Any, spec: CaseSpec, batch: Batch, lengths_B: torch.Tensor, targets: dict[str, torch.Tensor],
+                share: Any, gives_share: bool, offset: int, first_row: int,
+                group: Any) -> tuple[dict[str, torch.Tensor], Any, Any]:
+    """One step of a packed case on this rank (qualify.candidate.packed): per micro-batch of the rank's rows (the
+    rollout's from first_row, the step's from offset; as many as every rank of the DP group runs), score, unpack, its
+    share of the loss, backward; returns the step's outputs (the loss the shares' sum) and the worst
+    sampler-derivation and entropy-derivation tokens."""
+    T, parts, worst, entropies = batch.input_ids_BT.shape[1], [], [], []
+    count = micro_batches_of_step(lengths_B, spec.pack_tokens, group)
+    for packed in pack_batch(batch, lengths_B, spec.pack_tokens, first_row, count):
+        rows, start = batch.rows(packed.rows_S), offset + int(packed.rows_S[0])
+        scores_BT = unpack(engine.score(packed), packed, T)
+        worst.append(own_logits_check(engine, spec, scores_BT, rows, start, packed))
+        loss, outputs = objective(engine, spec, scores_BT, rows, rows_of(targets, packed.rows_S),
+                                  micro_share(share, packed.rows_S), gives_share, packed)
+        if spec.role == "actor" and spec.ppo.entropy_coef > 0:
+            entropies.append(own_entropy_check(engine, spec, outputs, rows, start, packed))
+        report_logprobs(engine, outputs, rows, packed)
+        engine.backward(loss)
+        parts.append(outputs | {"loss": loss.detach().float()})
+    return merge_microbatches(parts), worst_token(worst), worst_token(entropies)
 
 
 def worst_by_step(by_rank: list[list[dict[str, Any] | None]]) -> list[dict[str, Any]] | None:
@@ -225,7 +271,10 @@ def run_case(spec: CaseSpec, rank: int) -> None:
     ctx = engine_context(spec, rank, work)
     contract = agree_case(spec, rank)  # before the case's first collective: ranks that disagree stop here, named
     group = dp_group(spec.tp, spec.dp, rank)
-    gives_share = check_objective_signature(engine, spec.engine, spec.grpo is not None, spec.dp)
+    gives_share = check_objective_signature(engine, spec.engine, spec.grpo is not None, spec.dp,
+                                            spec.packing == "packed")
+    if spec.packing == "packed":
+        require_packed(engine, spec.engine, spec.name)
     engine.setup(ctx)
     before = initial_parameters(Path(spec.model_dir))
     padded_before = {k: v.detach().clone() for k, v in engine.padded_rows().items()}
@@ -247,17 +296,26 @@ def run_case(spec: CaseSpec, rank: int) -> None:
                 exact_layers = probe_rollout_layers(engine, batch, Path(spec.rollout_dir), rows)
                 phases["layer probe"] = time.monotonic() - probing
         share = step_share(spec, rows_of(targets, rows), batch.response_mask_BT, offset, group)
-        scores_BT = engine.score(batch)
-        sampler.append(own_logits_check(engine, spec, scores_BT, batch, offset))
-        if batch.routes_BTLK is not None:
-            hook = getattr(engine, "routes", None)
-            replayed.append(replay_check(hook() if hook is not None else None, batch.routes_BTLK, offset))
-        loss, outputs = objective(engine, spec, scores_BT, batch, rows_of(targets, rows), share, gives_share)
-        if spec.role == "actor" and spec.ppo.entropy_coef > 0:
-            entropies.append(own_entropy_check(engine, spec, outputs, batch, offset))
-        outputs.update(reported_router_outputs(engine, spec))
-        report_logprobs(engine, outputs, batch)
-        engine.backward(loss)
+        if spec.packing == "packed":
+            lengths_B = sample_lengths(rollout["prompt_mask_BT"][rows], rollout["response_mask_BT"][rows])
+            outputs, worst, entropy = packed_step(engine, spec, batch, lengths_B, rows_of(targets, rows), share,
+                                                  gives_share, offset, rows.start, group)
+            loss = outputs["loss"]
+            sampler.append(worst)
+            if spec.role == "actor" and spec.ppo.entropy_coef > 0:
+                entropies.append(entropy)
+        else:
+            scores_BT = engine.score(batch)
+            sampler.append(own_logits_check(engine, spec, scores_BT, batch, offset))
+            if batch.routes_BTLK is not None:
+                hook = getattr(engine, "routes", None)
+                replayed.append(replay_check(hook() if hook is not None else None, batch.routes_BTLK, offset))
+            loss, outputs = objective(engine, spec, scores_BT, batch, rows_of(targets, rows), share, gives_share)
+            if spec.role == "actor" and spec.ppo.entropy_coef > 0:
+                entropies.append(own_entropy_check(engine, spec, outputs, batch, offset))
+            outputs.update(reported_router_outputs(engine, spec))
+            report_logprobs(engine, outputs, batch)
+            engine.backward(loss)
         grads, grad_dtypes = engine.grads(), engine.grad_dtypes()
         check_grads(spec.engine, grads, grad_dtypes)
         outputs["loss"] = loss.detach().float()

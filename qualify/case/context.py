@@ -1,5 +1,6 @@
-"""What an engine is given: the fixed rollout as model inputs (Batch) and, per case and rank, what it builds its model
-with (EngineContext, made from a case's spec by qualify.case.spec.engine_context alone)."""
+"""What an engine is given: the fixed rollout as model inputs (Batch; a packed case's micro-batches as PackedBatch) and,
+per case and rank, what it builds its model with (EngineContext, made from a case's spec by
+qualify.case.spec.engine_context alone)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,38 @@ class Batch:
         """The batch's rows at index (a slice or an index tensor), routes included."""
         return Batch(input_ids_BT=self.input_ids_BT[index], response_mask_BT=self.response_mask_BT[index],
                      routes_BTLK=None if self.routes_BTLK is None else self.routes_BTLK[index])
+
+
+@dataclass(frozen=True, slots=True)
+class PackedBatch:
+    """One packed micro-batch (remove-padding): whole samples of the batch's rows, their real tokens (prompt then
+    response, no padding) concatenated into one row; qualify.case.packing makes it.
+
+    Sample s is packed tokens [cu_seqlens_S1[s], cu_seqlens_S1[s + 1]); its token j is the token at (rows_S[s], j) of
+    the padded batch it was packed from. An engine's score() of it returns (1, N) fp32, differentiable:
+    logp_1N[0, i] = log p(token i | the earlier tokens of its own sample) (the critic: its value of the state in which
+    token i is emitted), 0 at each sample's first token, which has no context. The harness reads the scores of
+    response tokens only and unpacks them to (row, position).
+    """
+
+    input_ids_1N: torch.Tensor  # (1, N) int64, the samples' real tokens back to back
+    position_ids_1N: torch.Tensor  # (1, N) int64, 0..len-1 within each sample
+    cu_seqlens_S1: torch.Tensor  # (S + 1,) int32, [0, len_0, len_0 + len_1, ..., N]
+    max_seqlen: int
+    """The longest sample's length (flash-attention's varlen kernels take it beside cu_seqlens)."""
+    rows_S: torch.Tensor  # (S,) int64, the row of the padded batch each sample is, in packed order
+    response_mask_1N: torch.Tensor  # (1, N) bool, True on sampled response tokens
+    last: bool = True
+    """The last micro-batch of the optimizer step on this rank: an engine that accumulates gradients over a step's
+    micro-batches reduces them (across TP where needed, summed across DP) after this one's backward()."""
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids_1N.shape[1])
+
+    def sample_starts(self) -> torch.Tensor:
+        """(S,) int64 packed index of each sample's first token."""
+        return self.cu_seqlens_S1[:-1].long()
 
 
 @dataclass(frozen=True, slots=True)

@@ -64,6 +64,11 @@ class CaseSpec:
     waive: tuple[str, ...] = ()
     """candidates.waive of the engine: the checks its case is excused from where they cannot be made (qualify.waivers);
     recorded in the case's sealed meta.json, where the judge reads it."""
+    packing: str = "padded"
+    """The case's batch layout: 'packed' trains on micro-batches of whole samples packed into one row each
+    (qualify.case.packing), 'padded' on the rows as the rollout lays them out."""
+    pack_tokens: int | None = None
+    """candidates.pack_tokens, the token budget of a packed micro-batch (set with packing 'packed')."""
 
     @property
     def world_size(self) -> int:
@@ -75,7 +80,7 @@ class CaseSpec:
         data = to_dict(self)
         for key, default in (("grpo", None), ("dp", 1), ("determinism", "bounded"), ("vocab_tile", None),
                              ("layout_invariant", False), ("routing", None), ("rollout_exact", False),
-                             ("rollout_dtype", None), ("waive", [])):
+                             ("rollout_dtype", None), ("waive", []), ("packing", "padded"), ("pack_tokens", None)):
             if data[key] == default:
                 del data[key]
         data["ppo"] = ppo_as_before(data["ppo"])
@@ -96,7 +101,8 @@ def make_spec(settings: CaseSettings, case: Case, *, model_dir: Path, rollout_di
                     layout_invariant=case.engine in c.layout_invariant, routing=r.routing,
                     rollout_exact=case.engine in c.rollout_exact,
                     rollout_dtype=r.dtype if case.engine in c.rollout_exact else None,
-                    waive=c.waive.get(case.engine, ()))
+                    waive=c.waive.get(case.engine, ()), packing=case.packing,
+                    pack_tokens=c.pack_tokens if case.packing == "packed" else None)
 
 
 def read_spec(path: Path) -> CaseSpec:

@@ -15,13 +15,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Protocol
 
-from qualify.case.context import Batch, EngineContext
+from qualify.case.context import Batch, EngineContext, PackedBatch
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Batch", "EngineContext", "OutputScoring", "TrainEngine"]
-"""Batch and EngineContext live with the case (qualify.case.context); an engine plugin may import them from here."""
+__all__ = ["Batch", "EngineContext", "OutputScoring", "PackedBatch", "TrainEngine"]
+"""Batch, PackedBatch and EngineContext live with the case (qualify.case.context); an engine plugin may import them
+from here."""
 
 
 class OutputScoring:
@@ -54,6 +55,17 @@ class OutputScoring:
         self.last_entropy = None
         return scores_from_outputs(self.ctx.role, out_BTX, ids_BT, self.ctx.temperature,
                                    self.ctx.logprob_chunk_tokens, self.ctx.vocab_size).cpu()
+
+    def packed_scores_from(self, out_1NX: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        """(1, N) fp32 scores on CPU of full outputs (1, N, V or 1) of a packed micro-batch: scores_from over the
+        pack, each sample's first token set to 0 (scored from the previous sample's last token, it has no context in
+        its own); the hooks' logprobs likewise, the logits as computed (1, N, V)."""
+        from qualify.case.packing import zero_sample_starts
+
+        scores_1N = zero_sample_starts(self.scores_from(out_1NX, batch.input_ids_1N), batch)
+        if self.declared_BT is not None:
+            self.declared_BT = zero_sample_starts(self.declared_BT, batch)
+        return scores_1N
 
     @contextmanager
     def routed(self, model: torch.nn.Module, batch: Batch) -> Iterator[None]:
@@ -109,10 +121,13 @@ class TrainEngine(Protocol):
         """Load the HF checkpoint with TP sharding in ctx.precision and build the optimizer."""
 
     def score(self, batch: Batch) -> torch.Tensor:
-        """(B, T) fp32, differentiable: actor logprobs by the sampler formula, or critic values."""
+        """(B, T) fp32, differentiable: actor logprobs by the sampler formula, or critic values. An engine that
+        declares packed = True also takes a PackedBatch and returns (1, N) (qualify.case.context.PackedBatch)."""
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate loss into the engine's FP32 gradient buffers (reduced across TP where needed)."""
+        """Backpropagate loss into the engine's FP32 gradient buffers (reduced across TP where needed). In a packed
+        case it is called once per micro-batch, after that micro-batch's score(): the engine accumulates, and reduces
+        after the backward of the micro-batch marked last (PackedBatch.last)."""
 
     def grads(self) -> dict[str, torch.Tensor]:
         """Full FP32 gradients in HF names, as held before clipping."""
@@ -141,6 +156,13 @@ class TrainEngine(Protocol):
     def close(self) -> None:
         """Release process groups and engine resources."""
 
+    # Optional: an engine that takes packed batches (candidates.packing: packed) says so with a class attribute
+    #   packed = True
+    # its score() then also takes a PackedBatch (one micro-batch of whole samples, padding removed, position ids
+    # restarting per sample, cu_seqlens) and returns (1, N) per-token scores, and its backward() accumulates over
+    # the step's micro-batches (docs/plugins.md, "Packed batches"). Its logprobs() and logits() hooks report the
+    # last micro-batch's (1, N) and (1, N, V), which the harness unpacks like the scores. Without it a packed case
+    # of the engine is refused.
     # Optional: an engine whose reported logprobs are not score()'s own values implements
     #   logprobs() -> Tensor | None
     # the (B, T) fp32 logprobs of the last score()'s tokens in ctx.logprob_formula (qualify.models.hf.declared_logprobs

@@ -38,6 +38,9 @@ Traps handled here (each a class attribute, so that a test can put it back and s
   parameters, not on their gradients: the sharded gradients of ranks > 0 drop out of the norm and
   the clip uses a norm too small (2.17 for 2.71). The sharded parameters' gradients get the mark.
 step() returns the norm DeepSpeed clipped with and logs when it differs from the exported gradients'.
+A packed micro-batch (qualify.case.context.PackedBatch) is scored through transformers' packed position_ids path, as
+torch-tp scores it; DeepSpeed accumulates a step's micro-batches with its own accumulation boundary
+(set_gradient_accumulation_boundary: False before the step's last micro-batch, whose backward reduces across DP).
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qualify.engines.base import Batch, EngineContext, OutputScoring
+from qualify.engines.base import Batch, EngineContext, OutputScoring, PackedBatch
 from qualify.engines.deepspeed_zero import ZERO_STAGES, accumulation_dtype, incomplete_state, zero_config
 from qualify.engines.shard_coverage import complete_state
 from qualify.errors import EngineError
@@ -126,6 +129,8 @@ class DeepSpeedEngine(OutputScoring):
     """bf16, ZeRO-0: False keeps the AdamW state of DeepSpeed's zero-gradient step at construction."""
     mark_sharded_grads = True
     """bf16, ZeRO-0, TP > 1: False lets DeepSpeed's norm drop the sharded gradients of TP ranks > 0."""
+    packed = True
+    """Takes packed batches (see the module docstring)."""
 
     def __init__(self, zero_stage: int = 0) -> None:
         if zero_stage not in (0, *ZERO_STAGES):
@@ -253,8 +258,14 @@ class DeepSpeedEngine(OutputScoring):
             local = gather_dim(local, *self.layout[name], group=self.tp_group)
         return local.detach().to("cpu", copy=True)
 
-    def score(self, batch: Batch) -> torch.Tensor:
+    def score(self, batch: Batch | PackedBatch) -> torch.Tensor:
         device = next(self.engine.module.parameters()).device
+        # the step's last micro-batch (every padded batch is one) is DeepSpeed's accumulation boundary
+        self.engine.set_gradient_accumulation_boundary(not isinstance(batch, PackedBatch) or batch.last)
+        if isinstance(batch, PackedBatch):
+            ids_1N, pos_1N = batch.input_ids_1N.to(device), batch.position_ids_1N.to(device)
+            return self.packed_scores_from(self.engine(input_ids=ids_1N, position_ids=pos_1N, use_cache=False).logits,
+                                           batch)
         ids_BT = batch.input_ids_BT.to(device)
         with self.routed(self.engine.module, batch):  # routes afresh: this engine does not replay a rollout's
             logits = self.engine(input_ids=ids_BT, use_cache=False).logits

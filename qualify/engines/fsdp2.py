@@ -17,6 +17,9 @@ _fsdp_collectives._get_gradient_divide_factors). q_norm and k_norm act on each T
 gradients are partial sums over TP: all-reduced over the 'tp' dimension after the backward, as torch-tp does.
 A parameter is used in the next forward only as FSDP2 gathers it again from the stepped shards (the default
 reshard after forward and after backward); no unsharded copy outlives a step.
+Packed micro-batches are scored as torch-tp scores them; the backward of every one but the step's last runs with
+set_requires_gradient_sync(False), so FSDP2 accumulates the unsharded gradients (in reduce_dtype) and reduce-scatters
+their sum once, after the last.
 """
 
 from __future__ import annotations
@@ -93,7 +96,11 @@ class FSDP2Engine(TorchTPEngine):
                                            weight_decay=o.weight_decay, foreach=False)
 
     def backward(self, loss: torch.Tensor) -> None:
+        # a packed micro-batch before the step's last: FSDP2 only accumulates the unsharded gradients (in reduce_dtype)
+        self.master.set_requires_gradient_sync(not self.accumulating)
         loss.backward()  # FSDP2 reduce-scatters every gradient over DP (a sum in reduce_dtype) into the sharded .grad
+        if self.accumulating:
+            return
         if self.ctx.tp > 1:
             for name, p in self.sharded.items():
                 if name.endswith(self.grad_allreduce_suffixes):

@@ -115,6 +115,8 @@ class MegatronEngine(OutputScoring):
     """The megatron engine (see module docstring)."""
 
     name = "megatron"
+    packed = False
+    """No packed batches: qualify.matrix.UNPACKED_ENGINES says why (the matrix refuses megatron x packed)."""
 
     def __init__(self, distributed_optimizer: bool = False) -> None:
         self.distributed_optimizer = distributed_optimizer

@@ -9,6 +9,10 @@ With DP (ctx.dp > 1) the ranks form a (dp, tp) mesh and gradients are summed ove
 A Qwen3-MoE model keeps its routers and experts replicated (every rank routes every token and runs every expert on
 the replicated hidden states; only attention and the LM head are sharded), and replays a batch's routes by its own
 router forward (routes_replayed).
+A packed micro-batch (qualify.case.context.PackedBatch) is scored through transformers' packed position_ids path:
+with no attention mask, its masking_utils finds each sample where the position ids restart and attends block-
+diagonally, causal within each sample (sdpa and eager; flash-attention reads the same boundaries as cu_seqlens).
+Gradients accumulate over a step's micro-batches and are reduced after the last one's backward.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from qualify.engines.base import Batch, EngineContext, OutputScoring
+from qualify.engines.base import Batch, EngineContext, OutputScoring, PackedBatch
 from qualify.errors import EngineError
 from qualify.models.hf import dtype_name, load_model, model_type
 from qualify.models.precision import torch_dtype
@@ -114,6 +118,10 @@ class TorchTPEngine(OutputScoring):
 
     name = "torch-tp"
     grad_allreduce_suffixes = GRAD_ALLREDUCE_SUFFIXES
+    packed = True
+    """Takes packed batches (see the module docstring)."""
+    accumulating = False
+    """The last score() was of a packed micro-batch before the step's last: its backward() only accumulates."""
 
     def setup(self, ctx: EngineContext) -> None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -146,19 +154,34 @@ class TorchTPEngine(OutputScoring):
         self.optimizer = torch.optim.AdamW(self.master.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
                                            weight_decay=o.weight_decay, foreach=False)
 
-    def score(self, batch: Batch) -> torch.Tensor:
+    def score(self, batch: Batch | PackedBatch) -> torch.Tensor:
+        if isinstance(batch, PackedBatch):
+            return self.packed_score(batch)
+        self.accumulating = False
         ids_BT = batch.input_ids_BT.to(self.ctx.device)
         with self.routed(self.compute, batch), routes_replayed(self.compute, batch.routes_BTLK):
             if self.vocab_parallel:
                 return self.vocab_parallel_scores(ids_BT)
             return self.scores_from(local(self.compute(input_ids=ids_BT, use_cache=False).logits), ids_BT)
 
-    def vocab_parallel_scores(self, ids_BT: torch.Tensor) -> torch.Tensor:
+    def packed_score(self, batch: PackedBatch) -> torch.Tensor:
+        """(1, N) scores of a packed micro-batch: position ids restarting per sample, no attention mask (see the
+        module docstring); each sample's first token 0."""
+        from qualify.case.packing import zero_sample_starts
+
+        self.accumulating = not batch.last
+        ids_1N, pos_1N = batch.input_ids_1N.to(self.ctx.device), batch.position_ids_1N.to(self.ctx.device)
+        if self.vocab_parallel:
+            return zero_sample_starts(self.vocab_parallel_scores(ids_1N, pos_1N), batch)
+        return self.packed_scores_from(local(self.compute(input_ids=ids_1N, position_ids=pos_1N, use_cache=False)
+                                             .logits), batch)
+
+    def vocab_parallel_scores(self, ids_BT: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """(B, T) logprobs by the deterministic vocab-parallel path (qualify.ppo.vocab_parallel) from this rank's
         vocabulary columns of the logits; position 0 is 0. TP1 takes the single-process form (no collective)."""
         from qualify.ppo.vocab_parallel import tp_rank_logprobs, vocab_parallel_logprobs
 
-        shard_BTW = local(self.compute(input_ids=ids_BT, use_cache=False).logits)
+        shard_BTW = local(self.compute(input_ids=ids_BT, position_ids=position_ids, use_cache=False).logits)
         c = self.ctx
         kw = {"vocab_size": c.vocab_size, "temperature": c.temperature, "tile_size": c.vocab_tile,
               "chunk_tokens": c.logprob_chunk_tokens}
@@ -179,6 +202,8 @@ class TorchTPEngine(OutputScoring):
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
+        if self.accumulating:  # a packed micro-batch before the step's last: its gradients add up where they are
+            return
         for (name, mp), cp in zip(self.master.named_parameters(), self.compute.parameters()):
             if self.ctx.tp > 1 and name.endswith(self.grad_allreduce_suffixes):
                 tp_group = None if self.dp_group is None else self.mesh.get_group()

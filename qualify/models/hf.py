@@ -148,9 +148,11 @@ class ActorScores(NamedTuple):
 
 
 def actor_scores(model: torch.nn.Module, input_ids_BT: torch.Tensor, sampling: Sampling, chunk_tokens: int,
-                 vocab_size: int, entropy: bool = False) -> ActorScores:
-    """One forward of the actor: its logprobs, processed logprobs and (entropy: True) entropy (ActorScores)."""
-    logits_BTV = model(input_ids=input_ids_BT, use_cache=False).logits
+                 vocab_size: int, entropy: bool = False, position_ids: torch.Tensor | None = None) -> ActorScores:
+    """One forward of the actor: its logprobs, processed logprobs and (entropy: True) entropy (ActorScores).
+    position_ids: a packed row's (1, N), restarting at each sample (transformers then attends within each sample; the
+    caller zeroes each sample's first token, scored here from the previous sample)."""
+    logits_BTV = model(input_ids=input_ids_BT, position_ids=position_ids, use_cache=False).logits
     scores_BT = scores_from_outputs("actor", logits_BTV, input_ids_BT, sampling.temperature, chunk_tokens, vocab_size)
     entropy_BT = entropy_from_outputs(logits_BTV, sampling.temperature, chunk_tokens, vocab_size) if entropy else None
     if not sampling.truncates(vocab_size):
@@ -159,14 +161,16 @@ def actor_scores(model: torch.nn.Module, input_ids_BT: torch.Tensor, sampling: S
                                                         chunk_tokens, vocab_size), entropy_BT)
 
 
-def head_outputs(model: torch.nn.Module, input_ids_BT: torch.Tensor) -> torch.Tensor:
+def head_outputs(model: torch.nn.Module, input_ids_BT: torch.Tensor,
+                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """(B, T) fp32 scalar-head outputs at every position."""
-    return model(input_ids=input_ids_BT, use_cache=False).logits[..., 0].float()
+    return model(input_ids=input_ids_BT, position_ids=position_ids, use_cache=False).logits[..., 0].float()
 
 
-def critic_values(model: torch.nn.Module, input_ids_BT: torch.Tensor) -> torch.Tensor:
-    """(B, T) fp32 values of an HF scalar-head model."""
-    return torch.nn.functional.pad(head_outputs(model, input_ids_BT)[:, :-1], (1, 0))
+def critic_values(model: torch.nn.Module, input_ids_BT: torch.Tensor,
+                  position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, T) fp32 values of an HF scalar-head model (position_ids: as actor_scores takes them)."""
+    return torch.nn.functional.pad(head_outputs(model, input_ids_BT, position_ids)[:, :-1], (1, 0))
 
 
 def reward_scores(model: torch.nn.Module, input_ids_BT: torch.Tensor, response_mask_BT: torch.Tensor) -> torch.Tensor:

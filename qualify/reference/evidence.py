@@ -31,7 +31,9 @@ def scoring_settings(matrix: Matrix, rollout_digest: str) -> str:
     m["reference"] = {k: v for k, v in m["reference"].items() if k not in ("evidence", "layer_activations")}
     m["ppo"] = ppo_as_before(m["ppo"])  # the peer settings enter the fingerprint only where they are set
     grpo = ("algorithm", "grpo") if matrix.algorithm == "grpo" else ()  # a PPO matrix's fingerprint is unchanged
-    return fingerprint({"rollout": rollout_digest,
+    # the packed control's budget (a candidates field): only where it is set, so other fingerprints are unchanged
+    packing = {} if matrix.candidates.pack_tokens is None else {"pack_tokens": matrix.candidates.pack_tokens}
+    return fingerprint({"rollout": rollout_digest, **packing,
                         **{k: m[k] for k in ("models", "ppo", "optimizer", "reference", *grpo)}})
 
 

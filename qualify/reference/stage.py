@@ -122,14 +122,15 @@ def make_targets(ctx: ScoringContext, log: StageLog) -> str:
                                   {"rollout_digest": digest, "settings": ctx.settings})
 
 
-def score_all(ctx: ScoringContext, candidate_tp: tuple[int, ...], log: StageLog) -> tuple[ScoringContext, list[str]]:
+def score_all(ctx: ScoringContext, candidate_tp: tuple[int, ...], log: StageLog,
+              pack_tokens: int | None = None) -> tuple[ScoringContext, list[str]]:
     """Every precision x control x role, every precision's r0 first (a control kept as a summary is measured against
     its families' r0 while it runs: qualify.reference.summary); returns the context with the targets' digest and the
-    control names."""
+    control names. pack_tokens: candidates.pack_tokens, the packed control's budget."""
     from qualify.reference.step import controls_of
 
     ctx = replace(ctx, targets_digest=make_targets(ctx, log))
-    controls = controls_of(ctx.reference, candidate_tp)
+    controls = controls_of(ctx.reference, candidate_tp, pack_tokens)
     precisions, layout = ctx.reference.precisions, ctx.layout
     r0_first = sorted(precisions, key=lambda p: p != "fp32")  # fp32-r0 is every family's base
     order = [(controls[0], p) for p in r0_first] + [(c, p) for c in controls[1:] for p in precisions]
@@ -211,7 +212,8 @@ class Scoring:
             | ({"fused_projections": True} if control.fused else {}) \
             | ({"optimizer_order": "reordered"} if control.adam_form == "reordered" else {}) \
             | ({"optimizer_form": "fused"} if control.adam_form == "fused" else {}) \
-            | ({"fused_norm": True} if control.fused_norm else {})
+            | ({"fused_norm": True} if control.fused_norm else {}) \
+            | ({"pack_tokens": control.pack_tokens} if control.pack_tokens is not None else {})
         recorded = time.monotonic()
         if ctx.reference.evidence == "full" or not (lean or recorded_families(name, self.controls)):
             write_role(out, result, info)
@@ -340,7 +342,8 @@ def run_reference(matrix: Matrix, run_dir: Path, stage: str = "all", rollout: Pa
     primary = matrix.rollout.vllm_tp[0]
     require_complete(layout.rollout(primary), f"rollout TP{primary} (run --stage capture first)")
     digest = stage_info(layout.rollout(primary))["digest"]
-    ctx, controls = score_all(ScoringContext.of(matrix, layout, digest, ""), matrix.candidates.tp, log)
+    ctx, controls = score_all(ScoringContext.of(matrix, layout, digest, ""), matrix.candidates.tp, log,
+                             matrix.candidates.pack_tokens)
     from qualify.reference.forced import control_replays
 
     replays = sorted({str(p.relative_to(layout.reference)) for p in control_replays(ctx, controls, log.step)})

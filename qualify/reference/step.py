@@ -5,7 +5,8 @@ into the FP32 master parameters, which are clipped and stepped by torch.optim.Ad
 master-weight scheme that Megatron and DeepSpeed use). FP32 runs everything on the master.
 A micro-batch control splits the rows in two and accumulates gradients; each micro-batch's loss is its share of the
 step's (the step's normalizers, qualify.ppo.share, as a candidate's DP rank computes it), so the shares sum to the
-full-batch loss for every token normalizer and aggregation.
+full-batch loss for every token normalizer and aggregation. The packed control packs each step's rows into
+micro-batches of whole samples (qualify.case.packing), scores them packed and accumulates alike.
 
 Forward and backward run on reference.device (auto: CUDA when present). With reference.offload: host
 the FP32 master, its gradients and the AdamW state stay in host memory and only the compute copy (an
@@ -22,8 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from qualify.case.context import PackedBatch
+from qualify.case.packing import pack_rows, plan_packs, sample_lengths, unpack, zero_sample_starts
 from qualify.matrix import Reference
-from qualify.models.hf import actor_scores, compute_copy, critic_values, enable_checkpointing
+from qualify.models.hf import ActorScores, actor_scores, compute_copy, critic_values, enable_checkpointing
 from qualify.models.hooks import capture_layer_outputs
 from qualify.models.routing import replayed_routes, router_outputs, routing
 from qualify.ppo.formula import PROCESSED_KEY, rollout_sampling
@@ -56,17 +59,24 @@ class Control:
     'fused' (FusedAdam's form: decay folded in, the parameter rounded once): qualify.reference.adam_order."""
     fused_norm: bool = False
     """Each RMSNorm as one fused kernel, F.rms_norm (qualify.reference.tp_numerics.fuse_norms)."""
+    pack_tokens: int | None = None
+    """Set: each step's rows packed into micro-batches of at most this many tokens, as a packed case trains
+    (qualify.case.packing; the micro-batches then replace microbatches' split)."""
 
 
-def controls_of(ref: Reference, candidate_tp: tuple[int, ...]) -> list[Control]:
+def controls_of(ref: Reference, candidate_tp: tuple[int, ...], pack_tokens: int | None = None) -> list[Control]:
     """The repeats and perturbations the reference section declares, in order (r0 first: the reference itself); the
-    tp_split and combined controls split as the candidates' TP degrees do."""
+    tp_split and combined controls split as the candidates' TP degrees do, the packed one packs pack_tokens
+    (candidates.pack_tokens) per micro-batch."""
     out = [Control(name=f"r{i}") for i in range(ref.repeats)]
     for p in ref.perturbations:
         if p == "tp_split":
             out += [Control(name=f"tp{n}_split", tp=n) for n in sorted(candidate_tp) if n > 1]
         elif p == "combined":
-            out.append(combined_control(ref.perturbations, max(candidate_tp)))
+            out.append(combined_control(ref.perturbations, max(candidate_tp), pack_tokens))
+        elif p == "packed":
+            assert pack_tokens is not None, "the matrix requires candidates.pack_tokens with the packed control"
+            out.append(Control(name=p, pack_tokens=pack_tokens))
         else:
             out.append(Control(name=p, **_PERTURB[p]))
     return out
@@ -79,15 +89,18 @@ _PERTURB: dict[str, dict[str, Any]] = {
     "fused_norm": {"fused_norm": True}}
 
 
-def combined_control(perturbations: tuple[str, ...], max_tp: int) -> Control:
+def combined_control(perturbations: tuple[str, ...], max_tp: int, pack_tokens: int | None = None) -> Control:
     """The `combined` control: every other listed perturbation at once (tp_split at max_tp, the largest candidate
-    degree; of two optimizer forms, the one listed last). A correct engine differs from the reference in several legitimate ways together (its own reduction
-    orders, optimizer, attention kernel, micro-batching); each single control samples one of them, this one their
-    sum."""
+    degree; of two optimizer forms, the one listed last; packed: the packed micro-batches instead of
+    microbatch_split's). A correct engine differs from the reference in several legitimate ways together (its own
+    reduction orders, optimizer, attention kernel, micro-batching); each single control samples one of them, this one
+    their sum."""
     settings: dict[str, Any] = {}
     for p in perturbations:
         if p == "tp_split":
             settings["tp"] = max_tp
+        elif p == "packed":
+            settings["pack_tokens"] = pack_tokens
         elif p != "combined":
             settings |= _PERTURB[p]
     return Control(name="combined", **settings)
@@ -254,20 +267,29 @@ def _forward_backward(ctx: ScoringContext, role: str, control: Control, model: t
     # the whole step's normalizers (GRPO: and advantages, rows in their own order): each micro-batch takes its share
     mask_step_BT = batch["response_mask_BT"]
     share = grpo_share(grpo, targets["score_B"], mask_step_BT) if grpo else ppo_share(mask_step_BT)
-    for rows in _row_slices(ids_BT.shape[0], control.microbatches):
+    lengths_B = None
+    if control.pack_tokens is not None:  # whole samples packed, in the control's row order (qualify.case.packing)
+        lengths_B = sample_lengths(batch["prompt_mask_BT"], batch["response_mask_BT"])[order].cpu()
+        slices = plan_packs(lengths_B.tolist(), control.pack_tokens)
+    else:
+        slices = _row_slices(ids_BT.shape[0], control.microbatches)
+    for rows in slices:
         part = share if grpo is None else GRPOShare(share.advantages_B[order][rows], share.normalizers)
         m_BT = mask_BT[rows]
+        packed = None if lengths_B is None else pack_rows(ids_BT, mask_BT, lengths_B, rows)
         # a MoE actor replays the rollout's routes through the forward and the backward (which may recompute it)
         recorded: list = []
         with routing(model, None if routes_BTLK is None else routes_BTLK[rows], outputs=recorded):
             if role == "actor":
-                scores_BT, processed_BT, entropy_BT = actor_scores(
-                    model, ids_BT[rows], rollout_sampling(ctx.rollout), ctx.reference.logprob_chunk_tokens,
-                    vocab_size, entropy=p.entropy_coef > 0)
+                scores_BT, processed_BT, entropy_BT = _actor_scores(ctx, model, ids_BT[rows], vocab_size, packed,
+                                                                    entropy=p.entropy_coef > 0)
                 for key, t in router_outputs(recorded, *ids_BT[rows].shape).items():  # a MoE actor's routers
                     parts.setdefault(key, []).append(t)
                 if processed_BT is not None:  # the processed formula a candidate may declare; bitwise full untruncated
                     parts.setdefault(PROCESSED_KEY, []).append(torch.where(m_BT, processed_BT, 0.0))
+            elif packed is not None:
+                scores_BT, entropy_BT = _unpacked(critic_values(model, packed.input_ids_1N, packed.position_ids_1N),
+                                                  packed, ids_BT.shape[1]), None
             else:
                 scores_BT, entropy_BT = critic_values(model, ids_BT[rows]), None
             loss, out = role_objective(role, p, scores_BT, m_BT, rows_of(tgt, rows), grpo=grpo, share=part,
@@ -287,6 +309,22 @@ def _forward_backward(ctx: ScoringContext, role: str, control: Control, model: t
         outputs["kl_BT"] = kl_BT
         outputs["kl_mean"] = masked_mean(kl_BT, batch["response_mask_BT"], "global")
     return outputs
+
+
+def _actor_scores(ctx: ScoringContext, model: torch.nn.Module, ids_BT: torch.Tensor, vocab_size: int,
+                  packed: PackedBatch | None, entropy: bool) -> ActorScores:
+    """qualify.models.hf.actor_scores of the rows, or of their packed micro-batch unpacked to the rows' layout."""
+    sampling, chunk = rollout_sampling(ctx.rollout), ctx.reference.logprob_chunk_tokens
+    if packed is None:
+        return actor_scores(model, ids_BT, sampling, chunk, vocab_size, entropy=entropy)
+    found = actor_scores(model, packed.input_ids_1N, sampling, chunk, vocab_size, entropy=entropy,
+                         position_ids=packed.position_ids_1N)
+    return ActorScores(*(None if t is None else _unpacked(t, packed, ids_BT.shape[1]) for t in found))
+
+
+def _unpacked(values_1N: torch.Tensor, packed: PackedBatch, seq_len: int) -> torch.Tensor:
+    """A packed forward's per-token values at the rows' (row, position), each sample's first token 0."""
+    return unpack(zero_sample_starts(values_1N, packed), packed, seq_len)
 
 
 def _master_grads(master: torch.nn.Module, model: torch.nn.Module) -> dict[str, str]:

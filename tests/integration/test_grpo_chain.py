@@ -183,6 +183,36 @@ def test_a_zero3_parameter_used_stale_after_the_step_fails_from_step_1(grpo_run,
         assert grads and all(float(r["value"]) >= 10 * float(r["bound"]) for r in grads), grads
 
 
+def test_every_dp_engine_passes_packed(grpo_run, tmp_path):
+    """Packed micro-batches (the matrix's pack_tokens, the budget of its reference's packed control): torch-tp and
+    deepspeed at TP1xDP1, TP1xDP2 and TP2xDP1, fsdp2 and DeepSpeed ZeRO 1-3 at TP1xDP2, where the sharded engines'
+    collectives run per micro-batch (every DP rank runs as many). Every case passes with its closest bound row at
+    most half its bound (against the reference, its TP1/DP1 case, and its padded case where that ran: the tests
+    above)."""
+    import math
+
+    from tests.integration._support import matrix_with, require_module
+
+    require_module("deepspeed")
+
+    def ratio(row):
+        return float(row["value"]) / float(row["bound"])
+
+    for engines, layout in ((["torch-tp", "deepspeed"], {}),
+                            (["fsdp2", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3"], {"tp": [1], "dp": [2]})):
+        matrix = matrix_with(tmp_path, base=GRPO_MATRIX, engines=engines, packing=["packed"], **layout)
+        verdict = run_candidates(matrix, grpo_run, launches=2).to_json()
+        failed = [r for r in verdict["rows"] if not r["passed"]]
+        assert len(verdict["cases"]) == len(matrix.cases()) and verdict["passed"] and not failed, failed[:5]
+        for case in verdict["cases"]:
+            rows = [r for r in verdict["rows"] if r["case"] == case and r["comparison"].startswith("vs ")
+                    and 0 < float(r["bound"]) < math.inf]
+            closest = max(rows, key=ratio)
+            print(f"{case}: closest bound row {ratio(closest):.3f} ({closest['comparison']} {closest['tensor']} "
+                  f"{closest['metric']})")
+            assert ratio(closest) <= 0.5, (case, closest)
+
+
 def test_declared_bitwise_holds_dp2_to_bitwise(grpo_run, tmp_path):
     """torch-tp declared determinism: bitwise: its DP2 case gets a bound-0 row per tensor against DP1, and fails on
     every tensor whose bits differ (the tiers record which)."""

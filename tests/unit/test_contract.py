@@ -58,7 +58,7 @@ CHANGES = {
     "algorithm": "ppo", "normalizer": "seq_mean_token_mean", "normalizer_constant": 8.0, "vocab_size": 249,
     "padded_vocab_size": 512, "tp": 2, "dp": 4, "param_dtype": "float32", "compute_dtype": "float32",
     "logprob_dtype": "float64", "logprob_chunk_tokens": 32, "vocab_tile_size": 64, "temperature": 0.70000001,
-    "kl_coef": 0.0, "kl_estimator": "k1", "group_size": 8,
+    "kl_coef": 0.0, "kl_estimator": "k1", "group_size": 8, "pack_tokens": 128,
 }
 
 

@@ -31,7 +31,7 @@ def test_shipped_matrix_loads(path):
     assert m.name == path.stem and m.source == str(path) and m.description
     c = m.candidates
     degrees = sum(t * d <= (c.max_ranks or t * d) for t in c.tp for d in c.dp)  # (tp, dp) pairs within max_ranks
-    assert len(m.cases()) == len(c.engines) * len(c.precisions) * degrees * len(c.roles) > 0
+    assert len(m.cases()) == len(c.engines) * len(c.precisions) * degrees * len(c.packing) * len(c.roles) > 0
     assert from_dict(Matrix, to_dict(m), str(path)) == m  # plain data round-trips
 
 
