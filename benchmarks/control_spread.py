@@ -2,7 +2,7 @@
 closest row, and how far the case is from each control's distance to r0).
 
 For a run made with `reference.evidence: full` (every control's tensors kept), prints per step: max |control - r0|
-for every control of the precision, the largest of them (what k x control error + floor is built from), the case's
+for every control of the precision, the largest of them (what k x control error + floor + quantum is built from), the case's
 max |case - r0|, their ratio, and how many elements of the case equal each control bit for bit (a control that
 reproduces the case's numerics exactly, as tp_split does a TP2 case's lm_head gradient at step 0 on an AMD EPYC).
 Usage: python benchmarks/control_spread.py RUN CASE TENSOR [PRECISION]

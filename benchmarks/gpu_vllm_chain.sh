@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
-# qualify's product path on a two-GPU machine with GPU vLLM (run through the `device` tool, or on any CUDA host
-# with two GPUs): vLLM 0.26.0 capture through `qualify reference` at TP1 and TP2, freeze, every built-in engine
-# at TP1 and TP2, verify, the vLLM-vs-HF fp32 probe, `qualify rounds`; and the same chain through a real Slurm.
-# The wheels come from benchmarks/gpu_vllm_wheels.sh (run where pip reaches a registry). Through the `device`
-# tool, whose calls carry at most 64 MiB, back to back so the machine stays warm (/tmp survives between calls):
-#   stash .gpu/xz/pNN     (one call per part, carry .gpu/xz/pNN; for slurm also .gpu/slurm-debs): copy it to /tmp/carry
-#   run OUT [MATRIX] [RUN]  (after the last stash): join the parts, install, then the chain, probe and rounds
-#   install: the stashed site only (a probe's first step)
+# qualify's product path on a CUDA host with GPU vLLM installed offline (two GPUs for the TP2 matrices): vLLM 0.26.0
+# capture through `qualify reference` at TP1 and TP2, freeze, every built-in engine at TP1 and TP2, verify, the
+# vLLM-vs-HF fp32 probe, `qualify rounds`; and the same chain through a real Slurm.
+# The offline bundle comes from benchmarks/gpu_vllm_wheels.sh (run where pip reaches a registry), copied to this host:
+#   part DIR              copy one part of the bundle (a .gpu/xz/pNN folder; for slurm also .gpu/slurm-debs) into
+#                         /tmp/gpu-parts (a bundle sent in several parts: once per part)
+#   install               join the parts in /tmp/gpu-parts, check them against SHA256SUMS, unpack the site to /tmp/site
+#   run OUT [MATRIX] [RUN]  install, then the chain, probe and rounds
 #   exact OUT: seed 002's counts (benchmarks/gpu-tiny-exact.yaml and its -off twin: rollout, layout and rounds rows)
 #   chain OUT [MATRIX] [RUN]: as run, without the probe and rounds (reference with its capture, freeze, every case,
 #                         verify, report; REPORT_JSON=1 also writes OUT/report.json, judging every case once more)
 #   slurm OUT [MATRIX] [RUN] [CASES]: scripts/slurm-gpu.sh, then `qualify sbatch --submit --wait` with one
 #                         candidate task requeued while it runs
-# Run it from a clean copy of a commit (git archive HEAD | tar -x -C .gpu/src; carry .gpu/src) so the figures
-# belong to that commit, not to a working tree in flux.
-# Usage: bash benchmarks/gpu_vllm_chain.sh stash DIR | run OUT [MATRIX] [RUN] | slurm OUT [MATRIX] [RUN] [CASES]
+# Run it from a clean copy of a commit (git archive HEAD | tar -x -C DIR) so the figures belong to that commit, not
+# to a working tree in flux.
+# Usage: bash benchmarks/gpu_vllm_chain.sh part DIR | install | run OUT [MATRIX] [RUN] | chain OUT [MATRIX] [RUN]
+#        | exact OUT | slurm OUT [MATRIX] [RUN] [CASES]
 set -euo pipefail
-here=$PWD  # where the carried folders are
+here=$PWD  # where the parts given to `part` are
+parts=/tmp/gpu-parts
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # keep: multicast stays off
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore VLLM_USE_FLASHINFER_SAMPLER=0
@@ -30,11 +32,11 @@ timed() {  # timed LABEL COMMAND...: run, print its wall time and exit code
 
 install() {
   [ -f /tmp/site/.installed ] && return
-  if grep -q site.tar.xz /tmp/carry/SHA256SUMS; then  # the unpacked site, xz-compressed (gpu_vllm_wheels.sh)
-    (cd /tmp/carry && cat part-* > /tmp/site.tar.xz && cd /tmp && sha256sum -c /tmp/carry/SHA256SUMS)
+  if grep -q site.tar.xz $parts/SHA256SUMS; then  # the unpacked site, xz-compressed (gpu_vllm_wheels.sh)
+    (cd $parts && cat part-* > /tmp/site.tar.xz && cd /tmp && sha256sum -c $parts/SHA256SUMS)
     mkdir -p /tmp/site && xz -dc -T0 /tmp/site.tar.xz | tar -x -C /tmp/site && rm /tmp/site.tar.xz
   else  # the wheels, tarred
-    (cd /tmp/carry && cat part-* > /tmp/bundle.tar && cd /tmp && sha256sum -c /tmp/carry/SHA256SUMS)
+    (cd $parts && cat part-* > /tmp/bundle.tar && cd /tmp && sha256sum -c $parts/SHA256SUMS)
     mkdir -p /tmp/bundle && tar -xf /tmp/bundle.tar -C /tmp/bundle && rm /tmp/bundle.tar
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       /tmp/bundle/dl/vllm-*.whl /tmp/bundle/deps/*.whl /tmp/bundle/.whl/*.whl
@@ -100,7 +102,7 @@ slurm() {
   local out=${1:?} matrix=${2:-benchmarks/gpu-tiny-tp2.yaml} run=${3:-runs/gpu-slurm} cases=${4:-}
   install
   mkdir -p "$out"
-  local debs=/tmp/bundle/slurm-debs; [ -d $debs ] || debs=/tmp/carry  # the old bundle held them; else stashed
+  local debs=/tmp/bundle/slurm-debs; [ -d $debs ] || debs=$parts  # the old bundle held them; else given as a part
   eval "$(bash scripts/slurm-gpu.sh start $debs)"
   local args=(--cluster sbatch/clusters/h200x2-local.yaml --run "$run" --wait)
   [ -z "$cases" ] || args+=(--only "$cases")
@@ -160,10 +162,10 @@ exact() {  # issue 33: the tiny family's bf16 T = 1 rollout with vLLM's batch-in
 case ${1:-} in
   chain) shift; chain "$@" ;;
   exact) shift; exact "$@" ;;
-  install) install; versions ;;  # the stashed site alone (before a probe that needs GPU vLLM)
-  stash) mkdir -p /tmp/carry && cp "$here/${2:?}"/* /tmp/carry/ && ls -l /tmp/carry && df -h /tmp | tail -n 1 ;;
+  install) install; versions ;;  # the site alone (before a probe that needs GPU vLLM)
+  part) mkdir -p $parts && cp "$here/${2:?}"/* $parts/ && ls -l $parts && df -h /tmp | tail -n 1 ;;
   run) shift; run "$@" ;;
   slurm) shift; slurm "$@" ;;
-  *) echo "usage: gpu_vllm_chain.sh stash DIR | run OUT [MATRIX] [RUN] | chain OUT [MATRIX] [RUN] | slurm OUT [MATRIX] [RUN] [CASES]" >&2
+  *) echo "usage: gpu_vllm_chain.sh part DIR | install | run OUT [MATRIX] [RUN] | chain OUT [MATRIX] [RUN] | exact OUT | slurm OUT [MATRIX] [RUN] [CASES]" >&2
      exit 2 ;;
 esac

@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
-# Fetch (here, where pip reaches a registry) everything the GPU machine needs to run qualify with GPU vLLM,
-# and lay it out in ignored folders that the `device` tool carries, one folder per call (64 MiB a call, the
-# working tree included):
+# Build, where pip reaches a registry, what a CUDA host without registry access needs to run qualify with GPU vLLM,
+# in ignored folders:
 #   .gpu/dl/vllm-0.26.0-*.whl    the vllm wheel (304 MB)
-#   .gpu/deps                    vllm's dependencies the GPU image lacks (about 55 MB)
+#   .gpu/deps                    vllm's dependencies a CUDA PyTorch image lacks (about 55 MB)
 #   .whl/                        megatron-core, deepspeed, hjson, pydantic & co (what gpu_chain.sh installs)
 #   .gpu/slurm-debs              Debian 12's Slurm 22.05 for scripts/slurm-gpu.sh (apt-get download, 4.5 MB)
-#   .gpu/xz/p00 .. .gpu/xz/pNN    all the wheels above unpacked into one site, xz-compressed, split into parts that
-#                                fit beside the working tree (SHA256SUMS in p00); slurm-debs travel on their own
-# vllm 0.26.0 pins torch 2.11.0 (CUDA 13), the GPU image's torch. Dependencies are resolved for Python 3.12
+#   .gpu/xz/p00 [.. pNN]         all the wheels above unpacked into one site and xz-compressed (SHA256SUMS in p00): one
+#                                part, or with PART_MIB=N parts of N MiB each for an offline transfer in parts of a
+#                                chosen size
+#   WHEELHOUSE=DIR               also every wheel in one directory: `scripts/install-gpu.sh --wheelhouse DIR` installs
+#                                requirements/gpu.lock from it into the host's Python, with no registry
+# vllm 0.26.0 pins torch 2.11.0 (CUDA 13), the host's torch. Dependencies are resolved for Python 3.12
 # against stand-in wheels of torch/torchvision/torchaudio ("2.11.0+image", no requirements), so the resolver
-# keeps the image's torch instead of fetching a second one; packages the image already has are then dropped.
-# On the GPU machine `bash benchmarks/gpu_vllm_chain.sh run|chain OUT` (its install()) joins the parts and installs all of it
-# into /tmp/site.
-# Usage: bash benchmarks/gpu_vllm_wheels.sh
+# keeps the host's torch instead of fetching a second one; packages the host already has are then dropped.
+# On the GPU host, with the parts copied there, `bash benchmarks/gpu_vllm_chain.sh part DIR` for each part, then
+# `bash benchmarks/gpu_vllm_chain.sh install` (or run|chain OUT) joins them and unpacks the site into /tmp/site.
+# Usage: [PART_MIB=N] [WHEELHOUSE=DIR] bash benchmarks/gpu_vllm_wheels.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 vllm=vllm==0.26.0
@@ -21,7 +23,7 @@ plat=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 
 for p in manylinux_2_39 manylinux_2_35 manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 manylinux_2_24 \
          manylinux_2_17 manylinux2014 manylinux1 linux; do plat+=(--platform "${p}_x86_64"); done
 plat+=(--platform any)
-# What the image ('cuda') already holds: KINDS.md's package list of the device tool, read 2026-11-17.
+# What the target host's Python already holds (a CUDA PyTorch image's packages, listed 2026-11-17); edit for another host.
 image="absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build \
 certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core \
 cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock \
@@ -96,8 +98,8 @@ fi
 # One bundle: every wheel unpacked as pip --target would (vllm, its deps, then .whl/ so its copies win), less what
 # offline generation on Hopper never loads (FlashAttention 2's kernels, FA3 serves sm90; the vllm-rs server
 # binary; deep_gemm's extensions for other Pythons), tarred and xz-compressed (about 153 MB from 355 MB of
-# wheels), split into parts that fit beside the working tree in one call's 64 MiB.
-rm -rf .gpu/carry-* .gpu/xz "$work/site"
+# wheels): one part, or parts of PART_MIB MiB.
+rm -rf .gpu/xz "$work/site"
 python3 - "$work/site" .gpu/dl/vllm-*.whl .gpu/deps/*.whl .whl/*.whl <<'PY'
 import shutil, sys, zipfile
 from pathlib import Path
@@ -122,11 +124,13 @@ for wheel in sys.argv[2:]:
 PY
 mkdir -p .gpu/xz
 tar -C "$work/site" -cf - . | xz -6 -T0 > .gpu/xz/site.tar.xz
-# the device tool counts the tree as the disk holds it (whole blocks: du -c, not du -cb; session 21 found a part that
-# fitted the bytes refused), and a part travels with its SHA256SUMS
-tree=$(( $(git ls-files -z | xargs -0 du -c | tail -n 1 | cut -f1) * 1024 ))
-part=$(( 64 * 1024 * 1024 - tree - 1024 * 1024 ))  # 1 MiB for the untracked files a session adds
+# one part unless PART_MIB asks for parts of that size; SHA256SUMS goes with the first part
+size=$(stat -c %s .gpu/xz/site.tar.xz)
+part=$(( ${PART_MIB:-0} > 0 ? PART_MIB * 1024 * 1024 : size + 1 ))
 (cd .gpu/xz && sha256sum site.tar.xz > SHA256SUMS && split -b "$part" -d -a 2 site.tar.xz part- && rm site.tar.xz)
 for p in .gpu/xz/part-*; do n=${p##*-}; mkdir -p .gpu/xz/p"$n" && mv "$p" .gpu/xz/p"$n"/; done
 mv .gpu/xz/SHA256SUMS .gpu/xz/p00/
-du -sh .gpu/dl .gpu/deps .whl .gpu/slurm-debs .gpu/xz/p*
+if [ -n "${WHEELHOUSE:-}" ]; then  # the wheels themselves, for scripts/install-gpu.sh --wheelhouse
+  mkdir -p "$WHEELHOUSE" && cp .gpu/dl/*.whl .gpu/deps/*.whl .whl/*.whl "$WHEELHOUSE"/
+fi
+du -sh .gpu/dl .gpu/deps .whl .gpu/slurm-debs .gpu/xz/p* ${WHEELHOUSE:+"$WHEELHOUSE"} || true

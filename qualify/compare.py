@@ -28,8 +28,8 @@ LEAN_GROUPS = ("outputs", "grads")
 DERIVED_OUTPUTS = ("clip_frac",)
 """Outputs judged by derivation from the case's own values (qualify.candidate.derived) and, token by token, by its
 clip decisions (qualify.candidate.decided), never against the reference's bound: a clip fraction is a count of
-decisions, which a rounding tie moves by a whole token and a few controls sample poorly (measured: a correct bf16
-TP2 critic one token off at 0.500 of a bound made of one control's one token)."""
+decisions, which a rounding tie moves by a whole token and a few controls sample poorly (a correct bf16 TP2 critic
+one token off sat at half a bound made of one control's one token: benchmarks/LOG.md, the pad matrix's margins)."""
 DISTRIBUTION_GROUPS = ("outputs", "grads")
 """Groups whose multi-element tensors are also judged by mean |delta| and p99 |delta|."""
 
@@ -199,8 +199,9 @@ def pair_metrics(candidate: RunTensors, reference: RunTensors) -> dict[str, dict
     its second, turns a moment error within bound into any update), so a bound calibrated on a few controls cannot
     judge it. The moments are a function of the run's own gradients (which are compared), its clip coefficient and
     its previous moments; compared with the reference's, the second moment's error is the gradient's times the
-    gradient (2 (1 - b2) g dg), a maximum over the few largest gradients that the controls sample poorly (measured:
-    correct bf16 TP2 cases at 0.49 of their bounds where their gradients sat at 0.36). What is judged instead: the
+    gradient (2 (1 - b2) g dg), a maximum over the few largest gradients that the controls sample poorly (correct
+    bf16 TP2 cases' moments sat closer to their bounds than their gradients: benchmarks/LOG.md, "Moments by
+    derivation"). What is judged instead: the
     update against what AdamW makes of the run's own moments and start (replay_metrics), and both by derivation
     from the case's own values (qualify.candidate.derived). The clip fractions (DERIVED_OUTPUTS) likewise.
     """

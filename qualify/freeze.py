@@ -1,7 +1,8 @@
 """`qualify freeze`: turn a reference into per-tensor bounds and an acceptance manifest (the stage; the rule and
 the control errors live in qualify.bounds).
 
-Rule: bound = k x control error + floor, per (role, tensor, metric), k and floors taken from the
+Rule: bound = k * control_error + floor + quantum (qualify.bounds.rule.FORMULA; the quantum is one rounding step of
+the precision the contract computes a tensor in), per (role, tensor, metric), k, floors and floor_ulps taken from the
 matrix snapshot recorded by the reference stage (so the rule is fixed before any candidate
 runs). Six families: actor and critic x fp32-repeat (fp32 controls vs fp32 r0), bf16-repeat
 (bf16 controls vs bf16 r0), fp32-vs-bf16 (bf16 runs vs fp32 r0); a control that decided a clip otherwise than that

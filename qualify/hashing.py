@@ -33,8 +33,8 @@ CHUNK_BYTES = 1 << 20  # 1 MiB reads: large enough for hashlib to drop the GIL, 
 BATCH_BYTES = 8 << 20
 BATCH_FILES = 512
 # Files below SMALL_BYTES go to worker processes when there are at least MIN_SPAWN_FILES of them
-# (a worker interpreter starts in about 15 ms, the time to hash about 500 small files), else to one
-# thread. Files from SMALL_BYTES up go to `jobs` threads.
+# (starting a worker interpreter takes as long as hashing a few hundred small files: benchmarks/LOG.md, verify),
+# else to one thread. Files from SMALL_BYTES up go to `jobs` threads.
 SMALL_BYTES = 256 << 10
 MIN_SPAWN_FILES = 2000
 SPAWN_COST_BYTES = 32 << 10  # per-file cost (open, stat, close) in bytes-hashed equivalents, to balance workers

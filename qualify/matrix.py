@@ -471,8 +471,8 @@ class Reference:
     device (fits a model whose optimizer state one GPU cannot hold); unset: everything on the device."""
     layer_activations: bool = True
     """Keep step 1's per-layer activations of every reference run (what `qualify diagnose` localizes a failing case
-    with, and its per-layer bounds are frozen from); false leaves them out (at Qwen3-0.6B they are 2.7 GB of each r0
-    run's 12.2 GB) and diagnose then refuses, naming this field."""
+    with, and its per-layer bounds are frozen from); false leaves them out (a fifth of an r0 run's bytes at the
+    Qwen3-0.6B shape: matrices/README.md) and diagnose then refuses, naming this field."""
     evidence: Literal["summary", "lean", "full"] = "summary"
     """What the reference keeps of each control (every run but a precision's r0, against which candidates are judged):
     summary: its outputs and the control errors freeze needs, measured while it ran (qualify.bounds.records), so the
@@ -496,7 +496,8 @@ class Reference:
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class Freeze:
-    """The acceptance rule: bound = k x control error + floor."""
+    """The acceptance rule's settings: bound = k * control_error + floor + quantum (qualify.bounds.rule.FORMULA; the
+    quantum, one rounding step of the compute precision, is not a setting)."""
 
     k: float = 4.0
     """Multiplier on the control error."""

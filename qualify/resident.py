@@ -5,8 +5,9 @@ A control's record compares the control's gradients, updates and moments with it
 its decisions) and replays its AdamW step from its fp64 start (qualify.reference.summary.control_record); a case's
 judging compares its gradients with two r0 runs, replays its AdamW step once per family, derives its grad norm,
 moments and updates and counts its bf16-exact elements (qualify.candidate.run.judge_case). Left on the host, each of
-those comparisons copied both sides to the GPU again, tensor by tensor: at the Qwen3-0.6B shape about 22 GB of
-host-to-device copies a control record (13.5 s fp32 to 22 s bf16, benchmarks/LOG.md, session 17) and more a case.
+those comparisons copied both sides to the GPU again, tensor by tensor: several copies of every gradient, update and
+moment a control record or a case, which at the Qwen3-0.6B shape took most of a record's time (benchmarks/LOG.md,
+"the reference's records on the GPU").
 Resident copies are made once: the run measured (a control, a case) and a replay for that record or case, and per
 stage the r0 runs and the fp64 starts every control or case of a role is measured against. What does not fit (at
 most CACHE_SHARE of the GPU for what is kept, and everything within what the device has free) stays where it was:

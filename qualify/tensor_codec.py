@@ -594,7 +594,7 @@ DECODED_BYTES = 256 << 20
 """How many bytes of decoded moments and new parameters a process holds in host memory (the most recently used)."""
 DECODED_GPU_SHARE = 0.1
 """The share of a GPU's memory the decoded tensors held there may take: a step's moments and new parameters, which the
-next step's decode reads (7.2 GB at Qwen3-0.6B, 14 GB of an H200)."""
+next step's decode reads (12 bytes a parameter: about 7 GB at the Qwen3-0.6B shape)."""
 _DECODED: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 _HELD: dict[str, int] = {}
 

@@ -321,8 +321,8 @@ def silent_controls(doc: dict[str, Any]) -> str | None:
     """A warning when a family's controls measured nothing: every control reproduced its r0 bit for bit on every
     output and gradient (a deterministic device and no reference.perturbations: a repeat is the same run again). Its
     bounds are then floors and rounding quanta alone, which a correct engine with other kernels or another reduction
-    order fails (measured: megatron bf16 at Qwen3-0.6B on one H200, 655 rows of bf16-repeat at up to 5e4 times such
-    bounds, while every fp32-vs-bf16 row passed). None when some control differed somewhere."""
+    order fails (megatron bf16 at the Qwen3-0.6B shape failed hundreds of bf16-repeat rows by orders of magnitude
+    while every fp32-vs-bf16 row passed: benchmarks/LOG.md). None when some control differed somewhere."""
     errors = [entry.get("control_error") for key, metrics in doc["bounds"].items()
               if key.split("/", 2)[1:2] and key.split("/", 2)[1] in SILENT_GROUPS for entry in metrics.values()]
     if not errors or any(e != 0 for e in errors):

@@ -1,7 +1,10 @@
 """Reading what freeze wrote: the bound files an acceptance names by digest, and diagnose's layer bounds.
 
-The one reader: the acceptance, the report (text, JUnit, HTML), diagnose and the judge get their bounds here, each
-file checked against the digest the acceptance gives it, so none of them parses a bound file by hand.
+The acceptance's loader, the report (text, JUnit, HTML), diagnose and the judge get their bounds here, each file
+checked against the digest the acceptance gives it. One check still reads the files itself:
+qualify.acceptance.check_acceptance (`qualify verify` and `qualify report` run it) opens each bound and layer bound
+file, compares its digest and checks its bounds against the rule, listing every problem instead of stopping at the
+first as read_bound_files does.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """`qualify candidate`: verify the acceptance, run every case on the frozen rollout, judge, write the verdict.
 
-Each case runs as its own launch (torchrun with TP ranks; under Slurm the job's srun wraps the
-same command), so no engine's global state leaks into another. Cases whose evidence is complete
+The cases sharing engine, TP and DP run as one launch of tp x dp ranks (qualify.case.launch: started directly with
+torchrun's rank variables, or forked from a warm server on the CPU; under Slurm the job's one srun task is this
+stage, which starts them the same way), so no engine's global state leaks into another engine's. Cases whose evidence is complete
 and verified are skipped (resume); a case that crashes is a failed case with its log tail in
 the verdict, not a crash of the whole stage.
 """
@@ -359,10 +360,10 @@ def run_candidates(matrix: Matrix, run_dir: Path, *, acceptance: Path | None = N
                    judge_early: bool | None = None) -> Verdict:
     """Run and judge the (selected) cases; returns the verdict document. launches: how many launch groups run at
     once (each its own ranks). judge_early: judge a case as soon as its evidence (and that of the TP1/DP1 case it is
-    compared with) is sealed, while other launches run; by default where the judge's metrics run on a GPU (one H200,
-    0.6B: the candidate stage 166.6 s, against 187.0 s judging after). On the CPU the judge and the ranks share the
-    cores and nothing was gained (the embedded default on 2 cores: 40.0 and 44.2 s, against 40.5 and 52.6 s). The
-    verdict lists the cases in matrix order whatever order they were judged in."""
+    compared with) is sealed, while other launches run; by default where the judge's metrics run on a GPU, where it
+    shortens the stage. On the CPU the judge and the ranks share the cores and nothing is gained (both measured:
+    benchmarks/LOG.md, "The suite and the main job at 6f7cce0"). The verdict lists the cases in matrix order whatever
+    order they were judged in."""
     layout = RunLayout(Path(run_dir))
     check_engines(matrix.candidates, matrix.source)
     acc = Acceptance.load(Path(acceptance) if acceptance else layout.acceptance, layout.reference)

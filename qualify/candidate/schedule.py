@@ -28,7 +28,7 @@ from qualify.resident import HEADROOM
 GiB = 1 << 30
 ESTIMATE_MARGIN = 1.25
 """A launch's planned bytes are its estimate times this: qualify.memory models state, activations and logits, not the
-allocator's cache; at the Qwen3-0.6B shape a bf16 case's process took up to 1.2x its estimate."""
+allocator's cache, which a case's process adds on top (benchmarks/LOG.md, "The candidate stage's GPU plan")."""
 CAP_ENV = "QUALIFY_GPU_MEMORY"
 
 

@@ -1,4 +1,4 @@
-"""One rank of a candidate case (launched by torchrun or srun): K steps of score, loss, backward, step, export.
+"""One rank of a candidate case (started by qualify.case.launch): K steps of score, loss, backward, step, export.
 
 The PPO objective is the reference's own (qualify.ppo.objective) unless the engine brings its own
 (an optional objective() hook, judged the same way); the engine

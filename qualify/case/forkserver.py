@@ -1,7 +1,7 @@
 """Rank processes forked from a warm process that has already imported torch and transformers (CPU launches).
 
 A rank started as a fresh interpreter spends most of a small case importing torch, torch._dynamo and transformers'
-Qwen3 modules (about 11 s a rank on a 2-core AMD EPYC, where the steps of a tiny case take under a second). A
+Qwen3 modules, several times what the steps of a tiny case take (benchmarks/LOG.md, "CPU ranks forked"). A
 candidate stage launches one group of cases per engine and TP degree, and a test session hundreds, so the imports are
 paid once per process instead: the first CPU launch starts a server (qualify/case/_forkserver_main.py, run as a
 script, so that none of qualify's own modules is in it) that imports those third-party modules and waits; each rank

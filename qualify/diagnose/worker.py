@@ -1,4 +1,4 @@
-"""One rank of a diagnose launch (torchrun, like a candidate case): the engine's per-layer activations at step 1.
+"""One rank of a diagnose launch (started as a candidate case's: qualify.case.launch): its per-layer activations at step 1.
 
 The engine is set up exactly as its candidate case was (the case's own spec.json, the context
 qualify.candidate.worker.run_case gives it, on the case's tp x dp ranks) and runs one forward of the first

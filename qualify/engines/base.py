@@ -1,6 +1,7 @@
 """The engine Protocol every candidate adapter implements, and what it is given.
 
-A case runs in every rank of a torchrun (or srun) launch. The shared case runner
+A case runs in every rank of its launch (qualify.case.launch: tp x dp ranks started with torchrun's rank variables,
+as fresh interpreters or, on the CPU, forked from a warm server; srun's variables serve too). The shared case runner
 (qualify.candidate.worker) asks the engine for scores (the actor's sampler-formula
 logprobs or the critic's values), builds the loss with qualify.ppo (or the engine's
 own objective hook), calls backward and step K times, and exports what the engine

@@ -144,7 +144,7 @@ class DeepSpeedEngine(OutputScoring):
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed
 
-        # The shm comm op is a JIT g++ build (~90 s, 3.7 GiB) that gloo does not need.
+        # The shm comm op is a JIT g++ build (minutes and gigabytes: benchmarks/LOG.md) that gloo does not need.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.utils.logger.setLevel(logging.WARNING)
         self.ctx = ctx

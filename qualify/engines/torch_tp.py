@@ -36,7 +36,7 @@ def tp_plan(role: str, vocab_parallel: bool = False, moe: bool = False, tied: bo
     moe: the MLPs are routers and experts, kept whole on every rank; tied: the LM head is the input embedding
     (tie_word_embeddings, as Qwen3-0.6B): it stays whole on every rank, tied. Sharding it would give the head its own
     parameter (parallelize_module swaps in a DTensor), untying it: an extra 'lm_head.weight' trained apart, and an
-    embedding gradient without the head's part (measured at Qwen3-0.6B: its rel_l2 0.46 off the reference's)."""
+    embedding gradient without the head's part (at Qwen3-0.6B far off the reference's: benchmarks/LOG.md)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 

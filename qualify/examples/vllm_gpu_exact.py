@@ -25,15 +25,14 @@ before this process's first GEMM (CUBLAS_WORKSPACE_CONFIG=:16:8, CUBLASLT_WORKSP
 reduced-precision bf16 reductions, IEEE fp32): settings installed after cuBLAS starts do not count. It does not install
 vLLM's aten overrides, which would replace softmax, mean and bmm in the trainer's loss and backward too.
 
-Measured on one H200 (vLLM 0.26.0, the tiny family, bf16, T = 1, 8 x 24 response tokens, batch-invariant mode;
-benchmarks/gpu_vllm_chain.sh exact, BENCHMARKS.md): the declared `rollout` row gives 0 of 192 tokens differ at step 0,
-and `qualify rounds` gives 0 of 192 after one bf16 update and a weight sync, then again after a second: seed 002's
-claim, qualified. Every decoder layer's output and residual, the final norm and the logits are vLLM's bit for bit
-(benchmarks/exact_layers_probe.py). What had left 6 to 14 of 192 tokens one fp32 step off was the last step: vLLM 0.26
+On a GPU (vLLM 0.26.0, the tiny family, bf16, T = 1, batch-invariant mode; benchmarks/gpu_vllm_chain.sh exact;
+BENCHMARKS.md has the counts) the declared `rollout` row finds no token that differs at step 0, and `qualify rounds`
+none after a bf16 update and a weight sync, nor after a second: seed 002's claim, qualified. Every decoder layer's output and residual, the final norm and the logits are vLLM's bit for bit
+(benchmarks/exact_layers_probe.py). What had left a few tokens one fp32 step off was the last step: vLLM 0.26
 runs its V2 model runner, whose logprob kernel reduces a row of logits loaded in bf16 and rounds otherwise than any
 log_softmax over fp32 logits (torch's or vLLM's own Triton one). At T != 1 the V2 runner also divides the logits by T in
-place and stores them back in bf16, so its processed logprobs are not the fp32 formula's (312 of 320 differ at T = 0.7,
-max 0.007); the engine follows it there too.
+place and stores them back in bf16, so its processed logprobs are not the fp32 formula's (nearly every token at
+T = 0.7: benchmarks/LOG.md); the engine follows it there too.
 
 With `rollout.layer_outputs`, the exact tier compares the exact forward's residual stream with vLLM's layer by layer
 (exact_layer_outputs; checked against Hugging Face's on the CPU with torch_kernels(), not yet run on a GPU).

@@ -86,8 +86,9 @@ def build_tiny_model(spec: TinyModel, role: str):
 
 
 PARALLEL_PARAMETERS = 50_000_000
-"""From this many parameters a model, the family's roles are made in parallel processes (at Qwen3-0.6B a role takes
-about 17 s of one core, mostly the serial draws of its weights; four roles made together take one role's time)."""
+"""From this many parameters a model, the family's roles are made in parallel processes: making a role at Qwen3-0.6B
+is mostly the serial draws of its weights on one core, so four roles made together take about one role's time
+(benchmarks/LOG.md)."""
 
 
 def make_tiny_family(spec: TinyModel, models_dir: Path) -> dict[str, Path]:

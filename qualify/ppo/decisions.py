@@ -99,8 +99,8 @@ def loss_terms(role: str, ppo: Any, grpo: Any, outputs: dict[str, torch.Tensor],
     when the outputs lack what the objective reads.
 
     A scalar loss of few control samples is a poor estimate of its own legitimate error: its per-token errors cancel
-    by chance (measured: bf16 controls' loss errors 0.008 to 0.03 of the sum of their per-token errors, a correct
-    TP2 engine's 0.14). The sum of |per-token differences| does not cancel, so freeze takes it as the loss's control
+    by chance (the bf16 controls' loss errors were a few hundredths of the sum of their per-token errors, a correct
+    TP2 engine's several times more: benchmarks/LOG.md). The sum of |per-token differences| does not cancel, so freeze takes it as the loss's control
     error (qualify.freeze), which bounds |loss difference| by the triangle inequality."""
     mask_BT = mask_BT.bool()
     f64 = torch.float64

@@ -5,8 +5,8 @@ AdamW on paper and a few fp32 rounding steps apart per update: moments by multip
 corrections applied to the moments or folded into the step size and eps (the Adam paper's efficient form), the
 decoupled decay before or beside the step. From step 1 on those rounding steps move the parameters, so every later
 step's outputs and gradients differ too. Controls that all step torch's AdamW never sample this, and a correct engine
-whose optimizer rounds otherwise lands beyond bounds calibrated without it (measured: DeepSpeed's fp32 TP1 critic at
-5 fp32 ulps of a one-element bias gradient at step 3 where every other control stayed within 1).
+whose optimizer rounds otherwise lands beyond bounds calibrated without it (DeepSpeed's fp32 TP1 critic drifted
+several fp32 ulps on a one-element bias gradient where every control stayed within one: benchmarks/LOG.md).
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ class FusedFormAdamW(torch.optim.Optimizer):
 
     Adam's first steps move every entry by about lr, so where this form rounds otherwise every parameter shifts the same
     way; a gradient that sums a common shift over tokens (a bias, a norm weight) sees it whole, which the other
-    controls' incoherent differences do not sample (measured: the critic's score.bias gradient 2.25x its bound under
-    controls without it)."""
+    controls' incoherent differences do not sample (the critic's score.bias gradient failed bounds made without it:
+    benchmarks/LOG.md)."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], lr: float, betas: tuple[float, float], eps: float,
                  weight_decay: float) -> None:

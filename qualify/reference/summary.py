@@ -58,8 +58,8 @@ def aligned_base(ctx: ScoringContext, role: str, base_name: str, steps: list[Run
     sealed r0, or r0 replayed on the control's clip decisions where they differ: held in memory when a run of the
     role fits in half the memory available now (replay_fits), else written to scratch, read step by step and removed.
     Either way the same tensors (a sealed copy is read back bit for bit). verified: the r0 directories whose seal the
-    caller has checked in this process (each checked once, then kept: hashing a 0.6B r0 again for every control took
-    2.2 s a control)."""
+    caller has checked in this process (each checked once, then kept: a 0.6B r0 hashed again for every control was a
+    visible share of the reference's time, benchmarks/LOG.md)."""
     from qualify.reference.forced import (
         make_replay,
         recorded_decisions,
@@ -95,8 +95,8 @@ def aligned_base(ctx: ScoringContext, role: str, base_name: str, steps: list[Run
 
 def replay_fits(ctx: ScoringContext, role: str, steps: int) -> bool:
     """Whether a whole run of role fits in half the memory available now (MemAvailable): then a
-    control's replay is held in memory beside the control's own run, not written to scratch and read back (at the
-    Qwen3-0.6B shape 9.5 GB a replay, 16 bytes per parameter per step)."""
+    control's replay is held in memory beside the control's own run, not written to scratch and read back (a replay
+    is 16 bytes per parameter per step)."""
     need = 4 * steps * tree_bytes(ctx.models[role])  # gradients, update and two moments in fp32, per step
     return 2 * need <= meminfo("MemAvailable")
 

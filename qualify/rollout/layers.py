@@ -12,7 +12,7 @@ forward is fed, in each worker (llm.apply_model); take() returns and clears what
 rollout engine's check against itself feeds (qualify.rollout.vllm_worker.prefill_logprobs: every sequence in one
 batch), because vLLM's forward need not be batch-invariant: at Qwen3-0.6B widths on an H200, even in its
 batch-invariant mode, vLLM's prefill of one sequence alone differs from its prefill of eight at once (benchmarks/LOG.md,
-session 25). split_forwards() gives each forward's rows back to their sequences by the ids and positions fed.
+2026-12-04). split_forwards() gives each forward's rows back to their sequences by the ids and positions fed.
 
 In the rollout directory, layers.safetensors holds one (B, T, H) float32 tensor per name (the values vLLM held, exact
 in float32 for an fp32 or bf16 rollout), rows and positions as rollout.safetensors, 0 where no token was fed.

@@ -1,7 +1,7 @@
 """One actor training step of a round, by the candidate engine, through the candidate stage's own launcher.
 
 The step is a candidate case (engine x rounds.train_precision x TP x actor) on the round's rollout and targets,
-launched with torchrun exactly as `qualify candidate` launches it (its K = epochs x minibatches
+launched exactly as `qualify candidate` launches it (qualify.case.launch) (its K = epochs x minibatches
 optimizer steps); the next version is made from the sum of its steps' updates (new - old fp32
 parameters in HF names).
 """

@@ -106,7 +106,7 @@ class Profile:
     mem: str | None = None
     """Memory of one node (e.g. 1800G); jobs get the same share as of the CPUs or GPUs (None: no --mem)."""
     gpu_mem: str | None = None
-    """Memory of one GPU (e.g. 81559M for an H100 80GB, as nvidia-smi gives it); qualify sbatch refuses a stage
+    """Memory of one GPU (e.g. 81559M, as nvidia-smi gives it for an 80 GB card); qualify sbatch refuses a stage
     whose estimated need (qualify.memory) does not fit (None: not checked)."""
     time: StageTimes = field(default_factory=StageTimes)
     """Time limit per stage."""

@@ -112,3 +112,235 @@ def test_the_legacy_check_finds_each_form():
     assert legacy_uses('step "$q" reference "$matrix" --out "$run"\n', hidden)
     assert legacy_uses('subprocess.run([QUALIFY, "reference", str(m), "--out", str(run)])\n', hidden)
     assert not legacy_uses('qualify report "$run" --out r.html; qualify sbatch m.yaml --only "x"\n', hidden)
+
+
+# --- what the docs name exists -------------------------------------------------------------------------------------
+
+DOCS = sorted({REPO / "README.md", REPO / "TESTING.md", REPO / "BENCHMARKS.md", *REPO.glob("docs/*.md"),
+               *REPO.glob("*/README.md")} - {REPO / ".venv" / "README.md"})
+"""The pages that describe the product as it is now (benchmarks/LOG.md is a dated log: it names what existed then)."""
+PATH = re.compile(r"(?<![\w/.-])((?:tests|qualify|benchmarks|scripts|matrices|manifests|sbatch|requirements|docs)"
+                  r"/[\w./-]*\w)(?:::(\w+))?")
+MODULE = re.compile(r"(?<![\w/.-])(qualify(?:\.\w+)+)")
+
+
+def missing_paths(text: str) -> list[str]:
+    """Repository paths a page names that do not exist (`tests/x.py::test_name`: the test function too); a path with a
+    placeholder (`<case>`, `*`, `{a,b}`) is a pattern, not a name."""
+    out = []
+    for m in PATH.finditer(text):
+        path, test = m.groups()
+        if any(c in path for c in "*<>{}"):
+            continue
+        if not (REPO / path).exists():
+            out.append(path)
+        elif test and not re.search(rf"^def {test}\(", (REPO / path).read_text(), flags=re.MULTILINE):
+            out.append(f"{path}::{test}")
+    return out
+
+
+def top_level_names(source: Path) -> set[str]:
+    import ast
+
+    names = set()
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names |= {a.asname or a.name.split(".")[0] for a in node.names}
+    return names
+
+
+def module_resolves(name: str) -> bool:
+    """`qualify.a.b` is a module of the package, or `qualify.a.b.NAME` a name its source binds at its top level (read,
+    not imported: an adapter's module would import its library)."""
+    parts = name.split(".")
+    for i in range(len(parts), 1, -1):
+        base = REPO.joinpath(*parts[:i])
+        source = base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+        if source.is_file():
+            rest = parts[i:]
+            return not rest or rest[0] in top_level_names(source) or (base / f"{rest[0]}.py").is_file()
+    return False
+
+
+def unknown_modules(text: str) -> list[str]:
+    """qualify.* names a page gives that are no module or top-level name (mutation testing's mutant names, which
+    `mutmut` gives as `module.x_function__mutmut_N` or `module.x_function`, are records of a run, not names of the
+    code)."""
+    mutant = re.compile(r"\.x(_|ǁ)|mutmut")
+    return [m for m in MODULE.findall(text) if not mutant.search(m) and not module_resolves(m)]
+
+
+@pytest.mark.parametrize("page", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_path_and_module_a_page_names_exists(page):
+    text = page.read_text()
+    assert not missing_paths(text), missing_paths(text)
+    assert not unknown_modules(text), unknown_modules(text)
+
+
+def test_the_name_checks_catch_a_stale_page():
+    assert missing_paths("checked by `tests/integration/test_acceptance_reproduces.py`") == \
+        ["tests/integration/test_acceptance_reproduces.py"]
+    assert missing_paths("`tests/integration/test_replay.py::test_gone_long_ago`") == \
+        ["tests/integration/test_replay.py::test_gone_long_ago"]
+    assert not missing_paths("`tests/integration/test_replay.py::test_fresh_reference_against_committed_acceptance`, "
+                             "`runs/<m>/candidates/<case>/`, `sbatch/clusters/*.yaml`")
+    assert unknown_modules("`qualify.reference.resident` and `qualify.engines.base.NoSuchEngine`") == \
+        ["qualify.reference.resident", "qualify.engines.base.NoSuchEngine"]
+    assert not unknown_modules("`qualify.engines.base.TrainEngine`, `qualify.bounds.rule.FORMULA`, `qualify.candidate`")
+
+
+# --- the rule, wherever the code states it ---------------------------------------------------------------------------
+
+RULE_TEXT = re.compile(r"bound\s*=\s*k\s*[x*]\s*control[ _]error\s*\+\s*floor(?!\s*\+\s*quantum)")
+"""The rule stated without its last term (qualify.bounds.rule.FORMULA has it)."""
+
+
+def rule_without_quantum(text: str) -> list[str]:
+    return [" ".join(m.group(0).split()) for m in RULE_TEXT.finditer(text)]
+
+
+@pytest.mark.parametrize("path", sorted(REPO.glob("qualify/**/*.py")), ids=lambda p: str(p.relative_to(REPO)))
+def test_the_code_states_the_rule_with_its_quantum(path):
+    assert not rule_without_quantum(path.read_text())
+
+
+def test_the_rule_check_sees_a_missing_quantum():
+    from qualify.bounds.rule import FORMULA
+
+    assert rule_without_quantum('"""Rule: bound = k x control error + floor, per (role, tensor, metric)."""')
+    assert rule_without_quantum("The acceptance rule: bound = k * control_error +\n    floor.")
+    assert not rule_without_quantum(FORMULA) and not rule_without_quantum("bound = k x control error + floor + quantum")
+
+
+# --- the code's notes and the records speak of the product ----------------------------------------------------------
+
+WORK_LOG = re.compile(r"\bsessions? \d+|\bthis session\b|\bthe session's (?:device|time|deadline)|device tool|device time",
+                      re.IGNORECASE)
+"""An internal work-log numbering or a remote machine's limits: records are dated by date and commit."""
+UNIT = r"\d(?:\.\d+)? ?(?:s|ms|min|GB|GiB|MB|MiB)\b"
+MACHINE = r"\b(?:H100|H200|EPYC|Xeon|\d-core)"
+MEASURED = re.compile(rf"measured:.{{0,60}}(?<![\w.])\d|{UNIT}.{{0,80}}{MACHINE}|{MACHINE}.{{0,80}}{UNIT}")
+"""A measured figure: a number after 'measured:', or a time or size beside the machine it was taken on."""
+RECORDS = sorted({*DOCS, LOG, *REPO.glob("benchmarks/*.sh"), *REPO.glob("benchmarks/*.py"), *REPO.glob("benchmarks/*.yaml"),
+                  *REPO.glob("scripts/*"), REPO / "Makefile"})
+
+
+def notes(path: Path) -> list[str]:
+    """The comments and docstrings of a Python file, line by line."""
+    import io
+    import tokenize
+
+    out = []
+    for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+        if tok.type == tokenize.COMMENT:
+            out.append(tok.string)
+        elif tok.type == tokenize.STRING and tok.string.lstrip("rbuRBU").startswith(('"""', "'''")):
+            out += tok.string.splitlines()
+    return out
+
+
+def figures_in_notes(lines: list[str]) -> list[str]:
+    return [line.strip() for line in lines if MEASURED.search(line) or WORK_LOG.search(line)]
+
+
+@pytest.mark.parametrize("path", sorted(REPO.glob("qualify/**/*.py")), ids=lambda p: str(p.relative_to(REPO)))
+def test_no_measured_figure_or_work_log_in_the_codes_notes(path):
+    """Figures live in BENCHMARKS.md and benchmarks/LOG.md, dated; a docstring keeps the reasoning and points there."""
+    assert not figures_in_notes(notes(path))
+
+
+@pytest.mark.parametrize("path", RECORDS, ids=lambda p: str(p.relative_to(REPO)))
+def test_the_records_speak_of_the_product(path):
+    assert not [line for line in path.read_text().splitlines() if WORK_LOG.search(line)]
+
+
+def test_the_notes_checks_catch_a_figure_and_a_work_log(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text('"""Ranks (about 11 s a rank on a 2-core AMD EPYC).\n\nOn one H200, 0.6B: the stage 166.6 s."""\n'
+                   "# measured: 0.49 of their bounds\n# hashed again (benchmarks/LOG.md, session 17)\n"
+                   'X = "12 GB on one H200"  # a string that is code, not a note\n')
+    assert len(figures_in_notes(notes(bad))) == 4
+    good = tmp_path / "good.py"
+    good.write_text('"""Kill any rank that outlives 30 s.\n\nA case that is measured here (benchmarks/LOG.md)."""\n')
+    assert figures_in_notes(notes(good)) == []
+    assert WORK_LOG.search("Not run this session (device time: a failed start cost 122 s)")
+    assert not WORK_LOG.search("a session-scoped fixture, the test session's frozen run")
+
+
+# --- links and section names between the pages -----------------------------------------------------------------------
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def headings(path: Path) -> list[str]:
+    return re.findall(r"^#+ (.+)$", path.read_text(), flags=re.MULTILINE)
+
+
+def broken_links(page: Path, text: str) -> list[str]:
+    """Relative links of a page (to a file, to a file's section, to a section of the page) that lead nowhere."""
+    out = []
+    for target in LINK.findall(text):
+        if re.match(r"[a-z]+://", target):
+            continue
+        file, _, anchor = target.partition("#")
+        path = (page.parent / file).resolve() if file else page
+        missing_section = path.exists() and path.suffix == ".md" and anchor and anchor not in map(slug, headings(path))
+        if not path.exists() or missing_section:
+            out.append(target)
+    return out
+
+
+@pytest.mark.parametrize("page", [*DOCS, LOG], ids=lambda p: str(p.relative_to(REPO)))
+def test_every_link_between_the_pages_resolves(page):
+    assert not broken_links(page, page.read_text())
+
+
+def test_the_link_check_catches_a_missing_section_and_file():
+    page = REPO / "docs" / "plugins.md"
+    assert broken_links(page, "[setup](../README.md#setup) [ok](../README.md#two-commands)") == ["../README.md#setup"]
+    assert broken_links(page, "[gone](../GONE.md) [guide](plugins.md) [here](#2-the-contract)") == ["../GONE.md"]
+
+
+SECTION_NAME = re.compile(r'"([A-Z][^"\n]{3,70})"')
+"""A section named in prose: ("Reading a verdict"), (docs/plugins.md, "Reading a FAIL")."""
+
+
+def unknown_sections(text: str, pages: list[Path]) -> list[str]:
+    """Quoted section names that begin no heading of the pages (a heading's 'N. ' numbering ignored)."""
+    known = [re.sub(r"^\d+\. ", "", h) for p in pages for h in headings(p)]
+    return [name for name in SECTION_NAME.findall(text) if not any(h.startswith(name) for h in known)]
+
+
+def test_the_sections_readme_names_exist():
+    pages = [REPO / "README.md", *REPO.glob("docs/*.md")]
+    for page in pages:
+        assert not unknown_sections(page.read_text(), pages), page
+
+
+LOG_SECTION = re.compile(r'LOG\.md,? \(?"([^"]+)"')
+
+
+def unknown_log_sections(text: str) -> list[str]:
+    """Sections of benchmarks/LOG.md a note names ('benchmarks/LOG.md, "CPU ranks forked"') that are no part of a
+    heading or of a paragraph's bold lead there."""
+    log = LOG.read_text()
+    leads = headings(LOG) + re.findall(r"\*\*([^*]+)\*\*", log)
+    return [name for name in LOG_SECTION.findall(" ".join(text.split())) if not any(name in h for h in leads)]
+
+
+@pytest.mark.parametrize("path", sorted(REPO.glob("qualify/**/*.py")), ids=lambda p: str(p.relative_to(REPO)))
+def test_the_log_sections_the_code_names_exist(path):
+    assert not unknown_log_sections("\n".join(notes(path)))
+
+
+def test_the_section_checks_catch_a_wrong_name():
+    pages = [REPO / "README.md", *REPO.glob("docs/*.md")]
+    assert unknown_sections('(see "Reading a verdict"; "Setup")', pages) == ["Setup"]
+    assert unknown_sections('(docs/plugins.md, "Reading a FAIL")', pages) == []
+    assert unknown_log_sections('(benchmarks/LOG.md, "CPU ranks forked"; benchmarks/LOG.md, "No such run")') == \
+        ["No such run"]

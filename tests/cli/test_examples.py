@@ -6,7 +6,7 @@ The examples are collected, not listed: each command's epilog in the Typer app (
 Typer app, in a sandbox directory that stands for the repository root:
 
     matrices/, manifests/, sbatch/, scripts/   the repository's own (each file linked)
-    runs/tiny-qwen3                           a copy of the session's frozen run (reference scored from the committed
+    runs/tiny-qwen3                           a copy of the test run's frozen run (reference scored from the committed
                                               rollout, acceptance; tests/conftest.py) with the cases of CASES run once
                                               (`prepared`), so each stage finds what the stage before it left:
                                               `reference` finds its output complete and verified and resumes,
@@ -81,8 +81,8 @@ NOT_RUN = {
     "qualify rounds matrices/tiny-qwen3.yaml --run runs/tiny-qwen3 --vllm-tp 2":
         "a live vLLM engine at TP2 for two rounds and five probes (longer than TP1); "
         "tests/integration/test_rounds.py runs the same stage (run_rounds) at vLLM TP2",
-    "make demo-gpu": "a CUDA GPU and the GPU stack (vLLM 0.26.0): the chain at the Qwen3-0.6B shape, about 10 minutes on "
-                     "one 80 GB H100 (BENCHMARKS.md)",
+    "make demo-gpu": "a CUDA GPU and the GPU stack (vLLM 0.26.0): the chain at the Qwen3-0.6B shape, about 9 minutes on "
+                     "one H200 (BENCHMARKS.md)",
     "scripts/demo.sh matrices/tiny-qwen3-grpo.yaml runs/tiny-qwen3-grpo":
         "the whole GRPO chain (about 3 minutes); tests/integration/test_grpo_chain.py runs its stages",
     "scripts/demo.sh matrices/tiny-qwen3-moe.yaml runs/tiny-qwen3-moe":
@@ -424,3 +424,54 @@ def test_readme_covers_every_command():
     for path, cmd in commands():
         if len(path) == 2:
             assert f"{' '.join(path)} " in forms, f"README has no synopsis of {' '.join(path)}"
+
+
+# --- README's verbs table: a row per command, every visible option in its synopsis ---------------------------------
+
+def verbs_rows(text: str) -> dict[tuple[str, ...], str]:
+    """{command path: synopsis} of the verbs table (the code span that opens a row's first cell)."""
+    table = text.split("\n## The verbs\n", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for form in re.findall(r"^\| `(qualify [^`]+)` \|", table, flags=re.MULTILINE):
+        form = form.replace("\\|", "|")
+        words, cmd, path = form.split(), get_command(app), ["qualify"]
+        for word in words[1:]:
+            if not hasattr(cmd, "commands") or word not in cmd.commands:
+                break
+            cmd, path = cmd.commands[word], [*path, word]
+        rows[tuple(path)] = form
+    return rows
+
+
+def table_gaps(text: str) -> list[str]:
+    """Every command without a row of its own in the verbs table, and every visible option its row's synopsis does not
+    name (a group such as `qualify matrices` is covered by a row for each of its commands)."""
+    rows, gaps = verbs_rows(text), []
+    for path, cmd in commands():
+        if hasattr(cmd, "commands"):
+            continue
+        form = rows.get(path)
+        if form is None:
+            gaps.append(f"no row for {' '.join(path)}")
+            continue
+        named = set(re.findall(r"--[\w-]+", form))
+        gaps += [f"{' '.join(path)}: the synopsis lacks {p.opts[0]}" for p in cmd.params
+                 if p.param_type_name == "option" and not p.hidden and not set(p.opts) & named]
+    return gaps
+
+
+def test_every_command_has_a_row_whose_synopsis_names_every_visible_option():
+    assert table_gaps(README.read_text()) == []
+    top = {path[1] for path in verbs_rows(README.read_text())}
+    assert top == set(get_command(app).commands), top ^ set(get_command(app).commands)
+
+
+def test_the_table_check_catches_a_missing_option_and_a_missing_row():
+    text = README.read_text()
+    freeze = next(f for p, f in verbs_rows(text).items() if p == ("qualify", "freeze"))
+    no_format = text.replace(freeze.replace("|", "\\|"), "qualify freeze RUN [--name N]")
+    assert table_gaps(no_format) == ["qualify freeze: the synopsis lacks --format"]
+    no_row = "\n".join(line for line in text.splitlines() if not line.startswith("| `qualify diagnose "))
+    assert table_gaps(no_row) == ["no row for qualify diagnose"]
+    no_list = "\n".join(line for line in text.splitlines() if not line.startswith("| `qualify matrices list"))
+    assert table_gaps(no_list) == ["no row for qualify matrices list"]

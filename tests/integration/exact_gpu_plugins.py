@@ -17,19 +17,19 @@ naming how many tokens differ; measured on one H200 (benchmarks/gpu_vllm_chain.s
   cublas_settings_left_out  cublas_gemms with none of the settings, declared layout_invariant: must fail the layout
                       tier (comparison 'layout', step0/outputs/logprobs_BT) where cuBLAS's kernel follows the row count
 
-Measured (one H200, benchmarks/gpu-tiny-exact.yaml, session 23): the engine itself gives 0 of 192; each bug moves
+Measured (one H200, benchmarks/gpu-tiny-exact.yaml, 2026-12-03, b63c60b): the engine itself gives 0 of 192; each bug moves
 the rollout row off 0: the bf16 branch (192 of 192, max 0.0156), norm_not_routed (192, max 0.045), fused_path (54,
 one fp32 step) and logsumexp_branch (19, one fp32 step). settings_too_late passes (0 of 192), which is the right
 verdict for this engine: in batch-invariant mode it computes every GEMM with vLLM's Triton matmul, as vLLM's own linear
 layers do, and no cuBLAS setting reaches it. The failure seed 002's review names belongs to a trainer whose GEMMs are
 cuBLAS's; it is kept as the record that this engine is immune to it.
 
-At Qwen3-0.6B widths (benchmarks/gpu-wide-exact.yaml, one H200, session 24) the cuBLAS twins are layout-invariant with
+At Qwen3-0.6B widths (benchmarks/gpu-wide-exact.yaml, one H200, 2026-12-04, b3b7433) the cuBLAS twins are layout-invariant with
 the settings in time and also put in place after a first GEMM (cublas_settings_too_late passes): torch reads the
 settings that decide it at each GEMM or at cuBLASLt's first use, after them here
 (benchmarks/cublas_settings_probe.py). Without them at all, a K = 3072 GEMM's rows follow the row count (242 of 320
 rows at micro-batch 1), and torch-tp's HF forward, which puts none in place, is not layout-invariant there (189 of 192
-tokens at micro-batch 1). cublas_settings_left_out fails the layout tier there (session 25: 191 of 192 tokens at
+tokens at micro-batch 1). cublas_settings_left_out fails the layout tier there (at 6cfdf1e: 191 of 192 tokens at
 micro-batch 1, max 0.00975; micro-batch 4 and the reversed order 0).
 """
 

@@ -2,7 +2,7 @@
 a tied model's lm_head the embedding module itself (`self.lm_head = self.model.embed_tokens`), which named_modules()
 lists once, as model.embed_tokens. The rank must still report lm_head.weight (the expected shards name it: see
 qualify.rounds.shards), or every install of a tied model is refused with "lm_head.weight missing" (measured on one
-H200, benchmarks/gpu-wide-exact.yaml, session 24)."""
+H200, benchmarks/gpu-wide-exact.yaml, 2026-12-04, b3b7433)."""
 
 from __future__ import annotations
 
