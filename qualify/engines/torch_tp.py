@@ -89,6 +89,17 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def gathered_columns(shard_BTW: torch.Tensor, group) -> torch.Tensor:
+    """The whole (B, T, V) of every rank's (B, T, W_r) vocabulary columns, in rank order (widths may differ)."""
+    widths = [torch.zeros(1, dtype=torch.int64, device=shard_BTW.device) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(widths, torch.tensor([shard_BTW.shape[-1]], device=shard_BTW.device), group=group)
+    most = int(max(w.item() for w in widths))
+    padded = torch.nn.functional.pad(shard_BTW.detach(), (0, most - shard_BTW.shape[-1])).contiguous()
+    parts = [torch.empty_like(padded) for _ in widths]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([p[..., :int(w.item())] for p, w in zip(parts, widths)], dim=-1)
+
+
 def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The global L2 norm (fp32) of full gradients, each reduced where it lives: a GPU's fp32 vector_norm reduces in a
     tree; the CPU's adds serially in fp32 (9e-5 off for a gradient shaped like Qwen3's embedding, 2% for 155M dense
@@ -181,8 +192,10 @@ class TorchTPEngine(OutputScoring):
         vocabulary columns of the logits; position 0 is 0. TP1 takes the single-process form (no collective)."""
         from qualify.ppo.vocab_parallel import tp_rank_logprobs, vocab_parallel_logprobs
 
-        shard_BTW = local(self.compute(input_ids=ids_BT, position_ids=position_ids, use_cache=False).logits)
-        c = self.ctx
+        out = self.compute(input_ids=ids_BT, position_ids=position_ids, use_cache=False).logits
+        shard_BTW, c = local(out), self.ctx
+        if c.role == "actor":  # the logits() hook's whole rows, for the derivation rows only (the path never needs them)
+            self.last_logits = (shard_BTW if c.tp == 1 else gathered_columns(shard_BTW, self.mesh.get_group())).detach()
         kw = {"vocab_size": c.vocab_size, "temperature": c.temperature, "tile_size": c.vocab_tile,
               "chunk_tokens": c.logprob_chunk_tokens}
         if c.tp == 1:

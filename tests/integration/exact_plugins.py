@@ -4,7 +4,7 @@ tier's row (comparison 'rollout', tensor step0/outputs/logprobs_BT), naming how 
 
   logsumexp_branch   the logprobs as logits/T - logsumexp(logits/T) (fp32) instead of log_softmax
   bf16_branch        log_softmax computed in bf16
-  kernel_not_routed  vLLM's attention in the forward, but HF's rotary (one kernel not routed through vLLM's)
+  kernel_not_routed  vLLM's rotary in the forward, but HF's sdpa attention (one kernel not routed through vLLM's)
   routed_too_late    vLLM's kernels installed after the first forward (the CPU form of settings installed too late)
   fused_path         a fused path that skips the sampler formula: each token's logprob from an online logsumexp
                      over vocabulary chunks, as fused linear-cross-entropy kernels make it without the whole logits
@@ -58,14 +58,14 @@ class FusedPath(OwnFormula):
 
 
 class KernelNotRouted(VllmCpuExactEngine):
-    """vLLM's paged attention, HF's own rotary embedding."""
+    """vLLM's rotary, HF's own sdpa attention. (HF's rotary is not the kernel left out: on some CPUs, this project's
+    AMD EPYC 7003 among them, HF's fp32 rotary equals vLLM's bit for bit, so leaving it in is no bug there; the
+    attention kernels' reduction orders differ on every CPU tried.)"""
 
     def setup(self, ctx) -> None:
-        from transformers.models.qwen3 import modeling_qwen3
-
-        hf_rotary = modeling_qwen3.apply_rotary_pos_emb
         super().setup(ctx)
-        modeling_qwen3.apply_rotary_pos_emb = hf_rotary
+        for model in {id(m): m for m in (self.master, self.compute)}.values():
+            model.set_attn_implementation("sdpa")
 
 
 class RoutedTooLate(TorchTPEngine):

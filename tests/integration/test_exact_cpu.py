@@ -10,6 +10,7 @@ beside the trainer, and bits are not compared across machines (the committed rol
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -97,7 +98,7 @@ def layered_run(tmp_path_factory):
 def test_the_layers_say_where_an_exact_claim_breaks(layered_run, tmp_path):
     """The positive control: the exact engine's residual stream after every decoder layer, and its final norm, equal
     the ones reconstructed from vLLM's hooks (hidden_states + residual) bit for bit on every response token. The
-    negative control (HF's rotary left in) names the first layer that differs; its row still fails on the logprobs."""
+    negative control (HF's sdpa attention left in) names the first layer that differs; its row still fails on the logprobs."""
     from qualify.layout import RunLayout
     from qualify.stages import require_complete
     from qualify.store import read_json, read_tensors
@@ -121,13 +122,13 @@ def test_the_layers_say_where_an_exact_claim_breaks(layered_run, tmp_path):
                                   "model.norm, 180 tokens)"), exact["note"]
     broken = next(r for c, r in rows.items() if "kernel_not_routed" in c)
     assert not broken["passed"] and float(broken["value"]) > 0, broken
-    # HF's rotary parts from vLLM's kernel in the last bits of q and k at every position but 0 (cos 1, sin 0 there),
-    # so layer 0's attention, and with it every response token's vector, differs in layer 0 already and never agrees
-    # again; only 114 of those tokens' logprobs differ, the rest round to the same fp32 logprob (measured).
-    assert broken["note"].endswith("; layers against the rollout engine's prefill: first differing model.layers.0 "
-                                   "(180 of 180 tokens), model.norm 180 of 180"), broken["note"]
+    # HF's sdpa attention parts from vLLM's paged kernel in the last bits (another reduction order) wherever a token
+    # attends to more than itself, so layer 0's output differs already; how many tokens differ is the CPU's business.
+    assert re.search(r"; layers against the rollout engine's prefill: first differing model\.layers\.0 \(\d+ of 180 "
+                     r"tokens\), model\.norm \d+ of 180$", broken["note"]), broken["note"]
     run = RunLayout(tmp_path / "run")
     counts = {c: [(e["name"], e["num_tokens"], e["num_not_bitwise"]) for e in
                   read_json(run.case(r["case"]) / "meta.json")["rollout_layers"]["layers"]] for c, r in rows.items()}
     assert counts[exact["case"]] == [(n, 180, 0) for n in names], counts
-    assert counts[broken["case"]] == [(n, 180, 180) for n in names], counts
+    assert [(n, t) for n, t, _ in counts[broken["case"]]] == [(n, 180) for n in names], counts
+    assert all(d > 0 for _, _, d in counts[broken["case"]]), counts

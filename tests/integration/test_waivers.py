@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from qualify.candidate.run import run_candidates
 from qualify.cli.app import app
-from qualify.layout import RunLayout
+from qualify.layout import WORK_SUFFIX, RunLayout
 from tests.integration._support import matrix_with, plugins_importable  # noqa: F401  (autouse fixture)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.engines]
@@ -44,7 +44,10 @@ def test_an_actor_without_logits_fails_unless_its_engine_is_waived(run_copy, tmp
     print(f"{broken}: besides the hook, {len(others)} failing rows: {others[:6]}")
 
     # the waiver, added after the freeze (candidates is not frozen): the case runs again with it and passes
-    shutil.rmtree(RunLayout(run_copy).case(broken))
+    # (its sealed evidence and its work directory: a started case left unsealed is an unfinished stage)
+    broken_dir = RunLayout(run_copy).case(broken)
+    for path in (broken_dir, broken_dir.with_name(broken_dir.name + WORK_SUFFIX)):
+        shutil.rmtree(path, ignore_errors=path != broken_dir)
     m = matrix_with(tmp_path, engines=[NO_HOOK], precisions=["bf16"], tp=[1], roles=["actor"],
                     waive={NO_HOOK: ["sampler_derivation"]})
     junit = tmp_path / "candidate-junit.xml"
