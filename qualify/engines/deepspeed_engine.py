@@ -117,6 +117,25 @@ def gather_dim(local: torch.Tensor, dim: int, sizes: tuple[int, ...], group: Any
     return torch.cat([part.narrow(dim, 0, size) for part, size in zip(parts, sizes)], dim)
 
 
+def set_short_zero3_master(p: torch.nn.Parameter, value: torch.Tensor) -> bool:
+    """Set a ZeRO-3 parameter's FP32 master partition from its whole value when the rank's padded partition runs past
+    the value's end (a parameter of fewer elements than DP ranks x partition, such as the critic's one-element value
+    bias at DP2): DeepSpeed's set_full_hp_param narrows the unpadded value there and fails. The partition gets the
+    value's elements it covers and zeros in its padding, as DeepSpeed partitions a parameter. False: not such a case
+    (not ZeRO-3, or the partition lies within the value), for safe_set_full_fp32_param."""
+    opt = getattr(p, "_z3_optimizer", None)
+    if opt is None or not p.requires_grad:
+        return False
+    part, _ = opt._get_fp32_opt_state_partition(p, release_swap_buffers=False)
+    start = part.numel() * opt._get_param_partition_rank(p)
+    if start + part.numel() <= value.numel():
+        return False
+    piece = value.flatten()[start:start + part.numel()]
+    part.data.zero_()
+    part.data[:piece.numel()].copy_(piece)
+    return True
+
+
 class DeepSpeedEngine(OutputScoring):
     """The deepspeed engine at a ZeRO stage (see module docstring)."""
 
@@ -190,7 +209,9 @@ class DeepSpeedEngine(OutputScoring):
 
             device = next(self.engine.module.parameters()).device
             for name, p in self.params_by_name.items():  # the bf16 parameters are these masters cast: untouched
-                safe_set_full_fp32_param(p, self._tp_shard(name, fp32_full[name]).to(device))
+                value = self._tp_shard(name, fp32_full[name]).to(device)
+                if not set_short_zero3_master(p, value):
+                    safe_set_full_fp32_param(p, value)
 
     def inner_optimizer(self) -> torch.optim.Optimizer:
         """The torch AdamW that steps the masters (wrapped by DeepSpeed's optimizer under bf16 or ZeRO)."""
