@@ -21,10 +21,10 @@ from typing import Any
 from qualify.errors import EvidenceError, QualifyError
 from qualify.layout import WORK_SUFFIX, RunLayout
 from qualify.stages import Sealed, check_sealed_all, stage_is_complete
+from qualify.verdict import VERDICT_SCHEMA
 
 CASE_NAME = re.compile(r"^(?P<engine>.+)-(?P<precision>fp32|bf16)-tp(?P<tp>[1-9][0-9]*)(?:-dp(?P<dp>[2-9]|[1-9][0-9]+))?"
                        r"(?:-(?P<packing>packed))?-(?P<role>actor|critic)$")
-VERDICT_SCHEMA = "qualify.verdict/1"
 ROW_KEYS = ("case", "role", "comparison", "tensor", "metric", "value", "bound", "passed")
 REL_TOL = 1e-9  # judged again in the same float64 arithmetic; only the JSON round trip may differ
 MAX_LISTED = 5

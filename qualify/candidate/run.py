@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from qualify.acceptance import Acceptance
+from qualify.candidate import WORKER
 from qualify.candidate.decided import (
     StepInputs,
     aligned_reference,
@@ -142,7 +143,7 @@ def launch_group(layout: RunLayout, pending: list[Case], specs_by_case: dict[Cas
         clear_failures(work_dir(layout.case(c.name)))
     group_log = launch_log(layout.case(pending[0].name))
     with plan.admit(need), log.step(f"cases {', '.join(c.name for c in pending)}"):
-        code = launch(specs, pending[0].world_size, device, group_log, preload_modules(pending[0].engine))
+        code = launch(WORKER, specs, pending[0].world_size, device, group_log, preload_modules(pending[0].engine))
     errors = {}
     for case, spec in zip(pending, specs):
         if stage_is_complete(layout.case(case.name)):
@@ -150,7 +151,7 @@ def launch_group(layout: RunLayout, pending: list[Case], specs_by_case: dict[Cas
         if len(pending) > 1:
             with plan.admit(need, alone=True), \
                     log.step(f"case {case.name} (alone, after a failed group launch)"):
-                code = launch(spec, case.world_size, device, launch_log(layout.case(case.name)),
+                code = launch(WORKER, spec, case.world_size, device, launch_log(layout.case(case.name)),
                               preload_modules(case.engine))
         if not stage_is_complete(layout.case(case.name)):
             errors[case.name] = failure_note(work_dir(layout.case(case.name)),

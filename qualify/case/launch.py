@@ -37,12 +37,13 @@ def write_spec_file(spec: CaseSpec) -> Path:
     return work / SPEC_FILE
 
 
-def launch(spec_paths: Path | list[Path], tp: int, device: str, log_path: Path, preload: tuple[str, ...] = ()) -> int:
-    """The worker's tp ranks over one or more case specs; returns their exit code, output in log_path. preload: what
-    the engine's ranks import besides torch and transformers (qualify.engines.registry.preload_modules)."""
+def launch(worker: str, spec_paths: Path | list[Path], tp: int, device: str, log_path: Path,
+           preload: tuple[str, ...] = ()) -> int:
+    """The worker module's tp ranks (the caller names it: the case layer starts what a stage gives it) over one or more
+    case specs; returns their exit code, output in log_path. preload: what the engine's ranks import besides torch
+    and transformers (qualify.engines.registry.preload_modules)."""
     paths = [spec_paths] if isinstance(spec_paths, Path) else list(spec_paths)
-    return start_module("qualify.candidate.worker", list(map(str, paths)), tp, device, launch_env(device, tp),
-                        log_path, preload)
+    return start_module(worker, list(map(str, paths)), tp, device, launch_env(device, tp), log_path, preload)
 
 
 def launch_env(device: str, tp: int) -> dict[str, str]:

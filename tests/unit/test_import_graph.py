@@ -7,6 +7,7 @@ it); these tests name the chain that closes one and the import that climbs."""
 from __future__ import annotations
 
 import ast
+import itertools
 from collections import defaultdict
 from pathlib import Path
 
@@ -31,8 +32,31 @@ LAYERS = [  # top floor first: a package may import its own modules and any pack
 ]
 
 
+RUNS_MODULE = ("start_module", "launch")
+"""Calls whose first string argument names a module that runs (python -m): starting it is importing it."""
+
+
+def started_modules(node: ast.AST) -> list[str]:
+    """Module names this node starts in another process: the first string constant of a call to one of RUNS_MODULE
+    (a module-level constant of that name counts too, as written), and the string after "-m" in a list or tuple of
+    a command line."""
+    if isinstance(node, ast.Call):
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        if name in RUNS_MODULE:
+            return [a.value for a in node.args[:1] if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+    if isinstance(node, (ast.List, ast.Tuple)):
+        items = node.elts
+        return [b.value for a, b in itertools.pairwise(items) if isinstance(a, ast.Constant) and a.value == "-m"
+                and isinstance(b, ast.Constant) and isinstance(b.value, str)]
+    if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+            and any(isinstance(t, ast.Name) and t.id == "WORKER" for t in node.targets)):
+        return [node.value.value]
+    return []
+
+
 def module_graph(package_dir: Path) -> dict[str, set[str]]:
-    """{module: the package's modules it imports}, every import statement counted, wherever it stands."""
+    """{module: the package's modules it imports}, every import statement counted, wherever it stands, and every
+    module it starts in another process (started_modules: a module name given to start_module or after -m)."""
     top = package_dir.name
     modules = {}
     for path in package_dir.rglob("*.py"):
@@ -58,7 +82,7 @@ def module_graph(package_dir: Path) -> dict[str, set[str]]:
                     base = ".".join(up + ([base] if base else []))
                 targets = [base, *(f"{base}.{a.name}" for a in node.names)]
             else:
-                continue
+                targets = started_modules(node)
             for target in targets:
                 found = resolve(target) if target.split(".")[0] == top else None
                 if found and found not in (name, top):
@@ -175,6 +199,21 @@ def test_an_import_that_climbs_or_crosses_a_floor_is_named(tmp_path):
     assert climbs(graph, [{"stage", "side"}, {"low"}], "pkg") == ["pkg.low -> pkg.stage", "pkg.side -> pkg.stage"]
     assert climbs(graph, [{"side"}, {"stage"}, {"low"}], "pkg") == ["pkg.low -> pkg.stage"]
     assert climbs(graph, [{"side"}, {"low"}], "pkg") == ["pkg.stage is on no floor of LAYERS"]
+
+
+def test_a_module_started_by_name_counts_as_imported(tmp_path):
+    """The negative control of started_modules: a low package that starts a higher one's module by name (start_module,
+    python -m in a command line, a WORKER constant) climbs as an import would; taking the name from its caller does
+    not."""
+    pkg = package(tmp_path, {"stage.py": "x = 1\n",
+                             "low/run.py": "def go(start_module):\n    return start_module('pkg.stage', [])\n"})
+    assert climbs(package_graph(module_graph(pkg)), [{"stage"}, {"low"}], "pkg") == ["pkg.low -> pkg.stage"]
+    (pkg / "low" / "run.py").write_text("import sys\nCMD = [sys.executable, '-m', 'pkg.stage']\n")
+    assert climbs(package_graph(module_graph(pkg)), [{"stage"}, {"low"}], "pkg") == ["pkg.low -> pkg.stage"]
+    (pkg / "low" / "run.py").write_text("WORKER = 'pkg.stage'\n")
+    assert climbs(package_graph(module_graph(pkg)), [{"stage"}, {"low"}], "pkg") == ["pkg.low -> pkg.stage"]
+    (pkg / "low" / "run.py").write_text("def go(start_module, worker):\n    return start_module(worker, [])\n")
+    assert climbs(package_graph(module_graph(pkg)), [{"stage"}, {"low"}], "pkg") == []
 
 
 def test_a_circle_through_a_function_level_import_is_found_and_named(tmp_path):
