@@ -5,12 +5,14 @@ negative control that the same comparison catches."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 
-from qualify.matrix import GRPO, PPO
+from qualify.matrix import GRPO, PPO, load_matrix
 from qualify.ppo.objective import grpo_share, ppo_share, role_objective
 from qualify.ppo.share import Normalizers
 
@@ -18,6 +20,7 @@ pytest.importorskip("verl.trainer.ppo.core_algos")
 
 from qualify.examples.verl_ppo import VerlPPOEngine, mismatched, verl_settings
 
+REPO = Path(__file__).resolve().parents[2]
 ROWS, POS, G = 8, 6, 4
 LENGTHS = [6, 5, 5, 4, 3, 2, 2, 2]  # rank 0 (rows 0-3) 20 tokens, rank 1 9: unequal
 
@@ -67,13 +70,24 @@ def test_settings_map_the_matrix_onto_verls_fields():
     assert verl_settings("actor", PPO(), changed=mismatched().changed)["loss_agg_mode"] == "seq-mean-token-mean"
 
 
-@pytest.mark.parametrize(("ppo", "grpo", "says"), [
-    (PPO(entropy_coef=0.01), None, "maps no entropy bonus"),
-    (PPO(), GRPO(group_size=G, kl_estimator="k3_ratio"), "verl's kl_loss_type has no k3_ratio"),
+@pytest.mark.parametrize(("matrix", "section", "changed", "says"), [
+    ("tiny-qwen3.yaml", "ppo", {"entropy_coef": 0.01}, "maps no entropy bonus"),
+    ("tiny-qwen3-grpo.yaml", "grpo", {"kl_estimator": "k3_ratio"}, "verl's kl_loss_type has no k3_ratio"),
 ])
-def test_what_verl_cannot_express_is_refused_in_one_line(ppo, grpo, says):
+def test_what_verl_cannot_express_is_refused_in_one_line(tmp_path, matrix, section, changed, says):
+    """The shipped matrices with one setting verl cannot express: refused in one line; as shipped (the negative
+    control) every role of theirs maps."""
+    data = yaml.safe_load((REPO / "matrices" / matrix).read_text())
+    path = tmp_path / "matrix.yaml"
+    path.write_text(yaml.safe_dump(data))
+    shipped = load_matrix(path)
+    for role in shipped.candidates.roles:
+        assert verl_settings(role, shipped.ppo, shipped.grpo)["loss_agg_mode"] == "token-mean"
+    data[section].update(changed)
+    path.write_text(yaml.safe_dump(data))
+    m = load_matrix(path)
     with pytest.raises(ValueError) as refused:
-        verl_settings("actor", ppo, grpo)
+        verl_settings("actor", m.ppo, m.grpo)
     assert says in str(refused.value) and "\n" not in str(refused.value)
 
 
