@@ -235,5 +235,6 @@ def engine() -> VerlPPOEngine:
 
 def mismatched() -> VerlPPOEngine:
     """verl's loss_agg_mode 'seq-mean-token-mean' (a mean over sequences of each sequence's token mean) where the
-    matrix says a token mean: must fail, naming the loss, the clip fraction and the gradients."""
+    matrix says a token mean: must fail, naming the loss and the gradients from step 0 (the clip fraction, the
+    moved logprobs or values from step 1)."""
     return VerlPPOEngine({"loss_agg_mode": "seq-mean-token-mean"})

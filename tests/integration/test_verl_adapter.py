@@ -82,14 +82,24 @@ def test_verl_mismatched_aggregation_fails_naming_the_tensors_it_moves(run_copy,
 @pytest.mark.vllm
 def test_verl_adapter_passes_a_packed_grpo_case(grpo_run, tmp_path):
     """GRPO's actor at fp32 TP1, packed as verl's remove-padding actor feeds its loss: the adapter's objective takes
-    each micro-batch's unpacked rows with the step's share and passes against the reference and its padded case."""
+    each micro-batch's unpacked rows with the step's share and passes against the reference and its padded case. The
+    negative control: the mismatched engine's packed case fails naming the loss and the rows' losses at step 0."""
     require_module("verl")
-    m = matrix_with(tmp_path, base=GRPO_MATRIX, engines=[ENGINE], precisions=["fp32"], tp=[1], dp=[1],
+    m = matrix_with(tmp_path, base=GRPO_MATRIX, engines=[ENGINE, MISMATCHED], precisions=["fp32"], tp=[1], dp=[1],
                     packing=["padded", "packed"])
     verdict = run_candidates(m, grpo_run).to_json()
-    failed = [r for r in verdict["rows"] if not r["passed"]]
-    assert verdict["passed"] and not failed, failed[:5]
-    [packed] = [c for c in verdict["cases"] if "packed" in c]
+    good = {c.name for c in m.cases() if c.engine == ENGINE}
+    assert len(good) == 2 and good <= set(verdict["cases"])
+    failed = [r for r in verdict["rows"] if r["case"] in good and not r["passed"]]
+    assert not failed, failed[:5]
+    [packed] = [c for c in good if "packed" in c]
     assert any(r["comparison"].startswith("vs padded ") for r in verdict["rows"] if r["case"] == packed)
-    for case in sorted(verdict["cases"]):
+    for case in sorted(good):
         print(f"{case}: closest frozen-bound row {said(closest(verdict, case, True))}")
+    [bad] = [c.name for c in m.cases() if c.engine == MISMATCHED and c.packing == "packed"]
+    step0 = [r for r in verdict["rows"] if r["case"] == bad and r["tensor"].startswith("step0/")]
+    wrong = {r["tensor"]: ratio(r) for r in step0 if not r["passed"]}
+    assert {"step0/outputs/loss", "step0/outputs/seq_loss_B"} <= set(wrong), sorted(wrong)[:10]
+    assert "step0/outputs/logprobs_BT" not in wrong and "step0/outputs/advantages_B" not in wrong
+    print(f"{bad}: " + ", ".join(f"{t} {wrong[t]:.3g}x" for t in ("step0/outputs/loss", "step0/outputs/seq_loss_B")))
+    assert wrong["step0/outputs/loss"] >= 10
