@@ -12,7 +12,7 @@ GPU_RUN ?= runs/qwen3-0.6b-1gpu
 GPU_PYTHON ?= python3
 WHEELHOUSE ?=
 
-.PHONY: demo demo-gpu test env lint lock mutation
+.PHONY: demo demo-gpu test test-extended env lint lock mutation
 
 $(VENV)/.installed: requirements/cpu.lock requirements/test.lock pyproject.toml scripts/install.sh
 	bash scripts/install.sh $(VENV)
@@ -31,6 +31,11 @@ demo-gpu:
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The suite and the extended sweeps (pytest.mark.extended: wide passes of correct engines whose representatives the
+# suite runs; TESTING.md, 'The extended sweeps').
+test-extended: $(VENV)/.installed
+	QUALIFY_EXTENDED=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check qualify tests benchmarks

@@ -60,6 +60,10 @@ CI_REQUIRED_MARKERS = ("vllm", "slurm")
 CI_REQUIRED_MODULES = ("deepspeed", "megatron.core")  # integration tests importorskip or skipif on them
 
 
+EXTENDED_ENV = "QUALIFY_EXTENDED"
+"""Set to 1 to run the extended sweeps too (pytest.mark.extended: TESTING.md, 'The extended sweeps')."""
+
+
 def _in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("true", "1")
 
@@ -80,7 +84,11 @@ def pytest_collection_modifyitems(config, items):
               "multi_gpu": (lambda: _num_gpus() >= 2, "fewer than two CUDA GPUs")}
     cache: dict[str, bool] = {}
     ci = _in_ci()
+    extended = os.environ.get(EXTENDED_ENV, "").strip().lower() in ("1", "true")
     for item in items:
+        if "extended" in item.keywords and not extended:
+            item.add_marker(pytest.mark.skip(reason=f"an extended sweep: {EXTENDED_ENV}=1 (make test-extended) runs it"))
+            continue
         for marker, (probe, reason) in checks.items():
             if marker in item.keywords:
                 if marker not in cache:

@@ -123,6 +123,7 @@ def test_zero0_bf16_traps_fail_where_deepspeed_passes(run_copy):
 ZERO_ENGINES = ["deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3"]
 
 
+@pytest.mark.extended
 def test_zero_stages_pass_fp32_and_bf16_actor_and_critic(run_copy):
     """ZeRO 1, 2 and 3 at TP1 x DP1 on the embedded default (PPO): stage 1's BF16_Optimizer and stage 2/3's ZeRO
     optimizers with FP32 gradient accumulation under bf16, every tensor read through DeepSpeed's own gathers, the

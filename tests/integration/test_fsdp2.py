@@ -58,6 +58,7 @@ def failed_by_step(verdict: dict, case: str, step: int) -> dict[str, float]:
     return out
 
 
+@pytest.mark.extended
 def test_fsdp2_passes_the_grpo_matrix_at_tp1_dp2_and_tp2(grpo_run, tmp_path):
     matrix = matrix_with(tmp_path, base=GRPO_MATRIX, engines=["fsdp2"])
     verdict = run_candidates(matrix, grpo_run, only="fsdp2-*").to_json()
@@ -76,6 +77,7 @@ def test_fsdp2_passes_at_tp2_dp2(grpo_run, tmp_path):
     assert_passes_with_margin(verdict, {"fsdp2-fp32-tp2-dp2-actor", "fsdp2-bf16-tp2-dp2-actor"}, grpo_run)
 
 
+@pytest.mark.extended
 def test_fsdp2_passes_the_ppo_default_at_dp1(frozen_run, tmp_path):
     matrix = matrix_with(tmp_path, engines=["fsdp2"])  # actor and critic, fp32 and bf16, TP1 and TP2
     verdict = run_candidates(matrix, frozen_run, only="fsdp2-*").to_json()

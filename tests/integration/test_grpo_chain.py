@@ -183,12 +183,9 @@ def test_a_zero3_parameter_used_stale_after_the_step_fails_from_step_1(grpo_run,
         assert grads and all(float(r["value"]) >= 10 * float(r["bound"]) for r in grads), grads
 
 
-def test_every_dp_engine_passes_packed(grpo_run, tmp_path):
-    """Packed micro-batches (the matrix's pack_tokens, the budget of its reference's packed control): torch-tp and
-    deepspeed at TP1xDP1, TP1xDP2 and TP2xDP1, fsdp2 and DeepSpeed ZeRO 1-3 at TP1xDP2, where the sharded engines'
-    collectives run per micro-batch (every DP rank runs as many). Every case passes with its closest bound row at
-    most half its bound (against the reference, its TP1/DP1 case, and its padded case where that ran: the tests
-    above)."""
+def passes_packed(grpo_run, tmp_path, sweeps) -> None:
+    """Every case of each (engines, layout, precisions) sweep, packed, passes with its closest bound row at most half
+    its bound (against the reference, its TP1/DP1 case, and its padded case where that ran)."""
     import math
 
     from tests.integration._support import matrix_with, require_module
@@ -198,8 +195,7 @@ def test_every_dp_engine_passes_packed(grpo_run, tmp_path):
     def ratio(row):
         return float(row["value"]) / float(row["bound"])
 
-    for engines, layout in ((["torch-tp", "deepspeed"], {}),
-                            (["fsdp2", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3"], {"tp": [1], "dp": [2]})):
+    for engines, layout in sweeps:
         matrix = matrix_with(tmp_path, base=GRPO_MATRIX, engines=engines, packing=["packed"], **layout)
         verdict = run_candidates(matrix, grpo_run, launches=2).to_json()
         failed = [r for r in verdict["rows"] if not r["passed"]]
@@ -211,6 +207,21 @@ def test_every_dp_engine_passes_packed(grpo_run, tmp_path):
             print(f"{case}: closest bound row {ratio(closest):.3f} ({closest['comparison']} {closest['tensor']} "
                   f"{closest['metric']})")
             assert ratio(closest) <= 0.5, (case, closest)
+
+
+def test_sharded_engines_pass_packed_at_tp1_dp2(grpo_run, tmp_path):
+    """The suite's representative of the sweep below: fsdp2 and DeepSpeed ZeRO-3 (the two that shard parameters) in
+    bf16 at TP1xDP2, where their collectives run per packed micro-batch (every DP rank runs as many)."""
+    passes_packed(grpo_run, tmp_path, [(["fsdp2", "deepspeed-zero3"], {"precisions": ["bf16"], "tp": [1], "dp": [2]})])
+
+
+@pytest.mark.extended
+def test_every_dp_engine_passes_packed(grpo_run, tmp_path):
+    """Packed micro-batches (the matrix's pack_tokens, the budget of its reference's packed control): torch-tp and
+    deepspeed at TP1xDP1, TP1xDP2 and TP2xDP1, fsdp2 and DeepSpeed ZeRO 1-3 at TP1xDP2, fp32 and bf16 (20 cases)."""
+    passes_packed(grpo_run, tmp_path, [(["torch-tp", "deepspeed"], {}),
+                                       (["fsdp2", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3"],
+                                        {"tp": [1], "dp": [2]})])
 
 
 def test_declared_bitwise_holds_dp2_to_bitwise(grpo_run, tmp_path):
