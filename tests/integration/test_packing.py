@@ -75,6 +75,22 @@ def test_torch_tp_and_deepspeed_pass_packed_within_half_their_bounds(packed_run,
         assert ratio(closest) <= 0.5, (case, closest)
 
 
+@pytest.mark.extended
+def test_sharded_engines_pass_packed_ppo_within_half_their_bounds(packed_run, tmp_path):
+    """The same for fsdp2 and DeepSpeed ZeRO 1-3 (PPO at TP1, fp32 and bf16, actor and critic, packed only: 16
+    cases): every built-in engine that takes packed batches passes a packed PPO matrix."""
+    matrix = packed_matrix(tmp_path / "matrix.yaml", packing=["packed"],
+                           engines=["fsdp2", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3"])
+    verdict = run_candidates(matrix, packed_run, launches=2).to_json()
+    failed = [(r["case"], r["tensor"], r["note"]) for r in verdict["rows"] if not r["passed"]]
+    assert verdict["passed"] and not failed and len(verdict["cases"]) == 16, failed[:5]
+    for case in verdict["cases"]:
+        closest = max((r for r in verdict["rows"] if r["case"] == case and bounded(r)), key=ratio)
+        print(f"{case}: closest bound row {ratio(closest):.3f} ({closest['comparison']} {closest['tensor']} "
+              f"{closest['metric']})")
+        assert ratio(closest) <= 0.5, (case, closest)
+
+
 NEGATIVE = {  # plugin factory -> the tensor its bug moves in the first step's forward
     "positions_not_reset": "outputs/logprobs_BT",
     "attention_over_whole_pack": "outputs/logprobs_BT",
