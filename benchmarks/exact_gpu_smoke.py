@@ -1,4 +1,4 @@
-"""The GPU exact engine's kernels before a chain spends GPU time on them (issue 33): qualify.examples.vllm_gpu_exact's
+"""The GPU exact engine's kernels before a chain spends GPU time on them: qualify.examples.vllm_gpu_exact's
 vLLM-kernel forward of a tiny bf16 Qwen3 on CUDA against the same forward with the reference formula of every kernel
 (close, not equal: bf16), and its backward; with the batch-invariant mode's kernels and without.
 

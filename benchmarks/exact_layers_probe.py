@@ -1,4 +1,4 @@
-"""Where qualify.examples.vllm_gpu_exact's forward parts from GPU vLLM's own (issue 33: which layers differ).
+"""Where qualify.examples.vllm_gpu_exact's forward parts from GPU vLLM's own (which layers differ).
 
 The tiny family's actor (benchmarks/gpu-tiny-exact.yaml) in GPU vLLM, in process, with forward hooks on its decoder
 layers, final norm and logits processor: the matrix's prompts are sampled at T = 1 without EOS (every row full length,

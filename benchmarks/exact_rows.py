@@ -1,4 +1,4 @@
-"""Seed 002's counts from a run (issue 33): each case's `rollout` row (its step-0 logprobs against the rollout's, bit
+"""Seed 002's counts from a run: each case's `rollout` row (its step-0 logprobs against the rollout's, bit
 for bit) and `layout` row (its forward at micro-batch 1, 4 and reversed against its single batch), and `qualify
 rounds`' count after each weight sync (the trainer's step-0 logprobs against the round's own rollout).
 

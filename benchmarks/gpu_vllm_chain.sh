@@ -141,7 +141,7 @@ chain() {  # the product path without the probe and rounds: GPU vLLM capture, re
   return $rc
 }
 
-exact() {  # issue 33: the tiny family's bf16 T = 1 rollout with vLLM's batch-invariant mode on and off, torch-tp's
+exact() {  # the tiny family's bf16 T = 1 rollout with vLLM's batch-invariant mode on and off, torch-tp's
            # rollout and layout rows, and the count after each weight sync (qualify rounds)
   local out=${1:?} m
   install

@@ -1,4 +1,4 @@
-"""Where a candidate launch's start-up goes, and torchrun against qualify's direct rank start, in one run (issue 21).
+"""Where a candidate launch's start-up goes, and torchrun against qualify's direct rank start, in one run.
 
 Driver: python benchmarks/launch_probe.py ab ENGINE TP MODEL_DIR OUT_JSONL [--repeats N]
   launches ENGINE's start-up at TP ranks, alternating QUALIFY_LAUNCHER=torchrun and the direct start

@@ -1,4 +1,4 @@
-"""Where the reference's bf16 scoring step spends its GPU time (issue 29: what limits its MFU).
+"""Where the reference's bf16 scoring step spends its GPU time (what limits its MFU).
 
 Times forward+backward of the actor on a run's rollout (qualify.reference.step's own compute model and loss, as
 benchmarks/scale_probe.py does), then profiles one more with torch.profiler and sums CUDA kernel time by kind:

@@ -1,5 +1,5 @@
 """Does the rollout engine agree with itself? vLLM's decode logprobs against its own prefill of the same sequences
-(issue 33 item 4: an honest verdict says whether the rollout engine's prefill and decode agree; if they do, a
+(an honest verdict says whether the rollout engine's prefill and decode agree; if they do, a
 teacher-forced trainer forward can in principle be exact; if not, only a replay of vLLM's decode steps can).
 
 Samples N prompts at T = 1 with no truncation (seed 002's setting: then vLLM's processed logprobs and its prompt

@@ -1,4 +1,4 @@
-"""The HF reference at a real shape on one GPU (issue 21): peak GPU memory, time and MFU of its step, on-device vs
+"""The HF reference at a real shape on one GPU: peak GPU memory, time and MFU of its step, on-device vs
 reference.offload: host, each against qualify.memory's estimate; and whether offload changes any evidence bit.
 
 Runs qualify.reference.step.run_role itself (the code `qualify reference` runs) on the actor of a run directory,

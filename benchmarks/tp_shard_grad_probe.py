@@ -1,4 +1,4 @@
-"""Does a vocabulary shard's weight gradient depend on the layout of its output gradient? (issue 31, the bf16 TP2
+"""Does a vocabulary shard's weight gradient depend on the layout of its output gradient? (the bf16 TP2
 lm_head gradient margin on the Intel host).
 
 A TP rank's column-parallel lm_head computes its shard's weight gradient from a contiguous (tokens, V/tp) output
