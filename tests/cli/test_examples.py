@@ -466,6 +466,34 @@ def test_every_command_has_a_row_whose_synopsis_names_every_visible_option():
     assert top == set(get_command(app).commands), top ^ set(get_command(app).commands)
 
 
+def long_cells(text: str, most: int = 2, words: int = 40) -> list[str]:
+    """Rows of the verbs table whose description (the second cell) says more than `most` sentences or `words` words:
+    the table is a summary; the detail lives in the sections it names and in matrices/README.md."""
+    table = text.split("\n## The verbs\n", 1)[1].split("\n## ", 1)[0]
+    out = []
+    for line in table.splitlines():
+        m = re.match(r"^\| `(qualify [^`]+)` \| (.*) \|$", line)
+        if m:
+            prose = re.sub(r"`[^`]*`", "X", m.group(2))
+            sentences = [s for s in re.split(r"(?<=[.!?])\s+(?=[A-Z`(])", prose.strip()) if s]
+            if len(sentences) > most or len(m.group(2).split()) > words:
+                out.append(f"{m.group(1).split(' [')[0]}: {len(sentences)} sentences, {len(m.group(2).split())} words")
+    return out
+
+
+def test_every_verbs_cell_is_one_or_two_sentences():
+    assert long_cells(README.read_text()) == []
+
+
+def test_the_cell_check_counts_sentences():
+    row = "| `qualify freeze RUN` | Freezes the bounds. It never changes an acceptance. It resumes (`freeze.require`). |"
+    text = f"\n## The verbs\n\n| command | what it does |\n| --- | --- |\n{row}\n\n## Next\n"
+    assert long_cells(text) == ["qualify freeze RUN: 3 sentences, 11 words"]
+    assert long_cells(text.replace(" It resumes (`freeze.require`).", "")) == []
+    assert long_cells(text.replace("Freezes the bounds.", "Freezes " + "the bounds " * 20 + "."), most=3) == \
+        ["qualify freeze RUN: 3 sentences, 50 words"]
+
+
 def test_the_table_check_catches_a_missing_option_and_a_missing_row():
     text = README.read_text()
     freeze = next(f for p, f in verbs_rows(text).items() if p == ("qualify", "freeze"))
