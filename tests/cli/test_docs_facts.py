@@ -254,7 +254,7 @@ def test_no_measured_figure_or_work_log_in_the_codes_notes(path):
     assert not figures_in_notes(notes(path))
 
 
-ISSUE_LOG = re.compile(r"\bissues? \d+|\bone (?:part|wheel) (?:a|per) call\b|\bper call limit\b")
+ISSUE_LOG = re.compile(r"\bissues? \d+|\bone (?:part|wheel) (?:a|per) call\b|\bper call limit\b", re.IGNORECASE)
 """A work item's number ("issue 29", "(issues 29, 31)") or a remote runner's transfer limits: the records date a figure by
 its date, commit and machine, and a how-to is what a user runs on their own host."""
 RESULTS = sorted(REPO.glob("benchmarks/results/**/*.md"))
@@ -273,6 +273,7 @@ def test_the_records_name_no_work_item(path):
 def test_the_work_item_check_catches_a_number():
     assert ISSUE_LOG.search("## One GPU (issue 29, 2026-12-02, cfd11ed)")
     assert ISSUE_LOG.search("(issues 29, 31, 2026-12-03)") and ISSUE_LOG.search("wheel parts, one part per call")
+    assert ISSUE_LOG.search("Issue 31 asks for at most 0.4") and ISSUE_LOG.search("# Issue 21: qualify at 0.6B")
     assert not ISSUE_LOG.search("## One GPU (2026-12-02, cfd11ed): a known issue of vLLM 0.26")
 
 
