@@ -362,3 +362,26 @@ def test_the_section_checks_catch_a_wrong_name():
     assert unknown_sections('(docs/plugins.md, "Reading a FAIL")', pages) == []
     assert unknown_log_sections('(benchmarks/LOG.md, "CPU ranks forked"; benchmarks/LOG.md, "No such run")') == \
         ["No such run"]
+
+
+# --- the GPU quickstart: what `make demo-gpu` runs is what README's "On your own CUDA host" says ------------------------
+
+def make_dry_run(*args: str) -> str:
+    import shutil
+    import subprocess
+
+    if not shutil.which("make"):
+        pytest.skip("no make on PATH")
+    return subprocess.run(["make", "-n", "-C", str(REPO), *args], capture_output=True, text=True, check=True).stdout
+
+
+def test_make_demo_gpu_installs_from_the_lock_then_runs_the_one_gpu_chain():
+    plan = make_dry_run("demo-gpu")
+    install, chain = plan.index("scripts/install-gpu.sh"), plan.index("scripts/demo.sh")
+    assert install < chain and "--wheelhouse" not in plan
+    assert "benchmarks/gpu-qwen3-0.6b-1gpu.yaml" in plan[chain:] and (REPO / "benchmarks/gpu-qwen3-0.6b-1gpu.yaml").is_file()
+    script = (REPO / "scripts" / "install-gpu.sh").read_text()
+    assert "--no-deps" in script and "-r requirements/gpu.lock" in script  # the host's CUDA torch stays
+    assert "scripts/install-gpu.sh --wheelhouse /tmp/wh" in make_dry_run("demo-gpu", "WHEELHOUSE=/tmp/wh")
+    section = README.split("\n## On your own CUDA host\n", 1)[1].split("\n## ", 1)[0]
+    assert "make demo-gpu" in section and "benchmarks/gpu-qwen3-0.6b-1gpu.yaml" in section

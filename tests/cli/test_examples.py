@@ -81,7 +81,7 @@ NOT_RUN = {
     "qualify rounds matrices/tiny-qwen3.yaml --run runs/tiny-qwen3 --vllm-tp 2":
         "a live vLLM engine at TP2 for two rounds and five probes (longer than TP1); "
         "tests/integration/test_rounds.py runs the same stage (run_rounds) at vLLM TP2",
-    "make demo-gpu": "a CUDA GPU and the GPU stack (vLLM 0.26.0): the chain at the Qwen3-0.6B shape, about 9 minutes on "
+    "make demo-gpu": "a CUDA GPU and the GPU stack (vLLM 0.26.0): the chain at the Qwen3-0.6B shape, about 8 minutes on "
                      "one H200 (BENCHMARKS.md)",
     "scripts/demo.sh matrices/tiny-qwen3-grpo.yaml runs/tiny-qwen3-grpo":
         "the whole GRPO chain (about 3 minutes); tests/integration/test_grpo_chain.py runs its stages",
