@@ -3,7 +3,7 @@
 `qualify sbatch` checks these needs against a cluster profile's GPU memory at render time, so a stage that cannot
 fit is refused with its numbers before it queues, not killed by the allocator hours in. The model is bytes per
 parameter of what a stage holds (FP32 master, gradients, AdamW moments, compute copy, the step's evidence) plus an
-activation estimate; benchmarks/LOG.md ("GPU scale", issue 21) compares it with peaks measured at the Qwen3-0.6B shape.
+activation estimate; benchmarks/LOG.md ("GPU scale") compares it with peaks measured at the Qwen3-0.6B shape.
 
 Bytes per parameter (P = parameters of the role's model, K = optimizer steps per case):
 

@@ -5,7 +5,7 @@ trainer's step is a candidate case), so both launch a case the same way.
 
 The ranks are started directly (RANK, WORLD_SIZE, MASTER_ADDR/PORT in their environment, as torchrun would
 set them): torchrun's agent is one more Python process that imports torch before any rank starts and tears
-down after the last (benchmarks/LOG.md, issue 21). On the CPU each rank is forked from a process that has imported
+down after the last (benchmarks/LOG.md, "GPU scale"). On the CPU each rank is forked from a process that has imported
 torch and transformers once (qualify.case.forkserver): a fresh rank spends longer importing them than a tiny case
 spends in its steps. QUALIFY_LAUNCHER=direct starts
 fresh interpreters on the CPU too, QUALIFY_LAUNCHER=torchrun uses torchrun itself. As with torchrun, the first rank

@@ -1,4 +1,4 @@
-"""Plugins that break the engine contract the way their authors do (issue 32), named in matrices as
+"""Plugins that break the engine contract the way their authors do, named in matrices as
 'tests.integration.contract_plugins:<factory>'. Each must stop its case before anything is sealed, with a one-line
 note naming the plugin, the hook, what was expected and what came back, and the launch log's path."""
 

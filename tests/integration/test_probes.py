@@ -1,6 +1,6 @@
 """The GPU probes a one-GPU user runs (benchmarks/scale_probe.py, benchmarks/mfu_probe.py) run as written: here on the
 CPU (--device cpu) against the embedded default's frozen run, so an API change in qualify cannot leave them broken
-until the next GPU session (issue 29: both had been; found on the H200)."""
+until they next run on a GPU (both had been: found on an H200)."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.vllm
 
 SWEEP = Path(__file__).resolve().parents[2] / "matrices" / "tiny-qwen3-sweep"
 FILES = sorted(SWEEP.glob("*.yaml"))
-AGREEMENT = 2e-6  # max |vLLM - reference processed| at fp32 (issue 15)
+AGREEMENT = 2e-6  # max |vLLM - reference processed| at fp32
 
 
 @pytest.fixture(scope="module")

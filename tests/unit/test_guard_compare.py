@@ -1,4 +1,4 @@
-"""qualify.compare: what mutation testing found unpinned (issue 20).
+"""qualify.compare: what mutation testing found unpinned.
 
 Every tensor after a skipped one is still measured (a skip is a continue, not the end of the group). Values are
 exact (small tensors of representable numbers).

@@ -1,4 +1,4 @@
-"""qualify.compare's StepFiles and StepStarts: what mutation testing (run J, at 1219bce) found unpinned (issue 20).
+"""qualify.compare's StepFiles and StepStarts: what mutation testing (run J, at 1219bce) found unpinned.
 
 The index bounds of both sequences (negative indices down to -len for StepFiles, len refused by StepStarts), the
 index an IndexError names, and slices of StepStarts. Expected values are the eagerly loaded steps and their starts

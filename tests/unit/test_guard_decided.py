@@ -1,4 +1,4 @@
-"""qualify.candidate.decided: what mutation testing (run N, at 1219bce) found unpinned (issue 20).
+"""qualify.candidate.decided: what mutation testing (run N, at 1219bce) found unpinned.
 
 The decisions of a run's steps (run_decisions), the first step two runs decide differently and how many leading steps
 are comparable, the reference chosen for a case's tensors (aligned_reference; the replay is a stand-in that records

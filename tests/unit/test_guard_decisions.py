@@ -1,4 +1,4 @@
-"""qualify.ppo.decisions: what mutation testing (run N, at 1219bce) found unpinned (issue 20).
+"""qualify.ppo.decisions: what mutation testing (run N, at 1219bce) found unpinned.
 
 Exact decisions and margins on hand-picked values exact in binary (old 0.5, return 1, eps 0.25: the critic's four
 edges are old +- eps = 0.75 and 0.25, and 2R - old -+ eps = 1.25 and 1.75), the actor's margins for A > 0, A < 0,

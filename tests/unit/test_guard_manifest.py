@@ -1,4 +1,4 @@
-"""qualify.manifest: what mutation testing found unpinned (issue 20).
+"""qualify.manifest: what mutation testing found unpinned.
 
 Refusal messages in full (the value they quote included), the checks reached only when the fast path
 (_entry_ok) rejects an entry, a manifest without an 'evidence' hint, a manifest recreated inside its own

@@ -1,4 +1,4 @@
-"""qualify.metrics: what mutation testing found unpinned (issue 20).
+"""qualify.metrics: what mutation testing found unpinned.
 
 One-element tensors (an edge the empty-tensor shortcuts must not swallow), a reference whose norm lies
 in (0, 1], and AdamW's bias correction at a step other than the first, against Python floats.

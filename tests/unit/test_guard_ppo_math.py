@@ -1,4 +1,4 @@
-"""qualify.ppo.math's imposed value-clip decisions: what mutation testing (run L, at 1219bce) found unpinned (issue 20).
+"""qualify.ppo.math's imposed value-clip decisions: what mutation testing (run L, at 1219bce) found unpinned.
 
 The clamp is active only strictly beyond old +- eps (a token exactly on the edge, or inside the range, keeps PPO's
 max of the two terms when nothing is imposed on it), and a token decided clipped whose value sits exactly on old

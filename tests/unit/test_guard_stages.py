@@ -1,4 +1,4 @@
-"""qualify.stages: what mutation testing found unpinned (issue 20).
+"""qualify.stages: what mutation testing found unpinned.
 
 A marker without an 'info' map (one written before infos were recorded, or by hand) still verifies;
 its info is the empty map, so a resume asking for settings is refused with FrozenError by name,

@@ -1,4 +1,4 @@
-"""candidates.logprob_formula (issue 15 item 3): the matrix field, the formula's logprobs, what an engine reports,
+"""candidates.logprob_formula: the matrix field, the formula's logprobs, what an engine reports,
 and the reference runs and bounds seen through the declared formula when a case is judged."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The rollout engine against itself (issue 33 item 4): qualify.rollout.capture.prefill_vs_decode counts the sampled
+"""The rollout engine against itself: qualify.rollout.capture.prefill_vs_decode counts the sampled
 tokens whose decode logprob differs from the one vLLM's prefill of the same sequence gives, over the prompts sampled
 at T = 1 without truncation (qualify.rollout.vllm_worker.prefill_comparable); the exact tier's row cites it
 (qualify.candidate.rollout_exact.engine_self_note). vLLM itself runs in tests/integration/test_sampling.py."""

@@ -1,4 +1,4 @@
-"""`qualify report` never says PASSED for what does not verify: each false pass of issue 14 fails here.
+"""`qualify report` never says PASSED for what does not verify: each false pass fails here.
 
 These use hand-made run directories (no vLLM); tests/integration/test_html_report.py tampers with a
 real run's evidence.
