@@ -19,6 +19,7 @@ from qualify.compare import StepFiles, merge_max, pair_metrics, params_before_st
 from qualify.errors import EvidenceError
 from qualify.layout import RunLayout
 from qualify.metrics import metrics_device
+from qualify.runname import RunName
 from qualify.stages import require_complete
 from qualify.store import read_json
 
@@ -66,9 +67,9 @@ def family_bounds(layout: RunLayout, role: str, family: str, controls: list[str]
     functions while it ran, instead of its gradients, updates and moments) enters through its sealed record; a
     control kept in full is measured here."""
     base_name, others = family_pairs(family, controls)
-    base_steps = StepFiles(layout.scores(*base_name.split("-", 1), role))  # read step by step, not held whole
-    recorded = {name: read_record(layout.scores(*name.split("-", 1), role)) for name in others}
-    runs = {name: StepFiles(layout.scores(*name.split("-", 1), role)) for name in others if recorded[name] is None}
+    base_steps = StepFiles(layout.scores(*RunName.parse(base_name), role))  # read step by step, not held whole
+    recorded = {name: read_record(layout.scores(*RunName.parse(name), role)) for name in others}
+    runs = {name: StepFiles(layout.scores(*RunName.parse(name), role)) for name in others if recorded[name] is None}
     for name, record in recorded.items():
         if record is not None:
             runs_steps = len(record["families"].get(family, {}).get("steps", []))
@@ -92,7 +93,7 @@ def family_bounds(layout: RunLayout, role: str, family: str, controls: list[str]
             raise EvidenceError(f"{where}: {len(aligned[name])} steps, {base_name} took {len(base_steps)}")
         compared[name] = str(where.relative_to(layout.reference))
     base_starts = params_before_steps(base_steps, params_before)
-    base_kept = lean_base(layout.scores(*base_name.split("-", 1), role), len(base_steps))
+    base_kept = lean_base(layout.scores(*RunName.parse(base_name), role), len(base_steps))
     starts = {name: params_before_steps(steps, params_before) for name, steps in runs.items()}
     bounds: dict[str, dict[str, Any]] = {}
     rule = BoundRule(k, floors, floor_ulps, "fp32" if family == "fp32-repeat" else "bf16", use_quantum)
