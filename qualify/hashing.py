@@ -93,9 +93,23 @@ def hash_path(path: str, on_bytes: Callable[[int], None] | None = None) -> tuple
     return size, digest.hexdigest()
 
 
+DIGEST_PREFIX = "sha256:"
+"""What every recorded digest starts with: 'sha256:<hex>'."""
+
+
+def sha256_tag(hexdigest: str) -> str:
+    """'sha256:<hex>' of a hex sha256 digest (hashlib's hexdigest()): how every stage writes a digest."""
+    return DIGEST_PREFIX + hexdigest
+
+
+def digest_of_bytes(data: bytes) -> str:
+    """'sha256:<hex>' of bytes (a canonical JSON text's, a bounds file's)."""
+    return sha256_tag(hashlib.sha256(data).hexdigest())
+
+
 def file_digest(path: Path | str) -> str:
     """'sha256:<hex>' of one file: how every stage names a sealed file's content (rollout, targets, bounds)."""
-    return "sha256:" + hash_path(str(path))[1]
+    return sha256_tag(hash_path(str(path))[1])
 
 
 def make_batches(paths: list[str], sizes: Mapping[str, int], jobs: int) -> list[list[str]]:
