@@ -59,8 +59,8 @@ def aligned_base(ctx: ScoringContext, role: str, base_name: str, steps: list[Run
     sealed r0, or r0 replayed on the control's clip decisions where they differ: held in memory when a run of the
     role fits in half the memory available now (replay_fits), else written to scratch, read step by step and removed.
     Either way the same tensors (a sealed copy is read back bit for bit). verified: the r0 directories whose seal the
-    caller has checked in this process (each checked once, then kept: a 0.6B r0 hashed again for every control was a
-    visible share of the reference's time, benchmarks/LOG.md)."""
+    caller has checked in this process (each checked once, then kept: an r0 is not hashed again for every
+    control)."""
     from qualify.reference.forced import (
         make_replay,
         recorded_decisions,
