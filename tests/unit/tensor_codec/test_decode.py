@@ -106,6 +106,25 @@ def test_real_adamw_steps_read_back_bit_for_bit_in_fewer_bytes(tmp_path, bf16_gr
     assert set(grads_form) == (set(SHAPES) if bf16_grads else set())
 
 
+def test_a_reader_counts_its_decodes_crc_on_its_own_meter(tmp_path):
+    """What a coded case's decode summed in CRC32 is counted by the meter its reader opened (as the candidate stage's
+    judge does): every decoded moment's and new parameter's bytes, and nothing outside the block."""
+    from qualify.tensor_codec import metering, release
+
+    model, records, starts, final = adamw_steps(tmp_path, steps=1)
+    case = tmp_path / "case"
+    write_case(case, model, records, starts, final)
+    release()
+    with metering() as meter:
+        moments = TensorFile(case / "step0" / "moments.safetensors")
+        decoded = {n: moments[n] for n in moments}
+    assert decoded and meter.seconds >= 0.0
+    assert meter.bytes == sum(t.numel() * 4 for t in records[0]["moments"].values())
+    with metering() as later:
+        pass
+    assert later.bytes == 0
+
+
 def test_a_plain_file_is_written_as_before_when_nothing_is_coded(tmp_path):
     """fp32 gradients that are not bf16 values, and no coding: byte-identical to write_tensors' file."""
     _, records, _, _ = adamw_steps(tmp_path, steps=1)
