@@ -5,7 +5,7 @@ Every file is read in CHUNK_BYTES pieces into one reusable buffer per thread (os
 allocation per read). Large files are hashed by threads: hashlib releases the GIL while it
 hashes a chunk, so threads scale. Small files do not scale on threads (opening, reading and
 hashing 16 KiB releases and retakes the GIL half a dozen times, and the hand-offs between
-threads cost more than they overlap: two threads were measured slower than one), so many
+threads cost more than they overlap), so many
 small files are split among worker processes: fresh `python -I -S` interpreters that import
 nothing but this module, read their paths on stdin and answer one line per file (no fork: safe in a
 process that runs other threads). Hashing starts in the background (start_hashing) so that
@@ -33,8 +33,8 @@ CHUNK_BYTES = 1 << 20  # 1 MiB reads: large enough for hashlib to drop the GIL, 
 BATCH_BYTES = 8 << 20
 BATCH_FILES = 512
 # Files below SMALL_BYTES go to worker processes when there are at least MIN_SPAWN_FILES of them
-# (starting a worker interpreter takes as long as hashing a few hundred small files: benchmarks/LOG.md, verify),
-# else to one thread. Files from SMALL_BYTES up go to `jobs` threads.
+# (a worker interpreter's start is worth it only for many small files), else to one thread. Files from SMALL_BYTES
+# up go to `jobs` threads.
 SMALL_BYTES = 256 << 10
 MIN_SPAWN_FILES = 2000
 SPAWN_COST_BYTES = 32 << 10  # per-file cost (open, stat, close) in bytes-hashed equivalents, to balance workers
@@ -93,9 +93,23 @@ def hash_path(path: str, on_bytes: Callable[[int], None] | None = None) -> tuple
     return size, digest.hexdigest()
 
 
+DIGEST_PREFIX = "sha256:"
+"""What every recorded digest starts with: 'sha256:<hex>'."""
+
+
+def sha256_tag(hexdigest: str) -> str:
+    """'sha256:<hex>' of a hex sha256 digest (hashlib's hexdigest()): how every stage writes a digest."""
+    return DIGEST_PREFIX + hexdigest
+
+
+def digest_of_bytes(data: bytes) -> str:
+    """'sha256:<hex>' of bytes (a canonical JSON text's, a bounds file's)."""
+    return sha256_tag(hashlib.sha256(data).hexdigest())
+
+
 def file_digest(path: Path | str) -> str:
     """'sha256:<hex>' of one file: how every stage names a sealed file's content (rollout, targets, bounds)."""
-    return "sha256:" + hash_path(str(path))[1]
+    return sha256_tag(hash_path(str(path))[1])
 
 
 def make_batches(paths: list[str], sizes: Mapping[str, int], jobs: int) -> list[list[str]]:

@@ -265,6 +265,20 @@ def rollout_self_line(record: dict[str, Any]) -> str:
 
 def to_markdown(summary: dict[str, Any]) -> str:
     """The summary as a Markdown document."""
+    lines = _header_lines(summary)
+    cand = summary["candidates"]
+    if cand is not None:
+        lines += _candidate_lines(summary, cand)
+    lines += coverage_lines(summary["coverage"])
+    waived = waiver_text((cand or {}).get("waivers") or [])
+    lines += ["", *verification_lines(summary["verification"])]
+    lines += [f"- **{unfinished_line(entry)}**" for entry in summary["unfinished"]]
+    lines += ["", f"**{summary['status']}**{waived}"]
+    return "\n".join(lines) + "\n"
+
+
+def _header_lines(summary: dict[str, Any]) -> list[str]:
+    """The document's title and its list: the run, the rollout's agreements, platform, evidence, acceptance, rounds."""
     lines = [f"# qualify run: {summary['matrix']}", "", f"- run directory: `{summary['run_dir']}`",
              f"- rollout: `{summary['rollout_digest']}`", f"- controls: {', '.join(summary['controls'])}"]
     for tp, a in summary["tp_agreement"].items():
@@ -281,14 +295,7 @@ def to_markdown(summary: dict[str, Any]) -> str:
     platform = summary["provenance"].get("platform")
     if platform:
         lines.append(f"- platform: {describe(platform)}")
-    evidence = summary.get("evidence") or {}
-    if evidence.get("reference"):
-        lines.append(f"- {evidence_line(evidence['reference']).strip()}")
-    if evidence.get("cases"):
-        per = evidence.get("cases_bytes_per_parameter_step") or {}
-        lines.append("- cases' evidence: " + ", ".join(
-            f"{name} {size / 1e6:.1f} MB" + (f" ({per[name]:g} bytes per parameter per step)" if per.get(name) else "")
-            for name, size in evidence["cases"].items()))
+    lines += _evidence_lines(summary.get("evidence") or {})
     acc = summary["acceptance"]
     if acc is None:
         lines.append("- acceptance: not frozen")
@@ -297,34 +304,45 @@ def to_markdown(summary: dict[str, Any]) -> str:
     for r in summary["rounds"]:
         lines.append(f"- rounds vLLM tp{r['vllm_tp']}: {'PASS' if r['passed'] else 'FAIL'}, "
                      f"{r['num_checks']} checks, {r['num_failed']} failed")
-    cand = summary["candidates"]
-    if cand is not None:
-        lines += ["", "| case | result | checks | failed | worst tensor | metric | value/bound |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
-        verified = summary["verification"]["ok"]
-        for name, c in cand["cases"].items():
-            w = c["worst"] or {}
-            outcome = ("PASS" if c["passed"] else "FAIL") if verified else "unverified"
-            lines.append(f"| {name} | {outcome} | {c['num_checks']} | {c['num_failed']} | "
-                         f"{w.get('tensor', '')} | {w.get('metric', '')} | {_ratio(w.get('ratio'))} |")
-        close, derived = cand.get("closest_passing"), cand.get("closest_derived")
-        if close:
-            lines += ["", (f"- false-alarm margin: the closest passing value/bound is {_ratio(close['ratio'])} "
-                           f"({close['case']}, {close['tensor']} {close['metric']}: {_ratio(close['value'])} <= "
-                           f"{_ratio(close['bound'])})")]
-        if derived:
-            lines += [(f"- derivation rows (first-order rounding bounds): the closest is {_ratio(derived['ratio'])} "
-                       f"({derived['case']}, {derived['tensor']} {derived['metric']}: {_ratio(derived['value'])} <= "
-                       f"{_ratio(derived['bound'])})")]
-        if summary["steps"]:
-            lines += ["", "| step | checks | failed |", "| --- | --- | --- |"]
-            lines += [f"| {k.removeprefix('step')} | {v['checks']} | {v['failed']} |" for k, v in summary["steps"].items()]
-    lines += coverage_lines(summary["coverage"])
-    waived = waiver_text((cand or {}).get("waivers") or [])
-    lines += ["", *verification_lines(summary["verification"])]
-    lines += [f"- **{unfinished_line(entry)}**" for entry in summary["unfinished"]]
-    lines += ["", f"**{summary['status']}**{waived}"]
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def _evidence_lines(evidence: dict[str, Any]) -> list[str]:
+    """The reference's and the cases' evidence sizes (none when the summary has none)."""
+    lines = []
+    if evidence.get("reference"):
+        lines.append(f"- {evidence_line(evidence['reference']).strip()}")
+    if evidence.get("cases"):
+        per = evidence.get("cases_bytes_per_parameter_step") or {}
+        lines.append("- cases' evidence: " + ", ".join(
+            f"{name} {size / 1e6:.1f} MB" + (f" ({per[name]:g} bytes per parameter per step)" if per.get(name) else "")
+            for name, size in evidence["cases"].items()))
+    return lines
+
+
+def _candidate_lines(summary: dict[str, Any], cand: dict[str, Any]) -> list[str]:
+    """The cases' table, the closest passing and derived rows, and the steps' table."""
+    lines = ["", "| case | result | checks | failed | worst tensor | metric | value/bound |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    verified = summary["verification"]["ok"]
+    for name, c in cand["cases"].items():
+        w = c["worst"] or {}
+        outcome = ("PASS" if c["passed"] else "FAIL") if verified else "unverified"
+        lines.append(f"| {name} | {outcome} | {c['num_checks']} | {c['num_failed']} | "
+                     f"{w.get('tensor', '')} | {w.get('metric', '')} | {_ratio(w.get('ratio'))} |")
+    close, derived = cand.get("closest_passing"), cand.get("closest_derived")
+    if close:
+        lines += ["", (f"- false-alarm margin: the closest passing value/bound is {_ratio(close['ratio'])} "
+                       f"({close['case']}, {close['tensor']} {close['metric']}: {_ratio(close['value'])} <= "
+                       f"{_ratio(close['bound'])})")]
+    if derived:
+        lines += [(f"- derivation rows (first-order rounding bounds): the closest is {_ratio(derived['ratio'])} "
+                   f"({derived['case']}, {derived['tensor']} {derived['metric']}: {_ratio(derived['value'])} <= "
+                   f"{_ratio(derived['bound'])})")]
+    if summary["steps"]:
+        lines += ["", "| step | checks | failed |", "| --- | --- | --- |"]
+        lines += [f"| {k.removeprefix('step')} | {v['checks']} | {v['failed']} |" for k, v in summary["steps"].items()]
+    return lines
 
 
 def verification_lines(v: dict[str, Any]) -> list[str]:

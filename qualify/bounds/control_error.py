@@ -19,6 +19,7 @@ from qualify.compare import StepFiles, merge_max, pair_metrics, params_before_st
 from qualify.errors import EvidenceError
 from qualify.layout import RunLayout
 from qualify.metrics import metrics_device
+from qualify.runname import RunName
 from qualify.stages import require_complete
 from qualify.store import read_json
 
@@ -66,33 +67,15 @@ def family_bounds(layout: RunLayout, role: str, family: str, controls: list[str]
     functions while it ran, instead of its gradients, updates and moments) enters through its sealed record; a
     control kept in full is measured here."""
     base_name, others = family_pairs(family, controls)
-    base_steps = StepFiles(layout.scores(*base_name.split("-", 1), role))  # read step by step, not held whole
-    recorded = {name: read_record(layout.scores(*name.split("-", 1), role)) for name in others}
-    runs = {name: StepFiles(layout.scores(*name.split("-", 1), role)) for name in others if recorded[name] is None}
-    for name, record in recorded.items():
-        if record is not None:
-            runs_steps = len(record["families"].get(family, {}).get("steps", []))
-            if family not in record["families"] or runs_steps != len(base_steps):
-                raise EvidenceError(f"{role} {family}: the control record of {name} holds {runs_steps} step(s) "
-                                    f"against {base_name}, which took {len(base_steps)}")
-    if any(len(steps) != len(base_steps) for steps in runs.values()):
-        raise EvidenceError(f"{role} {family}: controls took different numbers of steps than {base_name}")
-    aligned: dict[str, Any] = {}
+    base_steps = StepFiles(layout.scores(*RunName.parse(base_name), role))  # read step by step, not held whole
+    recorded = {name: read_record(layout.scores(*RunName.parse(name), role)) for name in others}
+    runs = {name: StepFiles(layout.scores(*RunName.parse(name), role)) for name in others if recorded[name] is None}
+    _check_step_counts(role, family, base_name, len(base_steps), recorded, runs)
     compared: dict[str, str] = {name: rec["families"][family]["compared_with"]
                                 for name, rec in recorded.items() if rec is not None}
-    for name in runs:
-        where = None if replay_of is None else replay_of(base_name, name)
-        if where is None:
-            aligned[name] = base_steps
-            continue
-        require_complete(where, f"{base_name} {role} replayed on {name}'s clip decisions (run 'qualify reference' "
-                                "again on this run directory: it makes the replays freeze needs)")
-        aligned[name] = StepFiles(where)
-        if len(aligned[name]) != len(base_steps):
-            raise EvidenceError(f"{where}: {len(aligned[name])} steps, {base_name} took {len(base_steps)}")
-        compared[name] = str(where.relative_to(layout.reference))
+    aligned = _aligned_bases(layout, role, base_name, base_steps, runs, replay_of, compared)
     base_starts = params_before_steps(base_steps, params_before)
-    base_kept = lean_base(layout.scores(*base_name.split("-", 1), role), len(base_steps))
+    base_kept = lean_base(layout.scores(*RunName.parse(base_name), role), len(base_steps))
     starts = {name: params_before_steps(steps, params_before) for name, steps in runs.items()}
     bounds: dict[str, dict[str, Any]] = {}
     rule = BoundRule(k, floors, floor_ulps, "fp32" if family == "fp32-repeat" else "bf16", use_quantum)
@@ -113,6 +96,38 @@ def family_bounds(layout: RunLayout, role: str, family: str, controls: list[str]
             "control_runs": others, "compared_with": {name: compared.get(name, base_name) for name in others},
             "num_steps": len(base_steps), "k": k, "floors": floors, "floor_ulps": floor_ulps,
             "rule": RULE, "bounds": bounds}
+
+
+def _check_step_counts(role: str, family: str, base_name: str, num_steps: int, recorded: dict[str, Any],
+                       runs: dict[str, Any]) -> None:
+    """Every control, recorded or kept in full, took the base's number of steps (an EvidenceError otherwise)."""
+    for name, record in recorded.items():
+        if record is not None:
+            runs_steps = len(record["families"].get(family, {}).get("steps", []))
+            if family not in record["families"] or runs_steps != num_steps:
+                raise EvidenceError(f"{role} {family}: the control record of {name} holds {runs_steps} step(s) "
+                                    f"against {base_name}, which took {num_steps}")
+    if any(len(steps) != num_steps for steps in runs.values()):
+        raise EvidenceError(f"{role} {family}: controls took different numbers of steps than {base_name}")
+
+
+def _aligned_bases(layout: RunLayout, role: str, base_name: str, base_steps: Any, runs: dict[str, Any],
+                   replay_of: ReplayOf | None, compared: dict[str, str]) -> dict[str, Any]:
+    """What each control kept in full is compared with: the base's steps, or the base replayed on the control's clip
+    decisions where the reference sealed one (its place, relative to the reference, entered in compared)."""
+    aligned: dict[str, Any] = {}
+    for name in runs:
+        where = None if replay_of is None else replay_of(base_name, name)
+        if where is None:
+            aligned[name] = base_steps
+            continue
+        require_complete(where, f"{base_name} {role} replayed on {name}'s clip decisions (run 'qualify reference' "
+                                "again on this run directory: it makes the replays freeze needs)")
+        aligned[name] = StepFiles(where)
+        if len(aligned[name]) != len(base_steps):
+            raise EvidenceError(f"{where}: {len(aligned[name])} steps, {base_name} took {len(base_steps)}")
+        compared[name] = str(where.relative_to(layout.reference))
+    return aligned
 
 
 def lean_base(base_dir: Path, num_steps: int) -> list[dict[str, Any]] | None:

@@ -24,6 +24,7 @@ from qualify import metrics
 from qualify.bounds.files import LAYER_BOUNDS_SCHEMA
 from qualify.bounds.records import layer_record, read_record
 from qualify.bounds.rule import FAMILIES, RULE, BoundRule, family_pairs, quantum
+from qualify.runname import RunName
 from qualify.store import dumps_json, read_tensors
 
 LAYERS_FILE = "layers.safetensors"
@@ -125,12 +126,12 @@ def family_layer_bounds(layout: Any, role: str, family: str, controls: list[str]
                         use_quantum: bool, floor_ulps: float = 0.0) -> dict[str, Any]:
     """Layer bounds of one family for one role: the family's control runs against its reference run."""
     base_name, others = family_pairs(family, controls)
-    base_acts, base_grads = run_layers(layout.scores(*base_name.split("-", 1), role))
+    base_acts, base_grads = run_layers(layout.scores(*RunName.parse(base_name), role))
     errors: dict[str, dict[str, float]] = {}
     for name in others:
-        recorded = layer_record(read_record(layout.scores(*name.split("-", 1), role)), family)
+        recorded = layer_record(read_record(layout.scores(*RunName.parse(name), role)), family)
         if recorded is None:  # kept in full: measured here
-            acts, grads = run_layers(layout.scores(*name.split("-", 1), role))
+            acts, grads = run_layers(layout.scores(*RunName.parse(name), role))
             recorded = layer_metrics(acts, base_acts, grads, base_grads)
         for key, ms in recorded.items():
             slot = errors.setdefault(key, {})

@@ -267,14 +267,13 @@ def judge_or_reuse(ctx: ScoringContext, case: Case, bounds: dict, before: dict, 
         log.note(f"judge {case.name}: {len(rows)} rows judged before on the same evidence (kept in "
                  f"{layout.case(case.name).name}.work/judged.json)")
         return rows
-    from qualify.tensor_codec import CRC_SPENT
+    from qualify.tensor_codec import metering
 
-    summed = dict(CRC_SPENT)
-    with log.step(f"judge {case.name}"):
+    with log.step(f"judge {case.name}"), metering() as summed:
         rows = judge_case(ctx, case, bounds, before, verified, inputs, resident)
-    if CRC_SPENT["bytes"] > summed["bytes"]:  # where a coded case's time goes (information)
-        log.note(f"  judge {case.name}: CRC of {(CRC_SPENT['bytes'] - summed['bytes']) / 1e9:.1f} GB of decoded "
-                 f"tensors in {CRC_SPENT['seconds'] - summed['seconds']:.1f} s")
+    if summed.bytes:  # where a coded case's time goes (information)
+        log.note(f"  judge {case.name}: CRC of {summed.bytes / 1e9:.1f} GB of decoded "
+                 f"tensors in {summed.seconds:.1f} s")
     save_judged(layout.case(case.name), key, rows)
     return rows
 

@@ -35,6 +35,7 @@ from qualify.matrix import Objective
 from qualify.ppo.decisions import Decisions, decisions, differing
 from qualify.reference.context import ScoringContext
 from qualify.reference.inputs import StepInputs
+from qualify.runname import RunName
 from qualify.stages import stage_is_complete
 
 
@@ -145,11 +146,11 @@ def control_replay(ctx: ScoringContext, role: str, base: str, control: str,
     """(where base, '<precision>-r0', replayed on the control's decisions is sealed in the reference, the decisions)
     when the control ('<precision>-<name>') decided a token otherwise than base at some step; None when it never did
     (or its decisions cannot be read: such a control is compared with base itself)."""
-    precision, name = base.split("-", 1)
+    precision, name = RunName.parse(base)
     if name != "r0":
         raise ValueError(f"a replay is of an r0 run, not {base}")
     layout, objective = ctx.layout, ctx.objective
-    decided = replay_needed_for(recorded_decisions(objective, role, layout.scores(*control.split("-", 1), role),
+    decided = replay_needed_for(recorded_decisions(objective, role, layout.scores(*RunName.parse(control), role),
                                                    inputs),
                                 recorded_decisions(objective, role, layout.scores(precision, "r0", role), inputs))
     return None if decided is None else (replay_dir(layout.reference, precision, role, decided, ctx.settings),
@@ -169,7 +170,7 @@ def control_replays(ctx: ScoringContext, controls: list[str],
         for family in FAMILIES:
             base, others = family_pairs(family, controls)
             for other in others:
-                if read_record(ctx.layout.scores(*other.split("-", 1), role)) is not None:
+                if read_record(ctx.layout.scores(*RunName.parse(other), role)) is not None:
                     continue  # kept as a summary: measured against its replay while it ran (qualify.reference.summary)
                 found = control_replay(ctx, role, base, other, inputs)
                 if found is None:
@@ -177,5 +178,5 @@ def control_replays(ctx: ScoringContext, controls: list[str],
                 out, decided = found
                 if not stage_is_complete(out):
                     with (step(f"replay {base} {role} on {other}'s clip decisions") if step else nullcontext()):
-                        make_replay(ctx, base.split("-", 1)[0], role, decided, out)
+                        make_replay(ctx, RunName.parse(base).precision, role, decided, out)
                 yield out

@@ -176,35 +176,18 @@ def run_role(ctx: ScoringContext, role: str, precision: str, control: Control, m
     """
     from qualify.ppo.coverage import step_coverage
 
-    device, offload = reference_device(ctx.reference), ctx.reference.offload == "host"
-    if not offload:
-        master.to(device)
-    model = _compute_model(master, precision, model_dir, role, control.attn_impl, device, offload)
-    split_like_tp(model, control.tp)
-    if control.fused:  # after the TP split (combined): the fused groups are then one whole GEMM each
-        fuse_projections(model)
-    if control.fused_norm:
-        fuse_norms(model)
+    device = reference_device(ctx.reference)
+    model = _control_model(ctx, role, precision, control, master, model_dir, device)
     batch_host, targets_host = batch, targets
     batch = {k: v.to(device) for k, v in batch.items()}
     targets = {k: v.to(device) for k, v in targets.items()}
     if ctx.reference.gradient_checkpointing:
         enable_checkpointing(model)
-    # per-layer activations of step 1's forward, split and ordered as this control runs it (qualify diagnose)
-    rows0 = step_rows(batch["input_ids_BT"].shape[0], ctx.objective.ppo.epochs, ctx.objective.ppo.minibatches)[0]
-    routes0 = replayed_routes(ctx.rollout, role, batch)
-    layers = {k: v.cpu() for k, v in capture_layer_outputs(
-        model, batch["input_ids_BT"][rows0], control.microbatches, control.reverse_rows,
-        None if routes0 is None else routes0[rows0]).items()} if ctx.reference.layer_activations else None
+    layers = _step_one_layers(ctx, role, control, model, batch)
     o, p = ctx.objective.optimizer, ctx.objective.ppo
     names = [n for n, _ in master.named_parameters()]
     params = list(master.parameters())
-    if control.adam_form != "torch":
-        from qualify.reference.adam_order import ADAM_FORMS
-
-        opt = ADAM_FORMS[control.adam_form](params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-    else:
-        opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, foreach=False)
+    opt = _optimizer(control, params, o)
     steps, coverage, grad_dtypes, master_grad_dtypes = [], [], {}, {}
     for k, rows in enumerate(step_rows(batch["input_ids_BT"].shape[0], p.epochs, p.minibatches)):
         mb = {key: v[rows] for key, v in batch.items()}
@@ -213,38 +196,87 @@ def run_role(ctx: ScoringContext, role: str, precision: str, control: Control, m
             step_targets[DECIDED_KEY] = decided[k].to(device)
         outputs = _forward_backward(ctx, role, control, model, mb, step_targets, vocab_size)
         grad_dtypes = _master_grads(master, model)
-        kept = _kept if keep_on_device else _host
-        grads = {n: (kept(q.grad) if q.grad is not None else torch.zeros(q.shape, dtype=q.dtype,
-                                                                      device=q.device if keep_on_device else "cpu"))
-                 for n, q in zip(names, params)}
         master_grad_dtypes = {n: str(q.grad.dtype).removeprefix("torch.") for n, q in zip(names, params)
                               if q.grad is not None}
-        before = {n: q.detach().clone() for n, q in zip(names, params)}
-        max_norm = o.max_grad_norm if o.max_grad_norm > 0 else float("inf")
-        grad_norm = clip_grad_norm(params, max_norm)
-        opt.step()
-        outputs["grad_norm"] = grad_norm.detach().to(torch.float32)
-        outputs = {k: _host(v) for k, v in outputs.items()}
-        state = {n: opt.state[q] for n, q in zip(names, params)}
-        steps.append({"outputs": outputs, "grads": grads,
-                      "updates": {n: kept(q.detach() - before[n]) for n, q in zip(names, params)},
-                      "moments": {f"{key}/{n}": kept(st[key]) for n, st in state.items()
-                                  for key in ("exp_avg", "exp_avg_sq")}})
-        del before
-        coverage.append(step_coverage(role, p, o.max_grad_norm, outputs, rows_of(targets_host, rows),
+        step, grad_norm = _optimizer_step(opt, names, params, outputs, o.max_grad_norm, keep_on_device)
+        steps.append(step)
+        coverage.append(step_coverage(role, p, o.max_grad_norm, step["outputs"], rows_of(targets_host, rows),
                                       batch_host["response_mask_BT"][rows], float(grad_norm),
-                                      int(state[names[0]]["step"])))
-        opt.zero_grad(set_to_none=True)
-        if model is not master:
-            model.zero_grad(set_to_none=True)
-            with torch.no_grad():
-                for mp, cp in zip(master.parameters(), model.parameters()):
-                    cp.copy_(mp)
+                                      int(opt.state[params[0]]["step"])))
+        _next_step(opt, master, model)
     meta = {"compute_grad_dtypes": grad_dtypes,
             "grad_dtypes": master_grad_dtypes, "master_dtype": "float32",
             "state_dtypes": {n: str(opt.state[q]["exp_avg"].dtype).removeprefix("torch.") for n, q in zip(names, params)},
             "num_steps": len(steps), "coverage": coverage}
     return {"steps": steps, "meta": meta} | ({} if layers is None else {"layers": layers})
+
+
+def _control_model(ctx: ScoringContext, role: str, precision: str, control: Control, master: torch.nn.Module,
+                   model_dir: Path, device: torch.device) -> torch.nn.Module:
+    """The module the control's forward and backward run in, on device, its linears and norms computed as the
+    control computes them (the master moved to device too unless it is offloaded to the host)."""
+    offload = ctx.reference.offload == "host"
+    if not offload:
+        master.to(device)
+    model = _compute_model(master, precision, model_dir, role, control.attn_impl, device, offload)
+    split_like_tp(model, control.tp)
+    if control.fused:  # after the TP split (combined): the fused groups are then one whole GEMM each
+        fuse_projections(model)
+    if control.fused_norm:
+        fuse_norms(model)
+    return model
+
+
+def _step_one_layers(ctx: ScoringContext, role: str, control: Control, model: torch.nn.Module,
+                     batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """Per-layer activations of step 1's forward, split and ordered as this control runs it (qualify diagnose), on the
+    host; None unless reference.layer_activations."""
+    rows0 = step_rows(batch["input_ids_BT"].shape[0], ctx.objective.ppo.epochs, ctx.objective.ppo.minibatches)[0]
+    routes0 = replayed_routes(ctx.rollout, role, batch)
+    return {k: v.cpu() for k, v in capture_layer_outputs(
+        model, batch["input_ids_BT"][rows0], control.microbatches, control.reverse_rows,
+        None if routes0 is None else routes0[rows0]).items()} if ctx.reference.layer_activations else None
+
+
+def _optimizer(control: Control, params: list[torch.nn.Parameter], o: Any) -> torch.optim.Optimizer:
+    """The AdamW the control steps (Control.adam_form) over the master's parameters."""
+    if control.adam_form != "torch":
+        from qualify.reference.adam_order import ADAM_FORMS
+
+        return ADAM_FORMS[control.adam_form](params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    return torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, foreach=False)
+
+
+def _optimizer_step(opt: torch.optim.Optimizer, names: list[str], params: list[torch.nn.Parameter],
+                    outputs: dict[str, torch.Tensor], max_grad_norm: float,
+                    keep_on_device: bool) -> tuple[dict[str, Any], torch.Tensor]:
+    """Clip and step the master's gradients: (the step's record of outputs, gradients, updates and moments; the
+    gradient norm)."""
+    kept = _kept if keep_on_device else _host
+    grads = {n: (kept(q.grad) if q.grad is not None else torch.zeros(q.shape, dtype=q.dtype,
+                                                                  device=q.device if keep_on_device else "cpu"))
+             for n, q in zip(names, params)}
+    before = {n: q.detach().clone() for n, q in zip(names, params)}
+    max_norm = max_grad_norm if max_grad_norm > 0 else float("inf")
+    grad_norm = clip_grad_norm(params, max_norm)
+    opt.step()
+    outputs["grad_norm"] = grad_norm.detach().to(torch.float32)
+    outputs = {k: _host(v) for k, v in outputs.items()}
+    state = {n: opt.state[q] for n, q in zip(names, params)}
+    step = {"outputs": outputs, "grads": grads,
+            "updates": {n: kept(q.detach() - before[n]) for n, q in zip(names, params)},
+            "moments": {f"{key}/{n}": kept(st[key]) for n, st in state.items() for key in ("exp_avg", "exp_avg_sq")}}
+    return step, grad_norm
+
+
+def _next_step(opt: torch.optim.Optimizer, master: torch.nn.Module, model: torch.nn.Module) -> None:
+    """Gradients cleared and the compute copy refreshed from the stepped FP32 master."""
+    opt.zero_grad(set_to_none=True)
+    if model is not master:
+        model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for mp, cp in zip(master.parameters(), model.parameters()):
+                cp.copy_(mp)
 
 
 def _forward_backward(ctx: ScoringContext, role: str, control: Control, model: torch.nn.Module,
@@ -254,12 +286,7 @@ def _forward_backward(ctx: ScoringContext, role: str, control: Control, model: t
     order = torch.arange(batch["input_ids_BT"].shape[0], device=batch["input_ids_BT"].device)
     if control.reverse_rows:
         order = order.flip(0)
-    ids_BT = batch["input_ids_BT"][order]
-    mask_BT = batch["response_mask_BT"][order]
-    routes_BTLK = replayed_routes(ctx.rollout, role, batch)
-    if routes_BTLK is not None:
-        routes_BTLK = routes_BTLK[order]
-    tgt = {k: v[order] for k, v in targets.items()}
+    ids_BT, mask_BT, routes_BTLK, tgt = _in_order(ctx, role, batch, targets, order)
     p, grpo = ctx.objective.ppo, ctx.objective.grpo
     parts: dict[str, list[torch.Tensor]] = {}
     totals = {key: torch.zeros((), dtype=torch.float32, device=mask_BT.device)
@@ -267,12 +294,7 @@ def _forward_backward(ctx: ScoringContext, role: str, control: Control, model: t
     # the whole step's normalizers (GRPO: and advantages, rows in their own order): each micro-batch takes its share
     mask_step_BT = batch["response_mask_BT"]
     share = grpo_share(grpo, targets["score_B"], mask_step_BT) if grpo else ppo_share(mask_step_BT)
-    lengths_B = None
-    if control.pack_tokens is not None:  # whole samples packed, in the control's row order (qualify.case.packing)
-        lengths_B = sample_lengths(batch["prompt_mask_BT"], batch["response_mask_BT"])[order].cpu()
-        slices = plan_packs(lengths_B.tolist(), control.pack_tokens)
-    else:
-        slices = _row_slices(ids_BT.shape[0], control.microbatches)
+    lengths_B, slices = _microbatches(control, batch, order)
     for rows in slices:
         part = share if grpo is None else GRPOShare(share.advantages_B[order][rows], share.normalizers)
         m_BT = mask_BT[rows]
@@ -309,6 +331,27 @@ def _forward_backward(ctx: ScoringContext, role: str, control: Control, model: t
         outputs["kl_BT"] = kl_BT
         outputs["kl_mean"] = masked_mean(kl_BT, batch["response_mask_BT"], "global")
     return outputs
+
+
+def _in_order(ctx: ScoringContext, role: str, batch: dict[str, torch.Tensor], targets: dict[str, torch.Tensor],
+              order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+    """The step's token ids, response mask, replayed routes (None: no MoE routes replayed) and targets in the
+    control's row order."""
+    routes_BTLK = replayed_routes(ctx.rollout, role, batch)
+    if routes_BTLK is not None:
+        routes_BTLK = routes_BTLK[order]
+    return (batch["input_ids_BT"][order], batch["response_mask_BT"][order], routes_BTLK,
+            {k: v[order] for k, v in targets.items()})
+
+
+def _microbatches(control: Control, batch: dict[str, torch.Tensor],
+                  order: torch.Tensor) -> tuple[torch.Tensor | None, list[slice]]:
+    """(the samples' lengths in row order, packed controls only; the micro-batches' row slices): whole samples packed
+    in the control's row order (qualify.case.packing), else the rows split in control.microbatches."""
+    if control.pack_tokens is not None:
+        lengths_B = sample_lengths(batch["prompt_mask_BT"], batch["response_mask_BT"])[order].cpu()
+        return lengths_B, plan_packs(lengths_B.tolist(), control.pack_tokens)
+    return None, _row_slices(batch["input_ids_BT"].shape[0], control.microbatches)
 
 
 def _actor_scores(ctx: ScoringContext, model: torch.nn.Module, ids_BT: torch.Tensor, vocab_size: int,

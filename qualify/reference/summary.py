@@ -25,6 +25,7 @@ from qualify.layout import RunLayout
 from qualify.reference.context import ScoringContext
 from qualify.reference.inputs import StepInputs
 from qualify.resident import Resident, meminfo
+from qualify.runname import RunName
 from qualify.stages import complete_stage, prepare_stage, stage_is_complete
 from qualify.store import tree_bytes, write_json, write_tensors
 
@@ -58,8 +59,8 @@ def aligned_base(ctx: ScoringContext, role: str, base_name: str, steps: list[Run
     sealed r0, or r0 replayed on the control's clip decisions where they differ: held in memory when a run of the
     role fits in half the memory available now (replay_fits), else written to scratch, read step by step and removed.
     Either way the same tensors (a sealed copy is read back bit for bit). verified: the r0 directories whose seal the
-    caller has checked in this process (each checked once, then kept: a 0.6B r0 hashed again for every control was a
-    visible share of the reference's time, benchmarks/LOG.md)."""
+    caller has checked in this process (each checked once, then kept: an r0 is not hashed again for every
+    control)."""
     from qualify.reference.forced import (
         make_replay,
         recorded_decisions,
@@ -69,7 +70,7 @@ def aligned_base(ctx: ScoringContext, role: str, base_name: str, steps: list[Run
         step_decisions,
     )
 
-    precision, layout = base_name.split("-", 1)[0], ctx.layout
+    precision, layout = RunName.parse(base_name).precision, ctx.layout
     base_dir = layout.scores(precision, "r0", role)
     if verified is None or base_dir not in verified:
         if not stage_is_complete(base_dir):  # scored and sealed before any control (reference.stage.score_all)
@@ -125,7 +126,7 @@ def control_record(ctx: ScoringContext, role: str, run_name: str, result: dict[s
         if run_name not in others:
             continue
         aligned, compared_with, scratch = aligned_base(ctx, role, base_name, steps, inputs, verified)
-        base_dir = layout.scores(*base_name.split("-", 1), role)
+        base_dir = layout.scores(*RunName.parse(base_name), role)
         # the sealed r0 is every control's of the family: kept for the stage; a replay is this control's alone
         aligned = resident.base(base_dir, aligned) if compared_with == base_name else resident.transient(aligned)
         try:

@@ -24,7 +24,34 @@ def run(request: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     started = time.monotonic()
-    llm = LLM(
+    llm = _load(LLM, request)
+    loaded = time.monotonic()
+    runner = model_runner(llm)
+    platform = _platform(request)
+    try:
+        sampling, params = _sampling_params(SamplingParams, request)
+        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in request["prompts"]]
+        if request.get("routes"):
+            results, moe_layers = generate_with_routes(llm, prompts, params)
+        else:
+            results, moe_layers = [result_of(out) for out in llm.generate(prompts, params, use_tqdm=False)], None
+        generated = time.monotonic()
+        prefill, prefill_error, layers = _prefill(llm, request, results, sampling)
+        prefilled = time.monotonic()
+    finally:
+        shutdown(llm)
+    for i, logprobs in prefill.items():
+        results[i]["prefill_logprobs"] = logprobs
+    return {"results": results, "load_s": loaded - started, "generate_s": generated - loaded,
+            "prefill_s": prefilled - generated, "prefill_error": prefill_error,
+            **({"layers": layers} if layers is not None else {}),
+            "platform": platform, "routes_layers": moe_layers, "batch_invariant_settings": platform.get("batch_invariant"),
+            "model_runner": runner}
+
+
+def _load(llm_class, request: dict):
+    """vLLM's engine for the request's actor (vllm.LLM)."""
+    return llm_class(
         model=request["model_dir"],
         skip_tokenizer_init=True,
         dtype=request["dtype"],
@@ -39,51 +66,51 @@ def run(request: dict) -> dict:
         # a cached prompt block is never fed again, so it has no routes: a routed capture computes every token
         **({"enable_prefix_caching": False} if request.get("routes") else {}),
     )
-    loaded = time.monotonic()
-    runner = model_runner(llm)
+
+
+def _platform(request: dict) -> dict:
+    """The platform's fingerprint taken here, where vLLM has set its threads, not in the parent (with what vLLM's
+    batch-invariant mode set in this process, when asked for)."""
     from qualify.hardware import platform_fingerprint
 
-    platform = platform_fingerprint()  # here, where vLLM has set its threads, not in the parent
-    if request.get("batch_invariant"):  # what vLLM's batch-invariant mode set in this process
+    platform = platform_fingerprint()
+    if request.get("batch_invariant"):
         import os
 
         from qualify.rollout.invariant import BATCH_INVARIANT_SETTINGS
 
         platform["batch_invariant"] = {k: os.environ.get(k) for k in BATCH_INVARIANT_SETTINGS}
-    try:
-        # Every prompt samples with the request's settings, or its own ones in a merged request.
-        sampling = request.get("prompt_sampling") or [
-            {k: request.get(k, 0.0) for k in ("temperature", "top_k", "top_p", "min_p")}] * len(request["seeds"])
-        params = [
-            SamplingParams(n=1, temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"], min_p=s["min_p"],
-                           seed=seed, max_tokens=request["max_new_tokens"], logprobs=0, detokenize=False,
-                           stop_token_ids=[request["eos_token_id"]] if request["eos_token_id"] is not None else None)
-            for seed, s in zip(request["seeds"], sampling, strict=True)
-        ]
-        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in request["prompts"]]
-        if request.get("routes"):
-            results, moe_layers = generate_with_routes(llm, prompts, params)
-        else:
-            results, moe_layers = [result_of(out) for out in llm.generate(prompts, params, use_tqdm=False)], None
-        generated, prefill, prefill_error, layers = time.monotonic(), {}, None, None
-        if request.get("layer_outputs"):  # the same pass records vLLM's layers; a failure fails the capture (asked for)
-            prefill, layers = prefill_logprobs(llm, results, sampling, request["max_model_len"],
-                                               request["layers_path"])
-        elif not request.get("routes"):  # a routed capture's hooks would see the pass's rows too
-            try:
-                prefill, _ = prefill_logprobs(llm, results, sampling, request["max_model_len"])
-            except Exception as exc:  # noqa: BLE001 - recorded: the rollout stands, its meta says why the check is missing
-                prefill_error = f"{type(exc).__name__}: {exc}"
-        prefilled = time.monotonic()
-    finally:
-        shutdown(llm)
-    for i, logprobs in prefill.items():
-        results[i]["prefill_logprobs"] = logprobs
-    return {"results": results, "load_s": loaded - started, "generate_s": generated - loaded,
-            "prefill_s": prefilled - generated, "prefill_error": prefill_error,
-            **({"layers": layers} if layers is not None else {}),
-            "platform": platform, "routes_layers": moe_layers, "batch_invariant_settings": platform.get("batch_invariant"),
-            "model_runner": runner}
+    return platform
+
+
+def _sampling_params(params_class, request: dict) -> tuple[list[dict], list]:
+    """Every prompt's sampling settings (the request's, or its own ones in a merged request) and its
+    vllm.SamplingParams, seeded with the prompt's seed."""
+    sampling = request.get("prompt_sampling") or [
+        {k: request.get(k, 0.0) for k in ("temperature", "top_k", "top_p", "min_p")}] * len(request["seeds"])
+    params = [
+        params_class(n=1, temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"], min_p=s["min_p"],
+                     seed=seed, max_tokens=request["max_new_tokens"], logprobs=0, detokenize=False,
+                     stop_token_ids=[request["eos_token_id"]] if request["eos_token_id"] is not None else None)
+        for seed, s in zip(request["seeds"], sampling, strict=True)
+    ]
+    return sampling, params
+
+
+def _prefill(llm, request: dict, results: list[dict],
+             sampling: list[dict]) -> tuple[dict[int, list[float]], str | None, dict | None]:
+    """(the prefill's logprobs by result index, why they are missing, the layers' record): the same pass records
+    vLLM's layers when asked for (a failure then fails the capture); a routed capture has none (its hooks would see
+    the pass's rows too); otherwise a failure is recorded, and the rollout stands."""
+    prefill, prefill_error, layers = {}, None, None
+    if request.get("layer_outputs"):
+        prefill, layers = prefill_logprobs(llm, results, sampling, request["max_model_len"], request["layers_path"])
+    elif not request.get("routes"):
+        try:
+            prefill, _ = prefill_logprobs(llm, results, sampling, request["max_model_len"])
+        except Exception as exc:  # noqa: BLE001 - recorded: the rollout stands, its meta says why the check is missing
+            prefill_error = f"{type(exc).__name__}: {exc}"
+    return prefill, prefill_error, layers
 
 
 def prefill_comparable(sampling: dict) -> bool:

@@ -11,7 +11,7 @@ import torch
 from qualify.errors import EvidenceError
 from qualify.store import TensorFile
 from qualify.tensor_codec import release
-from tests.unit.test_tensor_codec import adamw_steps, write_case
+from tests.unit.tensor_codec.test_decode import adamw_steps, write_case
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="decoding on a GPU needs CUDA")
 
@@ -81,9 +81,9 @@ def test_a_changed_start_fails_the_gpu_decode_by_name(tmp_path):
     weights["layer.weight"] = weights["layer.weight"] + 1e-3
     save_file(weights, str(model / "model.safetensors"))
     release()
-    from qualify import tensor_codec
+    from qualify.tensor_codec import cache
 
-    tensor_codec._INDEX.clear()
+    cache._INDEX.clear()
     with pytest.raises(EvidenceError, match="layer.weight does not decode"):
         TensorFile(case / "step0" / "updates.safetensors").tensor("layer.weight", "cuda")
 
@@ -109,13 +109,13 @@ def test_a_gpu_tensors_crc_is_zlibs_crc_of_its_bytes(monkeypatch):
     the whole tensor's bytes."""
     import zlib
 
-    from qualify import tensor_codec
+    from qualify.tensor_codec import checksum
 
     t = torch.randn(3_000_001, generator=torch.Generator().manual_seed(5))
     whole = zlib.crc32(t.numpy().view(np.uint8).data)
     for chunk in (1 << 16, 1 << 20, 1 << 26):
-        monkeypatch.setattr(tensor_codec, "CRC_CHUNK", chunk)
-        assert tensor_codec.crc(t.cuda()) == whole
+        monkeypatch.setattr(checksum, "CRC_CHUNK", chunk)
+        assert checksum.crc(t.cuda()) == whole
 
 
 @pytest.mark.parametrize("bf16_grads", [False, True])
@@ -127,7 +127,7 @@ def test_a_case_coded_on_the_gpu_is_the_case_coded_on_the_cpu_byte_for_byte(tmp_
     from qualify.compare import write_step
     from qualify.store import write_json
     from qualify.tensor_codec import Adam, StepCoding
-    from tests.unit.test_tensor_codec import OPT
+    from tests.unit.tensor_codec.test_decode import OPT
 
     model, records, starts, final = adamw_steps(tmp_path, steps=3, bf16_grads=bf16_grads)
     digests = {}

@@ -123,3 +123,14 @@ def test_split_by_cost_keeps_order_and_balances():
     assert [p for part in parts for p in part] == sorted(sizes) and len(parts) == 3
     costs = [sum(sizes[p] + hashing.SPAWN_COST_BYTES for p in part) for part in parts]
     assert max(costs) - min(costs) <= 2 * (1000 + hashing.SPAWN_COST_BYTES)
+
+
+def test_a_digest_is_sha256_tagged_hex_of_the_bytes_or_file(tmp_path):
+    """sha256_tag, digest_of_bytes and file_digest write the one 'sha256:<hex>' form every stage records."""
+    data = b"qualify\x00\xff" * 1000
+    hexdigest = hashlib.sha256(data).hexdigest()
+    assert hashing.sha256_tag(hexdigest) == "sha256:" + hexdigest
+    assert hashing.digest_of_bytes(data) == "sha256:" + hexdigest
+    (tmp_path / "f").write_bytes(data)
+    assert hashing.file_digest(tmp_path / "f") == hashing.digest_of_bytes(data)
+    assert hashing.digest_of_bytes(b"") == "sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"

@@ -27,7 +27,7 @@ LAYERS = [  # top floor first: a package may import its own modules and any pack
     {"bounds", "models", "slurm", "case", "resident"},
     {"matrix", "compare", "manifest", "stages", "memory"},
     {"ppo", "schema", "store", "hashing", "contract", "versions"},
-    {"tensor_codec"},
+    {"tensor_codec", "runname"},
     {"errors", "layout", "metrics", "hardware", "progress", "stagelog", "childlog", "verdict", "waivers"},
 ]
 
