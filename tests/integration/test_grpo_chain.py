@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from qualify.candidate.run import run_candidates
+from qualify.candidate.stage import run_candidates
 from qualify.layout import RunLayout
 from qualify.rollout.capture import load_rollout
 from qualify.store import read_json
@@ -69,7 +69,7 @@ def test_a_rank_launched_with_another_normalizer_stops_the_case(grpo_run, grpo_m
     import sys
     from dataclasses import replace
 
-    from qualify.candidate.run import write_spec
+    from qualify.candidate.stage import write_spec
     from qualify.case.launch import run_ranks
     from qualify.case.spec import make_spec
     from qualify.models.family import model_dirs

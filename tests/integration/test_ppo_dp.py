@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from qualify.candidate.run import run_candidates
+from qualify.candidate.stage import run_candidates
 from qualify.layout import RunLayout
 from qualify.ppo.grpo import dp_slices
 from qualify.rollout.capture import load_rollout

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from qualify.candidate.run import case_families, case_replays, judge_case, run_candidates
+from qualify.candidate.stage import case_families, case_replays, judge_case, run_candidates
 from qualify.compare import load_steps
 from qualify.layout import RunLayout
 from qualify.store import TensorFile

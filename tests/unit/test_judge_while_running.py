@@ -1,5 +1,5 @@
 """The candidate stage judges a case as soon as it is sealed, while other launch groups still run
-(qualify.candidate.run.run_groups), and the judge's GPU copies leave the launches their share of the device
+(qualify.candidate.stage.run_groups), and the judge's GPU copies leave the launches their share of the device
 (qualify.resident.Resident.reserving)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from qualify.candidate import run as candidate_run
+from qualify.candidate import stage as candidate_run
 from qualify.layout import RunLayout
 from qualify.matrix import Case
 from qualify.resident import Resident
