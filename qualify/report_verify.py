@@ -296,7 +296,7 @@ def compare_rows(name: str, judged: list[dict[str, Any]], recorded: list[dict[st
 def rejudge_problems(layout: RunLayout, reference: dict[str, Any], acceptance: dict[str, Any],
                      verdict: dict[str, Any], names: list[str]) -> list[str]:
     """Judge every named case again from its sealed evidence and compare with the verdict's rows."""
-    from qualify.candidate.stage import judge_case
+    from qualify.judge.case import judge_case
     from qualify.matrix import Case, Matrix
     from qualify.models.checkpoint import initial_parameters
     from qualify.reference.context import ScoringContext

@@ -21,22 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qualify.candidate.agreement import agree_case
-from qualify.candidate.derived import entropy_check, sampler_check
-from qualify.candidate.dp import dp_group, gather_outputs, rank_rows
 from qualify.candidate.imported import KEY as IMPORTED_KEY
 from qualify.candidate.imported import record as record_imported
-from qualify.candidate.layer_probe import merge_ranks as merge_layer_ranks
-from qualify.candidate.layer_probe import probe_rollout_layers
-from qualify.candidate.layout_probe import merge_ranks, probe_layouts
-from qualify.candidate.packed import (
-    merge_microbatches,
-    micro_batches_of_step,
-    micro_share,
-    require_packed,
-    worst_token,
-)
-from qualify.candidate.padding import exposed_rows, padding_found
 from qualify.candidate.plugin_contract import (
     ContractError,
     check_grads,
@@ -44,7 +30,6 @@ from qualify.candidate.plugin_contract import (
     check_objective_signature,
     check_outputs,
 )
-from qualify.candidate.routing_rows import replay_check
 from qualify.case.context import Batch, PackedBatch
 from qualify.case.launch import record_failure
 from qualify.case.packing import pack_batch, sample_lengths, unpack
@@ -54,6 +39,21 @@ from qualify.compare import step_dir, write_step
 from qualify.engines.registry import get_engine
 from qualify.errors import EngineError, EvidenceError
 from qualify.hashing import file_digest
+from qualify.judge.agreement import agree_case
+from qualify.judge.derived import entropy_check, sampler_check
+from qualify.judge.dp import dp_group, gather_outputs, rank_rows
+from qualify.judge.layer_probe import merge_ranks as merge_layer_ranks
+from qualify.judge.layer_probe import probe_rollout_layers
+from qualify.judge.layout_probe import merge_ranks, probe_layouts
+from qualify.judge.packed import (
+    merge_microbatches,
+    micro_batches_of_step,
+    micro_share,
+    require_packed,
+    worst_token,
+)
+from qualify.judge.padding import exposed_rows, padding_found
+from qualify.judge.routing_rows import replay_check
 from qualify.layout import work_dir
 from qualify.models.checkpoint import initial_parameters
 from qualify.ppo.objective import (
@@ -161,7 +161,7 @@ def reported_router_outputs(engine: Any, spec: CaseSpec) -> dict[str, torch.Tens
 
 def own_logits_check(engine: Any, spec: CaseSpec, scores_BT: torch.Tensor, batch: Batch,
                      offset: int, packed: PackedBatch | None = None) -> dict[str, Any] | None:
-    """The actor's scores against the sampler formula of its own logits (qualify.candidate.derived.sampler_check);
+    """The actor's scores against the sampler formula of its own logits (qualify.judge.derived.sampler_check);
     None where the engine exposes no logits. packed: the micro-batch the hook's (1, N, V) logits are of."""
     hook = getattr(engine, "logits", None)
     logits = hook() if spec.role == "actor" and hook is not None else None
@@ -176,7 +176,7 @@ def own_logits_check(engine: Any, spec: CaseSpec, scores_BT: torch.Tensor, batch
 def own_entropy_check(engine: Any, spec: CaseSpec, outputs: dict[str, torch.Tensor], batch: Batch,
                       offset: int, packed: PackedBatch | None = None) -> dict[str, Any] | None:
     """With an entropy bonus, the actor's reported entropy against the entropy of its own logits
-    (qualify.candidate.derived.entropy_check); None where the engine exposes no logits. packed: as own_logits_check."""
+    (qualify.judge.derived.entropy_check); None where the engine exposes no logits. packed: as own_logits_check."""
     hook = getattr(engine, "logits", None)
     logits = hook() if hook is not None and "entropy_BT" in outputs else None
     if logits is None:
@@ -190,7 +190,7 @@ def own_entropy_check(engine: Any, spec: CaseSpec, outputs: dict[str, torch.Tens
 def packed_step(engine: Any, spec: CaseSpec, batch: Batch, lengths_B: torch.Tensor, targets: dict[str, torch.Tensor],
                 share: Any, gives_share: bool, offset: int, first_row: int,
                 group: Any) -> tuple[dict[str, torch.Tensor], Any, Any]:
-    """One step of a packed case on this rank (qualify.candidate.packed): per micro-batch of the rank's rows (the
+    """One step of a packed case on this rank (qualify.judge.packed): per micro-batch of the rank's rows (the
     rollout's from first_row, the step's from offset; as many as every rank of the DP group runs), score, unpack, its
     share of the loss, backward; returns the step's outputs (the loss the shares' sum) and the worst
     sampler-derivation and entropy-derivation tokens."""
@@ -218,7 +218,7 @@ def worst_by_step(by_rank: list[list[dict[str, Any] | None]]) -> list[dict[str, 
 
 
 def replay_by_step(by_rank: list[list[dict[str, Any] | None]]) -> list[dict[str, Any] | None]:
-    """Per step, the rank whose routes differ most from the batch's (qualify.candidate.derived.replay_check); None
+    """Per step, the rank whose routes differ most from the batch's (qualify.judge.derived.replay_check); None
     for a step where any rank's engine gave no routes."""
     out = []
     for step in zip(*by_rank, strict=True):

@@ -93,8 +93,8 @@ def rollout_exact(train_dir: Path, targets_dir: Path) -> tuple[int, str, str]:
     vLLM sampled the round's rollout with (its targets' old_logprobs_BT), bit for bit on every response token, from
     the sealed step, targets and rollout: (tokens that differ, the rule: '== 0' where the trainer's spec declares
     rollout_exact in the rollout's precision, else reported, a description)."""
-    from qualify.candidate.rollout_exact import mismatch
     from qualify.compare import load_run
+    from qualify.judge.rollout_exact import mismatch
     from qualify.rollout.capture import load_rollout
     from qualify.store import read_json, read_tensors
 

@@ -10,10 +10,10 @@ import shutil
 import pytest
 import torch
 
-from qualify.candidate.decided import aligned_reference, run_decisions
 from qualify.candidate.stage import seal_replays
 from qualify.compare import load_steps
 from qualify.errors import EvidenceError
+from qualify.judge.decided import aligned_reference, run_decisions
 from qualify.layout import RunLayout
 from qualify.matrix import Case
 from qualify.reference.context import ScoringContext

@@ -64,11 +64,11 @@ def test_a_changed_peer_library_redoes_the_case(run_copy, tmp_path, monkeypatch,
 
 
 def test_judged_rows_are_reused_only_on_the_same_evidence_and_report_judges_again(run_copy, tmp_path, capsys):
-    """A case judged once keeps its rows beside its evidence (qualify.candidate.judged): the next candidate stage on
+    """A case judged once keeps its rows beside its evidence (qualify.judge.judged): the next candidate stage on
     the same sealed evidence reuses them instead of judging again. Rows kept under another key are judged again, and
     rows forged in the kept file (the key left as it was) pass into the candidate's verdict but not past `qualify
     report`, which judges every case again from its evidence."""
-    from qualify.candidate.judged import judged_path
+    from qualify.judge.judged import judged_path
     from qualify.layout import RunLayout
     from qualify.report import load_docs
     from qualify.report_verify import verify_run

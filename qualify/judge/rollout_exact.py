@@ -11,7 +11,7 @@ Compared: the case's outputs/logprobs_BT at step 0 (its declared formula: the pr
 truncating sampling) against the sealed rollout's sampler logprobs (the targets' old_logprobs_BT), on step 0's
 response tokens, in float32 without rounding either side. Where the rollout carries vLLM's per-layer activations
 (rollout.layer_outputs), a declared case's note also names the first layer whose vectors differ from vLLM's prefill
-(qualify.candidate.layer_probe); the layers judge nothing.
+(qualify.judge.layer_probe); the layers judge nothing.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from qualify.candidate.layer_probe import layers_note
+from qualify.judge.layer_probe import layers_note
 from qualify.verdict import Row
 
 ROLLOUT = "rollout"

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from qualify.candidate.derived import DERIVED
 from qualify.compare import RunTensors
+from qualify.judge.derived import DERIVED
 from qualify.verdict import Row
 
 REPLAY_RULE = ("== 0: with rollout.routing replay, every token the rollout fed routes to the rollout's experts in every "
