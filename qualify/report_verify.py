@@ -248,11 +248,11 @@ def spec_problems(name: str, where: Path) -> list[str]:
     """The case's sealed meta.json (its digest is in the seal) records the spec the evidence was made from: the case
     that spec names (engine, precision, TP, DP, packing, role) must be this one (another case's evidence copied over it is
     not)."""
+    from qualify.case.meta import read_case_meta
     from qualify.matrix import Case
-    from qualify.store import read_json
 
     try:
-        spec = read_json(where / "meta.json").get("case", {})
+        spec = read_case_meta(where).spec
         made = Case(engine=spec["engine"], precision=spec["precision"], tp=int(spec["tp"]), role=spec["role"],
                     dp=int(spec.get("dp", 1)), packing=spec.get("packing", "padded"))
     except (QualifyError, AttributeError, KeyError, TypeError, ValueError):

@@ -25,6 +25,8 @@ from qualify.acceptance import Acceptance
 from qualify.candidate.launches import Scheduler
 from qualify.candidate.resume import write_spec
 from qualify.candidate.schedule import LaunchPlan, case_needs, gpu_budgets, gpu_held, torch_gpus
+from qualify.case.meta import NAME as META_NAME
+from qualify.case.meta import read_case_meta
 from qualify.case.ranks import device_of
 from qualify.case.spec import make_spec
 from qualify.engines.registry import require_engine
@@ -233,8 +235,8 @@ def case_platforms(layout: RunLayout, cases: list[Case], reference_platform: dic
 
     out = {}
     for case in cases:
-        meta = layout.case(case.name) / "meta.json"
-        platform = read_json(meta).get("platform") if meta.is_file() else None
+        found = (layout.case(case.name) / META_NAME).is_file()
+        platform = read_case_meta(layout.case(case.name)).platform if found else None
         if platform is not None:
             out[case.name] = {"platform": describe(platform),
                               "differs_from_reference": platform_differences(reference_platform, platform)}

@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from qualify.case.meta import CaseMeta
 from qualify.compare import RunTensors, load_steps, params_before_steps
 from qualify.judge.decided import (
     StepInputs,
@@ -101,16 +102,17 @@ def judge_case(ctx: ScoringContext, case: Case, bounds: dict, before: dict, veri
     cand = resident.transient(load_steps(layout.case(case.name)))
     starts = params_before_steps(cand, resident.start(case.role, before))
     inputs = inputs or ctx.inputs()
-    formula, truncates = declared_formula(cand[0].meta)  # its logprobs are judged against the reference's formula
+    meta = CaseMeta.of(cand[0].meta)  # its meta.json
+    formula, truncates = declared_formula(meta)  # its logprobs are judged against the reference's formula
     rows, own_ref = family_rows(ctx, case, bounds, cand, starts, inputs, resident, formula, truncates)
     rows += own_loss_rows(case.name, case.role, objective, cand, inputs)
     rows += derived_rows(case.name, case.role, objective, cand, inputs, scored=formula == "full" or not truncates,
                          starts=starts)
     rows += replay_rows(case.name, case.role, cand)
-    rows += layout_rows(case.name, case.role, cand[0].meta)
-    rows += exact_rows(case.name, case.role, cand[0].outputs, cand[0].meta, inputs.targets[0]["old_logprobs_BT"],
+    rows += layout_rows(case.name, case.role, meta)
+    rows += exact_rows(case.name, case.role, cand[0].outputs, meta, inputs.targets[0]["old_logprobs_BT"],
                        inputs.masks[0], read_json(layout.rollout(ctx.primary_tp) / "rollout.json").get("prefill_vs_decode"))
-    rows += evidence_rows(case.name, case.role, cand[0].meta)
+    rows += evidence_rows(case.name, case.role, meta)
     rows += precision_rows(case.name, case.role, cand, own_ref)
     rows += invariance_rows(ctx, case, bounds, cand, starts, inputs, resident, formula, truncates, verified)
     if resident.device is not None:  # the case's decoded tensors held there (qualify.tensor_codec): no longer read
@@ -144,7 +146,7 @@ def invariance_rows(ctx: ScoringContext, case: Case, bounds: dict, cand: list[Ru
     """TPn against TP1, DPn against DP1 (the same case at the lower degree) and packed against padded, when that case
     ran; and, for an engine that declares determinism: bitwise, the bitwise rows across TP x DP."""
     layout, objective, rows = ctx.layout, ctx.objective, []
-    bitwise = cand[0].meta.get("case", {}).get("determinism") == "bitwise"
+    bitwise = CaseMeta.of(cand[0].meta).spec.get("determinism") == "bitwise"
     for axis, base in invariance_bases(case):
         if not (base.name in verified or stage_is_complete(layout.case(base.name))):
             continue

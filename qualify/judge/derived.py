@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from qualify.case.meta import CaseMeta
 from qualify.compare import RunTensors
 from qualify.judge.derived_adamw import DERIVED, U, moment_row, update_row  # U, DERIVED: shared with the AdamW rows
 from qualify.matrix import Objective
@@ -202,12 +203,13 @@ def sampler_rows(case: str, role: str, cand: list[RunTensors], key: str = "sampl
     if role != "actor" or not cand:
         return []
     entropy = output == "entropy_BT"
-    found = cand[0].meta.get(key)
+    meta = CaseMeta.of(cand[0].meta)
+    found = getattr(meta, key)
     if not isinstance(found, list) or not found:
         if entropy:
             return [Row(case, role, DERIVED, f"outputs/{output}", "not_derived", 0.0, math.inf, True,
                         ENTROPY_NOT_DERIVED)]
-        return [not_derived_row(case, role, cand[0].meta.get("case") or {})]
+        return [not_derived_row(case, role, meta.spec)]
     rows = []
     for k, w in enumerate(found):
         value, bound = _num(w["value"]), _num(w["bound"])
@@ -377,8 +379,8 @@ def norm_row(case: str, role: str, k: int, step: RunTensors) -> Row | None:
 def derived_rows(case: str, role: str, objective: Objective, cand: list[RunTensors], inputs: Any,
                  scored: bool = True, starts: list[dict[str, torch.Tensor]] | None = None) -> list[Row]:
     """Every derivation row of a case, step by step (scored: see step_rows)."""
-    device = (cand[0].meta.get("case") or {}).get("device", "cpu") if cand else "cpu"
-    state_dtypes = (cand[0].meta.get("state_dtypes") or {}) if cand else {}
+    meta = CaseMeta.of(cand[0].meta) if cand else CaseMeta()
+    device, state_dtypes = meta.spec.get("device", "cpu"), meta.state_dtypes or {}
     rebuilt: dict[str, torch.Tensor] = {}  # update_row: the ulps of the updates the starts are rebuilt from
     rows = sampler_rows(case, role, cand)
     if role == "actor" and policy_settings(objective.ppo).entropy_coef > 0:
