@@ -31,7 +31,7 @@ An engine that takes its old logprobs from another source, computes its KL or it
 norms other gradients than it reports fails here from step 0, by far, even where the difference sits inside the
 reference's bounds (which must absorb legitimate forward noise). Each check is one row per step, comparison
 'derived'; its value is |case - derived| at the token the rule is closest to failing, its bound that token's
-rounding allowance.
+rounding allowance. The moments' and updates' rows are qualify.judge.derived_adamw's; derived_rows composes them all.
 """
 
 from __future__ import annotations
