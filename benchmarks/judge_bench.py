@@ -20,7 +20,7 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print(__doc__, file=sys.stderr)
         return 2
-    from qualify.candidate.run import judge_case
+    from qualify.judge.case import judge_case
     from qualify.matrix import Case, Matrix
     from qualify.models.checkpoint import initial_parameters
     from qualify.reference.context import ScoringContext

@@ -1,6 +1,6 @@
 """Where a clip norm drifts: torch's fp32 vector_norm on the CPU and on a GPU, and the torch-tp engine's norm
 (qualify.engines.torch_tp.grad_norm), against float64, side by side on the same tensors, each as a ratio to the
-allowance the derived check gives any engine (qualify.candidate.derived: 2^-24 x (2 log2 n + 8) x norm; a ratio
+allowance the derived check gives any engine (qualify.judge.derived: 2^-24 x (2 log2 n + 8) x norm; a ratio
 above 1 fails the row).
 
 Usage: python benchmarks/norm_probe.py   (CUDA columns when a GPU is there)

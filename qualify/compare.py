@@ -26,8 +26,8 @@ GROUPS = ("outputs", "grads", "updates", "moments")
 LEAN_GROUPS = ("outputs", "grads")
 """What a lean reference r0 keeps (reference.evidence: lean): what candidates are judged against."""
 DERIVED_OUTPUTS = ("clip_frac",)
-"""Outputs judged by derivation from the case's own values (qualify.candidate.derived) and, token by token, by its
-clip decisions (qualify.candidate.decided), never against the reference's bound: a clip fraction is a count of
+"""Outputs judged by derivation from the case's own values (qualify.judge.derived) and, token by token, by its
+clip decisions (qualify.judge.decided), never against the reference's bound: a clip fraction is a count of
 decisions, which a rounding tie moves by a whole token and a few controls sample poorly (a correct bf16 TP2 critic
 one token off sat at half a bound made of one control's one token: benchmarks/LOG.md, the pad matrix's margins)."""
 DISTRIBUTION_GROUPS = ("outputs", "grads")
@@ -203,7 +203,7 @@ def pair_metrics(candidate: RunTensors, reference: RunTensors) -> dict[str, dict
     bf16 TP2 cases' moments sat closer to their bounds than their gradients: benchmarks/LOG.md, "Moments by
     derivation"). What is judged instead: the
     update against what AdamW makes of the run's own moments and start (replay_metrics), and both by derivation
-    from the case's own values (qualify.candidate.derived). The clip fractions (DERIVED_OUTPUTS) likewise.
+    from the case's own values (qualify.judge.derived). The clip fractions (DERIVED_OUTPUTS) likewise.
     """
     out: dict[str, dict[str, float]] = {}
     device = metrics.metrics_device()

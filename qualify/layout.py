@@ -104,7 +104,7 @@ class RunLayout:
         return self.candidates / "verdict.json"
 
     def selection_verdict(self, label: str) -> Path:
-        """The verdict of a --only selection (label: qualify.candidate.run.selection_name of its glob)."""
+        """The verdict of a --only selection (label: qualify.candidate.stage.selection_name of its glob)."""
         return self.candidates / f"verdict-{label}.json"
 
     @property

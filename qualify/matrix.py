@@ -504,7 +504,7 @@ class Freeze:
     floors: dict[str, float] = field(default_factory=dict)
     """Absolute floor per metric kind, the least any bound of that kind gets: logprob, value, loss, grad, grad_norm,
     update, target tensors; 'relative' for every relative metric (rel_l2). AdamW's moments have no bound: they are
-    judged by derivation from the case's own gradients (qualify.candidate.derived). Each bound's floor is the larger
+    judged by derivation from the case's own gradients (qualify.judge.derived). Each bound's floor is the larger
     of this and floor_ulps fp32 rounding steps of the tensor's own magnitude, so keep these small: the control
     error, not a floor, should set a bound."""
     floor_ulps: float = 4.0
@@ -529,7 +529,7 @@ class Freeze:
                              f"(known: {', '.join(BRANCHES)})")
         if "moment" in self.floors:
             raise ValueError("freeze.floors.moment: AdamW's moments are no longer judged against a bound (they are "
-                             "derived from the case's own gradients, qualify.candidate.derived); remove it")
+                             "derived from the case's own gradients, qualify.judge.derived); remove it")
         unknown = sorted(set(self.floors) - set(METRIC_KINDS))
         if unknown:
             raise ValueError(f"unknown floor kinds {unknown} (allowed: {', '.join(METRIC_KINDS)})")
@@ -579,11 +579,11 @@ class Candidates:
     bounds; the verdict still records each tensor's tier)."""
     layout_invariant: tuple[str, ...] = ()
     """Engines (names of engines) that declare their forward independent of the micro-batch layout: every case scores
-    its step-0 rows one at a time, four at a time and in reverse order (qualify.candidate.layout_probe), and a token
+    its step-0 rows one at a time, four at a time and in reverse order (qualify.judge.layout_probe), and a token
     not bitwise the single batch's fails a declared engine's case; other engines' cases report it."""
     rollout_exact: tuple[str, ...] = ()
     """Engines (names of engines) that claim their step-0 logprobs, in the rollout's precision, are bitwise the
-    logprobs the rollout sampled with (seed 002's exact tier; qualify.candidate.rollout_exact): a token that differs
+    logprobs the rollout sampled with (seed 002's exact tier; qualify.judge.rollout_exact): a token that differs
     fails a declared engine's case in that precision; every other actor case reports the count."""
     vocab_tile: int | None = None
     """torch-tp's logprob path: unset, the logits are gathered whole and log_softmax'd in chunks; a tile width, the

@@ -12,7 +12,7 @@ under it, the fresh reference is judged as another platform's is, within the com
 result says so (mode BYTES_DIFFER, the files in info['bytes_differ']). A file the acceptance lists that
 the fresh reference lacks is a failure in every mode.
 
-Across platforms the clip decisions are judged as a candidate's are (qualify.candidate.decided): another CPU's
+Across platforms the clip decisions are judged as a candidate's are (qualify.judge.decided): another CPU's
 rounding may put a token within a rounding step of a clip edge on the other side, and from that step on the two
 runs follow different branches. A token may be decided otherwise only where the committed run is within the frozen
 bound of the deciding quantity of the edge (else a failing row names it); the steps from the first such token on
@@ -28,12 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from qualify.acceptance import Acceptance
-from qualify.candidate.decided import SHOWN, decision_rows, first_divergence, run_decisions
-from qualify.candidate.judge import judge_steps
 from qualify.compare import is_lean, load_steps, params_before_steps
 from qualify.errors import EvidenceError
 from qualify.hardware import platform_differences
 from qualify.hashing import sha256_file
+from qualify.judge.decided import SHOWN, decision_rows, first_divergence, run_decisions
+from qualify.judge.steps import judge_steps
 from qualify.layout import RunLayout
 from qualify.manifest import default_evidence, load_manifest, verify_manifest
 from qualify.matrix import PPO

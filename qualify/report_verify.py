@@ -248,11 +248,11 @@ def spec_problems(name: str, where: Path) -> list[str]:
     """The case's sealed meta.json (its digest is in the seal) records the spec the evidence was made from: the case
     that spec names (engine, precision, TP, DP, packing, role) must be this one (another case's evidence copied over it is
     not)."""
+    from qualify.case.meta import read_case_meta
     from qualify.matrix import Case
-    from qualify.store import read_json
 
     try:
-        spec = read_json(where / "meta.json").get("case", {})
+        spec = read_case_meta(where).spec
         made = Case(engine=spec["engine"], precision=spec["precision"], tp=int(spec["tp"]), role=spec["role"],
                     dp=int(spec.get("dp", 1)), packing=spec.get("packing", "padded"))
     except (QualifyError, AttributeError, KeyError, TypeError, ValueError):
@@ -296,7 +296,7 @@ def compare_rows(name: str, judged: list[dict[str, Any]], recorded: list[dict[st
 def rejudge_problems(layout: RunLayout, reference: dict[str, Any], acceptance: dict[str, Any],
                      verdict: dict[str, Any], names: list[str]) -> list[str]:
     """Judge every named case again from its sealed evidence and compare with the verdict's rows."""
-    from qualify.candidate.run import judge_case
+    from qualify.judge.case import judge_case
     from qualify.matrix import Case, Matrix
     from qualify.models.checkpoint import initial_parameters
     from qualify.reference.context import ScoringContext

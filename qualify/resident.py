@@ -4,7 +4,7 @@ the candidate stage's (and `qualify report`'s) judging.
 A control's record compares the control's gradients, updates and moments with its families' r0 (or r0 replayed on
 its decisions) and replays its AdamW step from its fp64 start (qualify.reference.summary.control_record); a case's
 judging compares its gradients with two r0 runs, replays its AdamW step once per family, derives its grad norm,
-moments and updates and counts its bf16-exact elements (qualify.candidate.run.judge_case). Left on the host, each of
+moments and updates and counts its bf16-exact elements (qualify.judge.case.judge_case). Left on the host, each of
 those comparisons copied both sides to the GPU again, tensor by tensor: several copies of every gradient, update and
 moment a control record or a case, which at the Qwen3-0.6B shape took most of a record's time (benchmarks/LOG.md,
 "the reference's records on the GPU").

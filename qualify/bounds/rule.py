@@ -2,7 +2,7 @@
 
 One definition for every stage: freeze makes bounds with it (qualify.bounds.control_error), the acceptance check
 re-derives every frozen bound from it (qualify.bounds.check), diagnose's per-layer bounds use it
-(qualify.bounds.layers), and the verdict's rule text comes from the entries it writes (qualify.candidate.judge).
+(qualify.bounds.layers), and the verdict's rule text comes from the entries it writes (qualify.judge.steps).
 """
 
 from __future__ import annotations

@@ -14,29 +14,15 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from qualify.candidate.agreement import agree_case
-from qualify.candidate.derived import entropy_check, sampler_check
-from qualify.candidate.dp import dp_group, gather_outputs, rank_rows
 from qualify.candidate.imported import KEY as IMPORTED_KEY
 from qualify.candidate.imported import record as record_imported
-from qualify.candidate.layer_probe import merge_ranks as merge_layer_ranks
-from qualify.candidate.layer_probe import probe_rollout_layers
-from qualify.candidate.layout_probe import merge_ranks, probe_layouts
-from qualify.candidate.packed import (
-    merge_microbatches,
-    micro_batches_of_step,
-    micro_share,
-    require_packed,
-    worst_token,
-)
-from qualify.candidate.padding import exposed_rows, padding_found
 from qualify.candidate.plugin_contract import (
     ContractError,
     check_grads,
@@ -44,9 +30,10 @@ from qualify.candidate.plugin_contract import (
     check_objective_signature,
     check_outputs,
 )
-from qualify.candidate.routing_rows import replay_check
 from qualify.case.context import Batch, PackedBatch
 from qualify.case.launch import record_failure
+from qualify.case.meta import NAME as META_NAME
+from qualify.case.meta import CaseMeta
 from qualify.case.packing import pack_batch, sample_lengths, unpack
 from qualify.case.ranks import init_distributed
 from qualify.case.spec import CaseSpec, case_batch, engine_context, read_spec
@@ -54,6 +41,21 @@ from qualify.compare import step_dir, write_step
 from qualify.engines.registry import get_engine
 from qualify.errors import EngineError, EvidenceError
 from qualify.hashing import file_digest
+from qualify.judge.agreement import agree_case
+from qualify.judge.derived import entropy_check, sampler_check
+from qualify.judge.dp import dp_group, gather_outputs, rank_rows
+from qualify.judge.layer_probe import merge_ranks as merge_layer_ranks
+from qualify.judge.layer_probe import probe_rollout_layers
+from qualify.judge.layout_probe import merge_ranks, probe_layouts
+from qualify.judge.packed import (
+    merge_microbatches,
+    micro_batches_of_step,
+    micro_share,
+    require_packed,
+    worst_token,
+)
+from qualify.judge.padding import exposed_rows, padding_found
+from qualify.judge.routing_rows import replay_check
 from qualify.layout import work_dir
 from qualify.models.checkpoint import initial_parameters
 from qualify.ppo.objective import (
@@ -161,7 +163,7 @@ def reported_router_outputs(engine: Any, spec: CaseSpec) -> dict[str, torch.Tens
 
 def own_logits_check(engine: Any, spec: CaseSpec, scores_BT: torch.Tensor, batch: Batch,
                      offset: int, packed: PackedBatch | None = None) -> dict[str, Any] | None:
-    """The actor's scores against the sampler formula of its own logits (qualify.candidate.derived.sampler_check);
+    """The actor's scores against the sampler formula of its own logits (qualify.judge.derived.sampler_check);
     None where the engine exposes no logits. packed: the micro-batch the hook's (1, N, V) logits are of."""
     hook = getattr(engine, "logits", None)
     logits = hook() if spec.role == "actor" and hook is not None else None
@@ -176,7 +178,7 @@ def own_logits_check(engine: Any, spec: CaseSpec, scores_BT: torch.Tensor, batch
 def own_entropy_check(engine: Any, spec: CaseSpec, outputs: dict[str, torch.Tensor], batch: Batch,
                       offset: int, packed: PackedBatch | None = None) -> dict[str, Any] | None:
     """With an entropy bonus, the actor's reported entropy against the entropy of its own logits
-    (qualify.candidate.derived.entropy_check); None where the engine exposes no logits. packed: as own_logits_check."""
+    (qualify.judge.derived.entropy_check); None where the engine exposes no logits. packed: as own_logits_check."""
     hook = getattr(engine, "logits", None)
     logits = hook() if hook is not None and "entropy_BT" in outputs else None
     if logits is None:
@@ -190,7 +192,7 @@ def own_entropy_check(engine: Any, spec: CaseSpec, outputs: dict[str, torch.Tens
 def packed_step(engine: Any, spec: CaseSpec, batch: Batch, lengths_B: torch.Tensor, targets: dict[str, torch.Tensor],
                 share: Any, gives_share: bool, offset: int, first_row: int,
                 group: Any) -> tuple[dict[str, torch.Tensor], Any, Any]:
-    """One step of a packed case on this rank (qualify.candidate.packed): per micro-batch of the rank's rows (the
+    """One step of a packed case on this rank (qualify.judge.packed): per micro-batch of the rank's rows (the
     rollout's from first_row, the step's from offset; as many as every rank of the DP group runs), score, unpack, its
     share of the loss, backward; returns the step's outputs (the loss the shares' sum) and the worst
     sampler-derivation and entropy-derivation tokens."""
@@ -218,7 +220,7 @@ def worst_by_step(by_rank: list[list[dict[str, Any] | None]]) -> list[dict[str, 
 
 
 def replay_by_step(by_rank: list[list[dict[str, Any] | None]]) -> list[dict[str, Any] | None]:
-    """Per step, the rank whose routes differ most from the batch's (qualify.candidate.derived.replay_check); None
+    """Per step, the rank whose routes differ most from the batch's (qualify.judge.derived.replay_check); None
     for a step where any rank's engine gave no routes."""
     out = []
     for step in zip(*by_rank, strict=True):
@@ -257,14 +259,28 @@ def padded_rows_report(before: dict[str, torch.Tensor], after: dict[str, torch.T
             for name in sorted(before)}
 
 
+@dataclass
+class Trace:
+    """What a case's steps leave on this rank for its evidence: each step's tensors, the last step's parameters and
+    optimizer state, the probes' results and where the time went (phases_s: information, not evidence)."""
+
+    phases: dict[str, float]
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    grad_dtypes: dict[str, str] = field(default_factory=dict)
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+    state: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    starts: list[dict[str, torch.Tensor]] = field(default_factory=list)  # rank 0: each step's start parameters
+    sampler: list[dict[str, Any] | None] = field(default_factory=list)
+    entropies: list[dict[str, Any] | None] = field(default_factory=list)  # with an entropy bonus: its derivation
+    replayed: list[dict[str, Any] | None] = field(default_factory=list)
+    layout: dict[str, Any] | None = None
+    exact_layers: Any = None
+
+
 def run_case(spec: CaseSpec, rank: int) -> None:
     """One case on this rank (the process group is up): K optimizer steps; rank 0 seals the evidence."""
     started = time.monotonic()
-    rollout = load_rollout(Path(spec.rollout_dir), spec.rollout_digest)
-    targets_file = Path(spec.targets_dir) / "targets.safetensors"
-    if file_digest(targets_file) != spec.targets_digest:
-        raise EvidenceError(f"targets {targets_file} do not have the frozen digest {spec.targets_digest}")
-    targets = read_tensors(targets_file)
+    rollout, targets = case_inputs(spec)
     engine = get_engine(spec.engine)
     work = work_dir(spec.case_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -280,96 +296,151 @@ def run_case(spec: CaseSpec, rank: int) -> None:
     padded_before = {k: v.detach().clone() for k, v in engine.padded_rows().items()}
     padding = {"found": padding_found(engine, before, spec.vocab_size, spec.tp, ctx.tp_rank),
                "exposed": exposed_rows(padded_before)}
-    phases = {"setup": time.monotonic() - started}  # where the case's time went (information, not evidence)
-    steps, grad_dtypes, params, sampler, layout, replayed, starts = [], {}, {}, [], None, [], []
-    entropies: list[dict[str, Any] | None] = []  # with an entropy bonus: its derivation from the own logits
-    exact_layers = None
+    trace = Trace(phases={"setup": time.monotonic() - started})  # where the case's time went (information)
     for step in step_rows(rollout["input_ids_BT"].shape[0], spec.ppo.epochs, spec.ppo.minibatches):
-        rows, offset = rank_rows(step, spec.dp, ctx.dp_rank)
-        batch = case_batch(spec, rollout, rows)
-        if layout is None:  # before the first step: the step-0 rows in other layouts, no gradient
-            probing = time.monotonic()
-            layout = probe_layouts(engine, batch)
-            phases["layout probe"] = time.monotonic() - probing
-            if spec.role == "actor" and spec.rollout_exact:  # where the claim breaks, if it does (no gradient)
-                probing = time.monotonic()
-                exact_layers = probe_rollout_layers(engine, batch, Path(spec.rollout_dir), rows)
-                phases["layer probe"] = time.monotonic() - probing
-        share = step_share(spec, rows_of(targets, rows), batch.response_mask_BT, offset, group)
-        if spec.packing == "packed":
-            lengths_B = sample_lengths(rollout["prompt_mask_BT"][rows], rollout["response_mask_BT"][rows])
-            outputs, worst, entropy = packed_step(engine, spec, batch, lengths_B, rows_of(targets, rows), share,
-                                                  gives_share, offset, rows.start, group)
-            loss = outputs["loss"]
-            sampler.append(worst)
-            if spec.role == "actor" and spec.ppo.entropy_coef > 0:
-                entropies.append(entropy)
-        else:
-            scores_BT = engine.score(batch)
-            sampler.append(own_logits_check(engine, spec, scores_BT, batch, offset))
-            if batch.routes_BTLK is not None:
-                hook = getattr(engine, "routes", None)
-                replayed.append(replay_check(hook() if hook is not None else None, batch.routes_BTLK, offset))
-            loss, outputs = objective(engine, spec, scores_BT, batch, rows_of(targets, rows), share, gives_share)
-            if spec.role == "actor" and spec.ppo.entropy_coef > 0:
-                entropies.append(own_entropy_check(engine, spec, outputs, batch, offset))
-            outputs.update(reported_router_outputs(engine, spec))
-            report_logprobs(engine, outputs, batch)
-            engine.backward(loss)
-        grads, grad_dtypes = engine.grads(), engine.grad_dtypes()
-        check_grads(spec.engine, grads, grad_dtypes)
-        outputs["loss"] = loss.detach().float()
-        outputs = gather_outputs(outputs, group)
-        outputs["grad_norm"] = engine.step().detach().float().cpu()
-        start = params or before
-        params, state = engine.params(), engine.optimizer_state()
-        steps.append({"outputs": {k: v.float().cpu() for k, v in outputs.items()}, "grads": grads,
-                      "updates": {n: p.float().cpu() - start[n].float().cpu() for n, p in params.items() if n in start},
-                      "moments": {f"{k}/{n}": t for k, ts in state.items() for n, t in ts.items()}})
-        if rank == 0:  # what the evidence's coding predicts the step's new parameters from (qualify.tensor_codec)
-            starts.append(start)
-            params = {n: p.detach().float().cpu().clone() for n, p in params.items()}
-    phases["steps"] = time.monotonic() - started - sum(phases.values())
-    replicas = gather_replicas(engine.replicated())
-    padded = gather_by_rank(padded_rows_report(padded_before, engine.padded_rows()))
-    padding_by_rank = gather_all(padding)
-    sampler_by_rank = gather_all(sampler)
-    entropy_by_rank = gather_all(entropies) if entropies else None
-    replayed_by_rank = gather_all(replayed)
-    layout_by_rank = gather_all(layout or {})
-    layers_by_rank = gather_all(exact_layers)
+        train_step(engine, spec, rank, ctx.dp_rank, rollout, targets, step, group, gives_share, before, trace)
+    trace.phases["steps"] = time.monotonic() - started - sum(trace.phases.values())
+    ranks = gather_evidence(engine, padded_before, padding, trace)
     engine.close()
     if rank == 0:
-        out = Path(spec.case_dir)
-        prepare_stage(out)
-        writing = time.monotonic()
-        adam, startable = Adam.of(spec.optimizer), None
-        # the coding's predictions on this rank's GPU where it has one (the same bits as the CPU's, in a fraction of
-        # the time: at Qwen3-0.6B the CPU coded a case's four steps in most of its minute)
-        coding_device = torch.device("cuda", torch.cuda.current_device()) if spec.device == "cuda" else None
-        for k, step in enumerate(steps):
-            new = starts[k + 1] if k + 1 < len(starts) else params
-            coding = StepCoding(adam, k, steps[k - 1]["moments"] if k else None, starts[k], new,
-                                Path(spec.model_dir), startable, device=coding_device)
-            try:
-                startable = write_step(out / step_dir(k), step, coding=coding)
-            except torch.OutOfMemoryError:  # the GPU is full: the same bits from the CPU
-                startable = write_step(out / step_dir(k), step, coding=replace(coding, device=None))
-        phases["code and write"] = time.monotonic() - writing
-        meta = {"grad_dtypes": grad_dtypes, "state_dtypes": {n: str(t.dtype).removeprefix("torch.")
-                                                             for n, t in state.get("exp_avg", {}).items()},
-                "replica_max_abs": replicas, "padded_rows": padded, "padding": padding_by_rank, "extra_params": sorted(set(params) - set(before)),
-                "num_steps": len(steps), "own_objective": hasattr(engine, "objective"), "contract": contract,
-                "sampler_derivation": worst_by_step(sampler_by_rank), "layout": merge_ranks(layout_by_rank),
-                **({"entropy_derivation": worst_by_step(entropy_by_rank)} if entropy_by_rank else {}),
-                **({"routing_replay": replay_by_step(replayed_by_rank)} if replayed else {}),
-                **({"rollout_layers": merge_layer_ranks(layers_by_rank)} if exact_layers is not None else {}),
-                "case": spec.to_json(), "seconds": round(time.monotonic() - started, 3),
-                "phases_s": {k: round(v, 3) for k, v in phases.items()}, **provenance()}
-        write_json(out / "meta.json", json_safe(meta))
-        key = (spec.resume_key or {}) | {IMPORTED_KEY: record_imported(work_dir(spec.case_dir))}
-        complete_stage(out, {"case": spec.name, "rollout_digest": spec.rollout_digest, "key": key})
+        seal_case(spec, engine, trace, ranks, before, contract, started)
     dist.barrier()
+
+
+def case_inputs(spec: CaseSpec) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The sealed rollout and the frozen targets, each checked against its digest."""
+    rollout = load_rollout(Path(spec.rollout_dir), spec.rollout_digest)
+    targets_file = Path(spec.targets_dir) / "targets.safetensors"
+    if file_digest(targets_file) != spec.targets_digest:
+        raise EvidenceError(f"targets {targets_file} do not have the frozen digest {spec.targets_digest}")
+    return rollout, read_tensors(targets_file)
+
+
+def probe_first_step(engine: Any, spec: CaseSpec, batch: Batch, rows: Any, trace: Trace) -> None:
+    """Before the first step: the step-0 rows in other layouts, and for a declared rollout_exact actor the rollout's
+    layers (both with no gradient)."""
+    probing = time.monotonic()
+    trace.layout = probe_layouts(engine, batch)
+    trace.phases["layout probe"] = time.monotonic() - probing
+    if spec.role == "actor" and spec.rollout_exact:  # where the claim breaks, if it does (no gradient)
+        probing = time.monotonic()
+        trace.exact_layers = probe_rollout_layers(engine, batch, Path(spec.rollout_dir), rows)
+        trace.phases["layer probe"] = time.monotonic() - probing
+
+
+def train_step(engine: Any, spec: CaseSpec, rank: int, dp_rank: int, rollout: dict[str, torch.Tensor],
+               targets: dict[str, torch.Tensor], step: Any, group: Any, gives_share: bool,
+               before: dict[str, torch.Tensor], trace: Trace) -> None:
+    """One optimizer step of this rank's rows: score, loss, backward (padded or packed), the gradients checked, the
+    outputs gathered over DP, the optimizer step; its tensors kept in trace."""
+    rows, offset = rank_rows(step, spec.dp, dp_rank)
+    batch = case_batch(spec, rollout, rows)
+    if trace.layout is None:
+        probe_first_step(engine, spec, batch, rows, trace)
+    share = step_share(spec, rows_of(targets, rows), batch.response_mask_BT, offset, group)
+    if spec.packing == "packed":
+        lengths_B = sample_lengths(rollout["prompt_mask_BT"][rows], rollout["response_mask_BT"][rows])
+        outputs, worst, entropy = packed_step(engine, spec, batch, lengths_B, rows_of(targets, rows), share,
+                                              gives_share, offset, rows.start, group)
+        loss = outputs["loss"]
+        trace.sampler.append(worst)
+        if spec.role == "actor" and spec.ppo.entropy_coef > 0:
+            trace.entropies.append(entropy)
+    else:
+        loss, outputs = padded_step(engine, spec, batch, rows_of(targets, rows), share, gives_share, offset, trace)
+    grads, trace.grad_dtypes = engine.grads(), engine.grad_dtypes()
+    check_grads(spec.engine, grads, trace.grad_dtypes)
+    outputs["loss"] = loss.detach().float()
+    outputs = gather_outputs(outputs, group)
+    outputs["grad_norm"] = engine.step().detach().float().cpu()
+    start = trace.params or before
+    params, trace.state = engine.params(), engine.optimizer_state()
+    trace.steps.append({"outputs": {k: v.float().cpu() for k, v in outputs.items()}, "grads": grads,
+                        "updates": {n: p.float().cpu() - start[n].float().cpu() for n, p in params.items()
+                                    if n in start},
+                        "moments": {f"{k}/{n}": t for k, ts in trace.state.items() for n, t in ts.items()}})
+    if rank == 0:  # what the evidence's coding predicts the step's new parameters from (qualify.tensor_codec)
+        trace.starts.append(start)
+        params = {n: p.detach().float().cpu().clone() for n, p in params.items()}
+    trace.params = params
+
+
+def padded_step(engine: Any, spec: CaseSpec, batch: Batch, targets: dict[str, torch.Tensor], share: Any,
+                gives_share: bool, offset: int, trace: Trace) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One step of a padded case on this rank: score, the own-logits and routing checks, the objective, backward;
+    returns (loss, outputs)."""
+    scores_BT = engine.score(batch)
+    trace.sampler.append(own_logits_check(engine, spec, scores_BT, batch, offset))
+    if batch.routes_BTLK is not None:
+        hook = getattr(engine, "routes", None)
+        trace.replayed.append(replay_check(hook() if hook is not None else None, batch.routes_BTLK, offset))
+    loss, outputs = objective(engine, spec, scores_BT, batch, targets, share, gives_share)
+    if spec.role == "actor" and spec.ppo.entropy_coef > 0:
+        trace.entropies.append(own_entropy_check(engine, spec, outputs, batch, offset))
+    outputs.update(reported_router_outputs(engine, spec))
+    report_logprobs(engine, outputs, batch)
+    engine.backward(loss)
+    return loss, outputs
+
+
+def gather_evidence(engine: Any, padded_before: dict[str, torch.Tensor], padding: dict[str, Any],
+                    trace: Trace) -> dict[str, Any]:
+    """What every rank contributes to the evidence, gathered in rank order (every rank takes part, in this order)."""
+    return {"replicas": gather_replicas(engine.replicated()),
+            "padded": gather_by_rank(padded_rows_report(padded_before, engine.padded_rows())),
+            "padding": gather_all(padding), "sampler": gather_all(trace.sampler),
+            "entropy": gather_all(trace.entropies) if trace.entropies else None,
+            "replayed": gather_all(trace.replayed), "layout": gather_all(trace.layout or {}),
+            "layers": gather_all(trace.exact_layers)}
+
+
+def seal_case(spec: CaseSpec, engine: Any, trace: Trace, ranks: dict[str, Any], before: dict[str, torch.Tensor],
+              contract: Any, started: float) -> None:
+    """Rank 0: write every step's evidence (coded: qualify.tensor_codec), meta.json (qualify.case.meta.CaseMeta) and
+    the seal, whose key adds the code the ranks imported to the resume key."""
+    out = Path(spec.case_dir)
+    prepare_stage(out)
+    writing = time.monotonic()
+    write_steps(spec, out, trace)
+    trace.phases["code and write"] = time.monotonic() - writing
+    meta = case_meta(spec, engine, trace, ranks, before, contract, started)
+    write_json(out / META_NAME, json_safe(meta.to_json()))
+    key = (spec.resume_key or {}) | {IMPORTED_KEY: record_imported(work_dir(spec.case_dir))}
+    complete_stage(out, {"case": spec.name, "rollout_digest": spec.rollout_digest, "key": key})
+
+
+def write_steps(spec: CaseSpec, out: Path, trace: Trace) -> None:
+    """Each step's tensors, coded against what they are predicted from (the step's start and the new parameters)."""
+    steps, starts, adam, startable = trace.steps, trace.starts, Adam.of(spec.optimizer), None
+    # the coding's predictions on this rank's GPU where it has one (the same bits as the CPU's, in a fraction of
+    # the time)
+    coding_device = torch.device("cuda", torch.cuda.current_device()) if spec.device == "cuda" else None
+    for k, step in enumerate(steps):
+        new = starts[k + 1] if k + 1 < len(starts) else trace.params
+        coding = StepCoding(adam, k, steps[k - 1]["moments"] if k else None, starts[k], new,
+                            Path(spec.model_dir), startable, device=coding_device)
+        try:
+            startable = write_step(out / step_dir(k), step, coding=coding)
+        except torch.OutOfMemoryError:  # the GPU is full: the same bits from the CPU
+            startable = write_step(out / step_dir(k), step, coding=replace(coding, device=None))
+
+
+def case_meta(spec: CaseSpec, engine: Any, trace: Trace, ranks: dict[str, Any], before: dict[str, torch.Tensor],
+              contract: Any, started: float) -> CaseMeta:
+    """The case's meta.json (the optional keys only where they apply: an entropy bonus, routing replay, rollout
+    layers)."""
+    optional = {**({"entropy_derivation": worst_by_step(ranks["entropy"])} if ranks["entropy"] else {}),
+                **({"routing_replay": replay_by_step(ranks["replayed"])} if trace.replayed else {}),
+                **({"rollout_layers": merge_layer_ranks(ranks["layers"])} if trace.exact_layers is not None else {})}
+    return CaseMeta.written(
+        grad_dtypes=trace.grad_dtypes,
+        state_dtypes={n: str(t.dtype).removeprefix("torch.") for n, t in trace.state.get("exp_avg", {}).items()},
+        replica_max_abs=ranks["replicas"], padded_rows=ranks["padded"], padding=ranks["padding"],
+        extra_params=sorted(set(trace.params) - set(before)), num_steps=len(trace.steps),
+        own_objective=hasattr(engine, "objective"), contract=contract,
+        sampler_derivation=worst_by_step(ranks["sampler"]), layout=merge_ranks(ranks["layout"]), **optional,
+        case=spec.to_json(), seconds=round(time.monotonic() - started, 3),
+        phases_s={k: round(v, 3) for k, v in trace.phases.items()}, **provenance())
 
 
 def main() -> None:

@@ -53,12 +53,12 @@ class CaseSpec:
     vocab_tile: int | None = None
     """candidates.vocab_tile: torch-tp's deterministic vocab-parallel logprob path with tiles of this width."""
     layout_invariant: bool = False
-    """The engine is among candidates.layout_invariant: its layout probe is judged (qualify.candidate.layout_probe)."""
+    """The engine is among candidates.layout_invariant: its layout probe is judged (qualify.judge.layout_probe)."""
     routing: str | None = None
     """rollout.routing of a MoE family: 'replay' hands the actor the rollout's routes with every batch."""
     rollout_exact: bool = False
     """The engine is among candidates.rollout_exact: its step-0 logprobs in the rollout's precision are judged bitwise
-    against the rollout's (qualify.candidate.rollout_exact)."""
+    against the rollout's (qualify.judge.rollout_exact)."""
     rollout_dtype: str | None = None
     """rollout.dtype, the precision the exact claim is made in (set with rollout_exact)."""
     waive: tuple[str, ...] = ()

@@ -31,7 +31,7 @@ def main(
         help="How many launches (cases sharing engine, TP and DP) run at once. On one GPU they share it: at the "
              "Qwen3-0.6B shape two launches take one's time (their ranks spend it importing and loading).")] = 1,
 ) -> None:
-    from qualify.candidate.run import run_candidates
+    from qualify.candidate.stage import run_candidates
     from qualify.cli.verdict_view import show_verdict
     from qualify.layout import default_run_dir
     from qualify.matrix import load_matrix

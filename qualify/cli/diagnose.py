@@ -1,4 +1,4 @@
-"""`qualify diagnose`: where a candidate case first leaves its bounds, layer by layer (thin over qualify.diagnose.run)."""
+"""`qualify diagnose`: where a candidate case first leaves its bounds, layer by layer (thin over qualify.diagnose.stage)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def main(
     format: FormatOpt = Format.text,
 ) -> None:
     from qualify.cli.render import echo_json
-    from qualify.diagnose.run import diagnose
+    from qualify.diagnose.stage import diagnose
     from qualify.errors import QualifyError
 
     if out is not None and not out.parent.is_dir():

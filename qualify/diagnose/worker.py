@@ -16,10 +16,10 @@ from pathlib import Path
 import torch.distributed as dist
 
 from qualify.bounds.layers import LAYERS_FILE
-from qualify.candidate.dp import dp_group, gather_outputs, rank_rows
 from qualify.case.ranks import init_distributed
 from qualify.case.spec import case_batch, engine_context, read_spec
 from qualify.engines.registry import get_engine
+from qualify.judge.dp import dp_group, gather_outputs, rank_rows
 from qualify.layout import work_dir
 from qualify.ppo.objective import step_rows
 from qualify.rollout.capture import load_rollout

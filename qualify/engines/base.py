@@ -107,7 +107,7 @@ class OutputScoring:
         return self.last_entropy
 
     def logits(self) -> torch.Tensor | None:
-        """The last score()'s full-vocabulary logits, as computed (qualify.candidate.derived: the logprobs are derived
+        """The last score()'s full-vocabulary logits, as computed (qualify.judge.derived: the logprobs are derived
         from them); None for the critic."""
         return self.last_logits
 
@@ -172,7 +172,7 @@ class TrainEngine(Protocol):
     # candidates.waive):
     #   logits() -> Tensor | None
     # the last score()'s full-vocabulary logits of this rank's rows, as computed, before the temperature (None for the
-    # critic); the harness derives the reported logprobs from them (qualify.candidate.derived). OutputScoring has it.
+    # critic); the harness derives the reported logprobs from them (qualify.judge.derived). OutputScoring has it.
     # Optional: an engine that brings its own loss code implements
     #   objective(role, ppo, scores_BT, response_mask_BT, targets, *, share) -> (loss, outputs)
     # returning the outputs qualify.ppo.objective.role_objective returns (actor: logprobs_BT, ratio_BT, kl_BT,
@@ -189,7 +189,7 @@ class TrainEngine(Protocol):
     #   routes() -> Tensor | None
     # the (B, T, MoE layers, top_k) expert ids its last score() routed each token to (OutputScoring.routed records them
     # from an HF model's routers); with rollout.routing replay the harness holds them to the batch's routes_BTLK on
-    # every token the rollout fed (qualify.candidate.derived.replay_rows). Without it the replay is not verified.
+    # every token the rollout fed (qualify.judge.derived.replay_rows). Without it the replay is not verified.
     #   router_outputs() -> dict | None
     # the last score()'s router logits and routing weights (qualify.models.routing.ROUTER_OUTPUTS), judged against the
     # reference's as outputs/<name>; a MoE engine without it fails those rows as missing.
@@ -200,4 +200,4 @@ class TrainEngine(Protocol):
     # mlp, the layer itself, then model.norm); `qualify diagnose` compares them with the reference's layer by layer.
     #   exact_layer_outputs(batch) -> dict[str, Tensor]
     # only 'model.layers.<i>' and 'model.norm', from the forward score() runs where that is not layer_outputs' forward
-    # (qualify.examples.vllm_gpu_exact); the exact tier prefers it (qualify.candidate.layer_probe).
+    # (qualify.examples.vllm_gpu_exact); the exact tier prefers it (qualify.judge.layer_probe).

@@ -104,7 +104,7 @@ def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The global L2 norm (fp32) of full gradients, each reduced where it lives: a GPU's fp32 vector_norm reduces in a
     tree; the CPU's adds serially in fp32 (9e-5 off for a gradient shaped like Qwen3's embedding, 2% for 155M dense
     elements: pytorch#169237, BENCHMARKS), so there each tensor's norm is accumulated in float64. The clip
-    coefficient is then that of the norm the gradients have, which qualify.candidate.derived holds every engine to."""
+    coefficient is then that of the norm the gradients have, which qualify.judge.derived holds every engine to."""
     norms = [torch.linalg.vector_norm(g, dtype=torch.float64 if g.device.type == "cpu" else None).double().cpu()
              for g in grads]
     return torch.linalg.vector_norm(torch.stack(norms)).to(torch.float32)

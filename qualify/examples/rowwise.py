@@ -2,7 +2,7 @@
 its own (one forward per row), so no row's numbers depend on which rows share its batch or in which order.
 
 Name it in a matrix as `qualify.examples.rowwise:engine` and declare it in `candidates.layout_invariant`: its layout
-probe must then find every token bitwise the same in every layout (qualify.candidate.layout_probe). It costs one
+probe must then find every token bitwise the same in every layout (qualify.judge.layout_probe). It costs one
 forward per row; the gradients are the batch's (the rows' losses are summed by the objective as usual). The vocab-
 parallel path (candidates.vocab_tile) is torch-tp's own and is scored row by row the same way.
 """

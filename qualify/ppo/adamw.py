@@ -5,7 +5,7 @@ by a factor cast to its dtype, the decay subtracted, or folded into the update) 
 rounded. Given the parameter a step starts from and the moments after the step, each form gives the parameter after
 it, bit for bit as that optimizer does (on the CPU that computes it; a GPU may contract a multiply-add and round the
 last step otherwise). The reference's optimizer controls step two of these forms (qualify.reference.adam_order); the
-derivation check of a case's update (qualify.candidate.derived) asks which form the case's update is nearest.
+derivation check of a case's update (qualify.judge.derived) asks which form the case's update is nearest.
 
     torch      torch.optim.AdamW (for-loop and foreach bit for bit; its fused CPU kernel up to the step term's
                rounding): p x (1 - lr wd) rounded, then p + (-lr / bc1) x m / denom, denom = sqrt(v) / sqrt(bc2) + eps

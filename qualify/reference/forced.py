@@ -10,7 +10,7 @@ The bounds are calibrated the same way: a reference control that decided a token
 compared with enters freeze through its error against that r0 replayed on the control's decisions, made by the
 reference stage (control_replays) and sealed under reference/replays/, inside the acceptance's evidence. So a bound
 measures numerics with the decisions held equal, which is what the case's tensors are judged on; the decisions
-themselves are judged as decisions (qualify.candidate.decided).
+themselves are judged as decisions (qualify.judge.decided).
 
 Replays are keyed by the imposed decisions, the targets and the matrix's scoring settings: a case's replay is
 sealed under candidates/replays/<precision>-r0-<key>/<role>/ unless the reference already holds the same one (a case

@@ -124,7 +124,7 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.T
     gradient scaled in place) with the total norm accumulated in float64 and returned in fp32. torch's fp32
     vector_norm on the CPU adds serially: 6e-4 off at 16M elements of N(0, 1), 2% at 155M (what an offloaded
     reference's norm would be at Qwen3 shapes); the reference is the accurate computation cases are judged against,
-    and a case's own norm is held to the fp64 norm of its gradients (qualify.candidate.derived)."""
+    and a case's own norm is held to the fp64 norm of its gradients (qualify.judge.derived)."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros((), dtype=torch.float32)

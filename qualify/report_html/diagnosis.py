@@ -50,7 +50,7 @@ def layer_plot(doc: dict[str, Any]) -> str:
 
 def diagnosis_sections(run_dir: Path, acceptance_digest: str | None, verified: bool) -> list[str]:
     """The diagnosis section (empty when no diagnosis exists in the run)."""
-    from qualify.diagnose.run import load_diagnoses
+    from qualify.diagnose.stage import load_diagnoses
 
     diagnoses = load_diagnoses(run_dir)
     if not diagnoses:

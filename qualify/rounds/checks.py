@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from qualify.case.meta import CaseMeta
 from qualify.verdict import Row, fact
 
 
@@ -62,13 +63,13 @@ ROUTES_REPLAYED = "trainer replays the round's routes"
 NOT_OBSERVED = "not observed"
 
 
-def routes_replayed(meta: Any) -> tuple[int | str, str] | None:
+def routes_replayed(meta: CaseMeta | None) -> tuple[int | str, str] | None:
     """A round's training step against the routes of the rollout it trained on (a MoE actor under rollout.routing
     replay), from the case's sealed meta.json: ((token, MoE layer) pairs routed otherwise, summed over its steps; a
     description). An engine without a routes() hook (or that gave none) cannot show that it replays this round's
     routes, and nothing else in a rounds run would see it: 'not observed', which fails the row. None when the step
-    replayed nothing (a dense actor, rollout.routing recompute)."""
-    found = meta.get("routing_replay") if isinstance(meta, dict) else None
+    replayed nothing (a dense actor, rollout.routing recompute); meta: None where it could not be read."""
+    found = meta.routing_replay if meta is not None else None
     if not isinstance(found, list) or not found:
         return None
     if not all(isinstance(s, dict) for s in found):
@@ -93,12 +94,13 @@ def rollout_exact(train_dir: Path, targets_dir: Path) -> tuple[int, str, str]:
     vLLM sampled the round's rollout with (its targets' old_logprobs_BT), bit for bit on every response token, from
     the sealed step, targets and rollout: (tokens that differ, the rule: '== 0' where the trainer's spec declares
     rollout_exact in the rollout's precision, else reported, a description)."""
-    from qualify.candidate.rollout_exact import mismatch
+    from qualify.case.meta import read_case_meta
     from qualify.compare import load_run
+    from qualify.judge.rollout_exact import mismatch
     from qualify.rollout.capture import load_rollout
-    from qualify.store import read_json, read_tensors
+    from qualify.store import read_tensors
 
-    spec = read_json(Path(train_dir) / "meta.json").get("case") or {}
+    spec = read_case_meta(train_dir).spec
     judged = spec.get("rollout_exact") is True and spec.get("precision") == spec.get("rollout_dtype")
     own = load_run(Path(train_dir), 0).outputs["logprobs_BT"]
     old = read_tensors(Path(targets_dir) / "targets.safetensors")["old_logprobs_BT"]

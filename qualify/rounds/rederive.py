@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from qualify.case.meta import NAME as META_NAME
+from qualify.case.meta import CaseMeta, read_case_meta
 from qualify.errors import QualifyError
 from qualify.rounds.checks import EXACT_REPORTED, ROLLOUT_EXACT, ROUTES_REPLAYED, rollout_exact, routes_replayed
 from qualify.store import read_json, read_tensors
@@ -133,6 +135,14 @@ def _read(path: Path) -> Any:
         return None
 
 
+def _case_meta(train_dir: Path) -> CaseMeta | None:
+    """A round's training step's meta.json (None: unreadable)."""
+    try:
+        return read_case_meta(train_dir)
+    except QualifyError:
+        return None
+
+
 def agreement_max(path: Path) -> float | None:
     """max |vLLM - HF| over response tokens, computed again from the sealed logprobs (None: unreadable)."""
     from qualify.rounds.checks import logprob_agreement
@@ -159,7 +169,7 @@ def round_expectations(where: Path, rnd: int) -> dict[str, Any]:
         exact = _exact(where, rnd)
         if exact is not None:
             out[ROLLOUT_EXACT] = exact[0]
-        replayed = routes_replayed(_read(where / f"round-{rnd}" / "train" / "meta.json"))
+        replayed = routes_replayed(_case_meta(where / f"round-{rnd}" / "train"))
         if replayed is not None:
             out[ROUTES_REPLAYED] = replayed[0]
         if rnd > 0:
@@ -172,9 +182,10 @@ def _exact(where: Path, rnd: int) -> tuple[int | None, str | None] | None:
     """Round rnd's exact-tier row as its sealed train step, targets and rollout give it: (count, rule), (None, None)
     where they are unreadable; None when the round did not train (the last one)."""
     train = where / f"round-{rnd}" / "train"
-    if not (train / "meta.json").is_file():
+    if not (train / META_NAME).is_file():
         return None
-    targets = Path(((_read(train / "meta.json") or {}).get("case") or {}).get("targets_dir", ""))
+    meta = _case_meta(train)
+    targets = Path((meta.spec if meta is not None else {}).get("targets_dir", ""))
     try:
         count, rule, _ = rollout_exact(train, targets)
     except (QualifyError, KeyError, OSError, RuntimeError, TypeError):

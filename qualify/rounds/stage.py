@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from qualify.case.meta import read_case_meta
 from qualify.engines.registry import require_engine
 from qualify.errors import EvidenceError, QualifyError
 from qualify.hashing import file_digest
@@ -163,7 +164,7 @@ def train_and_install(s: Session, opts: RoundsOptions, version: Version, rollout
                           targets_digest=targets[1], out=rdir / "train", vocab_size=s.vocab,
                           precision=opts.train_precision)
     s.add(checks.rollout_exact_row(version.number, checks.rollout_exact(rdir / "train", targets[0])))
-    replayed = checks.routes_replayed(read_json(rdir / "train" / "meta.json"))
+    replayed = checks.routes_replayed(read_case_meta(rdir / "train"))
     if replayed is not None:  # the round's own routes, not an earlier round's (captured before the weight sync)
         s.add(checks.equal_row(checks.ROUTES_REPLAYED, version.number, replayed[0], 0, replayed[1]))
     new = write_version(version, step["updates"], s.out / "versions" / f"v{version.number + 1}",

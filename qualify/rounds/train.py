@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from qualify.candidate import WORKER
 from qualify.case.launch import launch, log_tail, write_spec_file
 from qualify.case.ranks import device_of
 from qualify.case.spec import make_spec
@@ -24,6 +23,9 @@ from qualify.hashing import file_digest
 from qualify.layout import launch_log
 from qualify.matrix import Case, CaseSettings
 from qualify.stages import stage_is_complete
+
+WORKER = "qualify.candidate.worker"
+"""The module a round's training step runs (python -m): the candidate stage's worker, started by name."""
 
 
 class TrainFailed(RoundsError):

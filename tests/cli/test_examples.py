@@ -223,7 +223,7 @@ def parse(words: list[str]):
 @pytest.fixture(scope="module")
 def prepared(frozen_run, tmp_path_factory):
     """A sandbox's runs/tiny-qwen3: the frozen run with the narrowed matrix's cases run and judged (its verdict)."""
-    from qualify.candidate.run import run_candidates
+    from qualify.candidate.stage import run_candidates
     from qualify.matrix import load_matrix
 
     root = sandbox(tmp_path_factory.mktemp("examples"), narrowed=True)

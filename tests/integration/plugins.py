@@ -222,7 +222,7 @@ def low_precision_log_softmax() -> TorchTPEngine:
     return LowPrecisionLogSoftmax()
 
 
-# Engines whose reported quantities are not what their own inputs give (qualify.candidate.derived must name them).
+# Engines whose reported quantities are not what their own inputs give (qualify.judge.derived must name them).
 
 class OldLogprobsFromOwnForward(OwnObjectiveEngine):
     """Takes the old logprobs from its own forward (old = logp.detach(), TRL's shortcut when it skips the

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from qualify.candidate.run import run_candidates
+from qualify.candidate.stage import run_candidates
 from tests.integration._support import matrix_with, plugins_importable  # noqa: F401  (autouse fixture)
 from tests.integration.plugins import NAN_PARAM
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from qualify.candidate.run import run_candidates
+from qualify.candidate.stage import run_candidates
 from qualify.errors import EvidenceError, FrozenError
 from qualify.freeze import freeze
 from qualify.layout import RunLayout

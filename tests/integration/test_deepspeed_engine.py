@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from qualify.candidate.run import run_candidates
+from qualify.candidate.stage import run_candidates
 from qualify.engines.deepspeed_engine import DeepSpeedEngine
 from tests.integration._support import matrix_with, plugins_importable  # noqa: F401  (autouse fixture)
 

@@ -13,8 +13,8 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-from qualify.candidate.run import run_candidates
-from qualify.diagnose.run import diagnose
+from qualify.candidate.stage import run_candidates
+from qualify.diagnose.stage import diagnose
 from tests.integration._support import matrix_with, plugins_importable  # noqa: F401  (autouse fixture)
 
 pytestmark = pytest.mark.engines

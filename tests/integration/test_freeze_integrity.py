@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from qualify.candidate.run import run_candidates
+from qualify.candidate.stage import run_candidates
 from qualify.errors import EvidenceError, QualifyError
 from qualify.freeze import freeze
 from qualify.layout import RunLayout

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from qualify.candidate.run import run_candidates
+from qualify.candidate.stage import run_candidates
 from qualify.layout import RunLayout
 from qualify.store import read_json
 from tests.integration._support import (

@@ -73,8 +73,8 @@ def gpu_run(tmp_path_factory):
 def test_launches_that_do_not_fit_the_capped_card_run_one_after_the_other(gpu_run, monkeypatch, capsys):
     """Capped at 9 GiB (5 GiB planned, after the headroom), two launch groups of about 2.7 GiB planned each cannot run
     together: the second waits, and every case reaches the verdict."""
-    from qualify.candidate.run import run_candidates
     from qualify.candidate.schedule import CAP_ENV
+    from qualify.candidate.stage import run_candidates
 
     matrix, run_dir = gpu_run
     monkeypatch.setenv(CAP_ENV, "9GiB")

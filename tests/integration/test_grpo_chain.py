@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from qualify.candidate.run import run_candidates
+from qualify.candidate.stage import run_candidates
 from qualify.layout import RunLayout
 from qualify.rollout.capture import load_rollout
 from qualify.store import read_json
@@ -69,7 +69,7 @@ def test_a_rank_launched_with_another_normalizer_stops_the_case(grpo_run, grpo_m
     import sys
     from dataclasses import replace
 
-    from qualify.candidate.run import write_spec
+    from qualify.candidate.resume import write_spec
     from qualify.case.launch import run_ranks
     from qualify.case.spec import make_spec
     from qualify.models.family import model_dirs
@@ -261,7 +261,7 @@ def test_torch_tp_vocab_parallel_path_passes(grpo_run, tmp_path):
 def test_diagnose_works_on_an_actor_only_run(grpo_run, grpo_matrix):
     """A GRPO reference scores no critic: freeze writes the actor's layer bounds alone, and diagnose localizes an
     actor case layer by layer (it refused every GRPO run, asking for a re-freeze that could not help)."""
-    from qualify.diagnose.run import diagnose
+    from qualify.diagnose.stage import diagnose
 
     doc = read_json(RunLayout(grpo_run).acceptance)
     assert set(doc["layer_bounds"]) == {"actor.json"}

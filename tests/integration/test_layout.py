@@ -1,8 +1,8 @@
-"""The micro-batch-layout invariance tier (qualify.candidate.layout_probe) on real launches: an engine that scores each
+"""The micro-batch-layout invariance tier (qualify.judge.layout_probe) on real launches: an engine that scores each
 row on its own, declared invariant, passes with every token bitwise in every layout; a value head whose split-K follows
 the row count, declared invariant, fails naming the layouts; an undeclared engine's probe is reported, never judged.
 
-The exact train-rollout tier (qualify.candidate.rollout_exact) on the same launches: torch-tp declared rollout_exact
+The exact train-rollout tier (qualify.judge.rollout_exact) on the same launches: torch-tp declared rollout_exact
 fails its fp32 actor case on that row alone (an HF-style forward is not vLLM's decode on this CPU: the count of tokens
 that differ is named), while the undeclared engines' actor cases report their counts."""
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from qualify.candidate.run import run_candidates
+from qualify.candidate.stage import run_candidates
 from tests.integration._support import matrix_with, plugins_importable  # noqa: F401  (autouse fixture)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.engines]

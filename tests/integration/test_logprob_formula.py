@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from qualify.candidate.run import run_candidates
+from qualify.candidate.stage import run_candidates
 from qualify.freeze import freeze
 from qualify.ppo.formula import PROCESSED_KEY
 from qualify.reference.stage import run_reference

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from qualify.candidate.run import run_candidates
+from qualify.candidate.stage import run_candidates
 from tests.integration._support import matrix_with, plugins_importable, require_module  # noqa: F401
 
 pytestmark = [pytest.mark.engines]

@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from qualify.candidate.run import run_candidates
+from qualify.candidate.stage import run_candidates
 from qualify.freeze import freeze
 from qualify.layout import RunLayout
 from qualify.matrix import load_matrix

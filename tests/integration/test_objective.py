@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from qualify.candidate.run import run_candidates
+from qualify.candidate.stage import run_candidates
 from qualify.errors import FrozenError, MatrixError
 from qualify.freeze import freeze
 from qualify.matrix import load_matrix

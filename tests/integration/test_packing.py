@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from qualify.candidate.run import run_candidates
+from qualify.candidate.stage import run_candidates
 from qualify.freeze import freeze
 from qualify.matrix import load_matrix
 from tests.integration._support import plugins_importable  # noqa: F401  (autouse fixture)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from qualify.candidate.run import run_candidates
+from qualify.candidate.stage import run_candidates
 from qualify.freeze import freeze
 from qualify.layout import RunLayout
 from qualify.matrix import load_matrix

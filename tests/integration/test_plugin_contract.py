@@ -10,7 +10,7 @@ import io
 import pytest
 from rich.console import Console
 
-from qualify.candidate.run import run_candidates
+from qualify.candidate.stage import run_candidates
 from qualify.cli.verdict_view import render_verdict
 from qualify.layout import RunLayout
 from qualify.stages import stage_is_complete

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from qualify.candidate.run import run_candidates
+from qualify.candidate.stage import run_candidates
 from qualify.layout import RunLayout
 from qualify.ppo.grpo import dp_slices
 from qualify.rollout.capture import load_rollout
@@ -108,7 +108,7 @@ def test_ppo_dp_bugs_fail_naming_the_tensor(ppo_dp_run, tmp_path, factory, faili
 def test_diagnose_runs_a_dp2_case(ppo_dp_run, tmp_path):
     """`qualify diagnose` launches a DP2 case's tp x dp ranks, each DP rank forwarding its own rows, gathered in rank
     order: a correct engine's case stays within every layer bound."""
-    from qualify.diagnose.run import diagnose
+    from qualify.diagnose.stage import diagnose
 
     case = "torch-tp-fp32-tp1-dp2-actor"
     run_candidates(dp2_matrix(tmp_path, dp=[2], roles=["actor"]), ppo_dp_run, only=case)

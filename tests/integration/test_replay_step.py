@@ -1,6 +1,6 @@
 """The candidate stage's flow is straight: what the judge compares a case with when the case decided a clip otherwise
 than the reference (the reference replayed on the case's decisions) is made and sealed as its own step before any
-judging (qualify.candidate.run.seal_replays); the judge, and `qualify report` judging again, only read it and never
+judging (qualify.candidate.stage.seal_replays); the judge, and `qualify report` judging again, only read it and never
 run a model. A replay that is not sealed is an error naming it, not a computation."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import shutil
 import pytest
 import torch
 
-from qualify.candidate.decided import aligned_reference, run_decisions
-from qualify.candidate.run import seal_replays
+from qualify.candidate.stage import seal_replays
 from qualify.compare import load_steps
 from qualify.errors import EvidenceError
+from qualify.judge.decided import aligned_reference, run_decisions
 from qualify.layout import RunLayout
 from qualify.matrix import Case
 from qualify.reference.context import ScoringContext

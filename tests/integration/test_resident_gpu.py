@@ -68,7 +68,8 @@ def test_rows_judged_from_resident_gpu_copies_are_the_rows_judged_per_tensor(run
     """The candidate stage's judging with its Resident (the case's run, each r0 and the fp64 start on the GPU, moved
     once) gives the rows of judging with none (every comparison moves its tensors itself): rtol=0, atol=0."""
     from qualify.acceptance import Acceptance
-    from qualify.candidate.run import judge_case, run_candidates
+    from qualify.candidate.stage import run_candidates
+    from qualify.judge.case import judge_case
     from qualify.models.checkpoint import initial_parameters
     from qualify.reference.context import ScoringContext
     from qualify.resident import Resident

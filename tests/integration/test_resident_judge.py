@@ -10,8 +10,9 @@ import json
 import pytest
 import torch
 
-from qualify.candidate.run import case_families, case_replays, judge_case, run_candidates
+from qualify.candidate.stage import run_candidates
 from qualify.compare import load_steps
+from qualify.judge.case import case_families, case_replays, judge_case
 from qualify.layout import RunLayout
 from qualify.store import TensorFile
 from tests.integration._support import matrix_with, plugins_importable  # noqa: F401  (autouse fixture)

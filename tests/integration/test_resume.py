@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from qualify.candidate.run import run_candidates
+from qualify.candidate.stage import run_candidates
 from tests.integration._support import matrix_with, plugins_importable  # noqa: F401  (autouse fixture)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.engines]
@@ -64,15 +64,16 @@ def test_a_changed_peer_library_redoes_the_case(run_copy, tmp_path, monkeypatch,
 
 
 def test_judged_rows_are_reused_only_on_the_same_evidence_and_report_judges_again(run_copy, tmp_path, capsys):
-    """A case judged once keeps its rows beside its evidence (qualify.candidate.judged): the next candidate stage on
+    """A case judged once keeps its rows beside its evidence (qualify.judge.judged): the next candidate stage on
     the same sealed evidence reuses them instead of judging again. Rows kept under another key are judged again, and
     rows forged in the kept file (the key left as it was) pass into the candidate's verdict but not past `qualify
     report`, which judges every case again from its evidence."""
-    from qualify.candidate.judged import judged_path
+    from qualify.case.meta import read_case_meta
+    from qualify.judge.judged import judged_path
     from qualify.layout import RunLayout
     from qualify.report import load_docs
     from qualify.report_verify import verify_run
-    from qualify.store import read_json, write_json
+    from qualify.store import dumps_json, read_json, write_json
 
     m = matrix_with(run_copy.parent, engines=["torch-tp"], precisions=["fp32"], tp=[1], roles=["actor"])
     first = run_candidates(m, run_copy).to_json()
@@ -80,6 +81,8 @@ def test_judged_rows_are_reused_only_on_the_same_evidence_and_report_judges_agai
     kept = judged_path(RunLayout(run_copy).case(case))
     doc = read_json(kept)
     assert first["passed"] and doc["rows"] == [r for r in first["rows"] if r["case"] == case]
+    meta = RunLayout(run_copy).case(case) / "meta.json"  # the worker's real meta.json reads back byte for byte
+    assert dumps_json(read_case_meta(meta.parent).to_json()).encode("ascii") == meta.read_bytes()
     capsys.readouterr()
 
     again = run_candidates(m, run_copy).to_json()

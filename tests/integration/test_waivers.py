@@ -11,7 +11,7 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-from qualify.candidate.run import run_candidates
+from qualify.candidate.stage import run_candidates
 from qualify.cli.app import app
 from qualify.layout import WORK_SUFFIX, RunLayout
 from tests.integration._support import matrix_with, plugins_importable  # noqa: F401  (autouse fixture)

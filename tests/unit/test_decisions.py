@@ -1,6 +1,6 @@
 """Clip decisions read back from recorded outputs (qualify.ppo.decisions), imposed decisions in the objectives, the
 reference replayed on imposed decisions (qualify.reference.step.run_role(decided=...)) and the decision rows
-(qualify.candidate.decided)."""
+(qualify.judge.decided)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from qualify.candidate.decided import decision_rows
+from qualify.judge.decided import decision_rows
 from qualify.layout import RunLayout
 from qualify.matrix import load_matrix
 from qualify.models import hf

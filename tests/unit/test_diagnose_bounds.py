@@ -16,7 +16,7 @@ from qualify.acceptance import Acceptance, check_acceptance
 from qualify.bounds.files import read_layer_bounds
 from qualify.bounds.layers import LAYERS_FILE, backward_groups, grad_group, group_metrics, layer_metrics
 from qualify.bounds.rule import quantum, tensor_floor
-from qualify.diagnose.run import diagnose
+from qualify.diagnose.stage import diagnose
 from qualify.errors import EvidenceError
 from qualify.freeze import freeze
 from qualify.stages import complete_stage, stage_info

@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from qualify.candidate.run import run_candidates
+from qualify.candidate.stage import run_candidates
 from qualify.candidate.worker import run_case
 from qualify.case.spec import make_spec
 from qualify.errors import EvidenceError

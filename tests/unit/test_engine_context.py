@@ -50,7 +50,7 @@ def test_a_run_on_the_cases_tp_ranks_alone_overrides_dp_only(tmp_path):
 def test_diagnose_finds_a_moved_run_and_refuses_a_path_as_a_case(tmp_path):
     """A sealed spec holds the paths of the run directory it was written in; diagnose of the same run moved elsewhere
     reads it with them moved (checkpoints outside the run stay), and --case is a name, never a path."""
-    from qualify.diagnose.run import case_spec, moved_to, safe_name
+    from qualify.diagnose.stage import case_spec, moved_to, safe_name
     from qualify.errors import QualifyError
     from qualify.layout import RunLayout
 

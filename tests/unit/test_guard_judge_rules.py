@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from qualify.bounds.files import bound_rule
-from qualify.candidate.judge import CHANCE_ELEMENTS, PRECISION_MARGIN, precision_rows, unexposed_padding
 from qualify.compare import RunTensors
+from qualify.judge.steps import CHANCE_ELEMENTS, PRECISION_MARGIN, precision_rows, unexposed_padding
 
 
 def test_bound_rule_names_each_part_that_made_the_bound():
@@ -99,7 +99,7 @@ def test_an_excess_exactly_at_its_margin_passes_and_a_two_element_tensor_is_judg
 
 def test_judged_rows_carry_their_step_and_rule():
     from qualify.bounds.rule import bound_entry
-    from qualify.candidate.judge import EVIDENCE_RULE, evidence_rows, judge_steps
+    from qualify.judge.steps import EVIDENCE_RULE, evidence_rows, judge_steps
     from tests.unit._runs import OPT, params
 
     ref = _run({"loss": torch.tensor(0.5)}, {})

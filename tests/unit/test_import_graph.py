@@ -21,6 +21,7 @@ LAYERS = [  # top floor first: a package may import its own modules and any pack
     {"report_verify", "junit"},
     {"diagnose", "rounds", "replay"},
     {"candidate", "freeze"},
+    {"judge"},  # below every stage that judges: the candidate stage, the replay, the rounds' checks, the report
     {"reference", "examples"},
     {"signing"},
     {"engines", "rollout", "acceptance"},

@@ -1,5 +1,5 @@
 """The candidate stage judges a case as soon as it is sealed, while other launch groups still run
-(qualify.candidate.run.run_groups), and the judge's GPU copies leave the launches their share of the device
+(qualify.candidate.launches.Scheduler.run), and the judge's GPU copies leave the launches their share of the device
 (qualify.resident.Resident.reserving)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from qualify.candidate import run as candidate_run
+from qualify.candidate import launches
 from qualify.layout import RunLayout
 from qualify.matrix import Case
 from qualify.resident import Resident
@@ -28,7 +28,7 @@ def test_a_sealed_case_is_judged_while_another_launch_still_runs(tmp_path, monke
     first, second = _case("torch-tp"), _case("megatron")
     judged_first, launched = threading.Event(), []
 
-    def launch_group(layout, pending, specs, device, log, plan=None, need=None):
+    def launch_group(pending, need=None):
         launched.append([c.name for c in pending])
         if pending == [first]:  # seal the first case, as a worker does at its end
             layout.case(first.name).mkdir(parents=True)
@@ -37,21 +37,23 @@ def test_a_sealed_case_is_judged_while_another_launch_still_runs(tmp_path, monke
         return {} if judged_first.wait(timeout=120) else {second.name: "never judged while this launch ran"}
 
     def judge_ready() -> bool:
-        if not judged_first.is_set() and candidate_run.marked_complete(layout.case(first.name)):
+        if not judged_first.is_set() and launches.marked_complete(layout.case(first.name)):
             judged_first.set()
             return True
         return False
 
-    monkeypatch.setattr(candidate_run, "launch_group", launch_group)  # the launches' order and sealing, not ranks
-    errors = candidate_run.run_groups(layout, [[first], [second]], {}, "cpu", StageLog("test"), 1, judge_ready)
+    scheduler = launches.Scheduler(layout, [first, second], {}, "cpu", StageLog("test"))
+    monkeypatch.setattr(scheduler, "launch_group", launch_group)  # the launches' order and sealing, not ranks
+    monkeypatch.setattr(scheduler, "judge_ready", judge_ready)
+    errors = scheduler.run([[first], [second]], 1, early=True)
     assert launched == [[first.name], [second.name]]
     assert errors == {} and judged_first.is_set()
 
 
 def test_marked_complete_reads_the_marker_only(tmp_path):
-    assert not candidate_run.marked_complete(tmp_path)
+    assert not launches.marked_complete(tmp_path)
     (tmp_path / MARKER).write_text("{}")
-    assert candidate_run.marked_complete(tmp_path)
+    assert launches.marked_complete(tmp_path)
 
 
 def test_reserving_leaves_what_the_launches_plan_to_them_then_gives_it_back():

@@ -1,4 +1,4 @@
-"""The exact tier's layer evidence (qualify.candidate.layer_probe, qualify.rollout.layers): which positions are
+"""The exact tier's layer evidence (qualify.judge.layer_probe, qualify.rollout.layers): which positions are
 compared, the per-layer count of tokens whose vector is not bitwise the rollout's, the note that names the first layer
 that differs, and the capture's refusals."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qualify.candidate.layer_probe import (
+from qualify.errors import QualifyError
+from qualify.judge.layer_probe import (
     NO_HOOK,
     NOT_CAPTURED,
     compare_layers,
@@ -15,7 +16,6 @@ from qualify.candidate.layer_probe import (
     merge_ranks,
     scoring_mask,
 )
-from qualify.errors import QualifyError
 from qualify.matrix import Rollout
 from qualify.rollout.layers import layer_names, layers_tensors, split_forwards
 

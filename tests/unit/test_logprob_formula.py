@@ -9,18 +9,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from qualify.candidate.formula import (
+from qualify.candidate.worker import report_logprobs
+from qualify.compare import RunTensors
+from qualify.engines.base import Batch, EngineContext
+from qualify.errors import EvidenceError
+from qualify.judge.formula import (
     declared_formula,
     explain_formula,
     formula_bounds,
     formula_run,
     formula_steps,
 )
-from qualify.candidate.judge import judge_steps
-from qualify.candidate.worker import report_logprobs
-from qualify.compare import RunTensors
-from qualify.engines.base import Batch, EngineContext
-from qualify.errors import EvidenceError
+from qualify.judge.steps import judge_steps
 from qualify.matrix import load_matrix
 from qualify.models.hf import declared_logprobs, logprobs_from_outputs
 from qualify.ppo.formula import PROCESSED_KEY, Sampling, formula_logprobs

@@ -15,8 +15,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 WHOLE_MATRIX = {
-    "qualify.candidate.run.run_candidates": "the candidate stage's entry",
-    "qualify.candidate.run.require_frozen_matrix": "compares every section with the sealed snapshot",
+    "qualify.candidate.stage.run_candidates": "the candidate stage's entry",
+    "qualify.candidate.stage.require_frozen_matrix": "compares every section with the sealed snapshot",
     "qualify.reference.stage.run_reference": "the reference stage's entry",
     "qualify.reference.stage.snapshot_matrix": "seals the whole matrix",
     "qualify.reference.context.ScoringContext.of": "takes the sections scoring reads, once",
@@ -129,7 +129,7 @@ def matrix_path(package: Path, entry: str) -> set[str]:
 
 def test_the_candidate_stage_follows_the_matrix_through_at_most_twelve_modules():
     entered = matrix_path(ROOT / "qualify", "qualify.cli.candidate.main")
-    assert "qualify.candidate.run" in entered and len(entered) <= 12, sorted(entered)
+    assert "qualify.candidate.stage" in entered and len(entered) <= 12, sorted(entered)
 
 
 def test_following_the_matrix_enters_each_module_it_is_passed_to(tmp_path):

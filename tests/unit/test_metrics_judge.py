@@ -9,8 +9,8 @@ import torch
 
 from qualify import metrics
 from qualify.bounds.rule import bound_entry, quantum
-from qualify.candidate.judge import evidence_rows, judge_pair
 from qualify.compare import RunTensors, pair_metrics, replay_metrics, structure_problems
+from qualify.judge.steps import evidence_rows, judge_pair
 from qualify.matrix import Optimizer
 from tests.unit._runs import OPT, adamw_run
 

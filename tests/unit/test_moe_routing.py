@@ -1,6 +1,6 @@
 """Mixture of experts without vLLM: the tiny MoE family's parameters as every stage names them, the reference's route
 replay (qualify.models.routing) against the model's own routing and against torch-tp's own replay, the capture's
-route bookkeeping (qualify.rollout.routes), the replay rows (qualify.candidate.derived) and the matrix's checks."""
+route bookkeeping (qualify.rollout.routes), the replay rows (qualify.judge.derived) and the matrix's checks."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 import yaml
 
-from qualify.candidate.routing_rows import replay_check, replay_rows
 from qualify.compare import RunTensors
 from qualify.errors import EvidenceError, QualifyError
+from qualify.judge.routing_rows import replay_check, replay_rows
 from qualify.matrix import TinyModel, TinyMoE, load_matrix
 from qualify.models.checkpoint import initial_parameters
 from qualify.models.routing import agreement, own_routes_BTLK, routing

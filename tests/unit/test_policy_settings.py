@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from qualify.acceptance import frozen_field_differences, read_snapshot
-from qualify.candidate.derived import clip_frac_derivation, entropy_check
 from qualify.engines.base import OutputScoring
+from qualify.judge.derived import clip_frac_derivation, entropy_check
 from qualify.matrix import PPO, load_matrix
 from qualify.ppo.coverage import step_coverage
 from qualify.ppo.decisions import decisions, loss_terms

@@ -1,7 +1,7 @@
 """The rollout engine against itself: qualify.rollout.capture.prefill_vs_decode counts the sampled
 tokens whose decode logprob differs from the one vLLM's prefill of the same sequence gives, over the prompts sampled
 at T = 1 without truncation (qualify.rollout.vllm_worker.prefill_comparable); the exact tier's row cites it
-(qualify.candidate.rollout_exact.engine_self_note). vLLM itself runs in tests/integration/test_sampling.py."""
+(qualify.judge.rollout_exact.engine_self_note). vLLM itself runs in tests/integration/test_sampling.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from qualify.candidate.rollout_exact import engine_self_note, exact_rows
+from qualify.judge.rollout_exact import engine_self_note, exact_rows
 from qualify.rollout.capture import prefill_vs_decode
 from qualify.rollout.vllm_worker import prefill_comparable
 
@@ -79,7 +79,7 @@ def test_the_exact_row_cites_the_engine_against_itself():
     [row] = exact_rows("c", "actor", {"logprobs_BT": old + 1e-3}, spec, old, mask, record)
     assert not row.passed and row.note.startswith("not exact: 8 of 8")
     assert engine_self_note(record) in row.note and "differs from its decode on 1 of 2 tokens" in row.note
-    # then what the layers say (qualify.candidate.layer_probe): here the case's meta holds no layer probe
+    # then what the layers say (qualify.judge.layer_probe): here the case's meta holds no layer probe
     assert row.note.endswith(engine_self_note(record) + "; layers: not compared (the case's evidence holds no layer "
                              "probe)")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from qualify.candidate.imported import KEY, QUALIFY, imported_files, record
-from qualify.candidate.run import resume_key, stale_reason
+from qualify.candidate.resume import resume_key, stale_reason
 from qualify.case.spec import make_spec
 from qualify.engines.registry import engine_identity
 from qualify.errors import EngineError

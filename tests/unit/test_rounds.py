@@ -184,13 +184,17 @@ def test_the_rounds_replay_row_counts_pairs_and_fails_a_trainer_that_cannot_show
     """A MoE round's training step: its replay records summed over steps; a trainer without a routes() hook (its
     records None) or a record that is not a count is 'not observed', which fails the row (nothing else in a rounds
     run judges the step's tensors); a step that replayed nothing has no row."""
+    from qualify.case.meta import CaseMeta
     from qualify.rounds.checks import NOT_OBSERVED, ROUTES_REPLAYED, equal_row, routes_replayed
 
-    counts = {"routing_replay": [{"differ": 0, "pairs": 600}, {"differ": 3, "pairs": 600, "first": "row 1"}]}
-    assert routes_replayed(counts)[0] == 3 and "3 of 1200" in routes_replayed(counts)[1]
-    assert routes_replayed({"routing_replay": [{"differ": 0, "pairs": 600}]})[0] == 0
-    for meta in ({"routing_replay": [None, None]}, {"routing_replay": [{"differ": "x", "pairs": 600}]}):
-        value, note = routes_replayed(meta)
+    def replayed(records):
+        return routes_replayed(CaseMeta.from_json({"routing_replay": records}))
+
+    counts = [{"differ": 0, "pairs": 600}, {"differ": 3, "pairs": 600, "first": "row 1"}]
+    assert replayed(counts)[0] == 3 and "3 of 1200" in replayed(counts)[1]
+    assert replayed([{"differ": 0, "pairs": 600}])[0] == 0
+    for records in ([None, None], [{"differ": "x", "pairs": 600}]):
+        value, note = replayed(records)
         row = equal_row(ROUTES_REPLAYED, 1, value, 0, note)
         assert value == NOT_OBSERVED and not row.passed and row.rule == "== 0"
-    assert routes_replayed({}) is None and routes_replayed({"routing_replay": []}) is None
+    assert routes_replayed(CaseMeta.from_json({})) is None and replayed([]) is None and routes_replayed(None) is None

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from qualify import metrics
-from qualify.candidate.judge import judge_steps
 from qualify.compare import RunTensors, params_before_steps, split_step, with_step
+from qualify.judge.steps import judge_steps
 from qualify.ppo.coverage import BRANCHES, exercised, inert, step_coverage
 from qualify.ppo.objective import step_rows
 

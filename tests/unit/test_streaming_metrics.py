@@ -117,7 +117,7 @@ def test_judging_a_run_read_from_disk_never_reads_a_whole_tensor_group(tmp_path,
     loading a whole group file is refused here, and the rows are still all made."""
     from safetensors import torch as st
 
-    from qualify.candidate.judge import judge_pair
+    from qualify.judge.steps import judge_pair
     from tests.unit._runs import OPT
 
     run_on_disk(tmp_path, "c", 1)

@@ -1,5 +1,5 @@
 """The torch-tp engine's clip norm (qualify.engines.torch_tp.grad_norm) is the norm its gradients have, within what
-the derived check allows any engine (qualify.candidate.derived: 2^-24 x (2 log2(elements) + 8) x norm), at the
+the derived check allows any engine (qualify.judge.derived: 2^-24 x (2 log2(elements) + 8) x norm), at the
 shape of a Qwen3 embedding gradient: a sparse (151936, 1024) tensor, rows of the batch's tokens nonzero. A strictly
 serial fp32 sum of the squares (numpy's cumsum, in order on any CPU; torch's CPU fp32 vector_norm, which the engine
 used on every device before, drifts the same way: 9e-5 here on the AMD EPYC host) is the negative control: the check

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 
-from qualify.candidate.run import case_platforms, verdict_document
+from qualify.candidate.stage import case_platforms, verdict_document
 from qualify.hardware import platform_fingerprint
 from qualify.layout import RunLayout
 from qualify.matrix import Case, load_matrix

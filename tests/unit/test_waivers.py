@@ -14,9 +14,9 @@ import pytest
 import yaml
 from rich.console import Console
 
-from qualify.candidate.derived import sampler_rows
 from qualify.compare import RunTensors
 from qualify.errors import MatrixError
+from qualify.judge.derived import sampler_rows
 from qualify.matrix import load_matrix
 from qualify.report_verify import Verification, row_problems
 from qualify.verdict import VERDICT_SCHEMA, make_verdict

@@ -13,8 +13,8 @@ import torch
 
 from qualify import metrics
 from qualify.bounds.rule import bound_entry
-from qualify.candidate.judge import evidence_rows, judge_pair
 from qualify.compare import RunTensors
+from qualify.judge.steps import evidence_rows, judge_pair
 from qualify.verdict import Row
 from tests.unit._runs import OPT, adamw_run, params, role_run
 
@@ -256,8 +256,8 @@ def step_bounds(steps: list[RunTensors]) -> dict:
 
 
 def test_every_step_is_judged_with_its_own_bounds_and_adam_step():
-    from qualify.candidate.judge import judge_steps
     from qualify.compare import params_before_steps
+    from qualify.judge.steps import judge_steps
 
     steps = two_adamw_steps()
     starts = params_before_steps(steps, params())
@@ -275,8 +275,8 @@ def test_every_step_is_judged_with_its_own_bounds_and_adam_step():
 
 
 def test_a_candidate_that_took_fewer_steps_fails_a_row_that_says_so():
-    from qualify.candidate.judge import judge_steps
     from qualify.compare import params_before_steps
+    from qualify.judge.steps import judge_steps
 
     steps = two_adamw_steps()
     rows = judge_steps("case", "critic", "cmp", steps[:1], steps, step_bounds(steps),
@@ -305,7 +305,7 @@ def _precision_runs(candidate_logprobs: torch.Tensor, reference_logprobs: torch.
 
 
 def test_an_fp32_logprob_computed_in_bf16_fails_naming_the_tensor():
-    from qualify.candidate.judge import PRECISION_MARGIN, precision_rows
+    from qualify.judge.steps import PRECISION_MARGIN, precision_rows
 
     fp32 = -torch.rand(4, 32, generator=torch.Generator().manual_seed(3)) * 8
     cand, ref = _precision_runs(fp32.to(torch.bfloat16).float(), fp32, grads_bf16=True)
@@ -320,7 +320,7 @@ def test_an_fp32_logprob_computed_in_bf16_fails_naming_the_tensor():
 
 
 def test_fp32_logprobs_pass_with_margin():
-    from qualify.candidate.judge import precision_rows
+    from qualify.judge.steps import precision_rows
 
     fp32 = -torch.rand(4, 32, generator=torch.Generator().manual_seed(3)) * 8
     cand, ref = _precision_runs(fp32 + 1e-6, fp32, grads_bf16=False)
@@ -348,7 +348,7 @@ def test_an_update_is_not_compared_with_the_references_update():
 
 
 def test_a_small_fp32_tensor_may_hold_a_few_bf16_values_by_chance_but_not_all():
-    from qualify.candidate.judge import CHANCE_ELEMENTS, precision_rows
+    from qualify.judge.steps import CHANCE_ELEMENTS, precision_rows
 
     g = torch.Generator().manual_seed(5)
     ref_grad = torch.randn(32, generator=g)

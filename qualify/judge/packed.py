@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from qualify.candidate.dp import SHARE_OUTPUTS
 from qualify.errors import EngineError
+from qualify.judge.dp import SHARE_OUTPUTS
 
 
 def require_packed(engine: Any, engine_name: str, case: str) -> None:
@@ -45,7 +45,7 @@ def micro_share(share: Any, index_S: torch.Tensor) -> Any:
 
 def merge_microbatches(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The step's outputs from its micro-batches' (in row order): per-row tensors concatenated, the scalars that are a
-    share of the step's value (qualify.candidate.dp.SHARE_OUTPUTS) summed in micro-batch order, as the reference's
+    share of the step's value (qualify.judge.dp.SHARE_OUTPUTS) summed in micro-batch order, as the reference's
     micro-batched controls sum them; any other scalar is the same in every micro-batch."""
     out = {}
     for name in parts[0]:
@@ -63,7 +63,7 @@ def merge_microbatches(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.
 
 
 def worst_token(found: list[dict[str, Any] | None]) -> dict[str, Any] | None:
-    """The micro-batches' worst sampler-derivation token (qualify.candidate.derived.sampler_check); None when any
+    """The micro-batches' worst sampler-derivation token (qualify.judge.derived.sampler_check); None when any
     micro-batch's engine gave no logits."""
     if not found or any(w is None for w in found):
         return None

@@ -11,7 +11,7 @@ Compared: the case's outputs/logprobs_BT at step 0 (its declared formula: the pr
 truncating sampling) against the sealed rollout's sampler logprobs (the targets' old_logprobs_BT), on step 0's
 response tokens, in float32 without rounding either side. Where the rollout carries vLLM's per-layer activations
 (rollout.layer_outputs), a declared case's note also names the first layer whose vectors differ from vLLM's prefill
-(qualify.candidate.layer_probe); the layers judge nothing.
+(qualify.judge.layer_probe); the layers judge nothing.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from qualify.candidate.layer_probe import layers_note
+from qualify.case.meta import CaseMeta
+from qualify.judge.layer_probe import layers_note
 from qualify.verdict import Row
 
 ROLLOUT = "rollout"
@@ -62,14 +63,15 @@ def engine_self_note(record: dict[str, Any] | None) -> str:
             "decode steps")
 
 
-def exact_rows(case: str, role: str, outputs: dict[str, torch.Tensor], meta: dict[str, Any],
+def exact_rows(case: str, role: str, outputs: dict[str, torch.Tensor], meta: CaseMeta | dict[str, Any],
                rollout_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor,
                engine_self: dict[str, Any] | None = None) -> list[Row]:
     """One row for an actor case (none for a critic): its step-0 logprobs against the rollout's. engine_self: the
     rollout's prefill_vs_decode record, cited in the note."""
     if role != "actor":
         return []
-    spec = meta.get("case") or {}
+    meta = CaseMeta.of(meta)
+    spec = meta.spec
     dtype = spec.get("rollout_dtype")
     declared = spec.get("rollout_exact") is True
     judged = declared and spec.get("precision") == dtype
@@ -87,6 +89,6 @@ def exact_rows(case: str, role: str, outputs: dict[str, torch.Tensor], meta: dic
     note = (f"{'exact' if m['num_not_bitwise'] == 0 else 'not exact'}: {m['num_not_bitwise']} of {m['num_tokens']} "
             f"response tokens differ from the rollout's logprobs, max |delta| {m['max_abs']:.3g}{where} "
             f"({formula} formula, {spec.get('precision')} case{'' if dtype is None else f', {dtype} rollout'})"
-            f"{engine_self_note(engine_self)}{layers_note(meta.get('rollout_layers'), declared)}")
+            f"{engine_self_note(engine_self)}{layers_note(meta.rollout_layers, declared)}")
     return [Row(case, role, ROLLOUT, TENSOR, "num_not_bitwise", float(m["num_not_bitwise"]),
                 0.0 if judged else math.inf, m["num_not_bitwise"] == 0 or not judged, note, step=0, rule=rule)]

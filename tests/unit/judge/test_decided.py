@@ -1,4 +1,4 @@
-"""qualify.candidate.decided: what mutation testing (run N, at 1219bce) found unpinned.
+"""qualify.judge.decided: what mutation testing (run N, at 1219bce) found unpinned.
 
 The decisions of a run's steps (run_decisions), the first step two runs decide differently and how many leading steps
 are comparable, the reference chosen for a case's tensors (aligned_reference; the replay is a stand-in that records
@@ -17,7 +17,8 @@ from types import SimpleNamespace
 
 import torch
 
-from qualify.candidate.decided import (
+from qualify.compare import RunTensors
+from qualify.judge.decided import (
     aligned_reference,
     comparable_steps,
     decision_rows,
@@ -25,7 +26,6 @@ from qualify.candidate.decided import (
     own_loss_rows,
     run_decisions,
 )
-from qualify.compare import RunTensors
 from qualify.ppo.decisions import Decisions
 from qualify.reference.inputs import StepInputs
 

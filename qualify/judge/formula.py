@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from qualify.case.meta import CaseMeta
 from qualify.compare import RunTensors
 from qualify.errors import EvidenceError
 from qualify.metrics import max_abs
@@ -21,10 +22,10 @@ from qualify.ppo.formula import FORMULAS, PROCESSED_KEY, Sampling
 LOGPROBS_KEY = "logprobs_BT"
 
 
-def declared_formula(meta: dict[str, Any]) -> tuple[str, bool]:
+def declared_formula(meta: CaseMeta | dict[str, Any]) -> tuple[str, bool]:
     """(formula, whether the sampling truncates) of a case, from the spec sealed in its meta.json; evidence sealed
     before candidates.logprob_formula existed is the full formula."""
-    spec = meta.get("case") or {}
+    spec = CaseMeta.of(meta).spec
     formula = spec.get("logprob_formula", "full")
     if formula not in FORMULAS:
         raise EvidenceError(f"case {spec.get('name')!r} declares logprob formula {formula!r} (known: "

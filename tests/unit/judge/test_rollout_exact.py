@@ -1,4 +1,4 @@
-"""qualify.candidate.rollout_exact: a case's step-0 logprobs against the rollout's, bit for bit, on response tokens.
+"""qualify.judge.rollout_exact: a case's step-0 logprobs against the rollout's, bit for bit, on response tokens.
 
 A declared case in the rollout's precision passes only when every response token is bitwise the rollout's; one ulp on
 one token fails it, naming the count and the first token; tokens outside the response mask do not count; a non-finite
@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from qualify.candidate.rollout_exact import DECLARED_RULE, REPORTED_RULE, exact_rows, mismatch
 from qualify.case.spec import make_spec
+from qualify.judge.rollout_exact import DECLARED_RULE, REPORTED_RULE, exact_rows, mismatch
 from qualify.matrix import Case, load_matrix
 from tests.conftest import TINY
 

@@ -1,4 +1,4 @@
-"""qualify.candidate.tiers: the invariance tier of each judged tensor (bitwise, within bound, failing) and the rows
+"""qualify.judge.tiers: the invariance tier of each judged tensor (bitwise, within bound, failing) and the rows
 of an engine that declares determinism: bitwise (bound 0, failing on any bit, NaN and signed zeros included)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from qualify.candidate.tiers import bitwise_rows, same_bits, tensor_tiers, tier_summary
 from qualify.compare import RunTensors
+from qualify.judge.tiers import bitwise_rows, same_bits, tensor_tiers, tier_summary
 from qualify.verdict import Row
 
 

@@ -6,7 +6,7 @@ counts per layer the response tokens whose vector is not bitwise vLLM's (an engi
 forward than its layer_outputs hook, kept for qualify diagnose, gives that forward's by exact_layer_outputs). A token's vector is the activation at the
 position that predicts it (position t - 1 for the token at t): the one its logprob is computed from. The counts go in
 meta.json ('rollout_layers') and the exact row's note names the first layer that differs
-(qualify.candidate.rollout_exact); they judge nothing: the tier is the logprob count.
+(qualify.judge.rollout_exact); they judge nothing: the tier is the logprob count.
 """
 
 from __future__ import annotations

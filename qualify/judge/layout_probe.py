@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from qualify.case.context import Batch
+from qualify.case.meta import CaseMeta
 from qualify.verdict import Row
 
 LAYOUT = "layout"
@@ -65,12 +66,13 @@ def merge_ranks(by_rank: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str,
     return out
 
 
-def layout_rows(case: str, role: str, meta: dict[str, Any]) -> list[Row]:
+def layout_rows(case: str, role: str, meta: CaseMeta | dict[str, Any]) -> list[Row]:
     """One row per case: the tokens that differ over every layout; failing only where the engine declared invariance
     (its sealed spec says so: candidates.layout_invariant when the case ran)."""
-    probe = meta.get("layout")
+    meta = CaseMeta.of(meta)
+    probe = meta.layout
     tensor = "step0/outputs/" + ("logprobs_BT" if role == "actor" else "values_BT")
-    judged = (meta.get("case") or {}).get("layout_invariant") is True
+    judged = meta.spec.get("layout_invariant") is True
     if not isinstance(probe, dict) or not probe:
         return [Row(case, role, LAYOUT, tensor, "num_not_bitwise", math.inf if judged else 0.0,
                     0.0 if judged else math.inf, not judged, "no layout probe in the case's evidence",

@@ -1,4 +1,4 @@
-"""Derivation checks (qualify.candidate.derived): each quantity recomputed in float64 from the case's own inputs and
+"""Derivation checks (qualify.judge.derived): each quantity recomputed in float64 from the case's own inputs and
 held to fp32 rounding. A correct fp32 computation (qualify's own, in float32) passes with margin; one with a single
 bug (old logprobs from another source, another KL estimator, epsilon inside the std, a gradient left out of the
 norm) fails its row."""
@@ -11,14 +11,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from qualify.candidate.derived import (
+from qualify.compare import RunTensors
+from qualify.judge.derived import (
     advantage_derivation,
     derived_rows,
     kl_derivation,
     ratio_derivation,
     worst_row,
 )
-from qualify.compare import RunTensors
 from qualify.ppo.grpo import KL_ESTIMATORS, group_advantages, group_stats, kl_estimate
 
 gen = torch.Generator().manual_seed(11)
@@ -163,8 +163,8 @@ def adamw_steps(form: str, steps: int = 2):
 def test_every_correct_adamw_form_passes_the_update_derivation(form):
     """torch's AdamW (for-loop, foreach, its fused CPU kernel), FusedAdam's form written out here and a float64 step
     rounded once: each is one of the derivation's forms up to the step term's rounding, so each passes with margin."""
-    from qualify.candidate.derived import update_row
     from qualify.compare import params_before_steps
+    from qualify.judge.derived_adamw import update_row
 
     p0, run = adamw_steps(form)
     starts = params_before_steps(run, p0)
@@ -174,8 +174,8 @@ def test_every_correct_adamw_form_passes_the_update_derivation(form):
 
 
 def test_no_decay_on_norms_and_a_wrong_bias_correction_fail_the_update_derivation():
-    from qualify.candidate.derived import update_row
     from qualify.compare import params_before_steps
+    from qualify.judge.derived_adamw import update_row
 
     p0, run = adamw_steps("no_decay_on_norms")
     row = update_row("c", "actor", 0, run[0], params_before_steps(run, p0)[0], OPT, {})
@@ -192,7 +192,7 @@ def test_no_decay_on_norms_and_a_wrong_bias_correction_fail_the_update_derivatio
 def test_logprobs_derived_from_the_engines_own_logits():
     """The sampler formula of the engine's own logits: fp32 log_softmax (and a logsumexp form) pass with margin,
     a log_softmax in bf16 fails by far, a score of another token fails, and the worst token is named."""
-    from qualify.candidate.derived import sampler_check, sampler_rows
+    from qualify.judge.derived import sampler_check, sampler_rows
 
     B, T, V, temp = 3, 12, 512, 0.8
     logits = torch.randn(B, T, V, generator=gen) * 3
@@ -228,7 +228,7 @@ def test_logprobs_derived_from_the_engines_own_logits():
 def test_clip_frac_is_derived_by_the_matrix_definition():
     """The clip fraction of the case's own ratio and advantages: the objective's own value passes; a token mean
     reported where the matrix's GRPO clip_frac is loss-weighted under a sequence-mean aggregation fails."""
-    from qualify.candidate.derived import clip_frac_derivation
+    from qualify.judge.derived import clip_frac_derivation
     from qualify.ppo.grpo import grpo_loss
     from qualify.ppo.share import count_normalizers
 
@@ -256,7 +256,7 @@ def test_clip_frac_is_derived_by_the_matrix_definition():
 
 def test_a_non_finite_score_recorded_in_meta_fails_with_its_note():
     """meta.json writes non-finite numbers as strings: a NaN score is a failing row that still names its token."""
-    from qualify.candidate.derived import sampler_rows
+    from qualify.judge.derived import sampler_rows
 
     w = {"value": "inf", "bound": 1e-7, "ratio": "inf", "row": 2, "position": 5, "case": "nan", "derived": -1.5}
     [row] = sampler_rows("c", "actor", [RunTensors(outputs={}, grads={}, updates={}, moments={},
@@ -289,7 +289,7 @@ def test_the_adamw_forms_are_torchs_arithmetic_bit_for_bit_and_their_unrounded_v
 def test_rounding_interval_is_what_rounds_to_the_value(dtype):
     """Values just inside [lo, hi] round to c in the dtype, values just outside do not, powers of two (whose lower
     neighbour is half as far) and negative values included."""
-    from qualify.candidate.derived import rounding_interval
+    from qualify.judge.derived_adamw import rounding_interval
 
     d = getattr(torch, dtype)
     c = torch.cat([torch.randn(2000, generator=gen), torch.tensor([1.0, -1.0, 0.5, 2.0 ** -20, -4.0, 0.0])])
@@ -328,7 +328,7 @@ def clipped_adamw_run(form: str, steps: int = 3, max_norm: float = 0.05):
 
 @pytest.mark.parametrize("form", ["for_loop", "foreach"])
 def test_moments_of_the_cases_own_clipped_gradients_pass(form):
-    from qualify.candidate.derived import moment_row
+    from qualify.judge.derived_adamw import moment_row
 
     opt = SimpleNamespace(**{**vars(OPT), "max_grad_norm": 0.05})
     run = clipped_adamw_run(form)
@@ -341,7 +341,7 @@ def test_moments_of_the_cases_own_clipped_gradients_pass(form):
 def test_moments_of_other_gradients_or_betas_fail(form, named):
     """Negative controls: a first moment with another beta, and moments of the gradients before clipping (the
     coefficient is about 0.05 / 0.33 here), fail from step 0 by far, naming the moment."""
-    from qualify.candidate.derived import moment_row
+    from qualify.judge.derived_adamw import moment_row
 
     opt = SimpleNamespace(**{**vars(OPT), "max_grad_norm": 0.05})
     run = clipped_adamw_run(form)
@@ -353,8 +353,8 @@ def test_a_start_rebuilt_from_rounded_updates_carries_their_ulps():
     """Parameters of 1e-3 under steps of 1e-2 cross zero, so each reported update p' - p is rounded and the start
     rebuilt from them drifts: torch's own AdamW then fails the update derivation by up to 13x when only the current
     update's rounding is allowed (measured here), and passes with margin when the earlier updates' ulps are carried."""
-    from qualify.candidate.derived import update_row
     from qualify.compare import params_before_steps
+    from qualify.judge.derived_adamw import update_row
 
     g = torch.Generator().manual_seed(3)
     opt = SimpleNamespace(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, max_grad_norm=1.0)
@@ -382,8 +382,9 @@ def test_update_moment_and_norm_derivations_on_the_metrics_device_give_the_same_
     the same rows as on the tensors' own device, for a correct run and for a negative control (a shifted step)."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
-    from qualify.candidate.derived import moment_row, norm_row, update_row
     from qualify.compare import params_before_steps
+    from qualify.judge.derived import norm_row
+    from qualify.judge.derived_adamw import moment_row, update_row
 
     opt = SimpleNamespace(**{**vars(OPT), "max_grad_norm": 0.05})
     run = clipped_adamw_run("for_loop")
@@ -413,7 +414,7 @@ def test_value_clip_frac_of_the_cases_own_values_passes_and_another_clip_range_f
     """The critic's clip fraction of its own values: the objective's own value passes at every normalizer, with
     either count of the rounding ties (tokens inside the range that old + (v - old) puts past v); one computed
     with another clip range (0.3 where the matrix says 0.2) or without the value clip fails by >= 10x."""
-    from qualify.candidate.derived import value_clip_frac_derivation
+    from qualify.judge.derived import value_clip_frac_derivation
     from qualify.ppo.math import clipped_value_loss, masked_mean
 
     B, T, eps = 16, 24, 0.2
@@ -449,7 +450,7 @@ def test_value_clip_frac_of_the_cases_own_values_passes_and_another_clip_range_f
 def test_value_clip_ties_inside_the_range_are_counted_either_way():
     """A value inside the range for which old + (v - old) rounds past v (away from the return) makes the fp32
     objective count a clip; the derivation allows either count for such a token, and no more."""
-    from qualify.candidate.derived import value_clip_frac_derivation
+    from qualify.judge.derived import value_clip_frac_derivation
     from qualify.ppo.math import clipped_value_loss
 
     objective = SimpleNamespace(ppo=SimpleNamespace(value_clip_eps=0.2, token_normalizer="global",

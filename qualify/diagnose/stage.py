@@ -121,7 +121,7 @@ def grads_detail(group_key: str, cand: dict, ref: dict, acc: Acceptance, role: s
 
 
 def families_of(precision: str) -> list[str]:
-    """The families the candidate stage judges a case of this precision by (qualify.candidate.run.judge_case)."""
+    """The families the candidate stage judges a case of this precision by (qualify.judge.case.judge_case)."""
     return [f"{precision}-repeat"] + (["fp32-vs-bf16"] if precision == "bf16" else [])
 
 

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from qualify.candidate.layout_probe import layout_rows, layouts, merge_ranks, probe_layouts
 from qualify.engines.base import Batch
+from qualify.judge.layout_probe import layout_rows, layouts, merge_ranks, probe_layouts
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9])

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from qualify.candidate.judge import evidence_rows, unexposed_padding
-from qualify.candidate.padding import exposed_rows, padding_found
+from qualify.judge.padding import exposed_rows, padding_found
+from qualify.judge.steps import evidence_rows, unexposed_padding
 
 VOCAB, HIDDEN, TP = 10, 4, 2
 

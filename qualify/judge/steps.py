@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from qualify.bounds.files import bound_rule
+from qualify.case.meta import CaseMeta
 from qualify.compare import DERIVED_OUTPUTS, RunTensors, pair_metrics, replay_metrics, structure_problems
 from qualify.metrics import bf16_exact_counts, bf16_exact_fraction
 from qualify.verdict import Row
@@ -91,25 +92,26 @@ def unexposed_padding(per_rank: list[dict[str, Any]]) -> tuple[int, str]:
     return missing, note
 
 
-def evidence_rows(case: str, role: str, meta: dict[str, Any]) -> list[Row]:
-    """Structural evidence of the candidate run itself."""
-    not_fp32_grads = sorted(n for n, d in meta["grad_dtypes"].items() if d != "float32")
-    not_fp32_state = sorted(n for n, d in meta["state_dtypes"].items() if d != "float32")
-    replicas = {name: float(v) for name, v in meta["replica_max_abs"].items()}  # 'nan' / 'inf' read back as floats
+def evidence_rows(case: str, role: str, meta: CaseMeta | dict[str, Any]) -> list[Row]:
+    """Structural evidence of the candidate run itself (meta: the case's meta.json)."""
+    meta = CaseMeta.of(meta)
+    not_fp32_grads = sorted(n for n, d in meta.grad_dtypes.items() if d != "float32")
+    not_fp32_state = sorted(n for n, d in meta.state_dtypes.items() if d != "float32")
+    replicas = {name: float(v) for name, v in meta.replica_max_abs.items()}  # 'nan' / 'inf' read back as floats
     replica = max(replicas.values(), key=lambda v: math.inf if math.isnan(v) else v, default=0.0)
-    padded = max((float(r["changed_max_abs"]) for r in meta["padded_rows"].values()),
+    padded = max((float(r["changed_max_abs"]) for r in meta.padded_rows.values()),
                  key=lambda v: math.inf if math.isnan(v) else v, default=0.0)
-    unexposed, hidden = unexposed_padding(meta.get("padding", []))
+    unexposed, hidden = unexposed_padding(meta.padding)
     checks = [
         ("evidence/grad_buffers", "num_not_fp32", float(len(not_fp32_grads)), ", ".join(not_fp32_grads[:3])),
         ("evidence/optimizer_state", "num_not_fp32", float(len(not_fp32_state)), ", ".join(not_fp32_state[:3])),
-        ("evidence/optimizer_state", "num_params", float(len(meta["grad_dtypes"]) - len(meta["state_dtypes"])),
+        ("evidence/optimizer_state", "num_params", float(len(meta.grad_dtypes) - len(meta.state_dtypes)),
          "parameters without optimizer state"),
         ("evidence/replicas", "max_abs_across_ranks", replica,
          max(replicas, key=lambda n: math.inf if math.isnan(replicas[n]) else replicas[n], default="")),
         ("evidence/padded_vocab_rows", "changed_max_abs", padded, ""),
         ("evidence/padded_vocab_rows", "num_unexposed", float(unexposed), hidden),
-        ("evidence/params", "num_extra", float(len(meta["extra_params"])), ", ".join(meta["extra_params"][:3])),
+        ("evidence/params", "num_extra", float(len(meta.extra_params)), ", ".join(meta.extra_params[:3])),
     ]
     return [Row(case, role, "evidence", t, m, v, 0.0, math.isfinite(v) and v == 0.0, note, rule=EVIDENCE_RULE)
             for t, m, v, note in checks]

@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
-from qualify.candidate.derived import DERIVED
+from qualify.case.meta import CaseMeta
 from qualify.compare import RunTensors
+from qualify.judge.derived import DERIVED
 from qualify.verdict import Row
 
 REPLAY_RULE = ("== 0: with rollout.routing replay, every token the rollout fed routes to the rollout's experts in every "
@@ -46,7 +47,7 @@ def replay_check(used_BTLK: torch.Tensor | None, given_BTLK: torch.Tensor, offse
 def replay_rows(case: str, role: str, cand: list[RunTensors]) -> list[Row]:
     """A replaying case's routes against the rollout's, one row per step (recorded by the worker in meta.json); none
     for a case that replays nothing (a dense family, rollout.routing recompute, the critic)."""
-    found = cand[0].meta.get("routing_replay") if cand else None
+    found = CaseMeta.of(cand[0].meta).routing_replay if cand else None
     if not isinstance(found, list) or not found:
         return []
     rows = []
