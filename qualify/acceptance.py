@@ -9,7 +9,6 @@ acceptance.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ from qualify.bounds.check import check_bounds
 from qualify.bounds.files import BOUNDS_DIR, LAYER_BOUNDS_DIR, read_bound_files
 from qualify.bounds.rule import FAMILIES
 from qualify.errors import EvidenceError, ManifestError, QualifyError
-from qualify.hashing import file_digest
+from qualify.hashing import digest_of_bytes, file_digest
 from qualify.manifest import VerifyReport, load_manifest, verify_manifest
 from qualify.store import read_json
 
@@ -110,7 +109,7 @@ def check_acceptance(path: Path) -> list[str]:
         if not file.is_file():
             problems.append(f"missing bound file {file}")
             continue
-        if "sha256:" + hashlib.sha256(file.read_bytes()).hexdigest() != digest:
+        if digest_of_bytes(file.read_bytes()) != digest:
             problems.append(f"bound file {file} does not match the acceptance's digest")
             continue
         problems += check_bounds(read_json(file), rule, name)
@@ -118,7 +117,7 @@ def check_acceptance(path: Path) -> list[str]:
         file = path.parent / LAYER_BOUNDS_DIR / name
         if not file.is_file():
             problems.append(f"missing layer bound file {file}")
-        elif "sha256:" + hashlib.sha256(file.read_bytes()).hexdigest() != digest:
+        elif digest_of_bytes(file.read_bytes()) != digest:
             problems.append(f"layer bound file {file} does not match the acceptance's digest")
     return problems
 

@@ -10,12 +10,12 @@ and fields, so every rank sees the same table and either all return or all raise
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
 
 from qualify.errors import QualifyError
+from qualify.hashing import digest_of_bytes
 
 ALGORITHMS = ("ppo", "grpo")
 RANK_ORDERS = ("tp_major",)  # global rank = dp_rank * tp + tp_rank: TP siblings are adjacent ranks
@@ -105,7 +105,7 @@ class Contract:
 
     def fingerprint(self) -> str:
         """'sha256:<hex>' of canonical_json()."""
-        return "sha256:" + hashlib.sha256(self.canonical_json().encode("ascii")).hexdigest()
+        return digest_of_bytes(self.canonical_json().encode("ascii"))
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -14,7 +14,6 @@ so a frozen bound can never be widened.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -26,7 +25,7 @@ from qualify.bounds.layers import layer_bound_files
 from qualify.bounds.records import means_of, terms_of
 from qualify.bounds.rule import BOUNDS_SCHEMA, FAMILIES, RULE
 from qualify.errors import EvidenceError, FrozenError
-from qualify.hashing import file_digest
+from qualify.hashing import digest_of_bytes, file_digest
 from qualify.layout import ROLES_ALL, RunLayout
 from qualify.manifest import build_manifest
 from qualify.matrix import Freeze
@@ -54,7 +53,7 @@ def acceptance_document(layout: RunLayout, name: str, bound_files: dict[str, byt
         "matrix_digest": summary["matrix_digest"],
         "rollout_digest": summary["rollout_digest"],
         "targets_digest": summary["targets_digest"],
-        "bounds": {f: "sha256:" + hashlib.sha256(data).hexdigest() for f, data in sorted(bound_files.items())},
+        "bounds": {f: digest_of_bytes(data) for f, data in sorted(bound_files.items())},
         "versions": summary["versions"],
         "host": summary["host"],
         "platform": summary.get("platform"),
@@ -66,7 +65,7 @@ def acceptance_document(layout: RunLayout, name: str, bound_files: dict[str, byt
     if algorithm == "grpo":  # the actor's bound files alone (qualify.acceptance.check_acceptance)
         extra["algorithm"] = "grpo"
     if layer_files:  # qualify diagnose's per-layer bounds (qualify.bounds.layers); absent when none were frozen
-        extra["layer_bounds"] = {f: "sha256:" + hashlib.sha256(d).hexdigest() for f, d in sorted(layer_files.items())}
+        extra["layer_bounds"] = {f: digest_of_bytes(d) for f, d in sorted(layer_files.items())}
     return build_manifest(layout.reference, progress=False, extra=extra)
 
 

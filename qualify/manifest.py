@@ -10,7 +10,6 @@ never followed.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -20,7 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from qualify.errors import ManifestError
-from qualify.hashing import CHUNK_BYTES, default_jobs, hash_files, list_files, scan_files, sha256_file, start_hashing
+from qualify.hashing import (
+    CHUNK_BYTES,
+    default_jobs,
+    digest_of_bytes,
+    hash_files,
+    list_files,
+    scan_files,
+    sha256_file,
+    start_hashing,
+)
 from qualify.schema import show
 from qualify.store import read_json, write_json
 
@@ -136,7 +144,7 @@ def digest_of(document: dict[str, Any]) -> str:
     """
     body = {k: v for k, v in document.items() if k != "digest"}
     text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
-    return "sha256:" + hashlib.sha256(text.encode("ascii")).hexdigest()
+    return digest_of_bytes(text.encode("ascii"))
 
 
 def build_manifest(root: Path, *, exclude: Iterable[Path] = (), jobs: int | None = None,

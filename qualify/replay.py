@@ -44,6 +44,7 @@ from qualify.reference.context import ScoringContext
 from qualify.reference.forced import ensure_replay, sealed_replay
 from qualify.reference.inputs import StepInputs
 from qualify.rollout.capture import load_rollout
+from qualify.runname import RunName
 from qualify.schema import from_dict
 from qualify.stages import require_complete
 from qualify.store import read_json, read_tensors
@@ -184,7 +185,7 @@ def bound_rows(acceptance_path: Path, doc: dict[str, Any], layout: RunLayout,
             family = f"{precision}-repeat"
             ref_run = acc.reference_run(role, family)
             committed = load_steps(committed_run(acceptance_path, doc, f"scores/{ref_run}/{role}"))
-            fresh_dir = layout.scores(*ref_run.split("-", 1), role)
+            fresh_dir = layout.scores(*RunName.parse(ref_run), role)
             require_complete(fresh_dir, f"fresh reference {ref_run} {role}")
             lean = [which for which, steps in (("committed", committed), ("fresh", load_steps(fresh_dir)[:1]))
                     if is_lean(steps[0].meta)]
@@ -231,7 +232,7 @@ def on_committed_decisions(ctx: ScoringContext, role: str, ref_run: str, fresh: 
     first = first_divergence(mine, theirs)
     if first is None or any(d is None for d in mine + theirs) or len(fresh) != len(committed):
         return fresh, None, ""
-    precision = ref_run.split("-", 1)[0]
+    precision = RunName.parse(ref_run).precision
     decided = [d.clipped_BT for d in theirs if d is not None]
     ensure_replay(ctx, precision, role, decided, into=layout.platform_replay)
     replay, out = sealed_replay(ctx, precision, role, decided, into=layout.platform_replay)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from qualify.errors import EvidenceError, ManifestError
-from qualify.hashing import hash_files, scan_files
+from qualify.hashing import digest_of_bytes, hash_files, scan_files, sha256_tag
 from qualify.store import read_json, write_json
 
 MARKER = "_complete.json"
@@ -39,7 +39,7 @@ class Sealed:
         """'sha256:<hex>' of one of the directory's files, as verified."""
         if name not in self.files:
             raise EvidenceError(f"{self.path} holds no {name}")
-        return "sha256:" + self.files[name][1]
+        return sha256_tag(self.files[name][1])
 
 
 def refuse_linked(path: Path) -> None:
@@ -133,7 +133,7 @@ def seal(path: Path, info: dict[str, Any] | None = None, main: str | None = None
     if main is not None:
         if main not in files:
             raise EvidenceError(f"cannot seal {path}: it holds no {main}")
-        digest = "sha256:" + files[main][1]
+        digest = sha256_tag(files[main][1])
         info["digest"] = digest
     write_json(path / MARKER, {"files": files, "info": info})
     return digest
@@ -197,11 +197,10 @@ def stage_info(path: Path) -> dict[str, Any]:
 
 def fingerprint(settings: Any) -> str:
     """sha256 of the canonical JSON of the settings a stage output depends on."""
-    import hashlib
 
     from qualify.store import dumps_json
 
-    return "sha256:" + hashlib.sha256(dumps_json(settings).encode("ascii")).hexdigest()
+    return digest_of_bytes(dumps_json(settings).encode("ascii"))
 
 
 def reuse_complete(path: Path, settings_fingerprint: str, what: str) -> bool:

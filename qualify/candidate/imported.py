@@ -20,6 +20,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from qualify.hashing import sha256_tag
+
 IMPORTED_FILE = "imported.json"
 KEY = "imported code"
 
@@ -98,7 +100,7 @@ def code_digest(paths: list[str]) -> str:
             h.update(hashlib.sha256(file_bytes(p)).digest())
         except OSError:
             h.update(b"missing")
-    return "sha256:" + h.hexdigest()
+    return sha256_tag(h.hexdigest())
 
 
 def record(work: Path) -> str:

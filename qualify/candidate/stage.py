@@ -38,6 +38,7 @@ from qualify.matrix import Candidates, Case, CaseSettings, Matrix
 from qualify.models.checkpoint import initial_parameters
 from qualify.reference.context import ScoringContext
 from qualify.resident import Resident
+from qualify.runname import RunName
 from qualify.stagelog import StageLog
 from qualify.stages import stage_is_complete
 from qualify.store import read_json, write_json
@@ -156,7 +157,7 @@ def seal_replays(ctx: ScoringContext, case: Case, inputs: StepInputs, log: Stage
     from qualify.reference.forced import ensure_replay, replay_location
 
     for ref_run, decided in case_replays(ctx, case, inputs):
-        precision = ref_run.split("-", 1)[0]
+        precision = RunName.parse(ref_run).precision
         if stage_is_complete(replay_location(ctx, precision, case.role, decided)):
             continue
         with log.step(f"replay {ref_run} {case.role} on {case.name}'s clip decisions"):

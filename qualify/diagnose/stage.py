@@ -20,6 +20,7 @@ from qualify.bounds.layers import LAYERS_FILE, group_members, layer_metrics
 from qualify.diagnose.localize import LayerRow, by_layer, first_departure, judge_layers
 from qualify.errors import EvidenceError, QualifyError
 from qualify.layout import RunLayout, launch_log, spec_file
+from qualify.runname import RunName
 from qualify.stagelog import StageLog
 from qualify.stages import fingerprint, require_complete, stage_info, stage_is_complete
 from qualify.store import json_safe, read_json, read_tensors, write_json
@@ -131,7 +132,7 @@ def diagnose_family(layout: RunLayout, acc: Acceptance, spec: Any, family: str, 
     from qualify.bounds.layers import run_layers
 
     fam = bounds_doc["families"][family]
-    ref_acts, ref_grads = run_layers(layout.scores(*fam["reference_run"].split("-", 1), spec.role))
+    ref_acts, ref_grads = run_layers(layout.scores(*RunName.parse(fam["reference_run"]), spec.role))
     measured = layer_metrics(acts if hook else None, ref_acts, cand_grads, ref_grads)
     problems = {f"act/{n}": f"shape {tuple(acts[n].shape)} != {tuple(ref_acts[n].shape)}"
                 for n in set(acts) & set(ref_acts) if acts[n].shape != ref_acts[n].shape}

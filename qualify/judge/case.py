@@ -35,6 +35,7 @@ from qualify.layout import RunLayout
 from qualify.matrix import Case
 from qualify.reference.context import ScoringContext
 from qualify.resident import Resident
+from qualify.runname import RunName
 from qualify.stages import stage_is_complete
 from qualify.store import read_json
 from qualify.tensor_codec import release as release_decoded
@@ -57,7 +58,7 @@ def case_replays(ctx: ScoringContext, case: Case, inputs: StepInputs) -> list[tu
     cand = load_steps(layout.case(case.name))
     out = []
     for _, ref_run in case_families(case):
-        precision, control = ref_run.split("-", 1)
+        precision, control = RunName.parse(ref_run)
         ref = load_steps(layout.scores(precision, control, case.role))
         decided = replay_needed(run_decisions(objective, case.role, cand, inputs),
                                 run_decisions(objective, case.role, ref, inputs), cand, ref)
@@ -81,7 +82,7 @@ def judged_reads(ctx: ScoringContext, case: Case, inputs: StepInputs, verified: 
 
     layout = ctx.layout
     reads = [layout.case(case.name)]
-    reads += [replay_location(ctx, ref_run.split("-", 1)[0], case.role, decided)
+    reads += [replay_location(ctx, RunName.parse(ref_run).precision, case.role, decided)
               for ref_run, decided in case_replays(ctx, case, inputs)]
     reads += [layout.case(base.name) for _, base in invariance_bases(case)
               if base.name in verified or stage_is_complete(layout.case(base.name))]
@@ -127,7 +128,7 @@ def family_rows(ctx: ScoringContext, case: Case, bounds: dict, cand: list[RunTen
     in the case's declared logprob formula; and the case's own precision's r0 (the first family's)."""
     rows, own_ref = [], None
     for family, ref_run in case_families(case):
-        precision, control = ref_run.split("-", 1)
+        precision, control = RunName.parse(ref_run)
         ref_dir = ctx.layout.scores(precision, control, case.role)
         r0, fam = resident.base(ref_dir, load_steps(ref_dir)), bounds[(case.role, family)]
         own_ref = r0 if own_ref is None else own_ref  # the case's own precision's r0 comes first

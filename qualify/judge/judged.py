@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from qualify.errors import EvidenceError
+from qualify.hashing import sha256_tag
 from qualify.layout import work_dir
 from qualify.stages import MARKER, check_sealed_all, fingerprint
 from qualify.store import read_json, write_json
@@ -41,7 +42,7 @@ def code_fingerprint() -> str:
     for path in sorted(root.rglob("*.py")):
         h.update(path.relative_to(root).as_posix().encode() + b"\0")
         h.update(hashlib.sha256(path.read_bytes()).digest())
-    return "sha256:" + h.hexdigest()
+    return sha256_tag(h.hexdigest())
 
 
 def judged_key(root: Path, acceptance_digest: str, reads: list[Path]) -> str:

@@ -11,9 +11,11 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from qualify.hashing import DIGEST_PREFIX
+
 
 def short(digest: str) -> str:
-    return digest.removeprefix("sha256:")[:12]
+    return digest.removeprefix(DIGEST_PREFIX)[:12]
 
 
 def ack_problems(acks: Sequence[Mapping[str, Any]], version: int,

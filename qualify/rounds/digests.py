@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 import torch
 
+from qualify.hashing import digest_of_bytes, sha256_tag
 from qualify.store import dumps_json
 
 
@@ -22,7 +23,7 @@ def tensor_digest(t: torch.Tensor) -> str:
         t = t + 0.0  # -0.0 + 0.0 == +0.0 under round-to-nearest; every other value is unchanged
     h = hashlib.sha256(f"{str(t.dtype).removeprefix('torch.')}:{list(t.shape)}\n".encode("ascii"))
     h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return "sha256:" + h.hexdigest()
+    return sha256_tag(h.hexdigest())
 
 
 def digests_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
@@ -32,4 +33,4 @@ def digests_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
 
 def version_digest(per_tensor: Mapping[str, str]) -> str:
     """One digest naming a whole weight version: sha256 of the sorted name -> digest JSON."""
-    return "sha256:" + hashlib.sha256(dumps_json(dict(per_tensor)).encode("ascii")).hexdigest()
+    return digest_of_bytes(dumps_json(dict(per_tensor)).encode("ascii"))

@@ -20,7 +20,6 @@ Usage: python -m qualify.rounds.server
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -28,6 +27,7 @@ import time
 from typing import IO, Any
 
 from qualify.errors import Refused
+from qualify.hashing import digest_of_bytes
 from qualify.rollout.invariant import BATCH_INVARIANT_SETTINGS
 from qualify.rollout.vllm_worker import model_runner, result_of
 from qualify.rounds.acks import ack_problems
@@ -37,7 +37,7 @@ EXTENSION = "qualify.rounds.vllm_ext.RoundsWorkerExtension"
 
 
 def acks_digest(acks: list[dict[str, Any]]) -> str:
-    return "sha256:" + hashlib.sha256(dumps_json(acks).encode("ascii")).hexdigest()
+    return digest_of_bytes(dumps_json(acks).encode("ascii"))
 
 
 class Engine:

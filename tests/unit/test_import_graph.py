@@ -27,8 +27,8 @@ LAYERS = [  # top floor first: a package may import its own modules and any pack
     {"engines", "rollout", "acceptance"},
     {"bounds", "models", "slurm", "case", "resident"},
     {"matrix", "compare", "manifest", "stages", "memory"},
-    {"ppo", "schema", "store", "hashing", "contract", "versions"},
-    {"tensor_codec", "runname"},
+    {"ppo", "schema", "store", "contract", "versions"},
+    {"tensor_codec", "runname", "hashing"},
     {"errors", "layout", "metrics", "hardware", "progress", "stagelog", "childlog", "verdict", "waivers"},
 ]
 
