@@ -87,6 +87,7 @@ def test_torch_tp_passes_every_case(run_copy, tiny_matrix):
     assert tp_rows and all(r["passed"] for r in tp_rows)
 
 
+@pytest.mark.extended
 def test_deepspeed_passes_every_case(run_copy):
     require_module("deepspeed")
     m = matrix_with(run_copy.parent, engines=["deepspeed"])
