@@ -85,6 +85,9 @@ NOT_RUN = {
                      "one H200 (BENCHMARKS.md)",
     "scripts/demo.sh matrices/tiny-qwen3-grpo.yaml runs/tiny-qwen3-grpo":
         "the whole GRPO chain (about 3 minutes); tests/integration/test_grpo_chain.py runs its stages",
+    "qualify candidate matrices/tiny-qwen3-dp.yaml --run runs/tiny-qwen3-dp --only '[!m]*'":
+        "the shipped data-parallel matrix's 80 CPU cases (about 16 minutes on 2 cores, BENCHMARKS.md); "
+        "tests/integration/test_dp_matrix.py runs its representatives",
     "scripts/demo.sh matrices/tiny-qwen3-moe.yaml runs/tiny-qwen3-moe":
         "the whole MoE chain (about 5 minutes with the TP2 capture); tests/integration/test_moe.py runs its stages",
 }
