@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qualify.matrix.disk import check_checkpoint_family
 from qualify.matrix.top import Matrix
 from qualify.schema import load_yaml_file
 
@@ -14,7 +13,7 @@ def load_matrix(path: Path | str) -> Matrix:
     """Read and validate a matrix YAML file (for checkpoint models, against the actor's config.json too)."""
     matrix = load_yaml_file(Matrix, path, "matrix file", {"source": str(path)})
     if matrix.models.checkpoints is not None:
-        check_checkpoint_family(matrix)
+        matrix.check_checkpoint_family()
     return matrix
 
 

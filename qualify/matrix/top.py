@@ -8,9 +8,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qualify.errors import MatrixError
 from qualify.matrix.candidates import Candidates
 from qualify.matrix.cases import Case, CaseSettings, enumerate_cases
-from qualify.matrix.disk import check_checkpoint_family, missing_here
+from qualify.matrix.disk import missing_here, read_checkpoint_family, resolve
 from qualify.matrix.engine_names import MEGATRON_ENGINES
 from qualify.matrix.models import Models
 from qualify.matrix.objective import GRPO, PPO, Objective, Optimizer
@@ -182,8 +183,7 @@ class Matrix:
 
     def resolve(self, path: str) -> Path:
         """A path from the matrix, relative to the matrix file's directory."""
-        p = Path(path).expanduser()
-        return p if p.is_absolute() else (Path(self.source).parent / p)
+        return resolve(self.source, path)
 
     def check_family(self, num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_size: int,
                      where: str) -> None:
@@ -210,9 +210,15 @@ class Matrix:
 
     def check_checkpoint_family(self) -> None:
         """For checkpoint models, check the TP degrees and EOS against the actor's config.json when it is there
-        (qualify.matrix.disk.check_checkpoint_family)."""
-        check_checkpoint_family(self)
+        (qualify.matrix.disk.read_checkpoint_family)."""
+        values = read_checkpoint_family(self.source, self.models.checkpoints)
+        if values is None:
+            return
+        try:
+            self.check_family(*values, "models.checkpoints.actor config.json")
+        except ValueError as exc:
+            raise MatrixError(f"{self.source}: {exc}") from exc
 
     def missing_here(self) -> list[str]:
         """What the matrix names that is not on this machine (qualify.matrix.disk.missing_here)."""
-        return missing_here(self)
+        return missing_here(self.source, self.models, self.rollout)
