@@ -1,4 +1,4 @@
-"""Matrix validation rules of issue 14: every bad value is a one-line MatrixError naming the file, the key and
+"""Matrix validation rules: every bad value is a one-line MatrixError naming the file, the key and
 what is allowed, raised at load time (before any capture or engine starts); the shipped matrices still load."""
 
 from __future__ import annotations
