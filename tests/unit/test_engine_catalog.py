@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 from qualify.engines import catalog
-from qualify.engines.catalog import BUILTIN_ENGINES, CATALOG, DEEPSPEED_ENGINES, MEGATRON_ENGINES, UNPACKED_ENGINES
+from qualify.engines.catalog import (
+    BUILTIN_ENGINES,
+    CATALOG,
+    DEEPSPEED_ENGINES,
+    MEGATRON_ENGINES,
+    UNPACKED_ENGINES,
+    VOCAB_SHARDING_ENGINES,
+)
 from qualify.engines.registry import ENGINES, PRELOAD, factory_problem
 from qualify.matrix import engine_name_problem
 
@@ -28,7 +35,7 @@ def test_the_names_are_the_catalogs_in_its_order():
                                "deepspeed-zero3", "megatron-distopt", "fsdp2")
     assert DEEPSPEED_ENGINES == ("deepspeed", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3")
     assert MEGATRON_ENGINES == ("megatron", "megatron-distopt")
-    assert set(UNPACKED_ENGINES) == set(MEGATRON_ENGINES)
+    assert set(UNPACKED_ENGINES) == set(MEGATRON_ENGINES) == set(VOCAB_SHARDING_ENGINES)
     assert len(set(BUILTIN_ENGINES)) == len(CATALOG)
 
 
