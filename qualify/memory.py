@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qualify.engines.catalog import VOCAB_SHARDING_ENGINES
 from qualify.errors import SlurmError
 
 GiB = 1 << 30
@@ -48,9 +49,6 @@ EVIDENCE_PER_STEP = 16
 CANDIDATE_STATE = {"fp32": 16, "bf16": 20}
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2}
 LOGPROB_CHUNK_BUFFERS = 3
-VOCAB_SHARDING_ENGINES = ("megatron", "megatron-distopt")
-"""Engines that shard the embedding by vocabulary; the others keep it whole on every rank (torch-tp's plan,
-DeepSpeed's AutoTP)."""
 
 
 @dataclass(frozen=True, slots=True)

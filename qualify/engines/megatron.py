@@ -116,7 +116,7 @@ class MegatronEngine(OutputScoring):
 
     name = "megatron"
     packed = False
-    """No packed batches: qualify.matrix.UNPACKED_ENGINES says why (the matrix refuses megatron x packed)."""
+    """No packed batches: qualify.engines.catalog.UNPACKED_ENGINES says why (the matrix refuses megatron x packed)."""
 
     def __init__(self, distributed_optimizer: bool = False) -> None:
         self.distributed_optimizer = distributed_optimizer

@@ -32,9 +32,9 @@ from typing import Any
 import torch
 
 from qualify.errors import EngineError
+from qualify.roles import ROLES
 
 EXTRA_STATE = "_extra_state"
-ROLES = ("actor", "critic")
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,45 +17,26 @@ from pathlib import Path
 from typing import Any
 
 from qualify.engines.base import TrainEngine
+from qualify.engines.catalog import CATALOG, BuiltinEngine
 from qualify.errors import EngineError
-from qualify.matrix import BUILTIN_ENGINES, DEEPSPEED_ENGINES, engine_name_problem
+from qualify.matrix.engine_names import engine_name_problem
 
 Factory = Callable[[], TrainEngine]
 
 
-def _torch_tp() -> TrainEngine:
-    from qualify.engines.torch_tp import TorchTPEngine
-
-    return TorchTPEngine()
-
-
-def _deepspeed(zero_stage: int = 0) -> TrainEngine:
-    from qualify.engines.deepspeed_engine import DeepSpeedEngine
-
-    return DeepSpeedEngine(zero_stage=zero_stage)
+def _build(engine: BuiltinEngine) -> TrainEngine:
+    """A built-in engine made from its catalog entry: its adapter's module imported now (never before), the class
+    called with the entry's keyword arguments."""
+    module_name, _, attr = engine.adapter.partition(":")
+    return getattr(importlib.import_module(module_name), attr)(**dict(engine.kwargs))
 
 
-def _megatron(distributed_optimizer: bool = False) -> TrainEngine:
-    from qualify.engines.megatron import MegatronEngine
+ENGINES: dict[str, Factory] = {engine.name: partial(_build, engine) for engine in CATALOG}
+"""Every built-in engine's factory, by name (qualify.engines.catalog.CATALOG lists them)."""
 
-    return MegatronEngine(distributed_optimizer=distributed_optimizer)
-
-
-def _fsdp2() -> TrainEngine:
-    from qualify.engines.fsdp2 import FSDP2Engine
-
-    return FSDP2Engine()
-
-
-ENGINES: dict[str, Factory] = dict(zip(BUILTIN_ENGINES, (
-    _torch_tp, _deepspeed, _megatron, partial(_deepspeed, 1), partial(_deepspeed, 2), partial(_deepspeed, 3),
-    partial(_megatron, True), _fsdp2), strict=True))
-
-PRELOAD: dict[str, tuple[str, ...]] = {**dict.fromkeys(DEEPSPEED_ENGINES, ("deepspeed",)),
-                                        "fsdp2": ("torch.distributed.fsdp", "torch.distributed.tensor.parallel")}
+PRELOAD: dict[str, tuple[str, ...]] = {engine.name: engine.preload for engine in CATALOG if engine.preload}
 """Third-party modules a built-in engine's ranks import that a CPU launch's fork server imports before it forks them
-(qualify.case.forkserver; torch and transformers are always there). fsdp2's are torch's own FSDP2 and DTensor
-parallel modules. megatron runs on GPUs only, where ranks start fresh."""
+(qualify.case.forkserver; torch and transformers are always there): each catalog entry's preload."""
 
 
 def preload_modules(engine: str) -> tuple[str, ...]:
@@ -106,7 +87,7 @@ def factory_problem(name: str) -> str | None:
 
 
 def require_engine(name: str, where: str = "") -> None:
-    """name is a registered engine or a 'module:factory' plugin (qualify.matrix.engine_name_problem) whose factory
+    """name is a registered engine or a 'module:factory' plugin (qualify.matrix.engine_names.engine_name_problem) whose factory
     its module's source binds (factory_problem); anything else is an error listing the known ones."""
     problem = engine_name_problem(name) or (None if name in ENGINES else factory_problem(name))
     if problem:

@@ -29,8 +29,11 @@ LAYERS = [  # top floor first: a package may import its own modules and any pack
     {"matrix", "compare", "manifest", "stages", "memory"},
     {"ppo", "schema", "store", "contract", "versions"},
     {"tensor_codec", "runname", "hashing"},
-    {"errors", "layout", "metrics", "hardware", "progress", "stagelog", "childlog", "verdict", "waivers"},
+    {"errors", "layout", "metrics", "hardware", "progress", "stagelog", "childlog", "verdict", "waivers", "roles",
+     "engines.catalog"},
 ]
+"""A dotted name (engines.catalog) is a module with a floor of its own, below its package's: the built-in engines'
+catalog, plain data that the matrix's validation reads under the engines that build from it."""
 
 
 RUNS_MODULE = ("start_module", "launch")
@@ -91,10 +94,14 @@ def module_graph(package_dir: Path) -> dict[str, set[str]]:
     return graph
 
 
-def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
-    """The same graph between the top level's packages and modules (qualify.<x>)."""
+def package_graph(graph: dict[str, set[str]], layers: list[set[str]] = LAYERS) -> dict[str, set[str]]:
+    """The same graph between the top level's packages and modules (qualify.<x>), a module that layers gives a floor
+    of its own (a dotted name, qualify.<x>.<y>) kept apart from its package."""
+    own = {name for names in layers for name in names if "." in name}
+
     def top(m: str) -> str:
-        return ".".join(m.split(".")[:2])
+        parts = m.split(".")
+        return m if ".".join(parts[1:]) in own else ".".join(parts[:2])
     out: dict[str, set[str]] = defaultdict(set)
     for a, bs in graph.items():
         out[top(a)] |= {top(b) for b in bs if top(b) != top(a)}
@@ -226,3 +233,16 @@ def test_a_circle_through_a_function_level_import_is_found_and_named(tmp_path):
     assert circles(package_graph(graph)) == [["pkg.low", "pkg.stage", "pkg.low"]]
     (pkg / "low" / "rule.py").write_text("def f():\n    return 1\n")  # the climb removed: no circle
     assert circles(module_graph(pkg)) == []
+
+
+def test_a_module_with_a_floor_of_its_own_is_kept_apart_from_its_package(tmp_path):
+    """A dotted name of LAYERS (engines.catalog) gives a module its own floor: its package may stand above what
+    imports the module; without that floor the same imports close a circle and climb."""
+    pkg = package(tmp_path, {"low/data.py": "X = 1\n", "low/rule.py": "from pkg import stage\n",
+                             "stage.py": "from pkg.low.data import X\n"})
+    layers = [{"low"}, {"stage"}, {"low.data"}]
+    graph = package_graph(module_graph(pkg), layers)
+    assert climbs(graph, layers, "pkg") == [] and circles(graph) == []
+    whole = package_graph(module_graph(pkg), [{"low"}, {"stage"}])
+    assert climbs(whole, [{"low"}, {"stage"}], "pkg") == ["pkg.stage -> pkg.low"]
+    assert circles(whole) == [["pkg.low", "pkg.stage", "pkg.low"]]

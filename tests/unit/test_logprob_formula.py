@@ -26,7 +26,7 @@ from qualify.models.hf import declared_logprobs, logprobs_from_outputs
 from qualify.ppo.formula import PROCESSED_KEY, Sampling, formula_logprobs
 from qualify.ppo.logprob import processed_logprobs, sampler_logprobs
 from tests.unit._runs import OPT
-from tests.unit.test_matrix import MATRICES, edited, load_error, setter, write
+from tests.unit.matrix.test_loader import MATRICES, edited, load_error, setter, write
 
 B, T, V = 3, 9, 40
 TOP_P = Sampling(temperature=0.7, top_p=0.6)

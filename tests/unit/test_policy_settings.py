@@ -25,7 +25,7 @@ from qualify.ppo.math import clipped_policy_loss, policy_settings
 from qualify.ppo.objective import role_objective
 from qualify.schema import to_dict
 from qualify.store import write_json
-from tests.unit.test_matrix import edited, load_error, setter, write
+from tests.unit.matrix.test_loader import edited, load_error, setter, write
 
 PEER = PPO(clip_eps=0.2, clip_eps_low=0.15, clip_eps_high=0.28, dual_clip_c=1.3, entropy_coef=0.01)
 """Every new setting at once; c = 1.3 so that random ratios reach it."""

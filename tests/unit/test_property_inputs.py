@@ -29,7 +29,7 @@ from qualify.manifest import create_manifest, digest_of
 from qualify.matrix import Matrix, load_matrix
 from qualify.schema import from_dict, to_dict
 from qualify.slurm.profile import load_profile
-from tests.unit.test_matrix import TINY
+from tests.unit.matrix.test_loader import TINY
 
 EXAMPLES = int(os.environ.get("QUALIFY_PROPERTY_EXAMPLES", "30"))
 PROPERTY = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=bool(os.environ.get("CI")),

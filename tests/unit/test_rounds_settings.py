@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from qualify.matrix import ROUNDS_PROBES, load_matrix
 from qualify.rounds.stage import RoundsOptions, rounds_options
-from tests.unit.test_matrix import edited, setter, write
+from tests.unit.matrix.test_loader import edited, setter, write
 
 
 def test_the_matrix_section_sets_every_option(tmp_path):

@@ -12,7 +12,7 @@ from qualify.errors import MatrixError
 from qualify.matrix import load_matrix
 from qualify.schema import MAX_YAML_NODES, parse_yaml
 from qualify.slurm.profile import load_profile
-from tests.unit.test_matrix import TINY
+from tests.unit.matrix.test_loader import TINY
 
 TINY_TEXT = yaml.safe_dump(TINY, sort_keys=False)
 

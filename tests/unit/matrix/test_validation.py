@@ -11,7 +11,7 @@ import pytest
 
 from qualify.errors import MatrixError
 from qualify.matrix import load_matrix
-from tests.unit.test_matrix import SHIPPED, TINY, deleter, edited, load_error, setter, write
+from tests.unit.matrix.test_loader import SHIPPED, TINY, deleter, edited, load_error, setter, write
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)

@@ -13,7 +13,7 @@ import yaml
 from qualify.matrix import Case, load_matrix
 from qualify.reference.step import controls_of
 from qualify.report_verify import CASE_NAME
-from tests.unit.test_matrix import MATRICES, TINY, load_error, write
+from tests.unit.matrix.test_loader import MATRICES, TINY, load_error, write
 
 
 def packed(**candidates) -> dict:

@@ -14,7 +14,7 @@ import yaml
 from qualify.errors import MatrixError
 from qualify.matrix import Case, load_matrix
 
-MATRICES = Path(__file__).resolve().parents[2] / "matrices"
+MATRICES = Path(__file__).resolve().parents[3] / "matrices"
 GRPO = yaml.safe_load((MATRICES / "tiny-qwen3-grpo.yaml").read_text())
 PPO = yaml.safe_load((MATRICES / "tiny-qwen3.yaml").read_text())
 

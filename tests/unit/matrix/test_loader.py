@@ -15,7 +15,7 @@ from qualify.errors import MatrixError
 from qualify.matrix import Matrix, load_matrix, matrix_files
 from qualify.schema import from_dict, to_dict
 
-MATRICES = Path(__file__).resolve().parents[2] / "matrices"
+MATRICES = Path(__file__).resolve().parents[3] / "matrices"
 SHIPPED = sorted(MATRICES.glob("*.yaml"))
 TINY = yaml.safe_load((MATRICES / "tiny-qwen3.yaml").read_text())
 
