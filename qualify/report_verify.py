@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from qualify.errors import EvidenceError, QualifyError
 from qualify.layout import WORK_SUFFIX, RunLayout
+from qualify.matrix import CASE_NAME, parse_case_name
 from qualify.stages import Sealed, check_sealed_all, stage_is_complete
 from qualify.verdict import VERDICT_SCHEMA
 
-CASE_NAME = re.compile(r"^(?P<engine>.+)-(?P<precision>fp32|bf16)-tp(?P<tp>[1-9][0-9]*)(?:-dp(?P<dp>[2-9]|[1-9][0-9]+))?"
-                       r"(?:-(?P<packing>packed))?-(?P<role>actor|critic)$")
 ROW_KEYS = ("case", "role", "comparison", "tensor", "metric", "value", "bound", "passed")
 REL_TOL = 1e-9  # judged again in the same float64 arithmetic; only the JSON round trip may differ
 MAX_LISTED = 5
@@ -297,7 +295,7 @@ def rejudge_problems(layout: RunLayout, reference: dict[str, Any], acceptance: d
                      verdict: dict[str, Any], names: list[str]) -> list[str]:
     """Judge every named case again from its sealed evidence and compare with the verdict's rows."""
     from qualify.judge.case import judge_case
-    from qualify.matrix import Case, Matrix
+    from qualify.matrix import Matrix
     from qualify.models.checkpoint import initial_parameters
     from qualify.reference.context import ScoringContext
     from qualify.resident import Resident
@@ -310,10 +308,8 @@ def rejudge_problems(layout: RunLayout, reference: dict[str, Any], acceptance: d
     resident = Resident()  # the r0 runs and fp64 starts every case is judged against, on the metrics GPU once
     problems = []
     for name in names:
-        parts = CASE_NAME.match(name)
-        assert parts is not None  # checked by case_problems
-        case = Case(engine=parts["engine"], precision=parts["precision"], tp=int(parts["tp"]), role=parts["role"],
-                    dp=int(parts["dp"] or 1), packing=parts["packing"] or "padded")
+        case = parse_case_name(name)
+        assert case is not None  # checked by case_problems
         if case.role not in befores:
             befores[case.role] = initial_parameters(models[case.role])
         try:
