@@ -118,7 +118,7 @@ def _case_summary(name: str, c: dict[str, Any]) -> dict[str, Any]:
 def closest_passing(rows: list[dict[str, Any]], derived: bool = False) -> dict[str, Any] | None:
     """The passing row nearest its bound (largest value/bound among rows with a positive bound): the false-alarm
     margin of a verdict, what a correct engine leaves between itself and a FAIL. Bound rows (k x control error +
-    floor) by default; derived=True: the derivation rows instead (comparison 'derived', held to first-order rounding
+    floor + quantum) by default; derived=True: the derivation rows instead (comparison 'derived', held to first-order rounding
     bounds, which a correct engine approaches by construction: apart, so that neither hides the other)."""
     best = None
     for r in rows if isinstance(rows, list) else []:

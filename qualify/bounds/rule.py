@@ -118,8 +118,8 @@ def bound_entry(kind: str, error: float, k: float, floors: dict[str, float], q: 
 
 
 def logprob_rule(rule: dict[str, Any]) -> tuple[float, float]:
-    """(k, the logprob floor) of an acceptance's rule section (the one reader of it: rounds and the report's check of
-    a rounds verdict); KeyError, TypeError or ValueError when it lacks them."""
+    """(k, the logprob floor) of an acceptance's rule section (as rounds and the report's check of a rounds
+    verdict read them); KeyError, TypeError or ValueError when it lacks them."""
     return float(rule["k"]), float(rule["floors"]["logprob"])
 
 

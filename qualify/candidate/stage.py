@@ -109,7 +109,7 @@ def run_candidates(matrix: Matrix, run_dir: Path, *, acceptance: Path | None = N
 def pinned_acceptance(layout: RunLayout, acceptance: Path | None, expect: str | None) -> Acceptance:
     """The acceptance (the run's, or the file given), verified, and its digest the expected one when given."""
     acc = Acceptance.load(Path(acceptance) if acceptance else layout.acceptance, layout.reference)
-    if expect is not None and acc.digest != expect:  # an anchor kept outside the run (README: what it protects)
+    if expect is not None and acc.digest != expect:  # an anchor kept outside the run (README: "What the digests protect against")
         raise EvidenceError(f"the acceptance {acc.path} has digest {acc.digest}, not the expected {expect}")
     return acc
 

@@ -1,7 +1,7 @@
 """Engine registry: a plain dict from name to factory, plus 'module:factory' plugins.
 
 A plugin's factory is a function or class defined in Python source: its module's file is read (nothing imported but
-its parent packages) before anything runs, so a builtin or C function ('builtins:eval', 'os:abort') is refused in one
+its parent packages) before any rank starts (candidate's and rounds' first check), so a builtin or C function ('builtins:eval', 'os:abort') is refused in one
 line, never called; when the engine is made, what the name is bound to is checked again.
 """
 

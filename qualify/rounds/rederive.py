@@ -14,7 +14,7 @@ stays; and the number of rounds the verdict claims is not taken from it either: 
 and what was asked for (the frozen matrix's rounds.rounds for a report, the options for a reuse), no round's
 evidence past it, its last round untrained (only a round with a round after it trains), and a pass holds one
 actor version per round, each the one the install before it acknowledged. A writer who forges the evidence files themselves consistently is what only the acceptance anchor and a
-signature protect against (README, threat model).
+signature protect against (README, "What the digests protect against, and what needs an anchor").
 """
 
 from __future__ import annotations
