@@ -20,6 +20,7 @@ from qualify.bounds.rule import FAMILIES
 from qualify.errors import EvidenceError, ManifestError, QualifyError
 from qualify.hashing import digest_of_bytes, file_digest
 from qualify.manifest import VerifyReport, load_manifest, verify_manifest
+from qualify.roles import ACTOR_ONLY, ROLES
 from qualify.store import read_json
 
 ACCEPTANCE_SCHEMA = "qualify.acceptance/4"
@@ -100,7 +101,7 @@ def check_acceptance(path: Path) -> list[str]:
     if doc.get("schema_version") != ACCEPTANCE_SCHEMA:
         problems.append(f"schema_version {doc.get('schema_version')!r} != {ACCEPTANCE_SCHEMA!r}")
     rule = doc.get("rule", {})
-    roles = ("actor",) if doc.get("algorithm") == "grpo" else ("actor", "critic")  # GRPO has no critic
+    roles = ACTOR_ONLY if doc.get("algorithm") == "grpo" else ROLES  # GRPO has no critic
     expected = {f"{role}-{family}.json" for role in roles for family in FAMILIES}
     if set(doc.get("bounds", {})) != expected:
         problems.append(f"bound files {sorted(doc.get('bounds', {}))} != {sorted(expected)}")

@@ -26,13 +26,14 @@ from qualify.bounds.records import means_of, terms_of
 from qualify.bounds.rule import BOUNDS_SCHEMA, FAMILIES, RULE
 from qualify.errors import EvidenceError, FrozenError
 from qualify.hashing import digest_of_bytes, file_digest
-from qualify.layout import ROLES_ALL, RunLayout
+from qualify.layout import RunLayout
 from qualify.manifest import build_manifest
 from qualify.matrix import Freeze
 from qualify.models.checkpoint import initial_parameters
 from qualify.ppo.coverage import inert
 from qualify.reference.context import ScoringContext
 from qualify.reference.inputs import StepInputs
+from qualify.roles import MODEL_ROLES, ROLES
 from qualify.schema import from_dict
 from qualify.stages import fingerprint, require_all_complete, require_complete, stage_info
 from qualify.store import atomic_write_bytes, dumps_json, read_json, read_json_object
@@ -104,7 +105,7 @@ def verified_reference(layout: RunLayout) -> tuple[dict[str, Any], Any]:
         raise EvidenceError(f"{layout.reference_summary} lists controls {summary['controls']}, but the sealed matrix "
                             f"snapshot declares {declared}: the summary was changed, or made from another matrix")
 
-    stages = [(layout.model(role), f"{role} model") for role in ROLES_ALL] if matrix.models.tiny is not None else []
+    stages = [(layout.model(role), f"{role} model") for role in MODEL_ROLES] if matrix.models.tiny is not None else []
     stages += [(layout.rollout(tp), f"rollout TP{tp}") for tp in matrix.rollout.vllm_tp]
     stages.append((layout.targets, "targets"))
     stages += [(layout.scores(precision, control, role), f"reference {precision} {control} {role}")
@@ -225,7 +226,7 @@ def freeze(run_dir: Path, name: str | None = None, log: Any = None) -> dict[str,
 
 
 def reference_coverage(layout: RunLayout, control: str,
-                       roles: tuple[str, ...] = ("actor", "critic")) -> dict[str, list[dict[str, Any]]]:
+                       roles: tuple[str, ...] = ROLES) -> dict[str, list[dict[str, Any]]]:
     """Per role, the branches each step of the fp32 reference run took (recorded by the reference)."""
     return {role: read_json(layout.scores("fp32", control, role) / "meta.json").get("coverage", [])
             for role in roles}

@@ -24,9 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-ROLES_TRAINED = ("actor", "critic")
-ROLES_ALL = ("actor", "reference", "critic", "reward")
-
 
 @dataclass(frozen=True, slots=True)
 class RunLayout:

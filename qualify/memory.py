@@ -38,6 +38,7 @@ from typing import Any
 
 from qualify.engines.catalog import VOCAB_SHARDING_ENGINES
 from qualify.errors import SlurmError
+from qualify.roles import ROLES
 
 GiB = 1 << 30
 CONTEXT_BYTES = 2 * GiB
@@ -148,7 +149,7 @@ def tiny_shapes(tiny: Any) -> dict[str, Shape]:
                         num_heads=tiny.num_heads, num_kv_heads=tiny.num_kv_heads, head_dim=tiny.head_dim,
                         lm_head=role == "actor", tied=role == "actor" and bool(tiny.tie_word_embeddings),
                         **(moe if role == "actor" else {}))
-            for role in ("actor", "critic")}
+            for role in ROLES}
 
 
 FAMILY_ROLES = {"actor": 2, "critic": 2}
@@ -197,7 +198,7 @@ def matrix_shapes(models: Any, resolve: Callable[[str], Path]) -> dict[str, Shap
     if models.tiny is not None:
         return tiny_shapes(models.tiny)
     shapes = {}
-    for role in ("actor", "critic"):
+    for role in ROLES:
         path = resolve(getattr(models.checkpoints, role)) / "config.json"
         if not path.is_file():
             return None

@@ -43,6 +43,7 @@ from qualify.ppo.decisions import differing
 from qualify.reference.context import ScoringContext
 from qualify.reference.forced import ensure_replay, sealed_replay
 from qualify.reference.inputs import StepInputs
+from qualify.roles import MODEL_ROLES, ROLES
 from qualify.rollout.capture import load_rollout
 from qualify.runname import RunName
 from qualify.schema import from_dict
@@ -52,7 +53,6 @@ from qualify.verdict import Row
 
 # Versions that change the numbers a reference computes (bitwise is expected only when they match).
 NUMERICS_PACKAGES = ("torch", "transformers", "safetensors")
-ROLES = ("actor", "critic")
 # The modes of a replay: bytes equal; another platform judged within the bounds; the same fingerprint, yet bytes
 # differed, so judged within the bounds as another platform's.
 BITWISE, BOUNDS, BYTES_DIFFER = "bitwise", "bounds", "bounds (fingerprint matched, bytes differ)"
@@ -143,7 +143,7 @@ def bitwise_rows(acceptance_path: Path, layout: RunLayout) -> tuple[list[Row], d
 
 
 def role_of(path: str) -> str:
-    for role in ("actor", "critic", "reference", "reward"):
+    for role in MODEL_ROLES:
         if f"/{role}/" in f"/{path}":
             return role
     return "-"

@@ -6,10 +6,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from qualify.roles import MODEL_ROLES
+
 if TYPE_CHECKING:
     from qualify.matrix import Models
 
-ROLES = ("actor", "reference", "critic", "reward")
+ROLES = MODEL_ROLES
 """Every role of the family: the trained actor and critic, the frozen reference policy and reward model."""
 
 

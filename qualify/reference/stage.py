@@ -36,8 +36,6 @@ from qualify.stages import (
 from qualify.store import read_json, read_tensors, write_json
 from qualify.versions import git_state, provenance
 
-ROLES = ("actor", "critic")
-
 
 def prepare_models(models: Models, layout: RunLayout, resolve: Callable[[str], Path]) -> dict[str, Path]:
     """The four model directories: made from the seed (tiny) or the matrix's checkpoints (paths resolved by resolve,

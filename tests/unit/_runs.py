@@ -15,8 +15,9 @@ import torch
 import yaml
 
 from qualify.compare import RunTensors
-from qualify.layout import ROLES_ALL, RunLayout
+from qualify.layout import RunLayout
 from qualify.matrix import Matrix, Optimizer, load_matrix
+from qualify.roles import MODEL_ROLES
 from qualify.schema import to_dict
 from qualify.stages import complete_stage, prepare_stage
 from qualify.store import write_json, write_tensors
@@ -161,7 +162,7 @@ def synthetic_reference(run_dir: Path, matrix: Matrix, coverage: dict | None = N
     write_json(layout.matrix_snapshot / "matrix.json", to_dict(matrix))
     matrix_digest = "sha256:" + hashlib.sha256((layout.matrix_snapshot / "matrix.json").read_bytes()).hexdigest()
     complete_stage(layout.matrix_snapshot, {"digest": matrix_digest})
-    for role in ROLES_ALL:
+    for role in MODEL_ROLES:
         sealed_file_stage(layout.model(role), "model.safetensors", params())
     digests = {tp: sealed_file_stage(layout.rollout(tp), "rollout.safetensors", rollout_tensors(tp))
                for tp in matrix.rollout.vllm_tp}  # each TP degree its own digest: the primary one is the first
