@@ -19,6 +19,7 @@ import torch
 
 from qualify import metrics
 from qualify.layout import step_dir
+from qualify.rolemeta import RoleMeta
 from qualify.store import TensorFile, read_json, read_tensors, tensor_spec
 from qualify.tensor_codec import StepCoding
 
@@ -78,19 +79,25 @@ def load_run(directory: Path, step: int = 0) -> RunTensors:
     d = Path(directory) / step_dir(step)
     meta = read_json(Path(directory) / "meta.json")
     # a lean reference r0 (reference.evidence: lean) keeps no updates or moments: they read as empty
-    kept = LEAN_GROUPS if is_lean(meta) else GROUPS
+    kept = LEAN_GROUPS if RoleMeta.from_json(meta, str(Path(directory) / "meta.json")).lean else GROUPS
     return RunTensors(read_tensors(d / "outputs.safetensors"),
                       *(TensorFile(d / f"{g}.safetensors") if g in kept else {} for g in GROUPS[1:]), meta)
 
 
 def is_lean(meta: dict[str, Any]) -> bool:
     """A run kept lean: a reference r0 under reference.evidence lean (outputs and gradients only)."""
-    return meta.get("evidence") == "lean"
+    return RoleMeta.from_json(meta).lean
+
+
+def read_role_meta(directory: Path | str) -> RoleMeta:
+    """A role directory's meta.json, typed (qualify.rolemeta)."""
+    path = Path(directory) / "meta.json"
+    return RoleMeta.from_json(read_json(path), str(path))
 
 
 def num_steps(directory: Path) -> int:
     """How many optimizer steps a role directory holds (from its meta.json)."""
-    return int(read_json(Path(directory) / "meta.json").get("num_steps", 1))
+    return read_role_meta(directory).num_steps
 
 
 def load_steps(directory: Path) -> list[RunTensors]:

@@ -228,8 +228,9 @@ def freeze(run_dir: Path, name: str | None = None, log: Any = None) -> dict[str,
 def reference_coverage(layout: RunLayout, control: str,
                        roles: tuple[str, ...] = ROLES) -> dict[str, list[dict[str, Any]]]:
     """Per role, the branches each step of the fp32 reference run took (recorded by the reference)."""
-    return {role: read_json(layout.scores("fp32", control, role) / "meta.json").get("coverage", [])
-            for role in roles}
+    from qualify.compare import read_role_meta
+
+    return {role: read_role_meta(layout.scores("fp32", control, role)).coverage for role in roles}
 
 
 def _write_once(layout: RunLayout, files: dict[str, bytes], document: dict[str, Any],

@@ -21,7 +21,6 @@ from qualify.layout import RunLayout
 from qualify.metrics import metrics_device
 from qualify.runname import RunName
 from qualify.stages import require_complete
-from qualify.store import read_json
 
 LOSS_KEY = "outputs/loss"
 LOSS_TERMS_TEXT = ("the larger of |loss difference| and the sum of |per-token loss contribution differences| "
@@ -132,9 +131,9 @@ def _aligned_bases(layout: RunLayout, role: str, base_name: str, base_steps: Any
 
 def lean_base(base_dir: Path, num_steps: int) -> list[dict[str, Any]] | None:
     """Each step's base_record of an r0 kept lean (None for an r0 kept in full)."""
-    from qualify.compare import is_lean
+    from qualify.compare import read_role_meta
 
-    if not is_lean(read_json(base_dir / "meta.json")):
+    if not read_role_meta(base_dir).lean:
         return None
     record = read_record(base_dir)
     steps = None if record is None else record.get("base", {}).get("steps")

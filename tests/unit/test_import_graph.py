@@ -28,7 +28,7 @@ LAYERS = [  # top floor first: a package may import its own modules and any pack
     {"bounds", "models", "slurm", "case", "resident"},
     {"matrix", "compare", "manifest", "stages", "memory"},
     {"ppo", "schema", "store", "contract", "versions"},
-    {"tensor_codec", "runname", "hashing"},
+    {"tensor_codec", "runname", "hashing", "rolemeta"},
     {"errors", "layout", "metrics", "hardware", "progress", "stagelog", "childlog", "verdict", "waivers", "roles",
      "engines.catalog"},
 ]
