@@ -30,7 +30,7 @@ demo-gpu:
 	  bash scripts/demo.sh $(GPU_MATRIX) $(GPU_RUN)
 
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --durations=30 $(PYTEST_ARGS)
 
 # The suite and the extended sweeps (pytest.mark.extended: wide passes of correct engines whose representatives the
 # suite runs; TESTING.md, 'The extended sweeps').
