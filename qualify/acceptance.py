@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from qualify.bounds.check import check_bounds
-from qualify.bounds.files import BOUNDS_DIR, LAYER_BOUNDS_DIR, read_bound_files
+from qualify.bounds.files import BOUNDS_DIR, LAYER_BOUNDS_DIR, named_file_problem, read_bound_files
 from qualify.bounds.rule import FAMILIES
 from qualify.errors import EvidenceError, ManifestError, QualifyError
-from qualify.hashing import digest_of_bytes, file_digest
+from qualify.hashing import file_digest
 from qualify.manifest import VerifyReport, load_manifest, verify_manifest
 from qualify.roles import ACTOR_ONLY, ROLES
 from qualify.store import read_json
@@ -107,19 +107,15 @@ def check_acceptance(path: Path) -> list[str]:
         problems.append(f"bound files {sorted(doc.get('bounds', {}))} != {sorted(expected)}")
     for name, digest in sorted(doc.get("bounds", {}).items()):
         file = path.parent / BOUNDS_DIR / name
-        if not file.is_file():
-            problems.append(f"missing bound file {file}")
-            continue
-        if digest_of_bytes(file.read_bytes()) != digest:
-            problems.append(f"bound file {file} does not match the acceptance's digest")
+        problem = named_file_problem(file, digest, "bound file")
+        if problem is not None:
+            problems.append(problem)
             continue
         problems += check_bounds(read_json(file), rule, name)
     for name, digest in sorted(doc.get("layer_bounds", {}).items()):  # qualify diagnose's, where frozen
-        file = path.parent / LAYER_BOUNDS_DIR / name
-        if not file.is_file():
-            problems.append(f"missing layer bound file {file}")
-        elif digest_of_bytes(file.read_bytes()) != digest:
-            problems.append(f"layer bound file {file} does not match the acceptance's digest")
+        problem = named_file_problem(path.parent / LAYER_BOUNDS_DIR / name, digest, "layer bound file")
+        if problem is not None:
+            problems.append(problem)
     return problems
 
 

@@ -1,10 +1,9 @@
 """Reading what freeze wrote: the bound files an acceptance names by digest, and diagnose's layer bounds.
 
 The acceptance's loader, the report (text, JUnit, HTML), diagnose and the judge get their bounds here, each file
-checked against the digest the acceptance gives it. One check still reads the files itself:
-qualify.acceptance.check_acceptance (`qualify verify` and `qualify report` run it) opens each bound and layer bound
-file, compares its digest and checks its bounds against the rule, listing every problem instead of stopping at the
-first as read_bound_files does.
+checked against the digest the acceptance gives it. qualify.acceptance.check_acceptance (`qualify verify` and
+`qualify report` run it) checks each named file through named_file_problem, listing every problem instead of stopping
+at the first as read_bound_files does.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from qualify.errors import EvidenceError
-from qualify.hashing import file_digest
+from qualify.hashing import digest_of_bytes, file_digest
 from qualify.store import read_json
 
 BOUNDS_DIR = "bounds"
@@ -38,6 +37,16 @@ def read_bound_files(acceptance_dir: Path, named: dict[str, str], *,
         doc = read_json(file)
         out[(doc["role"], doc["family"])] = doc
     return out
+
+
+def named_file_problem(file: Path, digest: str, what: str) -> str | None:
+    """Why a file an acceptance names by digest is not the file it names ('missing <what> FILE', '<what> FILE does
+    not match the acceptance's digest'); None when it is."""
+    if not file.is_file():
+        return f"missing {what} {file}"
+    if digest_of_bytes(file.read_bytes()) != digest:
+        return f"{what} {file} does not match the acceptance's digest"
+    return None
 
 
 def layer_bounds_named(acceptance_path: Path, document: dict[str, Any]) -> dict[str, str]:
