@@ -47,7 +47,7 @@ every response token (qualify.judge.rollout_exact), and after each weight sync i
 qualify.examples.vllm_gpu_exact:engine`. CUDA, TP1, DP1, a dense Qwen3 with default RoPE, vLLM 0.26's module layout;
 refused otherwise, before anything runs. The mode, the rollout's dtype and its block size are read from the sealed
 rollout's rollout.json. `Kernels` holds the kernel set: `torch_kernels()` is the reference formula of each, which lets
-the forward's wiring be checked against Hugging Face's on any device (tests/unit/test_vllm_gpu_exact.py).
+the forward's wiring be checked against Hugging Face's on any device (tests/unit/examples/test_vllm_gpu_exact.py).
 """
 
 from __future__ import annotations

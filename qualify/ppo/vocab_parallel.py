@@ -9,7 +9,7 @@ vocabulary, so TP = 1, 2, 4 give bitwise identical logprobs and gradients.
 
 Determinism does not rest on torch's reduction kernels, whose summation order follows the tensor's shape
 and the thread count: every sum is a fixed binary tree of elementwise adds (exactly rounded, so the same on
-any layout), max is exact, and exp/log are elementwise (tests/unit/test_vocab_parallel.py checks that
+any layout), max is exact, and exp/log are elementwise (tests/unit/ppo/test_vocab_parallel.py checks that
 torch's exp does not depend on an element's position).
 """
 

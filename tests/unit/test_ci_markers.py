@@ -13,7 +13,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 SLURM_TEST = "tests/integration/test_slurm_chain.py::test_failed_verdict_exits_1_naming_the_verdict_job"
-GPU_TEST = "tests/unit/test_logprob.py::test_cuda_divisor_must_live_on_the_device"
+GPU_TEST = "tests/unit/ppo/test_logprob.py::test_cuda_divisor_must_live_on_the_device"
 
 
 def run_pytest(tmp_path: Path, ci: bool, *tests: str) -> subprocess.CompletedProcess:

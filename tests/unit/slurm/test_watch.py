@@ -13,7 +13,7 @@ import pytest
 from qualify.slurm.render import render_chain
 from qualify.slurm.watch import ChainWatch, _fields, _indices, _tasks
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def record(job_id: str, state: str, *, array: str | None = None, task: str | None = None, exit_code: str = "0:0",

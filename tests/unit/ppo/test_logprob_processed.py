@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from qualify.ppo.logprob import processed_logprobs, sampler_logprobs
-from tests.unit.test_logprob import LargestFloat32
+from tests.unit.ppo.test_logprob import LargestFloat32
 
 B, T, VOCAB, PADDED = 3, 7, 200, 256
 INF = float("inf")
@@ -333,7 +333,7 @@ def test_decompose_mismatch_without_truncation_is_the_old_report():
 
 # --- matrices: the sampling fields and the sweep ------------------------------------------------------
 
-MATRICES = Path(__file__).resolve().parents[2] / "matrices"
+MATRICES = Path(__file__).resolve().parents[3] / "matrices"
 
 
 def with_rollout(tmp_path, **rollout):

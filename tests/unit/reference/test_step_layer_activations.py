@@ -17,7 +17,7 @@ from qualify.models.tiny import build_tiny_model
 from qualify.reference.context import ScoringContext
 from qualify.reference.evidence import scoring_settings
 from qualify.reference.step import Control, run_role
-from tests.unit.test_reference_offload import _inputs
+from tests.unit.reference.test_step_offload import _inputs
 
 
 def _matrix(layers: bool):

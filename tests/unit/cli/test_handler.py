@@ -13,7 +13,7 @@ from qualify.cli.app import app
 from qualify.cli.handler import MAX_MESSAGE, handle_errors, one_line
 from qualify.errors import QualifyError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def usage_error(*args: str) -> str:

@@ -19,7 +19,7 @@ from qualify.errors import EngineError
 from qualify.matrix import BUILTIN_ENGINES, DEEPSPEED_ENGINES, MEGATRON_ENGINES, Case, Optimizer, load_matrix
 from qualify.report_verify import CASE_NAME
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def context(precision: str = "bf16", tp: int = 1, dp: int = 1) -> EngineContext:

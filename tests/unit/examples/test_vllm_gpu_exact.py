@@ -200,7 +200,7 @@ def test_a_rounds_rollout_records_what_the_engine_reads(tmp_path, invariant):
     from qualify.matrix import load_matrix
     from qualify.rounds.session import Session
 
-    m = load_matrix(Path(__file__).resolve().parents[2] / "benchmarks" / "gpu-tiny-exact.yaml")
+    m = load_matrix(Path(__file__).resolve().parents[3] / "benchmarks" / "gpu-tiny-exact.yaml")
     s = object.__new__(Session)
     s.settings = replace(m.case_settings, rollout=replace(m.case_settings.rollout, batch_invariant=invariant,
                                                           block_size=48))

@@ -20,7 +20,7 @@ from qualify.models.routing import agreement, own_routes_BTLK, routing
 from qualify.models.tiny import build_tiny_model
 from qualify.rollout.routes import request_routes, routes_tensor
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SPEC = TinyModel(seed=7, vocab_size=128, moe=TinyMoE(num_experts=4, top_k=2, moe_intermediate_size=16))
 
 

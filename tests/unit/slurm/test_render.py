@@ -17,7 +17,7 @@ from qualify.matrix import load_matrix
 from qualify.slurm.profile import load_profile
 from qualify.slurm.render import case_gpus, render_chain, stale_scripts, write_chain
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 GPU_PROFILES = ("b200x4", "h100x4")
 
 

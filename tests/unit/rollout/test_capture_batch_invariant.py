@@ -16,7 +16,7 @@ from qualify.matrix import load_matrix
 from qualify.models.tiny import make_tiny_family
 from qualify.rollout import capture
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def matrix(tmp_path, **rollout):

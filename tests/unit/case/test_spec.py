@@ -12,7 +12,7 @@ from qualify.case.spec import engine_context, make_spec
 from qualify.engines.base import EngineContext
 from qualify.matrix import load_matrix
 
-MATRICES = Path(__file__).resolve().parents[2] / "matrices"
+MATRICES = Path(__file__).resolve().parents[3] / "matrices"
 
 
 def grpo_spec(tmp_path):

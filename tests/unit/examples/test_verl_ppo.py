@@ -20,7 +20,7 @@ pytest.importorskip("verl.trainer.ppo.core_algos")
 
 from qualify.examples.verl_ppo import VerlPPOEngine, mismatched, verl_settings
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 ROWS, POS, G = 8, 6, 4
 LENGTHS = [6, 5, 5, 4, 3, 2, 2, 2]  # rank 0 (rows 0-3) 20 tokens, rank 1 9: unequal
 

@@ -14,7 +14,7 @@ from qualify.cli.app import app
 from qualify.errors import MatrixError
 from qualify.slurm.profile import load_profile
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SHIPPED = sorted((ROOT / "sbatch/clusters").glob("*.yaml"))
 H100 = yaml.safe_load((ROOT / "sbatch/clusters/h100x4.yaml").read_text())
 INJECT = "x\n#SBATCH --wrap=rm -rf ~"

@@ -13,7 +13,7 @@ import pytest
 
 from qualify.bounds.control_error import silent_controls
 
-BOUNDS = Path(__file__).resolve().parents[2] / "manifests" / "tiny-qwen3" / "acceptance" / "bounds"
+BOUNDS = Path(__file__).resolve().parents[3] / "manifests" / "tiny-qwen3" / "acceptance" / "bounds"
 
 
 @pytest.fixture(params=sorted(p.name for p in BOUNDS.glob("*.json")))
