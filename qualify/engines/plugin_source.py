@@ -4,9 +4,9 @@ importing the module (ast only).
 Only what the source settles is judged: a name bound once, by a def or class statement at the module's top level,
 undecorated; a class whose every base is a class so defined in the same module, a class of qualify.engines.base, or
 object, with no metaclass. A module that could change its names or classes at run time (setattr, exec, globals(),
-__dict__, __getattr__, __new__, a global statement ...) is judged on nothing more than that it binds the factory; so is
-a member that any statement of the module assigns as an attribute (self.score = ... may give an instance what its
-class lacks). Everything else is left to the ranks, which import the module and make the engine.
+__dict__, __getattr__, __new__, a global statement ...) is judged on nothing more than that it binds the factory; a
+class handed to code the source does not show (register(Engine), install(self)) is not judged; nor is a member that
+any statement of the module assigns as an attribute (self.score = ... may give an instance what its class lacks). Everything else is left to the ranks, which import the module and make the engine.
 """
 
 from __future__ import annotations
