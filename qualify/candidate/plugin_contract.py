@@ -8,7 +8,9 @@ the plugin, the hook, what was expected and what came back (the launcher adds th
                loss), outputs a dict holding every output the harness's own objective gives for the role, each
                with that output's shape and a floating dtype, and 0 off the response mask where the harness's is;
   grads()      {parameter name: tensor}; grad_dtypes() a dtype name for each of those names.
-A case whose hook breaks the contract stops before its evidence is written: nothing is sealed.
+A case whose hook breaks the contract stops before its evidence is written: nothing is sealed. What a plugin's source
+settles of objective()'s signature is checked before any rank starts with the same rule
+(qualify.candidate.plugin_static).
 """
 
 from __future__ import annotations
@@ -50,28 +52,35 @@ def _params(signature: inspect.Signature) -> str:
                      for p in signature.parameters.values())
 
 
+def objective_signature_problem(signature: inspect.Signature, grpo: bool, dp: int = 1,
+                                packed: bool = False) -> str | None:
+    """Why an objective() of this signature (as bound to the engine) cannot take what a case of these settings passes
+    it (None: it can): under GRPO grpo= and share=, under PPO at DP > 1 or packed share=."""
+    if grpo and not _takes(signature, grpo=None, share=None):
+        return (f"objective({_params(signature)}) cannot take grpo= and share=; under GRPO it is called as "
+                "objective(role, ppo, scores_BT, response_mask_BT, targets, *, grpo, share)")
+    if not grpo and (dp > 1 or packed) and not _takes(signature, share=None):
+        where = f"at DP {dp}" if dp > 1 else "packed (each micro-batch a slice of the step)"
+        return (f"objective({_params(signature)}) cannot take share=; under PPO {where} it is called as "
+                "objective(role, ppo, scores_BT, response_mask_BT, targets, *, share) and divides by "
+                "share.normalizers, the step's counts over every DP rank")
+    return None
+
+
 def check_objective_signature(engine: Any, name: str, grpo: bool, dp: int = 1, packed: bool = False) -> bool:
     """Whether an engine's own objective() is given share= (the rank's share of the step: qualify.ppo.objective's
     GRPOShare or PPOShare). Under GRPO it is called with grpo= and share=, and under PPO at DP > 1 or packed (each
     micro-batch a slice of the step) with share= (its loss must be divided by the step's normalizers, summed over the
-    DP ranks): refuse one that cannot take them. A PPO objective without share= is called without it at DP1 padded
-    (the rows are the whole step)."""
+    DP ranks): refuse one that cannot take them (objective_signature_problem). A PPO objective without share= is
+    called without it at DP1 padded (the rows are the whole step)."""
     own = getattr(engine, "objective", None)
     signature = None if own is None else _signature(own)
     if signature is None:  # nothing to inspect: given what the case needs, and the call itself says
         return own is not None and (grpo or dp > 1 or packed)
-    if grpo and not _takes(signature, grpo=None, share=None):
-        raise ContractError(f"engine {name}: objective({_params(signature)}) cannot take grpo= and share=; under "
-                            "GRPO it is called as objective(role, ppo, scores_BT, response_mask_BT, targets, *, "
-                            "grpo, share)")
-    if grpo or _takes(signature, share=None):
-        return True
-    if dp > 1 or packed:
-        where = f"at DP {dp}" if dp > 1 else "packed (each micro-batch a slice of the step)"
-        raise ContractError(f"engine {name}: objective({_params(signature)}) cannot take share=; under PPO {where} "
-                            "it is called as objective(role, ppo, scores_BT, response_mask_BT, targets, *, share) "
-                            "and divides by share.normalizers, the step's counts over every DP rank")
-    return False
+    problem = objective_signature_problem(signature, grpo, dp, packed)
+    if problem:
+        raise ContractError(f"engine {name}: {problem}")
+    return grpo or _takes(signature, share=None)
 
 
 def check_loss(name: str, loss: Any) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 
 from qualify.acceptance import Acceptance
 from qualify.candidate.launches import Scheduler
+from qualify.candidate.plugin_static import require_static_contract
 from qualify.candidate.resume import write_spec
 from qualify.candidate.schedule import LaunchPlan, case_needs, gpu_budgets, gpu_held, torch_gpus
 from qualify.case.meta import NAME as META_NAME
@@ -34,7 +35,7 @@ from qualify.errors import EvidenceError, QualifyError
 from qualify.judge.case import case_invariance, case_replays, judge_case, judged_reads
 from qualify.judge.decided import StepInputs
 from qualify.layout import RunLayout
-from qualify.matrix import Candidates, Case, CaseSettings, Matrix
+from qualify.matrix import Candidates, Case, CaseSettings, Matrix, Objective
 from qualify.models.checkpoint import initial_parameters
 from qualify.reference.context import ScoringContext
 from qualify.resident import Resident
@@ -65,10 +66,12 @@ def require_frozen_matrix(matrix: Matrix, layout: RunLayout) -> None:
                            "are judged against bounds of their own layout")
 
 
-def check_engines(candidates: Candidates, source: str) -> None:
-    """Every engine the candidates section names is one the registry can build (source: the matrix file)."""
+def check_engines(candidates: Candidates, objective: Objective, cases: list[Case], source: str) -> None:
+    """Every engine the candidates section names is one the registry can build, and no plugin's source shows it
+    breaking the contract for the cases that run (qualify.candidate.plugin_static; source: the matrix file)."""
     for name in candidates.engines:
         require_engine(name, where=f" in {source}")
+        require_static_contract(name, cases, objective, where=f" in {source}")
 
 
 def run_candidates(matrix: Matrix, run_dir: Path, *, acceptance: Path | None = None,
@@ -81,7 +84,7 @@ def run_candidates(matrix: Matrix, run_dir: Path, *, acceptance: Path | None = N
     benchmarks/LOG.md, "The suite and the main job at 6f7cce0"). The verdict lists the cases in matrix order whatever
     order they were judged in."""
     layout = RunLayout(Path(run_dir))
-    check_engines(matrix.candidates, matrix.source)
+    check_engines(matrix.candidates, matrix.objective, matching_cases(matrix.cases(), only), matrix.source)
     acc = pinned_acceptance(layout, acceptance, expect)
     require_frozen_matrix(matrix, layout)
     acc.require_rollout(layout.rollout(matrix.rollout.vllm_tp[0]))
@@ -114,9 +117,14 @@ def pinned_acceptance(layout: RunLayout, acceptance: Path | None, expect: str | 
     return acc
 
 
+def matching_cases(all_cases: list[Case], only: str | None) -> list[Case]:
+    """The matrix's cases, those matching the --only glob when given."""
+    return [c for c in all_cases if only is None or fnmatch.fnmatch(c.name, only)]
+
+
 def selected_cases(all_cases: list[Case], only: str | None) -> list[Case]:
     """The matrix's cases, those matching the --only glob when given; none is an error naming the cases."""
-    cases = [c for c in all_cases if only is None or fnmatch.fnmatch(c.name, only)]
+    cases = matching_cases(all_cases, only)
     if not cases:
         raise QualifyError(f"no case matches {only!r} (cases: {', '.join(c.name for c in all_cases)})")
     return cases

@@ -1,8 +1,10 @@
 """Engine registry: a plain dict from name to factory, plus 'module:factory' plugins.
 
 A plugin's factory is a function or class defined in Python source: its module's file is read (nothing imported but
-its parent packages) before any rank starts (candidate's and rounds' first check), so a builtin or C function ('builtins:eval', 'os:abort') is refused in one
-line, never called; when the engine is made, what the name is bound to is checked again.
+its parent packages) before any rank starts (candidate's and rounds' first check), so a builtin or C function
+('builtins:eval', 'os:abort') is refused in one line, never called; so is, where the source settles it
+(qualify.engines.plugin_source), a factory that asks for arguments or makes a class that lacks a TrainEngine method.
+When the engine is made, what the name is bound to is checked again, and the engine it returns.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 from qualify.engines.base import TrainEngine
 from qualify.engines.catalog import CATALOG, BuiltinEngine
+from qualify.engines.plugin_source import PluginSource
 from qualify.errors import EngineError
 from qualify.matrix.engine_names import engine_name_problem
 
@@ -68,9 +71,10 @@ def _bound_names(body: list[ast.stmt]) -> set[str]:
     return names
 
 
-def factory_problem(name: str) -> str | None:
-    """Why a plugin's factory is not one qualify may call (None: its module is Python source that binds it): read
-    from the module's file, nothing imported but its parent packages."""
+def plugin_source(name: str) -> PluginSource | str:
+    """A plugin's module source, parsed (nothing imported but its parent packages), or why it cannot be: a module
+    built or frozen into the interpreter or not loaded from a .py file, a file that cannot be read or parsed, a factory
+    name its top level does not bind."""
     module_name, _, attr = name.partition(":")
     origin = _module_spec(module_name).origin
     if origin in ("built-in", "frozen"):
@@ -78,17 +82,28 @@ def factory_problem(name: str) -> str | None:
     if not origin.endswith(".py") or not Path(origin).is_file():
         return f"engine plugin '{name}': module '{module_name}' is loaded from {origin}: '{attr}' is {NOT_PYTHON}"
     try:
-        bound = _bound_names(ast.parse(Path(origin).read_bytes(), origin).body)
+        tree = ast.parse(Path(origin).read_bytes(), origin)
     except (OSError, SyntaxError, ValueError) as exc:
         return f"engine plugin '{name}': cannot read {origin}: {type(exc).__name__}: {exc}"
-    if attr not in bound:
+    if attr not in _bound_names(tree.body):
         return f"engine plugin '{name}': {origin} does not bind '{attr}' at its top level: {NOT_PYTHON}"
-    return None
+    return PluginSource(name=name, origin=origin, tree=tree)
+
+
+def factory_problem(name: str) -> str | None:
+    """Why a plugin's factory is not one qualify may call (None: nothing its source shows is wrong): plugin_source's
+    refusals, then what the source settles (qualify.engines.plugin_source): a factory that asks for arguments (a def's
+    parameters, or the class's __init__'s, without a default), a class made that lacks a TrainEngine method."""
+    source = plugin_source(name)
+    if isinstance(source, str):
+        return source
+    return source.call_problem() or source.methods_problem(ENGINE_METHODS)
 
 
 def require_engine(name: str, where: str = "") -> None:
     """name is a registered engine or a 'module:factory' plugin (qualify.matrix.engine_names.engine_name_problem) whose factory
-    its module's source binds (factory_problem); anything else is an error listing the known ones."""
+    its module's source binds and shows nothing wrong with (factory_problem); anything else is an error listing the
+    known ones."""
     problem = engine_name_problem(name) or (None if name in ENGINES else factory_problem(name))
     if problem:
         raise EngineError(f"{problem}{where}")

@@ -1,7 +1,8 @@
 """A plugin that breaks the engine contract gets a verdict, not a traceback: its case stops before anything is
 sealed, its one row fails with a one-line note (the plugin, the hook, what was expected and what came back, the
 launch log's path), and the console shows that note whole. The GRPO form (a PPO objective() under GRPO) is in
-test_grpo_chain.py."""
+test_grpo_chain.py; a factory that asks for an argument (contract_plugins.needs_config) is refused before any rank
+starts (tests/unit/test_engine_plugins.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from tests.integration._support import matrix_with, plugins_importable  # noqa: 
 pytestmark = [pytest.mark.vllm, pytest.mark.engines]
 P = "tests.integration.contract_plugins"
 MISTAKES = {  # factory -> what the note must say
-    "needs_config": "calling needs_config() failed: TypeError",
     "no_grad_dtypes": "lacks grad_dtypes",
     "per_row_loss": "objective() returned as loss a tensor of shape (",
     "short_ratio": "objective()'s output ratio_BT is a tensor of shape (",

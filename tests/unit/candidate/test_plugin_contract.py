@@ -16,6 +16,7 @@ from qualify.candidate.plugin_contract import (
     check_objective_signature,
     check_outputs,
 )
+from qualify.errors import EngineError
 from qualify.ppo.objective import role_objective
 
 PPO = SimpleNamespace(clip_eps=0.2, value_clip_eps=0.2, token_normalizer="global", normalizer_constant=None)
@@ -124,3 +125,104 @@ def test_a_ppo_objective_without_share_runs_at_dp1_and_is_refused_above():
     assert check_objective_signature(Shared(), "plug", grpo=False, dp=1) is True
     assert check_objective_signature(Shared(), "plug", grpo=False, dp=2) is True
     assert check_objective_signature(object(), "plug", grpo=False, dp=2) is False  # no hook: the harness's own
+
+
+ENGINE = "".join(f"    def {m}(self, *args):\n        return None\n\n" for m in
+                 ("setup", "score", "backward", "grads", "grad_dtypes", "step", "params", "optimizer_state",
+                  "replicated", "padded_rows", "close"))
+"""The body of a class with every TrainEngine method and no hook."""
+FIVE = "    def objective(self, role, ppo, scores_BT, response_mask_BT, targets):\n        return None\n\n"
+"""A PPO objective() that takes neither grpo= nor share=."""
+
+
+def static_objective(grpo: bool = False, entropy_coef: float = 0.0):
+    """The tiny matrix's objective section, under GRPO or with an entropy bonus."""
+    from dataclasses import replace
+
+    from qualify.matrix import GRPO, load_matrix
+    from tests.conftest import TINY
+
+    objective = load_matrix(TINY).objective
+    objective = replace(objective, ppo=replace(objective.ppo, entropy_coef=entropy_coef))
+    return replace(objective, algorithm="grpo", grpo=GRPO(group_size=2)) if grpo else objective
+
+
+def check_static(tmp_path, monkeypatch, source: str, case_settings: dict, **objective) -> None:
+    """require_static_contract on plugin_mod:Engine (source, never imported) with one case of these settings."""
+    from qualify.candidate.plugin_static import require_static_contract
+    from qualify.matrix import Case
+
+    (tmp_path / "plugin_mod.py").write_text(source + "\nraise RuntimeError('imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    case = Case(engine="plugin_mod:Engine", precision="fp32", tp=1, role="actor") if not case_settings else \
+        Case(**({"engine": "plugin_mod:Engine", "precision": "fp32", "tp": 1, "role": "actor"} | case_settings))
+    require_static_contract("plugin_mod:Engine", [case], static_objective(**objective), where=" in m.yaml")
+
+
+SOURCE_BREAKS_CONTRACT = [  # (source, case settings, objective settings, what the one line says)
+    (f"class Engine:\n{ENGINE}{FIVE}", {}, {"grpo": True},
+     ("class Engine's objective(role, ppo, scores_BT, response_mask_BT, targets) cannot take grpo= and share=; under "
+      "GRPO it is called as objective(role, ppo, scores_BT, response_mask_BT, targets, *, grpo, share)")),
+    (f"class Base:\n{FIVE}\nclass Engine(Base):\n{ENGINE}", {"dp": 2}, {},
+     "class Base's objective(role, ppo, scores_BT, response_mask_BT, targets) cannot take share=; under PPO at DP 2"),
+    (f"class Engine:\n{ENGINE}{FIVE}", {"packing": "packed"}, {}, "cannot take share=; under PPO packed"),
+    (f"class Engine:\n{ENGINE}", {"packing": "packed"}, {},
+     ("class Engine does not declare packed batches (packed = True: docs/plugins.md, 'Packed batches'; its source "
+      "shows no packed attribute), so its packed case plugin_mod-Engine-fp32-tp1-packed-actor cannot run")),
+    (f"class Base:\n    packed = False\n\n\nclass Engine(Base):\n{ENGINE}", {"packing": "packed"}, {},
+     "its source shows packed = False (class Base)"),
+    (f"class Engine(object):\n{ENGINE}", {}, {"entropy_coef": 0.01},
+     ("ppo.entropy_coef 0.01 needs the entropy of the policy from the forward score() ran, and class Engine has no "
+      "entropy() hook nor an objective() of its own")),
+]
+
+
+@pytest.mark.parametrize("source, case, objective, expect", SOURCE_BREAKS_CONTRACT)
+def test_a_contract_mistake_the_source_settles_is_refused_before_any_rank(source, case, objective, expect, tmp_path,
+                                                                           monkeypatch):
+    """The same rule as on the ranks (objective_signature_problem, require_packed, the entropy hook), read from the
+    plugin's source: one line naming the plugin, its file, what the case needs and what the source shows."""
+    with pytest.raises(EngineError) as caught:
+        check_static(tmp_path, monkeypatch, source, case, **objective)
+    message = str(caught.value)
+    assert message.startswith(f"engine plugin 'plugin_mod:Engine': {tmp_path / 'plugin_mod.py'}: ")
+    assert expect in message and message.endswith(" in m.yaml") and "\n" not in message
+
+
+KWARGS = "    def objective(self, role, ppo, *args, **kwargs):\n        return None\n\n"
+SHARE = "    def objective(self, role, ppo, scores_BT, response_mask_BT, targets, *, share=None):\n        return None\n\n"
+SOURCE_LEAVES_OPEN = [  # (source, case settings, objective settings): correct, or not settled by the source
+    (f"class Engine:\n    packed = True\n\n{ENGINE}{KWARGS}", {"dp": 2, "packing": "packed"}, {"grpo": True}),
+    (f"class Engine:\n    packed = True\n\n{ENGINE}{SHARE}", {"dp": 2, "packing": "packed"}, {}),
+    (f"class Engine:\n{ENGINE}{FIVE}", {}, {"entropy_coef": 0.01}),  # PPO DP1 padded; its own objective: no entropy()
+    (("from qualify.engines.base import OutputScoring, TrainEngine\n\n\nclass Engine(OutputScoring, TrainEngine):\n"
+      "    packed = True\n"), {"packing": "packed"}, {"entropy_coef": 0.01}),
+    (f"class Engine:\n{ENGINE}", {"role": "critic"}, {"entropy_coef": 0.01}),  # no entropy bonus for the critic
+    (f"from elsewhere import Base\n\n\nclass Engine(Base):\n{ENGINE}{FIVE}", {"dp": 2, "packing": "packed"},
+     {"entropy_coef": 0.01}),  # an imported base may bring packed, entropy() and another objective()
+    (f"class Engine:\n    def __init__(self):\n        self.packed = True\n\n{ENGINE}", {"packing": "packed"}, {}),
+    (f"class Engine:\n    packed = bool(1)\n\n{ENGINE}", {"packing": "packed"}, {}),
+    (f"class Engine:\n{ENGINE}    @staticmethod\n    def objective(*args):\n        return None\n", {"dp": 2},
+     {"grpo": True}),
+    (f"class Impl:\n{ENGINE}{FIVE}\ndef Engine():\n    engine = Impl()\n    return engine\n", {"dp": 2}, {}),
+]
+
+
+@pytest.mark.parametrize("source, case, objective", SOURCE_LEAVES_OPEN)
+def test_a_plugin_whose_source_leaves_the_contract_open_is_left_to_the_ranks(source, case, objective, tmp_path,
+                                                                              monkeypatch):
+    check_static(tmp_path, monkeypatch, source, case, **objective)
+
+
+def test_a_def_factory_that_returns_its_class_is_held_to_the_contract(tmp_path, monkeypatch):
+    """def Engine(): return Impl(): the class it makes is judged as a class factory would be; another engine's
+    packed case is not this plugin's."""
+    from qualify.candidate.plugin_static import require_static_contract
+    from qualify.matrix import Case
+
+    source = f"class Impl:\n{ENGINE}\n\ndef Engine():\n    return Impl()\n"
+    with pytest.raises(EngineError, match="class Impl does not declare packed batches"):
+        check_static(tmp_path, monkeypatch, source, {"packing": "packed"})
+    other = Case(engine="torch-tp", precision="fp32", tp=1, role="actor", packing="packed")
+    require_static_contract("plugin_mod:Engine", [other], static_objective())
+    require_static_contract("torch-tp", [other], static_objective(entropy_coef=0.01))
