@@ -11,7 +11,7 @@ the step: 'step<k>/<group>/<name>'.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,9 @@ class RunTensors:
     grads: Mapping[str, torch.Tensor]
     updates: Mapping[str, torch.Tensor]
     moments: Mapping[str, torch.Tensor]
-    meta: dict[str, Any]
+    meta: RoleMeta = field(default_factory=RoleMeta)
+    """The directory's meta.json, typed (a case's evidence directory's read the same way; the judge reads it as the
+    case's with qualify.case.meta.CaseMeta.of)."""
 
 
 def write_step(directory: Path, step: dict[str, dict[str, torch.Tensor]],
@@ -76,17 +78,16 @@ def write_step(directory: Path, step: dict[str, dict[str, torch.Tensor]],
 def load_run(directory: Path, step: int = 0) -> RunTensors:
     """One step of a role directory written by the reference or a candidate: its outputs read, its gradients,
     updates and moments read tensor by tensor when used (qualify.store.TensorFile), never a whole group at once."""
-    d = Path(directory) / step_dir(step)
-    meta = read_json(Path(directory) / "meta.json")
+    d, meta = Path(directory) / step_dir(step), read_role_meta(directory)
     # a lean reference r0 (reference.evidence: lean) keeps no updates or moments: they read as empty
-    kept = LEAN_GROUPS if RoleMeta.from_json(meta, str(Path(directory) / "meta.json")).lean else GROUPS
+    kept = LEAN_GROUPS if meta.lean else GROUPS
     return RunTensors(read_tensors(d / "outputs.safetensors"),
                       *(TensorFile(d / f"{g}.safetensors") if g in kept else {} for g in GROUPS[1:]), meta)
 
 
-def is_lean(meta: dict[str, Any]) -> bool:
+def is_lean(meta: RoleMeta) -> bool:
     """A run kept lean: a reference r0 under reference.evidence lean (outputs and gradients only)."""
-    return RoleMeta.from_json(meta).lean
+    return meta.lean
 
 
 def read_role_meta(directory: Path | str) -> RoleMeta:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from qualify.errors import EvidenceError
+from qualify.rolemeta import RoleMeta
 
 NAME = "meta.json"
 """The file's name in the case's evidence directory."""
@@ -65,9 +66,12 @@ class CaseMeta:
         return cls(**{k: doc[k] for k in known if k in doc}, present=frozenset(doc))
 
     @classmethod
-    def of(cls, meta: CaseMeta | dict[str, Any]) -> CaseMeta:
-        """meta as a CaseMeta (a document read from meta.json, or one already typed)."""
-        return meta if isinstance(meta, CaseMeta) else cls.from_json(meta)
+    def of(cls, meta: CaseMeta | RoleMeta | dict[str, Any]) -> CaseMeta:
+        """meta as a CaseMeta: one already typed, a case directory's meta.json as its steps were read with it
+        (qualify.compare.RunTensors.meta, a RoleMeta holding the document key for key), or the document itself."""
+        if isinstance(meta, CaseMeta):
+            return meta
+        return cls.from_json(meta.to_json() if isinstance(meta, RoleMeta) else meta)
 
     @classmethod
     def written(cls, **values: Any) -> CaseMeta:

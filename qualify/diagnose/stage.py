@@ -106,9 +106,8 @@ def grads_detail(group_key: str, cand: dict, ref: dict, acc: Acceptance, role: s
     from qualify.compare import RunTensors, pair_metrics, step_dir
 
     names = group_members(list(ref)).get(group_key.removeprefix("grads/"), [])
-    empty: dict = {}
-    measured = pair_metrics(RunTensors(empty, {n: cand[n] for n in names if n in cand}, empty, empty, empty),
-                            RunTensors(empty, {n: ref[n] for n in names}, empty, empty, empty))
+    measured = pair_metrics(RunTensors({}, {n: cand[n] for n in names if n in cand}, {}, {}),
+                            RunTensors({}, {n: ref[n] for n in names}, {}, {}))
     bounds = acc.bounds(role, family)
     worst = None
     for key, ms in measured.items():

@@ -95,23 +95,20 @@ INVARIANT_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": 
 def rollout_mode(rollout_dir: Path | None) -> RolloutMode:
     """The mode, dtype and KV block size a rollout was captured with, from its rollout.json (the reference's capture
     and each round's rollout of `qualify rounds` record them)."""
-    from qualify.store import read_json
+    from qualify.rollout.meta import read_rollout_meta
 
     if rollout_dir is None or not (Path(rollout_dir) / "rollout.json").is_file():
         raise EngineError(f"vllm_gpu_exact reads how the rollout was sampled from its rollout.json; none under "
                           f"{rollout_dir}")
-    meta = read_json(Path(rollout_dir) / "rollout.json")
-    dtype = (meta.get("sampling") or {}).get("dtype")
-    if not isinstance(dtype, str):
+    meta = read_rollout_meta(rollout_dir)
+    if meta.dtype is None:
         raise EngineError(f"{rollout_dir}/rollout.json records no sampling.dtype: vllm_gpu_exact cannot tell the "
                           "precision the rollout was sampled in")
-    invariant = bool(meta.get("batch_invariant")) or (meta.get("env") or {}).get("VLLM_BATCH_INVARIANT") == "1"
-    runner = meta.get("model_runner")
-    if runner not in (None, "v1", "v2"):
-        raise EngineError(f"{rollout_dir}/rollout.json records model_runner {runner!r}: vllm_gpu_exact knows vLLM's "
-                          "'v1' and 'v2' runners")
-    return RolloutMode(dtype=dtype, batch_invariant=invariant, block_size=int(meta.get("block_size") or DEFAULT_BLOCK),
-                       runner=runner)
+    if meta.model_runner not in (None, "v1", "v2"):
+        raise EngineError(f"{rollout_dir}/rollout.json records model_runner {meta.model_runner!r}: vllm_gpu_exact "
+                          "knows vLLM's 'v1' and 'v2' runners")
+    return RolloutMode(dtype=meta.dtype, batch_invariant=meta.batch_invariant,
+                       block_size=meta.block_size or DEFAULT_BLOCK, runner=meta.model_runner)
 
 
 

@@ -35,9 +35,9 @@ from qualify.layout import RunLayout
 from qualify.matrix import Case
 from qualify.reference.context import ScoringContext
 from qualify.resident import Resident
+from qualify.rollout.meta import read_rollout_meta
 from qualify.runname import RunName
 from qualify.stages import stage_is_complete
-from qualify.store import read_json
 from qualify.tensor_codec import release as release_decoded
 from qualify.verdict import Row
 
@@ -112,7 +112,7 @@ def judge_case(ctx: ScoringContext, case: Case, bounds: dict, before: dict, veri
     rows += replay_rows(case.name, case.role, cand)
     rows += layout_rows(case.name, case.role, meta)
     rows += exact_rows(case.name, case.role, cand[0].outputs, meta, inputs.targets[0]["old_logprobs_BT"],
-                       inputs.masks[0], read_json(layout.rollout(ctx.primary_tp) / "rollout.json").get("prefill_vs_decode"))
+                       inputs.masks[0], read_rollout_meta(layout.rollout(ctx.primary_tp)).prefill_vs_decode)
     rows += evidence_rows(case.name, case.role, meta)
     rows += precision_rows(case.name, case.role, cand, own_ref)
     rows += invariance_rows(ctx, case, bounds, cand, starts, inputs, resident, formula, truncates, verified)

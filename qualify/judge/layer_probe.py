@@ -16,7 +16,10 @@ from typing import Any
 
 import torch
 
+from qualify.errors import EvidenceError
 from qualify.rollout.layers import LAYERS_FILE
+from qualify.rollout.meta import NAME as ROLLOUT_META
+from qualify.rollout.meta import read_rollout_meta
 
 NOT_CAPTURED = "not captured (the rollout has no layer outputs: rollout.layer_outputs is off)"
 NO_HOOK = "not compared (the engine has no layer_outputs hook)"
@@ -49,7 +52,7 @@ def compare_layers(own: dict[str, torch.Tensor], rollout: dict[str, torch.Tensor
 def probe_rollout_layers(engine: Any, batch: Any, rollout_dir: Path, rows: slice) -> dict[str, Any]:
     """The engine's step-0 layers (its exact_layer_outputs hook on batch, the rollout's rows, else its layer_outputs)
     against the rollout's; a 'skipped' reason where the rollout has no layers or the engine no hook."""
-    from qualify.store import read_json, read_tensors
+    from qualify.store import read_tensors
 
     path = Path(rollout_dir) / LAYERS_FILE
     if not path.is_file():
@@ -58,14 +61,16 @@ def probe_rollout_layers(engine: Any, batch: Any, rollout_dir: Path, rows: slice
     hook = getattr(engine, "exact_layer_outputs", None) or getattr(engine, "layer_outputs", None)
     if hook is None:
         return {"skipped": NO_HOOK}
-    record = read_json(Path(rollout_dir) / "rollout.json")["layer_outputs"]
+    record = read_rollout_meta(rollout_dir)
+    if record.layer_names is None or record.layer_rows is None:
+        raise EvidenceError(f"{rollout_dir}/{ROLLOUT_META}: no layer_outputs record beside its {LAYERS_FILE}")
     every = read_tensors(path)
-    fed = torch.zeros(every[record["names"][0]].shape[0], dtype=torch.bool)
-    fed[record["rows"]] = True  # rows too long for vLLM's prefill pass hold no activations
+    fed = torch.zeros(every[record.layer_names[0]].shape[0], dtype=torch.bool)
+    fed[record.layer_rows] = True  # rows too long for vLLM's prefill pass hold no activations
     rollout = {name: t[rows] for name, t in every.items()}
     mask_BT = scoring_mask(batch.response_mask_BT.cpu()) & fed[rows][:, None]
     own = {name: t.cpu() for name, t in hook(batch).items() if name in rollout}
-    return {"layers": compare_layers(own, rollout, record["names"], mask_BT)}
+    return {"layers": compare_layers(own, rollout, record.layer_names, mask_BT)}
 
 
 def merge_ranks(by_rank: list[dict[str, Any] | None]) -> dict[str, Any] | None:

@@ -22,6 +22,7 @@ from qualify.ppo.objective import step_rows
 from qualify.reference.context import ScoringContext
 from qualify.reference.evidence import load_targets, model_config, write_role
 from qualify.rollout.capture import capture_rollout, load_rollout
+from qualify.rollout.meta import read_rollout_meta
 from qualify.schema import to_dict
 from qualify.stagelog import StageLog
 from qualify.stages import (
@@ -300,8 +301,8 @@ def routing_agreement(ctx: ScoringContext) -> dict[str, Any] | None:
     if "routes_BTLK" not in rollout:
         return None
     targets = read_tensors(ctx.layout.targets / TARGETS_FILE)
-    meta = read_json(ctx.layout.rollout(ctx.primary_tp) / "rollout.json").get("routes", {})
-    return {"routing": ctx.rollout.routing, "source": meta.get("source"), "moe_layers": meta.get("moe_layers"),
+    meta = read_rollout_meta(ctx.layout.rollout(ctx.primary_tp))
+    return {"routing": ctx.rollout.routing, "source": meta.routes_source, "moe_layers": meta.moe_layers,
             "reference_fp32_vs_rollout": agreement(rollout["routes_BTLK"], targets["actor_routes_BTLK"])}
 
 
@@ -349,6 +350,7 @@ def run_reference(matrix: Matrix, run_dir: Path, stage: str = "all", rollout: Pa
     from qualify.reference.summary import evidence_sizes
 
     require_sampled_tokens(mismatch, layout.rollout(primary))
+    rollout_meta = read_rollout_meta(layout.rollout(primary))
     summary = {"matrix": to_dict(matrix), "matrix_digest": matrix_digest, "rollout_digest": digest, "primary_vllm_tp": primary,
                "rollout_digests": {f"tp{tp}": stage_info(layout.rollout(tp))["digest"]
                                    for tp in matrix.rollout.vllm_tp if stage_is_complete(layout.rollout(tp))},
@@ -356,9 +358,9 @@ def run_reference(matrix: Matrix, run_dir: Path, stage: str = "all", rollout: Pa
                "targets_digest": stage_info(layout.targets)["digest"],
                "controls": controls, "control_replays": replays, "precisions": list(matrix.reference.precisions),
                "rollout_mismatch": mismatch, "routing_agreement": routing_agreement(ctx), "git": git_state(),
-               "rollout_platform": read_json(layout.rollout(primary) / "rollout.json").get("platform"),
+               "rollout_platform": rollout_meta.platform,
                # the rollout engine against itself (qualify.rollout.capture.prefill_vs_decode); None before the check
-               "rollout_self": read_json(layout.rollout(primary) / "rollout.json").get("prefill_vs_decode"),
+               "rollout_self": rollout_meta.prefill_vs_decode,
                "rollout_source": None if rollout is None else str(rollout),
                "evidence": evidence_sizes(ctx, controls), **provenance()}
     if not layout.reference_summary.is_file():

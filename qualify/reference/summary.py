@@ -9,7 +9,6 @@ directory beside the reference, used, and removed). The r0 runs are scored first
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -25,14 +24,17 @@ from qualify.layout import RunLayout
 from qualify.reference.context import ScoringContext
 from qualify.reference.inputs import StepInputs
 from qualify.resident import Resident, meminfo
+from qualify.rolemeta import RoleMeta
 from qualify.runname import RunName
 from qualify.stages import complete_stage, prepare_stage, stage_is_complete
 from qualify.store import tree_bytes, write_json, write_tensors
 
 
-def in_memory_steps(result: dict[str, Any]) -> list[RunTensors]:
-    """run_role's result as the steps freeze reads from a role directory."""
-    return [RunTensors(s["outputs"], s["grads"], s["updates"], s["moments"], result["meta"]) for s in result["steps"]]
+def in_memory_steps(result: dict[str, Any], info: dict[str, Any] | None = None) -> list[RunTensors]:
+    """run_role's result as the steps freeze reads from a role directory (their meta: the result's, with info, as
+    write_role would write it)."""
+    meta = RoleMeta.from_json(result["meta"] | (info or {}), "run_role's meta")
+    return [RunTensors(s["outputs"], s["grads"], s["updates"], s["moments"], meta) for s in result["steps"]]
 
 
 def starts_of(steps: list[RunTensors], initial: dict) -> Iterator[dict]:
@@ -86,7 +88,7 @@ def aligned_base(ctx: ScoringContext, role: str, base_name: str, steps: list[Run
     name = str(where.relative_to(layout.reference))
     if replay_fits(ctx, role, len(steps)):
         result, info = run_replay(ctx, precision, role, decided)
-        return [dataclasses.replace(s, meta=s.meta | info) for s in in_memory_steps(result)], name, None
+        return in_memory_steps(result, info), name, None
     scratch = layout.scratch_replays / where.parent.name / role
     if scratch.exists():
         shutil.rmtree(scratch)

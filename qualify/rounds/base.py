@@ -23,6 +23,7 @@ from typing import Any
 from qualify.errors import EvidenceError
 from qualify.layout import RunLayout
 from qualify.matrix import Freeze
+from qualify.rollout.meta import read_rollout_meta
 from qualify.stages import stage_info, stage_is_complete
 from qualify.store import read_json
 
@@ -69,8 +70,8 @@ def control_precision(summary: dict[str, Any], rollout_dir: Path) -> str:
     from qualify.models.precision import DTYPE_NAMES
 
     try:
-        dtype = read_json(Path(rollout_dir) / "rollout.json")["sampling"]["dtype"]
-    except (OSError, KeyError, TypeError, ValueError):
+        dtype = read_rollout_meta(rollout_dir).dtype
+    except (OSError, ValueError):  # no rollout.json, or not one a capture writes (EvidenceError)
         return "fp32"
     precision = next((p for p, name in DTYPE_NAMES.items() if name == dtype), "fp32")
     return precision if precision in (summary.get("rollout_mismatch") or {}) else "fp32"

@@ -289,7 +289,7 @@ def test_a_controls_replay_held_in_memory_gives_the_record_of_one_written_to_scr
     role = doc["role"]
     run_name = next(c for c, compared in doc["compared_with"].items() if compared != doc["reference_run"])
     steps = load_steps(layout.scores(*run_name.split("-", 1), role))
-    result = {"meta": steps[0].meta, "steps": [
+    result = {"meta": steps[0].meta.to_json(), "steps": [
         {"outputs": s.outputs, **{g: dict(getattr(s, g).items()) for g in ("grads", "updates", "moments")}}
         for s in steps]}
     before = initial_parameters(ctx.models[role])

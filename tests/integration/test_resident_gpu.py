@@ -50,7 +50,7 @@ def test_records_made_from_resident_gpu_copies_are_the_records_made_per_tensor(f
         from qualify.compare import load_steps
 
         steps = load_steps(layout.scores(*run_name.split("-", 1), role))
-        result = {"meta": steps[0].meta, "steps": [
+        result = {"meta": steps[0].meta.to_json(), "steps": [
             {"outputs": s.outputs, **{g: dict(getattr(s, g).items()) for g in ("grads", "updates", "moments")}}
             for s in steps]}
         before = initial_parameters(ctx.models[role])

@@ -69,7 +69,7 @@ def role_run(role: str, coef: float) -> RunTensors:
     updates, moments = adamw_run(p, grads)
     outputs = {OUTPUT_NAMES[role]: _noise(5, (2, 5)) + coef * _noise(15, (2, 5)),
                "loss": torch.tensor(0.5) + coef, "grad_norm": torch.tensor(0.25) + 2 * coef}
-    return RunTensors(outputs, grads, updates, moments, {})
+    return RunTensors(outputs, grads, updates, moments)
 
 
 def role_steps(role: str, coef: float, num_steps: int) -> list[RunTensors]:
@@ -89,7 +89,7 @@ def role_steps(role: str, coef: float, num_steps: int) -> list[RunTensors]:
         steps.append(RunTensors({n: t + k for n, t in first.outputs.items()}, grads,
                                 {n: p.detach() - before[n] for n, p in live.items()},
                                 {f"{m}/{n}": opt.state[p][m].clone() for n, p in live.items()
-                                 for m in ("exp_avg", "exp_avg_sq")}, {}))
+                                 for m in ("exp_avg", "exp_avg_sq")}))
     return steps
 
 

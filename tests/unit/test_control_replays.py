@@ -95,8 +95,7 @@ def test_the_scalar_control_errors_take_each_control_against_its_own_base():
 
     def run(grads, values):
         norm = torch.sqrt(sum(x.double().square().sum() for x in grads.values())).float()
-        return RunTensors({"grad_norm": norm, "loss": values.sum().reshape(()), "values_BT": values}, grads, {}, {},
-                          {})
+        return RunTensors({"grad_norm": norm, "loss": values.sum().reshape(()), "values_BT": values}, grads, {}, {})
 
     v0 = torch.randn(2, 5, generator=g)
     far = {n: x + 0.5 for n, x in base_grads.items()}      # a flip's effect: far from base, equal to its replay
@@ -124,7 +123,7 @@ def test_the_scalar_control_errors_take_each_control_against_its_own_base():
 
 def _critic_run(values: torch.Tensor) -> RunTensors:
     return RunTensors({"values_BT": values, "loss": values.sum().reshape(())}, {"w": torch.zeros(2)},
-                      {"w": torch.zeros(2)}, {"exp_avg/w": torch.zeros(2), "exp_avg_sq/w": torch.zeros(2)}, {})
+                      {"w": torch.zeros(2)}, {"exp_avg/w": torch.zeros(2), "exp_avg_sq/w": torch.zeros(2)})
 
 
 def test_control_replay_is_found_from_the_recorded_decisions(tmp_path):
@@ -166,7 +165,7 @@ def test_a_control_whose_decisions_cannot_be_read_has_no_replay(tmp_path):
     inputs = StepInputs([{"old_values_BT": torch.zeros(1, 2), "returns_BT": torch.zeros(1, 2)}], [mask])
     write_steps(layout.scores("fp32", "r0", "critic"), [_critic_run(torch.zeros(1, 2))])
     blind = RunTensors({"loss": torch.zeros(())}, {"w": torch.zeros(2)}, {"w": torch.zeros(2)},
-                       {"exp_avg/w": torch.zeros(2), "exp_avg_sq/w": torch.zeros(2)}, {})
+                       {"exp_avg/w": torch.zeros(2), "exp_avg_sq/w": torch.zeros(2)})
     write_steps(layout.scores("fp32", "blind", "critic"), [blind])
     assert recorded_decisions(matrix.objective, "critic", layout.scores("fp32", "blind", "critic"), inputs) == [None]
     ctx = ScoringContext.of(matrix, layout, "sha256:rollout", "sha256:targets")

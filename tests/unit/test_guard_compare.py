@@ -17,7 +17,7 @@ T = torch.tensor
 
 
 def run_of(**groups) -> RunTensors:
-    return RunTensors(*(groups.get(g, {}) for g in ("outputs", "grads", "updates", "moments")), {})
+    return RunTensors(*(groups.get(g, {}) for g in ("outputs", "grads", "updates", "moments")))
 
 
 def test_a_tensor_with_a_structure_problem_does_not_stop_the_ones_after_it():
@@ -47,7 +47,7 @@ def test_replay_metrics_go_on_after_a_broken_update():
     run, p = role_run("actor", 0.0), params()
     assert list(run.updates) == ["w", "b"]
     no_m = RunTensors(run.outputs, run.grads, run.updates,
-                      {k: v for k, v in run.moments.items() if k != "exp_avg/w"}, {})
+                      {k: v for k, v in run.moments.items() if k != "exp_avg/w"})
     out = replay_metrics(no_m, p, OPT)
     assert set(out) == {"updates/w", "updates/b"}
     assert out["updates/w"] == {"replay_max_abs": math.inf} and out["updates/b"]["replay_max_abs"] < 2.0 ** -21

@@ -18,7 +18,7 @@ def _run(grads: dict[str, torch.Tensor], loss: float | None = 1.0) -> RunTensors
     outputs = {"grad_norm": torch.tensor(1.0)}
     if loss is not None:
         outputs["loss"] = torch.tensor(loss)
-    return RunTensors(outputs, grads, {}, {}, {})
+    return RunTensors(outputs, grads, {}, {})
 
 
 def _errors() -> dict[str, dict[str, float]]:
@@ -85,8 +85,8 @@ def test_an_update_the_reference_run_lacks_is_bounded_at_magnitude_zero():
     grads = {"w": torch.tensor([0.1, -0.2, 0.3]), "extra": torch.tensor([0.05, -0.05])}
     updates, moments = adamw_run(start, grads)
     base = RunTensors({}, {"w": grads["w"]}, {"w": updates["w"]},
-                      {k: v for k, v in moments.items() if k.endswith("/w")}, {})
-    control = RunTensors({}, grads, updates, moments, {})
+                      {k: v for k, v in moments.items() if k.endswith("/w")})
+    control = RunTensors({}, grads, updates, moments)
     rule = BoundRule(4.0, {"grad": 0.0, "relative": 0.0, "update": 1e-12}, 16.0, "fp32", True)
     bounds = step_family_bounds(base, {"c": control}, rule, {"base": {"w": start["w"]}, "c": start}, "base", OPT, 1)
     extra = bounds["updates/extra"]["replay_max_abs"]
@@ -136,7 +136,7 @@ def test_terms_of_a_grpo_matrix_reads_the_grpo_objective(tmp_path):
     mask = torch.tensor([[False, True, True], [False, True, False]])
     outputs = {"ratio_BT": torch.tensor([[1.0, 1.1, 0.7], [1.0, 0.95, 1.0]]), "advantages_B": torch.tensor([0.5, -1.0]),
                "kl_BT": torch.tensor([[0.0, 0.01, 0.02], [0.0, 0.03, 0.0]])}
-    run = RunTensors(outputs, {}, {}, {}, {})
+    run = RunTensors(outputs, {}, {}, {})
     inputs = StepInputs([{}], [mask])
     got = terms_of(matrix.objective, "actor", inputs)(0, run)
     expect = loss_terms("actor", matrix.ppo, matrix.grpo, outputs, {}, mask)

@@ -33,7 +33,7 @@ def test_unexposed_padding_sums_each_rank_shortfall_and_names_it():
 
 
 def _run(outputs=None, grads=None) -> RunTensors:
-    return RunTensors(outputs or {}, grads or {}, {}, {}, {})
+    return RunTensors(outputs or {}, grads or {}, {}, {})
 
 
 def test_precision_rows_every_step_and_group_with_exact_texts():

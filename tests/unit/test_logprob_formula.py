@@ -3,7 +3,6 @@ and the reference runs and bounds seen through the declared formula when a case 
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -133,7 +132,7 @@ def run(full: float, processed: float | None) -> RunTensors:
     outputs = {"logprobs_BT": torch.full((2, 3), full), "loss": torch.tensor(0.5)}
     if processed is not None:
         outputs[PROCESSED_KEY] = torch.full((2, 3), processed)
-    return RunTensors(outputs=outputs, grads={}, updates={}, moments={}, meta={})
+    return RunTensors(outputs=outputs, grads={}, updates={}, moments={})
 
 
 def bounds_of(*steps: int, processed: bool = True) -> dict:
@@ -174,7 +173,7 @@ def test_an_acceptance_without_processed_tensors():
 
 
 def test_a_critic_run_is_untouched():
-    critic = RunTensors(outputs={"values_BT": torch.zeros(2, 3)}, grads={}, updates={}, moments={}, meta={})
+    critic = RunTensors(outputs={"values_BT": torch.zeros(2, 3)}, grads={}, updates={}, moments={})
     assert formula_run(critic, "processed", truncates=True).outputs.keys() == {"values_BT"}
 
 
@@ -192,7 +191,7 @@ def test_a_formula_mismatch_fails_on_logprobs_and_says_so():
     reference = [run(-2.0, -1.9)]
     bounds = bounds_of(0)
     for declared, computed in (("processed", -2.0), ("full", -1.9)):
-        candidate = [replace(run(computed, None), meta={})]
+        candidate = [run(computed, None)]
         rows = judge_steps("c", "actor", "vs ref", candidate, formula_steps(reference, declared, True),
                            formula_bounds(bounds, declared, True), [{}], OPT)
         rows = explain_formula(rows, candidate, reference, bounds, declared)

@@ -79,7 +79,7 @@ def test_replay_max_abs_against_a_python_adamw():
 # --- compare ---------------------------------------------------------------------------------------------------
 
 def run_of(**groups) -> RunTensors:
-    return RunTensors(*(groups.get(g, {}) for g in ("outputs", "grads", "updates", "moments")), {})
+    return RunTensors(*(groups.get(g, {}) for g in ("outputs", "grads", "updates", "moments")))
 
 
 @pytest.mark.parametrize("key, kind", [("outputs/logprobs_BT", "logprob"), ("outputs/ratio_BT", "logprob"),
@@ -126,10 +126,9 @@ def test_replay_metrics_make_a_missing_input_an_infinite_error():
     p = params()
     good = replay_metrics(run, p, OPT)
     assert set(good) == {"updates/w", "updates/b"} and all(v["replay_max_abs"] < 2.0 ** -21 for v in good.values())
-    no_m = RunTensors(run.outputs, run.grads, run.updates, {k: v for k, v in run.moments.items() if k != "exp_avg/w"},
-                      {})
+    no_m = RunTensors(run.outputs, run.grads, run.updates, {k: v for k, v in run.moments.items() if k != "exp_avg/w"})
     no_v = RunTensors(run.outputs, run.grads, run.updates, {k: v for k, v in run.moments.items()
-                                                             if k != "exp_avg_sq/b"}, {})
+                                                             if k != "exp_avg_sq/b"})
     for r, params_before, broken in ((no_m, p, "w"), (no_v, p, "b"), (run, {"w": p["w"]}, "b"),
                                      (run, {"w": p["w"], "b": torch.ones(4)}, "b")):
         out = replay_metrics(r, params_before, OPT)
@@ -159,7 +158,7 @@ def test_load_run_reads_a_written_run(tmp_path):
     for group in ("outputs", "grads", "updates", "moments"):
         a, b = getattr(loaded, group), getattr(run, group)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), group
-    assert loaded.meta["control"] == "r1"
+    assert loaded.meta.to_json() == {"num_steps": 1, "control": "r1"} and (loaded.meta.num_steps, loaded.meta.lean) == (1, False)
 
 
 def test_merge_max_starts_from_zero():
@@ -191,7 +190,8 @@ def test_steps_written_by_write_step_load_in_order(tmp_path):
     (tmp_path / "meta.json").write_text('{"num_steps": 3, "case": "x"}')
     assert num_steps(tmp_path) == 3
     loaded = load_steps(tmp_path)
-    assert len(loaded) == 3 and all(s.meta == {"num_steps": 3, "case": "x"} for s in loaded)
+    assert len(loaded) == 3 and all(s.meta.to_json() == {"num_steps": 3, "case": "x"} for s in loaded)
+    assert all(s.meta.num_steps == 3 and not s.meta.lean for s in loaded)
     for run, got in zip(runs, loaded):
         for group in ("outputs", "grads", "updates", "moments"):
             a, b = getattr(got, group), getattr(run, group)

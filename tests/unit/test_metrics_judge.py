@@ -21,7 +21,7 @@ def make_run(seed: int = 0, scale: float = 1.0) -> tuple[RunTensors, dict]:
     grads = {n: torch.randn(p.shape, generator=g) * scale for n, p in params.items()}
     updates, moments = adamw_run(params, grads)
     outputs = {"logprobs_BT": torch.randn(2, 5, generator=g), "loss": torch.tensor(0.5)}
-    run = RunTensors(outputs, grads, updates, moments, {})
+    run = RunTensors(outputs, grads, updates, moments)
     return run, params
 
 
@@ -95,7 +95,7 @@ def test_judge_passes_identical_and_fails_each_corruption():
             del d[group][name]
         else:
             d[group][name] = tensor
-        return RunTensors(d["outputs"], d["grads"], d["updates"], d["moments"], {})
+        return RunTensors(d["outputs"], d["grads"], d["updates"], d["moments"])
 
     nan = run.outputs["logprobs_BT"].clone()
     nan[0, 0] = float("nan")
@@ -114,7 +114,7 @@ def test_judge_passes_identical_and_fails_each_corruption():
 
 def test_structure_problems_lists_everything():
     run, _ = make_run()
-    other = RunTensors({}, {"w": torch.zeros(1)}, {}, {}, {})
+    other = RunTensors({}, {"w": torch.zeros(1)}, {}, {})
     problems = dict(structure_problems(other, run))
     assert problems["grads/w"].startswith("shape") and problems["grads/b"] == "missing in candidate"
 

@@ -28,7 +28,7 @@ def test_a_written_meta_reads_back_and_is_given_back_key_for_key(tmp_path, kept)
     assert meta.to_json() == doc and list(meta.to_json()) == list(doc)
     assert RoleMeta.from_json(meta.to_json()) == meta
     assert (meta.num_steps, meta.coverage, meta.evidence) == (2, doc["coverage"], kept.get("evidence"))
-    assert meta.lean is (kept == {"evidence": "lean"}) and is_lean(doc) is meta.lean
+    assert meta.lean is (kept == {"evidence": "lean"}) and is_lean(meta) is meta.lean
     assert num_steps(tmp_path) == 2
 
 

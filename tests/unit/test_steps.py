@@ -44,7 +44,7 @@ def test_adamw_update_matches_torch_adamw_at_every_step():
 
 
 def _run(updates: dict[str, torch.Tensor]) -> RunTensors:
-    return RunTensors(outputs={}, grads={}, updates=updates, moments={}, meta={})
+    return RunTensors(outputs={}, grads={}, updates=updates, moments={})
 
 
 def test_params_before_steps_are_the_run_s_own_cumulative_updates():
@@ -65,13 +65,13 @@ class _ADAMW:
 
 
 def test_judge_steps_fails_a_candidate_that_took_fewer_steps_and_names_the_step():
-    ref = [RunTensors({"loss": torch.tensor(1.0)}, {}, {}, {}, {}), RunTensors({"loss": torch.tensor(2.0)}, {}, {}, {}, {})]
+    ref = [RunTensors({"loss": torch.tensor(1.0)}, {}, {}, {}), RunTensors({"loss": torch.tensor(2.0)}, {}, {}, {})]
     bounds = {"step0/outputs/loss": {"max_abs": {"bound": 0.1}}, "step1/outputs/loss": {"max_abs": {"bound": 0.1}}}
     rows = judge_steps("c", "actor", "vs ref", ref[:1], ref, bounds, [{}], optimizer=_ADAMW)
     bad = [r for r in rows if not r.passed]
     assert [(r.tensor, r.metric) for r in bad] == [("steps", "num_steps")]
     assert [r.tensor for r in rows if r.passed] == ["step0/outputs/loss"]
-    off = [RunTensors({"loss": torch.tensor(1.0)}, {}, {}, {}, {}), RunTensors({"loss": torch.tensor(2.5)}, {}, {}, {}, {})]
+    off = [RunTensors({"loss": torch.tensor(1.0)}, {}, {}, {}), RunTensors({"loss": torch.tensor(2.5)}, {}, {}, {})]
     bad = [r for r in judge_steps("c", "actor", "vs ref", off, ref, bounds, [{}, {}], _ADAMW) if not r.passed]
     assert [(r.tensor, r.value) for r in bad] == [("step1/outputs/loss", 0.5)]
 

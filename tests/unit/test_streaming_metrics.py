@@ -98,7 +98,7 @@ def test_a_run_read_tensor_by_tensor_is_measured_as_one_read_whole(tmp_path):
     steps = [run_on_disk(tmp_path, n, s) for n, s in (("c", 1), ("r", 2))]
     lazy_c, lazy_r = load_run(tmp_path / "c"), load_run(tmp_path / "r")
     assert isinstance(lazy_c.grads, TensorFile) and isinstance(lazy_c.moments, TensorFile)
-    whole_c, whole_r = (RunTensors(**s, meta={}) for s in steps)
+    whole_c, whole_r = (RunTensors(**s) for s in steps)
     assert pair_metrics(lazy_c, lazy_r) == pair_metrics(whole_c, whole_r)
     assert pair_metrics(lazy_c, lazy_r)["grads/w"]["max_abs"] == float(
         (steps[0]["grads"]["w"].double() - steps[1]["grads"]["w"].double()).abs().max())

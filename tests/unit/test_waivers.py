@@ -19,6 +19,7 @@ from qualify.errors import MatrixError
 from qualify.judge.derived import sampler_rows
 from qualify.matrix import load_matrix
 from qualify.report_verify import Verification, row_problems
+from qualify.rolemeta import RoleMeta
 from qualify.verdict import VERDICT_SCHEMA, make_verdict
 from qualify.waivers import WAIVABLE, WAIVED, waiver_text, waivers_of
 
@@ -37,7 +38,7 @@ def matrix_file(tmp_path: Path, **candidates) -> Path:
 
 def no_logits(spec: dict) -> list:
     """The rows of an actor case whose engine gave no logits (meta.json records no sampler derivation)."""
-    meta = {"sampler_derivation": None, "case": spec}
+    meta = RoleMeta.from_json({"sampler_derivation": None, "case": spec})
     return sampler_rows(CASE, "actor", [RunTensors(outputs={}, grads={}, updates={}, moments={}, meta=meta)])
 
 
@@ -62,7 +63,7 @@ def test_a_waived_row_passes_and_names_its_waiver():
 def test_a_waiver_does_not_excuse_a_derivation_that_was_made():
     """Where the engine gave its logits the check is made whatever the matrix waives: a bad token fails."""
     w = {"value": 1e-3, "bound": 1e-7, "ratio": 1e4, "row": 1, "position": 7, "case": -2.0, "derived": -2.001}
-    meta = {"sampler_derivation": [w], "case": {"engine": PLUGIN, "waive": ["sampler_derivation"]}}
+    meta = RoleMeta.from_json({"sampler_derivation": [w], "case": {"engine": PLUGIN, "waive": ["sampler_derivation"]}})
     [row] = sampler_rows(CASE, "actor", [RunTensors(outputs={}, grads={}, updates={}, moments={}, meta=meta)])
     assert not row.passed and row.metric == "derived_abs" and "row 1 position 7" in row.note
 

@@ -95,6 +95,27 @@ def test_a_sealed_cases_meta_round_trips():
     assert set(KEYS) == set(WRITTEN_ORDER)
 
 
+def test_a_case_directorys_steps_carry_its_meta_read_back_as_the_cases(tmp_path):
+    """The judge reads a case's meta.json from its steps (qualify.compare.load_steps: a RoleMeta holding the
+    document): CaseMeta.of gives the meta read_case_meta reads, and both give the document back key for key."""
+    from qualify.compare import load_steps, write_step
+
+    spec = _spec(tmp_path)
+    meta = worker.case_meta(spec, _Engine(), _trace(True, True, True), _ranks(True, True, True),
+                            {"w": None, "b": None}, {"contract": "agreed"}, started=0.0)
+    case_dir = tmp_path / "case"
+    write_json(case_dir / "meta.json", json_safe(meta.to_json()))
+    for k in range(meta.num_steps):
+        write_step(case_dir / f"step{k}", {"outputs": {"loss": torch.zeros(())}, "grads": {}, "updates": {},
+                                           "moments": {}})
+    steps = load_steps(case_dir)
+    read = read_case_meta(case_dir)
+    assert len(steps) == 2 and all(CaseMeta.of(s.meta) == read for s in steps)
+    assert CaseMeta.of(steps[0].meta).to_json() == steps[0].meta.to_json() == read_json(case_dir / "meta.json")
+    assert list(CaseMeta.of(steps[0].meta).to_json()) == list(read.to_json())
+    assert dumps_json(CaseMeta.of(steps[0].meta).to_json()).encode("ascii") == (case_dir / "meta.json").read_bytes()
+
+
 def test_a_meta_with_a_key_no_case_has_is_refused_naming_it():
     with pytest.raises(EvidenceError, match="evidence"):
         CaseMeta.from_json({"num_steps": 1, "evidence": "lean"})

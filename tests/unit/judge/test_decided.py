@@ -39,7 +39,7 @@ def critic_step(values, loss=None) -> RunTensors:
     outputs = {"values_BT": torch.tensor([values])}
     if loss is not None:
         outputs["loss"] = torch.tensor(loss)
-    return RunTensors(outputs, {}, {}, {}, {})
+    return RunTensors(outputs, {}, {}, {})
 
 
 def inputs_of(num_steps: int, width: int = 2) -> StepInputs:
@@ -127,12 +127,12 @@ def test_the_case_decided_as_the_reference_is_compared_with_the_reference_itself
     assert got is ref and [(r.tensor, r.passed, r.note) for r in rows] == [
         ("step0/decisions/value_clip", True, ""), ("step1/decisions/value_clip", True, "")]
     # a step whose decisions cannot be read, or another number of steps: the reference itself, no replay
-    unreadable = [ref[0], RunTensors({}, {}, {}, {}, {})]
+    unreadable = [ref[0], RunTensors({}, {}, {}, {})]
     flipped = [critic_step([0.1, -0.5]), critic_step([0.1, 0.5])]
     assert aligned_reference(CTX, inputs_of(2), "c", "critic", "vs ref", "fp32", unreadable, ref, {})[0] is ref
     assert aligned_reference(CTX, inputs_of(2), "c", "critic", "vs ref", "fp32", flipped[:1], ref, {})[0] is ref
     # a reference step whose decisions cannot be read does not stop the comparison with the reference itself
-    ref_unreadable = [RunTensors({}, {}, {}, {}, {}), ref[1]]
+    ref_unreadable = [RunTensors({}, {}, {}, {}), ref[1]]
     got, rows = aligned_reference(CTX, inputs_of(2), "c", "critic", "vs ref", "fp32", flipped, ref_unreadable,
                                   {})
     assert got is ref_unreadable and [(r.case, r.role, r.comparison, r.tensor) for r in rows] == [
@@ -148,7 +148,7 @@ def test_grpo_steps_are_decided_and_their_loss_judged_with_the_matrixs_grpo():
                "kl_BT": torch.tensor([[0.25, 0.5]])}
     objective = ((-1.2 + 0.5 * 0.25) + (-1.0 + 0.5 * 0.5)) / 2
     outputs["loss"] = torch.tensor(objective)
-    step = RunTensors(outputs, {}, {}, {}, {})
+    step = RunTensors(outputs, {}, {}, {})
     inputs = StepInputs([{}], [torch.ones(1, 2, dtype=torch.bool)])
     (d,) = run_decisions(grpo_objective, "actor", [step], inputs)
     assert d.clipped_BT.tolist() == [[True, False]] and d.quantity == "ratio_BT"
@@ -190,7 +190,7 @@ def test_own_loss_rows_hold_the_loss_to_its_objective_within_fp32_rounding():
     objective = 0.5 * (0.2 - 1) ** 2 / 2 + 0.5 * (-0.5 - 1) ** 2 / 2
     f32 = float(torch.tensor(objective, dtype=torch.float32))
     steps = [critic_step([0.5, -0.5], objective), critic_step([0.5, -0.5], 1.0), critic_step([0.5, -0.5]),
-             RunTensors({"loss": torch.tensor(1.0)}, {}, {}, {}, {}), critic_step([0.0, 0.0], 0.0),
+             RunTensors({"loss": torch.tensor(1.0)}, {}, {}, {}), critic_step([0.0, 0.0], 0.0),
              critic_step([0.5, -0.5], math.nan), critic_step([0.5, -0.5], 1.0)]
     targets = {"old_values_BT": torch.zeros(1, 2), "returns_BT": torch.ones(1, 2)}
     zero = {"old_values_BT": torch.zeros(1, 2), "returns_BT": torch.zeros(1, 2)}
@@ -213,7 +213,7 @@ def test_own_loss_rows_hold_the_loss_to_its_objective_within_fp32_rounding():
 
 
 def test_a_replayed_case_with_four_flips_and_an_unreadable_reference_step(monkeypatch):
-    ref = [RunTensors({}, {}, {}, {}, {}), critic_step([0.1] * 5)]
+    ref = [RunTensors({}, {}, {}, {}), critic_step([0.1] * 5)]
     cand = [critic_step([0.1] * 5), critic_step([0.5, 0.5, 0.5, 0.5, 0.1])]  # four flips at step 1
     replay = [critic_step([0.1] * 5), critic_step([0.5, 0.5, 0.5, 0.5, 0.1])]
     forced = types.ModuleType("qualify.reference.forced")

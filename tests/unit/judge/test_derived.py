@@ -20,6 +20,7 @@ from qualify.judge.derived import (
     worst_row,
 )
 from qualify.ppo.grpo import KL_ESTIMATORS, group_advantages, group_stats, kl_estimate
+from qualify.rolemeta import RoleMeta
 
 gen = torch.Generator().manual_seed(11)
 N = 4096
@@ -83,7 +84,7 @@ def test_advantages_of_the_frozen_rewards_pass_and_eps_inside_the_std_fails():
 
 
 def step_of(grads, norm):
-    return RunTensors(outputs={"grad_norm": torch.tensor(norm)}, grads=grads, updates={}, moments={}, meta={})
+    return RunTensors(outputs={"grad_norm": torch.tensor(norm)}, grads=grads, updates={}, moments={})
 
 
 def test_grad_norm_of_the_reported_gradients_passes_and_one_left_out_fails():
@@ -155,7 +156,7 @@ def adamw_steps(form: str, steps: int = 2):
             moments = {f"{key}/{n}": opt.state[p][key].clone() for n, p in params.items()
                        for key in ("exp_avg", "exp_avg_sq")}
         updates = {n: p.detach() - before[n] for n, p in params.items()}
-        run.append(RunTensors(outputs={}, grads=grads, updates=updates, moments=moments, meta={}))
+        run.append(RunTensors(outputs={}, grads=grads, updates=updates, moments=moments))
     return p0, run
 
 
@@ -216,13 +217,13 @@ def test_logprobs_derived_from_the_engines_own_logits():
     wrong[1, 7] = fp32[1, 8]
     w = sampler_check(logits, ids, wrong, mask, temp, V)
     assert (w["row"], w["position"]) == (1, 7) and w["ratio"] > 10
-    meta = {"sampler_derivation": [w]}
+    meta = RoleMeta.from_json({"sampler_derivation": [w]})
     [row] = sampler_rows("c", "actor", [RunTensors(outputs={}, grads={}, updates={}, moments={}, meta=meta)])
     assert not row.passed and row.tensor == "step0/outputs/logprobs_BT" and "row 1 position 7" in row.note
-    [told] = sampler_rows("c", "actor", [RunTensors(outputs={}, grads={}, updates={}, moments={}, meta={})])
+    [told] = sampler_rows("c", "actor", [RunTensors(outputs={}, grads={}, updates={}, moments={})])
     assert not told.passed and told.metric == "not_derived" and "no logits() hook" in told.note  # unless waived:
     # tests/unit/test_waivers.py
-    assert sampler_rows("c", "critic", [RunTensors(outputs={}, grads={}, updates={}, moments={}, meta={})]) == []
+    assert sampler_rows("c", "critic", [RunTensors(outputs={}, grads={}, updates={}, moments={})]) == []
 
 
 def test_clip_frac_is_derived_by_the_matrix_definition():
@@ -260,7 +261,7 @@ def test_a_non_finite_score_recorded_in_meta_fails_with_its_note():
 
     w = {"value": "inf", "bound": 1e-7, "ratio": "inf", "row": 2, "position": 5, "case": "nan", "derived": -1.5}
     [row] = sampler_rows("c", "actor", [RunTensors(outputs={}, grads={}, updates={}, moments={},
-                                                   meta={"sampler_derivation": [w]})])
+                                                   meta=RoleMeta.from_json({"sampler_derivation": [w]}))])
     assert not row.passed and "row 2 position 5: the case has nan" in row.note
 
 
@@ -322,7 +323,7 @@ def clipped_adamw_run(form: str, steps: int = 3, max_norm: float = 0.05):
         moments = {f"{key}/{n}": opt.state[p][key].clone() for n, p in params.items()
                    for key in ("exp_avg", "exp_avg_sq")}
         updates = {n: p.detach() - before[n] for n, p in params.items()}
-        run.append(RunTensors(outputs={"grad_norm": norm}, grads=grads, updates=updates, moments=moments, meta={}))
+        run.append(RunTensors(outputs={"grad_norm": norm}, grads=grads, updates=updates, moments=moments))
     return run
 
 
@@ -368,7 +369,7 @@ def test_a_start_rebuilt_from_rounded_updates_carries_their_ulps():
         p.grad = torch.randn(p.shape, generator=g)
         adamw.step()
         run.append(RunTensors({}, {"w": p.grad.clone()}, {"w": p.detach() - before},
-                              {f"{key}/w": adamw.state[p][key].clone() for key in ("exp_avg", "exp_avg_sq")}, {}))
+                              {f"{key}/w": adamw.state[p][key].clone() for key in ("exp_avg", "exp_avg_sq")}))
     starts, rebuilt = params_before_steps(run, p0), {}
     alone = [update_row("c", "actor", k, s, starts[k], opt, {}) for k, s in enumerate(run)]
     carried = [update_row("c", "actor", k, s, starts[k], opt, {}, rebuilt) for k, s in enumerate(run)]

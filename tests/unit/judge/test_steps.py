@@ -27,7 +27,7 @@ def one_tensor_runs(value: float) -> tuple[RunTensors, RunTensors]:
     ref = torch.zeros(2, 3)
     cand = ref.clone()
     cand[1, 2] = value
-    return (RunTensors({"logprobs_BT": cand}, {}, {}, {}, {}), RunTensors({"logprobs_BT": ref}, {}, {}, {}, {}))
+    return (RunTensors({"logprobs_BT": cand}, {}, {}, {}), RunTensors({"logprobs_BT": ref}, {}, {}, {}))
 
 
 def judge_one(value: float, bound: dict) -> Row:
@@ -96,7 +96,7 @@ def failed(rows: list[Row]) -> set[tuple[str, str]]:
 
 def with_(run: RunTensors, **groups) -> RunTensors:
     parts = {g: {**getattr(run, g), **groups.get(g, {})} for g in ("outputs", "grads", "updates", "moments")}
-    return RunTensors(parts["outputs"], parts["grads"], parts["updates"], parts["moments"], {})
+    return RunTensors(parts["outputs"], parts["grads"], parts["updates"], parts["moments"])
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,7 @@ def test_a_self_consistent_step_from_other_gradients_passes_replay_and_fails_the
     update barely moves (Adam normalizes the scale away)."""
     grads = {n: g * 1.3 for n, g in ref.grads.items()}
     updates, moments = adamw_run(params(), grads)
-    cand = RunTensors(dict(ref.outputs), grads, updates, moments, {})
+    cand = RunTensors(dict(ref.outputs), grads, updates, moments)
     bad = failed(judge_pair("c", "actor", "x", cand, ref, tight_bounds(ref), params(), OPT))
     assert not {m for t, m in bad if m == "replay_max_abs"}
     assert {("grads/w", "max_abs"), ("grads/b", "rel_l2")} <= bad
@@ -242,7 +242,7 @@ def two_adamw_steps() -> list[RunTensors]:
         steps.append(RunTensors({"loss": torch.tensor(0.5 + k)}, grads,
                                 {n: p.detach() - before[n] for n, p in live.items()},
                                 {f"{m}/{n}": opt.state[p][m].clone() for n, p in live.items()
-                                 for m in ("exp_avg", "exp_avg_sq")}, {}))
+                                 for m in ("exp_avg", "exp_avg_sq")}))
     return steps
 
 
@@ -269,7 +269,7 @@ def test_every_step_is_judged_with_its_own_bounds_and_adam_step():
     assert set(replay) == {"step0/updates/w", "step0/updates/b", "step1/updates/w", "step1/updates/b"}
     assert all(v < 2.0 ** -21 for v in replay.values())  # step 2's bias correction, from step 2's own start
     late = [steps[0], RunTensors(steps[1].outputs, steps[1].grads, {**steps[1].updates, "b": steps[1].updates["b"] * 2},
-                                 steps[1].moments, {})]
+                                 steps[1].moments)]
     assert failed(judge_steps("c", "actor", "x", late, steps, step_bounds(steps), starts, OPT)) == {
         ("step1/updates/b", "replay_max_abs")}
 
@@ -299,8 +299,8 @@ def _precision_runs(candidate_logprobs: torch.Tensor, reference_logprobs: torch.
     g = torch.Generator().manual_seed(11)
     grad = torch.randn(8, 8, generator=g)
     ref_grad = grad.to(torch.bfloat16).float() if grads_bf16 else grad
-    cand = RunTensors({"logprobs_BT": candidate_logprobs, "loss": torch.tensor(0.5)}, {"w": ref_grad.clone()}, {}, {}, {})
-    ref = RunTensors({"logprobs_BT": reference_logprobs, "loss": torch.tensor(0.5)}, {"w": ref_grad}, {}, {}, {})
+    cand = RunTensors({"logprobs_BT": candidate_logprobs, "loss": torch.tensor(0.5)}, {"w": ref_grad.clone()}, {}, {})
+    ref = RunTensors({"logprobs_BT": reference_logprobs, "loss": torch.tensor(0.5)}, {"w": ref_grad}, {}, {})
     return [cand], [ref]
 
 
@@ -333,16 +333,16 @@ def test_an_update_is_not_compared_with_the_references_update():
     candidate whose moments are the reference's and whose update is AdamW's of them passes whatever the reference's
     update was."""
     ref = RunTensors({}, {}, {"w": torch.tensor([-1e-4, -1e-4])},
-                     {"exp_avg/w": torch.tensor([1e-9, 2e-3]), "exp_avg_sq/w": torch.tensor([1e-6, 1e-6])}, {})
+                     {"exp_avg/w": torch.tensor([1e-9, 2e-3]), "exp_avg_sq/w": torch.tensor([1e-6, 1e-6])})
     bounds = {"updates/w": {"replay_max_abs": {"bound": 1e-9}}}
     start = {"w": torch.zeros(2)}
     own = {n: m for n, m in ref.moments.items()}
     update = metrics.adamw_update(start["w"], own["exp_avg/w"], own["exp_avg_sq/w"], lr=OPT.lr, betas=OPT.betas,
                                   eps=OPT.eps, weight_decay=OPT.weight_decay).float() - start["w"]
-    cand = RunTensors({}, {}, {"w": update}, own, {})
+    cand = RunTensors({}, {}, {"w": update}, own)
     rows = judge_pair("c", "actor", "x", cand, ref, bounds, start, OPT)
     assert [(r.tensor, r.metric, r.passed) for r in rows] == [("updates/w", "replay_max_abs", True)]
-    wrong = RunTensors({}, {}, {"w": update * 2}, own, {})
+    wrong = RunTensors({}, {}, {"w": update * 2}, own)
     [row] = judge_pair("c", "actor", "x", wrong, ref, bounds, start, OPT)
     assert not row.passed and row.value > 1e-5
 
@@ -355,7 +355,7 @@ def test_a_small_fp32_tensor_may_hold_a_few_bf16_values_by_chance_but_not_all():
     one_coincidence = ref_grad.clone()
     one_coincidence[3] = one_coincidence[3].to(torch.bfloat16).float()  # 1 of 32: 3% more than the reference
     widened = ref_grad.to(torch.bfloat16).float()
-    ref = [RunTensors({}, {"w": ref_grad}, {}, {}, {})]
+    ref = [RunTensors({}, {"w": ref_grad}, {}, {})]
     for grad, passes in ((one_coincidence, True), (widened, False)):
-        [row] = precision_rows("c", "actor", [RunTensors({}, {"w": grad}, {}, {}, {})], ref)
+        [row] = precision_rows("c", "actor", [RunTensors({}, {"w": grad}, {}, {})], ref)
         assert row.bound == CHANCE_ELEMENTS / 32 and row.passed is passes, row

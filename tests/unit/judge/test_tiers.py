@@ -13,7 +13,7 @@ from qualify.verdict import Row
 
 
 def run(**outputs) -> RunTensors:
-    return RunTensors(outputs=outputs, grads={}, updates={}, moments={}, meta={})
+    return RunTensors(outputs=outputs, grads={}, updates={}, moments={})
 
 
 def row(tensor: str, passed: bool = True) -> Row:

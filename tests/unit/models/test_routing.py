@@ -18,6 +18,7 @@ from qualify.matrix import TinyModel, TinyMoE, load_matrix
 from qualify.models.checkpoint import initial_parameters
 from qualify.models.routing import agreement, own_routes_BTLK, routing
 from qualify.models.tiny import build_tiny_model
+from qualify.rolemeta import RoleMeta
 from qualify.rollout.routes import request_routes, routes_tensor
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -182,7 +183,7 @@ def test_the_replay_check_counts_pairs_whose_expert_set_differs_on_fed_tokens_on
 
 def test_replay_rows_fail_on_any_pair_and_say_when_the_engine_cannot_show_its_routes():
     def case(found):
-        return [RunTensors({}, {}, {}, {}, {"routing_replay": found})]
+        return [RunTensors({}, {}, {}, {}, RoleMeta.from_json({"routing_replay": found}))]
 
     rows = replay_rows("c", "actor", case([{"pairs": 8, "differ": 0, "first": ""},
                                             {"pairs": 8, "differ": 2, "first": "row 0 position 3 MoE layer 1: x"}]))
@@ -192,7 +193,7 @@ def test_replay_rows_fail_on_any_pair_and_say_when_the_engine_cannot_show_its_ro
     [unseen] = replay_rows("c", "actor", case([None]))
     assert unseen.metric == "not_observed" and unseen.passed and "not verified" in unseen.note
     assert math.isinf(unseen.bound)
-    assert replay_rows("c", "actor", [RunTensors({}, {}, {}, {}, {})]) == []  # a case that replays nothing
+    assert replay_rows("c", "actor", [RunTensors({}, {}, {}, {})]) == []  # a case that replays nothing
 
 
 def _matrix(tmp_path, edit):
@@ -315,5 +316,6 @@ def _megatron(tmp_path):
 
 
 def test_a_replay_record_that_is_not_a_count_fails_its_row():
-    [row] = replay_rows("c", "actor", [RunTensors({}, {}, {}, {}, {"routing_replay": [{"differ": "none", "pairs": 8}]})])
+    meta = RoleMeta.from_json({"routing_replay": [{"differ": "none", "pairs": 8}]})
+    [row] = replay_rows("c", "actor", [RunTensors({}, {}, {}, {}, meta)])
     assert not row.passed and math.isnan(row.value) and "nan of 8" in row.note

@@ -229,7 +229,7 @@ def test_freeze_takes_the_sum_of_per_token_loss_differences_as_the_loss_control_
 
     def run(v):
         loss, _ = clipped_value_loss(v, old, returns, mask, 0.2, "global")
-        return RunTensors({"values_BT": v * mask, "loss": loss.reshape(())}, {}, {}, {}, {})
+        return RunTensors({"values_BT": v * mask, "loss": loss.reshape(())}, {}, {}, {})
 
     g = torch.Generator().manual_seed(9)
     base = run(values)
@@ -300,7 +300,7 @@ def test_freeze_takes_the_norm_of_the_gradient_difference_as_the_grad_norm_contr
 
     def run(grads):
         norm = torch.sqrt(sum(x.double().square().sum() for x in grads.values())).float()
-        return RunTensors({"grad_norm": norm}, grads, {}, {}, {})
+        return RunTensors({"grad_norm": norm}, grads, {}, {})
 
     rotated = {"w": base_grads["w"].flip(0), "b": base_grads["b"].flip(0)}  # the same norm, another gradient
     scaled = {n: x * 1.001 for n, x in base_grads.items()}

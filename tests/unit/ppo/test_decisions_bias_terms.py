@@ -72,12 +72,11 @@ def test_means_of_keeps_the_bias_terms_only_where_they_sum_to_the_recorded_gradi
     terms = bias_terms("critic", ppo, None, {"values_BT": values}, targets, mask)
     inputs = SimpleNamespace(masks=[mask], targets=[targets])
     means = means_of(SimpleNamespace(ppo=ppo, grpo=None), "critic", inputs)
-    right = RunTensors({"values_BT": values.float()}, {"score.bias": terms.sum().float().reshape(1)}, {}, {}, {})
+    right = RunTensors({"values_BT": values.float()}, {"score.bias": terms.sum().float().reshape(1)}, {}, {})
     assert torch.equal(means(0, right)[BIAS_GRAD], bias_terms("critic", ppo, None, right.outputs, targets, mask))
-    other = RunTensors({"values_BT": values.float()}, {"score.bias": (terms.sum() + 1.0).float().reshape(1)}, {}, {},
-                       {})
+    other = RunTensors({"values_BT": values.float()}, {"score.bias": (terms.sum() + 1.0).float().reshape(1)}, {}, {})
     assert BIAS_GRAD not in means(0, other)  # not the sum: that head's bias is not (only) on the value
-    assert BIAS_GRAD not in means(0, RunTensors({"values_BT": values.float()}, {}, {}, {}, {}))
+    assert BIAS_GRAD not in means(0, RunTensors({"values_BT": values.float()}, {}, {}, {}))
     assert BIAS_GRAD not in means(1, right)  # a step without inputs
 
 
@@ -110,7 +109,7 @@ def test_a_control_whose_bias_sum_cancels_sets_the_bound_from_its_terms_and_a_co
 
     def run(values: torch.Tensor) -> RunTensors:
         terms = bias_terms("critic", ppo, None, {"values_BT": values}, targets, mask)
-        return RunTensors({"values_BT": values.float()}, {"score.bias": terms.sum().float().reshape(1)}, {}, {}, {})
+        return RunTensors({"values_BT": values.float()}, {"score.bias": terms.sum().float().reshape(1)}, {}, {})
 
     v0 = torch.zeros(1, n, dtype=torch.float64)
     delta = 1e-3 * torch.tensor([1.0, -1.0] * (n // 2), dtype=torch.float64)[None]

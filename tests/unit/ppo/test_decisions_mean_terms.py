@@ -113,7 +113,7 @@ def test_step_bounds_of_controls_whose_means_cancel_take_the_scale_and_say_so():
     delta = 1e-3 * torch.tensor([1.0, -1.0] * (n // 2), dtype=torch.float64)[None]
 
     def run(kl: torch.Tensor) -> RunTensors:
-        return RunTensors({"kl_BT": kl.float(), "kl_mean": torch.tensor(float(kl.mean()))}, {}, {}, {}, {})
+        return RunTensors({"kl_BT": kl.float(), "kl_mean": torch.tensor(float(kl.mean()))}, {}, {}, {})
 
     base, other = run(kl0), run(kl0 + delta)
     rule = BoundRule(4.0, {"loss": 0.0, "logprob": 0.0}, 0.0, "fp32", False)
