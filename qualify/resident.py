@@ -120,16 +120,18 @@ class Resident:
             self.reserved = lambda: 0
 
     def drop(self) -> None:
-        """Give back every copy held on the device (the stage-long ones too) and the allocator's cache: after an
-        out-of-memory, what is judged next is read tensor by tensor (transient() finds no room, base() keeps none
-        until there is)."""
-        from qualify.tensor_codec import release
+        """Give back every copy held on the device (the stage-long ones too), the decoded tensors the open DecodeCache
+        holds there (qualify.tensor_codec.decoding) and the allocator's cache: after an out-of-memory, what is judged
+        next is read tensor by tensor (transient() finds no room, base() keeps none until there is)."""
+        from qualify.tensor_codec import open_cache
 
         self.kept.clear()
         self.kept_bytes = 0
         self.frugal = True
+        decoded = open_cache()
         if self.device is not None:
-            release(self.device)
+            if decoded is not None:
+                decoded.release(self.device)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 

@@ -38,7 +38,7 @@ from qualify.resident import Resident
 from qualify.rollout.meta import read_rollout_meta
 from qualify.runname import RunName
 from qualify.stages import stage_is_complete
-from qualify.tensor_codec import release as release_decoded
+from qualify.tensor_codec import decoding
 from qualify.verdict import Row
 
 
@@ -97,8 +97,16 @@ def judge_case(ctx: ScoringContext, case: Case, bounds: dict, before: dict, veri
     Clip decisions are judged as decisions (qualify.judge.decided): where the case decided a token otherwise
     than the reference, its tensors are compared with the reference replayed on its decisions. resident: the
     stage's copies on the metrics GPU (qualify.resident; one made here when not given): the case's run is moved there
-    once for every comparison and derivation, each r0 and each role's fp64 start once for the stage."""
+    once for every comparison and derivation, each r0 and each role's fp64 start once for the stage. What the case's
+    coded evidence decodes (qualify.tensor_codec) is kept while it is judged, in a DecodeCache of its own, and dropped
+    after it."""
     resident = resident or Resident()
+    with decoding():
+        return _case_rows(ctx, case, bounds, before, verified, inputs, resident)
+
+
+def _case_rows(ctx: ScoringContext, case: Case, bounds: dict, before: dict, verified: frozenset[str],
+               inputs: StepInputs | None, resident: Resident) -> list[Row]:
     layout, objective = ctx.layout, ctx.objective
     cand = resident.transient(load_steps(layout.case(case.name)))
     starts = params_before_steps(cand, resident.start(case.role, before))
@@ -116,8 +124,6 @@ def judge_case(ctx: ScoringContext, case: Case, bounds: dict, before: dict, veri
     rows += evidence_rows(case.name, case.role, meta)
     rows += precision_rows(case.name, case.role, cand, own_ref)
     rows += invariance_rows(ctx, case, bounds, cand, starts, inputs, resident, formula, truncates, verified)
-    if resident.device is not None:  # the case's decoded tensors held there (qualify.tensor_codec): no longer read
-        release_decoded(resident.device)
     return rows
 
 

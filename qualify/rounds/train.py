@@ -23,6 +23,7 @@ from qualify.hashing import file_digest
 from qualify.layout import launch_log
 from qualify.matrix import Case, CaseSettings
 from qualify.stages import stage_is_complete
+from qualify.tensor_codec import decoding
 
 WORKER = "qualify.candidate.worker"
 """The module a round's training step runs (python -m): the candidate stage's worker, started by name."""
@@ -53,9 +54,10 @@ def train_step(settings: CaseSettings, *, engine: str, tp: int, model_dir: Path,
         code = launch(WORKER, spec_path, tp, device, launch_log(out), preload_modules(engine))
         if code != 0 or not stage_is_complete(out):
             raise TrainFailed(f"{case.name} step failed: {log_tail(launch_log(out), code)}")
-    steps = load_steps(Path(out))
-    updates: dict[str, torch.Tensor] = {n: sum((s.updates[n] for s in steps[1:]), steps[0].updates[n])
-                                        for n in steps[0].updates}
+    with decoding():  # each step's coded updates decoded from the step before's, kept while they are summed
+        steps = load_steps(Path(out))
+        updates: dict[str, torch.Tensor] = {n: sum((s.updates[n] for s in steps[1:]), steps[0].updates[n])
+                                            for n in steps[0].updates}
     last = steps[-1].outputs
     return {"case": case.name, "updates": updates, "num_steps": len(steps), "loss": float(last["loss"]),
             "grad_norm": float(last["grad_norm"])}

@@ -25,20 +25,30 @@ a file without it is a plain safetensors file (every file written before this fo
 
 The package's modules, by job: container (the metadata key, format and document), checksum (CRC32 and the CrcMeter a
 caller opens to count it), residual (a difference's stored forms), predict (AdamW's arithmetic), encode (writing),
-decode (reading: CodedFile) and cache (what the reader holds between reads in this process).
+decode (reading: CodedFile) and cache (the DecodeCache a caller opens, decoding(), for what its reads keep between
+them). The package holds no state of its own: what a read keeps lies in its caller's DecodeCache, what crc() counts
+in its caller's CrcMeter.
 """
 
-from qualify.tensor_codec.cache import DECODED_BYTES, DECODED_GPU_SHARE, checkpoint_tensor, held_bytes, release
+from qualify.tensor_codec.cache import (
+    DECODED_BYTES,
+    DECODED_GPU_SHARE,
+    CheckpointIndex,
+    DecodeCache,
+    decoding,
+    held_bytes,
+    open_cache,
+)
 from qualify.tensor_codec.checksum import CRC_CHUNK, CrcMeter, crc, crc32_combine, metering
 from qualify.tensor_codec.container import CODEC_KEY, FORMAT, PART, READS, parse
-from qualify.tensor_codec.decode import FELL_BACK, CodedFile
+from qualify.tensor_codec.decode import CodedFile
 from qualify.tensor_codec.encode import StepCoding, encode_grads, encode_moments, encode_updates, param_coded
 from qualify.tensor_codec.predict import Adam, f32, fma, predict_moment, predict_param
 from qualify.tensor_codec.residual import residual_from, residual_parts
 
-__all__ = [
-    "CODEC_KEY", "CRC_CHUNK", "DECODED_BYTES", "DECODED_GPU_SHARE", "FELL_BACK", "FORMAT", "PART", "READS", "Adam",
-    "CodedFile", "CrcMeter", "StepCoding", "checkpoint_tensor", "crc", "crc32_combine", "encode_grads",
-    "encode_moments", "encode_updates", "f32", "fma", "held_bytes", "metering", "param_coded", "parse",
-    "predict_moment", "predict_param", "release", "residual_from", "residual_parts",
-]
+__all__ = (
+    "CODEC_KEY", "CRC_CHUNK", "DECODED_BYTES", "DECODED_GPU_SHARE", "FORMAT", "PART", "READS", "Adam",
+    "CheckpointIndex", "CodedFile", "CrcMeter", "DecodeCache", "StepCoding", "crc", "crc32_combine", "decoding",
+    "encode_grads", "encode_moments", "encode_updates", "f32", "fma", "held_bytes", "metering", "open_cache",
+    "param_coded", "parse", "predict_moment", "predict_param", "residual_from", "residual_parts",
+)

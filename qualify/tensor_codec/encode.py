@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from qualify.tensor_codec.cache import checkpoint_tensor
+from qualify.tensor_codec.cache import CheckpointIndex
 from qualify.tensor_codec.checksum import crc
 from qualify.tensor_codec.container import CODEC_KEY, FORMAT, hex_of, parse
 from qualify.tensor_codec.predict import Adam, f32, predict_moment, predict_param
@@ -124,10 +124,11 @@ def encode_updates(updates: Mapping[str, torch.Tensor], moments: Mapping[str, to
     if doc is None or coding.start is None or coding.new is None or (coding.step == 0 and coding.model_dir is None):
         return dict(updates), None
     stored: dict[str, Any] = {}
+    checkpoint = CheckpointIndex(coding.model_dir) if coding.step == 0 else None
     for name, u in updates.items():
         p, new = coding.start.get(name), coding.new.get(name)
-        if coding.step == 0:  # a reader's start: the checkpoint's tensor of that name, which must be this one
-            stored_start = checkpoint_tensor(coding.model_dir, name)
+        if checkpoint is not None:  # a reader's start: the checkpoint's tensor of that name, which must be this one
+            stored_start = checkpoint.tensor(name)
             unreadable = (stored_start is None or p is None or stored_start.shape != p.shape
                           or not torch.equal(stored_start.float().view(torch.int32), _cpu(p.float()).view(torch.int32)))
         else:

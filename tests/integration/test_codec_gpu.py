@@ -10,7 +10,7 @@ import torch
 
 from qualify.errors import EvidenceError
 from qualify.store import TensorFile
-from qualify.tensor_codec import release
+from qualify.tensor_codec import decoding
 from tests.unit.tensor_codec.test_decode import adamw_steps, write_case
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="decoding on a GPU needs CUDA")
@@ -61,8 +61,8 @@ def test_a_case_decoded_on_the_gpu_is_the_case_decoded_on_the_cpu(tmp_path, bf16
         for group in ("grads", "updates", "moments"):
             f = TensorFile(case / f"step{k}" / f"{group}.safetensors")
             for name in f:
-                release()
-                on_gpu = f.tensor(name, "cuda")
+                with decoding():  # nothing decoded before: each tensor's whole chain decoded on the GPU
+                    on_gpu = f.tensor(name, "cuda")
                 assert on_gpu.is_cuda
                 assert torch.equal(on_gpu.cpu().view(torch.int32), f[name].view(torch.int32)), (k, group, name)
                 checked += 1
@@ -80,28 +80,23 @@ def test_a_changed_start_fails_the_gpu_decode_by_name(tmp_path):
     weights = load_file(str(model / "model.safetensors"))
     weights["layer.weight"] = weights["layer.weight"] + 1e-3
     save_file(weights, str(model / "model.safetensors"))
-    release()
-    from qualify.tensor_codec import cache
-
-    cache._INDEX.clear()
     with pytest.raises(EvidenceError, match="layer.weight does not decode"):
         TensorFile(case / "step0" / "updates.safetensors").tensor("layer.weight", "cuda")
 
 
 def test_no_tensor_fell_back_to_the_cpu(tmp_path):
-    """After a case decoded on the GPU, no tensor was made again on the CPU (qualify.tensor_codec.FELL_BACK): the
+    """After a case decoded on the GPU, no tensor was made again on the CPU (the DecodeCache's fell_back): the
     GPU's predictions are the written ones, not rescued by the fallback."""
-    from qualify import tensor_codec
-
-    tensor_codec.FELL_BACK.clear()
     model, records, starts, final = adamw_steps(tmp_path, steps=2, bf16_grads=True)
     write_case(tmp_path / "case", model, records, starts, final)
-    for k in range(2):
-        for group in ("updates", "moments"):
-            f = TensorFile(tmp_path / "case" / f"step{k}" / f"{group}.safetensors")
-            for name in f:
-                f.tensor(name, "cuda")
-    assert tensor_codec.FELL_BACK == []
+    with decoding() as cache:
+        for k in range(2):
+            for group in ("updates", "moments"):
+                f = TensorFile(tmp_path / "case" / f"step{k}" / f"{group}.safetensors")
+                for name in f:
+                    f.tensor(name, "cuda")
+        assert cache.held("cuda") > 0  # decoded there, and kept
+    assert cache.fell_back == []
 
 
 def test_a_gpu_tensors_crc_is_zlibs_crc_of_its_bytes(monkeypatch):

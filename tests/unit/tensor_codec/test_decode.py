@@ -109,12 +109,11 @@ def test_real_adamw_steps_read_back_bit_for_bit_in_fewer_bytes(tmp_path, bf16_gr
 def test_a_reader_counts_its_decodes_crc_on_its_own_meter(tmp_path):
     """What a coded case's decode summed in CRC32 is counted by the meter its reader opened (as the candidate stage's
     judge does): every decoded moment's and new parameter's bytes, and nothing outside the block."""
-    from qualify.tensor_codec import metering, release
+    from qualify.tensor_codec import metering
 
     model, records, starts, final = adamw_steps(tmp_path, steps=1)
     case = tmp_path / "case"
     write_case(case, model, records, starts, final)
-    release()
     with metering() as meter:
         moments = TensorFile(case / "step0" / "moments.safetensors")
         decoded = {n: moments[n] for n in moments}
