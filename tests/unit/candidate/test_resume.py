@@ -18,7 +18,10 @@ from qualify.matrix import load_matrix
 from qualify.stages import complete_stage, prepare_stage
 from tests.conftest import TINY
 
-PLUGIN = "class E:\n    name = 'e'\n\n\ndef make():\n    return E()\n"
+PLUGIN = ("from qualify.engines.torch_tp import TorchTPEngine\n\n\nclass E(TorchTPEngine):\n    name = 'e'\n\n\n"
+          "def make():\n    return E()\n")
+"""A plugin built on a built-in engine (a class of the module that lacks TrainEngine's methods is refused before
+any rank: qualify.engines.plugin_source)."""
 
 
 @pytest.fixture
